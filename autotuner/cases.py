@@ -1,0 +1,122 @@
+"""Model cases: a HuggingFace model config plus the shapes to profile.
+
+A case is a YAML file ``<name>.yaml`` in the built-in ``cases/`` folder or in the user's
+``case_dir``. It holds either the HF config fields inline (``hf_config:``) or a path to a local
+folder with a ``config.json`` (``hf_config_dir:``, relative to the YAML file). The HF config object is
+built with transformers' own config classes, offline: nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotuner.errors import UserError
+
+BUILTIN_CASE_DIR = Path(__file__).resolve().parent.parent / "cases"
+
+
+@dataclass
+class Case:
+    """A model case as written on disk, before any override."""
+
+    name: str
+    hf_fields: dict[str, Any]
+    seq_len: list[int]
+    micro_batch_size: list[int]
+    path: Path
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def case_dirs(case_dir: str | None) -> list[Path]:
+    """Folders searched for cases, the user's first so a user case can shadow a built-in one."""
+    dirs = []
+    if case_dir:
+        user_dir = Path(case_dir).expanduser().resolve()
+        if not user_dir.is_dir():
+            raise UserError(f"case_dir {case_dir!r} is not a folder: point case_dir at a folder of case YAML files")
+        dirs.append(user_dir)
+    dirs.append(BUILTIN_CASE_DIR)
+    return dirs
+
+
+def available_cases(case_dir: str | None = None) -> list[str]:
+    """Names of every case that ``case=`` accepts."""
+    names = set()
+    for folder in case_dirs(case_dir):
+        names.update(p.stem for p in folder.glob("*.yaml"))
+    return sorted(names)
+
+
+def load_case(name: str, case_dir: str | None = None) -> Case:
+    """Read one case file; unknown names and malformed files raise UserError."""
+    for folder in case_dirs(case_dir):
+        path = folder / f"{name}.yaml"
+        if path.is_file():
+            return _parse_case(name, path)
+    raise UserError(
+        f"unknown case {name!r}: choose one of {', '.join(available_cases(case_dir))}, "
+        "or add <name>.yaml to a folder and pass case_dir=<folder>"
+    )
+
+
+def _parse_case(name: str, path: Path) -> Case:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"case file {path} is not valid YAML ({exc.__class__.__name__}): fix the file") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"case file {path} must be a mapping with hf_config and shapes")
+    known = {"description", "hf_config", "hf_config_dir", "shapes", "notes"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"case file {path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    if ("hf_config" in data) == ("hf_config_dir" in data):
+        raise UserError(f"case file {path}: give exactly one of hf_config (inline) or hf_config_dir (a folder with config.json)")
+    if "hf_config" in data:
+        hf_fields = dict(data["hf_config"])
+    else:
+        config_json = (path.parent / data["hf_config_dir"]).resolve() / "config.json"
+        if not config_json.is_file():
+            raise UserError(f"case file {path}: {config_json} does not exist: point hf_config_dir at a folder holding config.json")
+        hf_fields = json.loads(config_json.read_text())
+    shapes = data.get("shapes") or {}
+    return Case(
+        name=name,
+        hf_fields=hf_fields,
+        seq_len=list(shapes.get("seq_len", [])),
+        micro_batch_size=list(shapes.get("micro_batch_size", [])),
+        path=path,
+        description=str(data.get("description", "")),
+    )
+
+
+def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    """Build the transformers config object, applying ``hf.<field>=`` overrides first.
+
+    An override of a field the config class does not know is an error, not a silent new attribute:
+    transformers accepts any keyword and would store a typo without complaint.
+    """
+    from transformers import AutoConfig
+
+    model_type = hf_fields.get("model_type")
+    if not model_type:
+        raise UserError("the case's HF config has no model_type: add model_type (e.g. llama) to hf_config")
+    fields = {k: v for k, v in hf_fields.items() if k not in ("model_type", "transformers_version")}
+    try:
+        reference = AutoConfig.for_model(model_type)
+    except ValueError as exc:
+        raise UserError(f"unknown HF model_type {model_type!r}: use a model_type transformers knows (llama, mistral, ...)") from exc
+    known_fields = set(reference.to_dict()) | set(fields) | {"head_dim", "rope_theta"}
+    unknown = sorted(set(overrides) - known_fields)
+    if unknown:
+        raise UserError(
+            f"unknown HF config field(s) {unknown} for model_type {model_type}: check the spelling of hf.<field> overrides"
+        )
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)

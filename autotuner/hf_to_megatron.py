@@ -1,0 +1,165 @@
+"""The one mapping from a HuggingFace model config to Megatron-Core's model arguments.
+
+Megatron-Core ships no such converter, so this is ours. Every HF field that shapes the network maps to a
+``TransformerConfig`` field or a ``GPTModel`` argument:
+
+==============================  =====================================================
+HF config                       Megatron-Core
+==============================  =====================================================
+num_hidden_layers               TransformerConfig.num_layers
+hidden_size                     hidden_size
+intermediate_size               ffn_hidden_size
+num_attention_heads             num_attention_heads
+num_key_value_heads (GQA)       num_query_groups
+head_dim (or hidden/heads)      kv_channels
+rms_norm_eps / layer_norm_eps   layernorm_epsilon
+model_type llama/mistral/qwen2  normalization="RMSNorm" (LayerNorm otherwise)
+hidden_act silu + gated MLP     gated_linear_unit=True, activation_func=F.silu (SwiGLU)
+attention_bias                  add_qkv_bias (Qwen2: q/k/v only) or add_bias_linear (Llama: q/k/v/o)
+mlp_bias                        add_bias_linear (must agree with attention_bias for Llama)
+attention_dropout               attention_dropout; hidden_dropout = 0 (HF decoders have none)
+vocab_size                      GPTModel vocab_size
+max_position_embeddings         GPTModel max_sequence_length
+rope theta                      GPTModel rotary_base (position_embedding_type="rope")
+partial_rotary_factor           GPTModel rotary_percent
+tie_word_embeddings             GPTModel share_embeddings_and_output_weights
+==============================  =====================================================
+
+``hf.<field>=`` overrides are applied to the HF config before this mapping, ``tf.<field>=`` overrides to
+the TransformerConfig arguments after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotuner.errors import UserError
+
+_RMSNORM_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen3"}
+_GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu"}
+# Llama-family attention puts attention_bias on q, k, v and o; Qwen2 on q, k, v only.
+_QKV_ONLY_BIAS_MODELS = {"qwen2"}
+
+
+@dataclass
+class MegatronModelArgs:
+    """What building the Megatron-Core model needs: TransformerConfig kwargs plus GPTModel kwargs.
+
+    ``activation`` is kept by name (``silu``/``gelu``) so the arguments stay plain data; the function is
+    looked up when the TransformerConfig is built.
+    """
+
+    transformer: dict[str, Any]
+    activation: str
+    vocab_size: int
+    max_sequence_length: int
+    rotary_base: float
+    rotary_percent: float
+    tie_word_embeddings: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def _rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    if "rope_theta" in params:  # transformers >= 5
+        return float(params["rope_theta"])
+    return float(getattr(hf, "rope_theta", 10000.0))
+
+
+def map_hf_config(hf: Any) -> MegatronModelArgs:
+    """Map a transformers config to Megatron-Core arguments, rejecting what cannot be expressed."""
+    model_type = hf.model_type
+    hidden = int(hf.hidden_size)
+    heads = int(hf.num_attention_heads)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    head_dim = getattr(hf, "head_dim", None)
+    if heads <= 0 or hidden <= 0:
+        raise UserError(f"hidden_size ({hidden}) and num_attention_heads ({heads}) must be positive")
+    if head_dim is None:
+        if hidden % heads:
+            raise UserError(
+                f"num_attention_heads ({heads}) does not divide hidden_size ({hidden}): "
+                "change hf.num_attention_heads or set hf.head_dim"
+            )
+        head_dim = hidden // heads
+    if kv_heads <= 0 or heads % kv_heads:
+        raise UserError(
+            f"num_key_value_heads ({kv_heads}) does not divide num_attention_heads ({heads}): "
+            "set hf.num_key_value_heads to a divisor of the head count"
+        )
+    act = str(getattr(hf, "hidden_act", "silu"))
+    gated = model_type in _RMSNORM_MODELS  # these families all use a gated (GLU) MLP
+    if act not in _GATED_ACTIVATIONS:
+        raise UserError(f"hidden_act {act!r} is not supported: use one of {sorted(_GATED_ACTIVATIONS)}")
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    mlp_bias = bool(getattr(hf, "mlp_bias", False))
+    notes = []
+    if model_type in _QKV_ONLY_BIAS_MODELS:
+        add_bias_linear, add_qkv_bias = mlp_bias, True
+    else:
+        if attention_bias != mlp_bias and attention_bias:
+            raise UserError(
+                "attention_bias=true with mlp_bias=false (bias on q/k/v/o but not the MLP) has no "
+                "Megatron-Core equivalent: set hf.mlp_bias=true or hf.attention_bias=false"
+            )
+        add_bias_linear = attention_bias and mlp_bias
+        add_qkv_bias = add_bias_linear
+    window = getattr(hf, "sliding_window", None)
+    if window:
+        notes.append(
+            f"sliding_window={window} is not mapped: attention is full causal, "
+            f"identical to the model's for sequences up to {window} tokens"
+        )
+    eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-5
+    transformer = dict(
+        num_layers=int(hf.num_hidden_layers),
+        hidden_size=hidden,
+        ffn_hidden_size=int(hf.intermediate_size),
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=int(head_dim),
+        layernorm_epsilon=float(eps),
+        normalization="RMSNorm" if model_type in _RMSNORM_MODELS else "LayerNorm",
+        gated_linear_unit=gated,
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=add_qkv_bias,
+        attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+        hidden_dropout=0.0,
+    )
+    return MegatronModelArgs(
+        transformer=transformer,
+        activation=_GATED_ACTIVATIONS[act],
+        vocab_size=int(hf.vocab_size),
+        max_sequence_length=int(hf.max_position_embeddings),
+        rotary_base=_rope_theta(hf),
+        rotary_percent=float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        notes=notes,
+    )
+
+
+def layer_parameter_count(tf: Any) -> int:
+    """Parameters of one TransformerLayer, computed from a TransformerConfig (or anything with its fields)."""
+    h, ffn, d = tf.hidden_size, tf.ffn_hidden_size, tf.kv_channels
+    nq, nkv = tf.num_attention_heads, tf.num_query_groups or tf.num_attention_heads
+    norm = h if tf.normalization == "RMSNorm" else 2 * h
+    qkv_out = (nq + 2 * nkv) * d
+    qkv = h * qkv_out + (qkv_out if (tf.add_bias_linear or tf.add_qkv_bias) else 0)
+    proj = nq * d * h + (h if tf.add_bias_linear else 0)
+    fc1_out = ffn * (2 if tf.gated_linear_unit else 1)
+    fc1 = h * fc1_out + (fc1_out if tf.add_bias_linear else 0)
+    fc2 = ffn * h + (h if tf.add_bias_linear else 0)
+    qk_norm = 0
+    if tf.qk_layernorm:
+        qk_norm = 2 * (d if tf.normalization == "RMSNorm" else 2 * d)
+    return 2 * norm + qkv + proj + fc1 + fc2 + qk_norm
+
+
+def model_parameter_count(tf: Any, vocab_size: int, tie_word_embeddings: bool) -> int:
+    """Parameters of the whole GPT model: embedding, every layer, final norm, output layer."""
+    h = tf.hidden_size
+    final_norm = h if tf.normalization == "RMSNorm" else 2 * h
+    embedding = vocab_size * h
+    output = 0 if tie_word_embeddings else vocab_size * h
+    return embedding + tf.num_layers * layer_parameter_count(tf) + final_norm + output

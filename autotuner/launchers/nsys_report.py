@@ -1,0 +1,406 @@
+"""Read an Nsight Systems report through its SQLite export: NVTX ranges, their kernels, statistics.
+
+The report (``.nsys-rep``) is turned into SQLite with ``nsys export`` and read with Python's
+``sqlite3``; ``nsys stats`` is not used, since its report scripts need the ``nsysstats`` module on the
+path of the python that nsys starts and their names change between versions.
+
+What the SQLite export looks like (checked with nsys 2022.4; see ``shared/notes/nsys.md``):
+
+- Tables are created lazily: a table exists only when it has rows. A run that recorded no NVTX range
+  has no ``NVTX_EVENTS``; a CPU-only run has no ``CUPTI_ACTIVITY_KIND_*`` tables. Every reader here
+  checks for its tables first and returns an empty result when they are absent.
+- Timestamps are nanoseconds since the start of the capture, not wall-clock time.
+- ``NVTX_EVENTS.eventType`` is 59 for push/pop ranges and 60 for start/end ranges (34 marks, 75/76
+  domain create/destroy). A registered string (the ``nvtx`` package registers every name) has
+  ``text`` NULL and its name in ``StringIds.value`` via ``textId``.
+- nsys closes ranges that were still open when the process ended (a crash, ``os._exit``, a kill):
+  their ``end`` is the end of the whole capture (``ANALYSIS_DETAILS.duration``), not NULL. After a
+  SIGKILL the innermost open push/pop range can be missing altogether (its event was never flushed).
+  :func:`read_open_ranges` reports both kinds of unfinished range; :func:`read_nvtx_ranges` leaves them
+  out, so their fake durations never reach a statistic.
+- A ``globalTid`` is a serialised id: bits 24-47 hold the process id, bits 0-23 the thread id.
+  ``CUPTI_ACTIVITY_KIND_KERNEL.globalPid`` is the same with the thread bits zeroed. Correlation ids
+  are unique within a process only, so kernels are joined to runtime calls on both.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import statistics
+import subprocess
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotuner.ops.naming import RangeName, parse_range
+
+PUSH_POP_RANGE = 59
+START_END_RANGE = 60
+TOP_KERNELS = 5
+
+_TID_MASK = 0xFFFFFF
+_KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
+_RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
+
+
+def export_sqlite(nsys_bin: str, report: Path, sqlite_path: Path) -> Path:
+    """Export ``report`` (``.nsys-rep``) to ``sqlite_path`` with ``nsys export``; return the path.
+
+    The output name is taken as given (nsys adds no extension to an explicit ``-o``). The long
+    flag spellings with separate values (``--type sqlite --force-overwrite true``) work with nsys
+    2022.4 and later. Raises RuntimeError, with the end of nsys's output, when the export fails.
+    """
+    cmd = [
+        nsys_bin,
+        "export",
+        "--type",
+        "sqlite",
+        "--force-overwrite",
+        "true",
+        "-o",
+        str(sqlite_path),
+        str(report),
+    ]
+    sqlite_path.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=False)
+    except OSError as exc:
+        raise RuntimeError(f"cannot run {nsys_bin!r} to export {report}: {exc}") from exc
+    if proc.returncode != 0 or not sqlite_path.is_file():
+        raise RuntimeError(
+            f"nsys export of {report} failed (exit {proc.returncode}, "
+            f"{sqlite_path} {'written' if sqlite_path.is_file() else 'not written'}):\n"
+            + _tail(proc.stdout + proc.stderr)
+        )
+    return sqlite_path
+
+
+@dataclass(frozen=True)
+class NvtxRange:
+    """A finished NVTX range: its name, span on the capture's clock, the thread that opened it.
+
+    ``parsed`` is the name parsed with :func:`autotuner.ops.naming.parse_range`; None for ranges
+    that are not ours (Megatron's own, NCCL's, ...).
+    """
+
+    name: str
+    start_ns: int
+    end_ns: int
+    global_tid: int
+    parsed: RangeName | None
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def pid(self) -> int:
+        return process_id(self.global_tid)
+
+    @property
+    def tid(self) -> int:
+        return thread_id(self.global_tid)
+
+
+@dataclass(frozen=True)
+class OpenRange:
+    """An NVTX range that was opened but never closed by the program (it crashed or was killed)."""
+
+    name: str
+    start_ns: int
+    global_tid: int
+    parsed: RangeName | None
+
+
+def process_id(global_tid: int) -> int:
+    """The operating system's process id inside an nsys ``globalTid``."""
+    return (global_tid >> 24) & _TID_MASK
+
+
+def thread_id(global_tid: int) -> int:
+    """The operating system's thread id inside an nsys ``globalTid``."""
+    return global_tid & _TID_MASK
+
+
+def read_nvtx_ranges(sqlite_path: Path) -> list[NvtxRange]:
+    """All push/pop and start/end ranges that the program closed, ordered by start.
+
+    A start/end range belongs to the thread that started it, even if another thread ended it.
+    Ranges left open (see :func:`read_open_ranges`) are not included. A report with no NVTX data
+    gives [].
+    """
+    closed, _ = _read_ranges(sqlite_path)
+    return closed
+
+
+def read_open_ranges(sqlite_path: Path) -> list[OpenRange]:
+    """Ranges the program opened and never closed, ordered by start: the ops that did not finish.
+
+    These have a NULL ``end`` in the report, or (nsys 2022.4 does this) an ``end`` set by nsys to
+    the end of the capture. After a SIGKILL the innermost open range may be absent from the report,
+    so the last entry here is the innermost range nsys saw, not necessarily the one that was running.
+    """
+    _, still_open = _read_ranges(sqlite_path)
+    return still_open
+
+
+@dataclass(frozen=True)
+class KernelTotal:
+    """One kernel (by demangled name) within a range: total GPU time and number of launches."""
+
+    name: str
+    demangled_name: str
+    total_ns: int
+    count: int
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    """The GPU kernels launched inside one NVTX range.
+
+    ``kernel_time_ns``, ``kernel_count`` and ``top_kernels`` are inclusive: they count every kernel
+    launched (by a CUDA runtime call on the range's thread) inside the range, also those inside
+    nested ranges, so a ``transformer_layer`` range sums its sub-ops. ``self_kernel_time_ns`` and
+    ``self_kernel_count`` count only the kernels whose innermost range this is. Times are sums of
+    kernel durations: kernels that overlap on several streams are each counted in full.
+    """
+
+    kernel_time_ns: int
+    kernel_count: int
+    top_kernels: tuple[KernelTotal, ...]
+    self_kernel_time_ns: int
+    self_kernel_count: int
+
+
+def attribute_kernels(sqlite_path: Path, ranges: Sequence[NvtxRange]) -> dict[NvtxRange, KernelStats]:
+    """Give each range in ``ranges`` the kernels launched inside it; {} for a report without GPU data.
+
+    A kernel is matched (correlation id and process) to the CUDA runtime call that launched it, and
+    belongs to the ranges, on the same thread, that contain that call. Its innermost range is the
+    containing range that started last (for push/pop ranges, the deepest). Only the ranges passed
+    in take part: pass only ours and a Megatron range nested inside one of ours cannot take its
+    kernels. Kernels launched on a thread with no range, e.g. backward kernels while only the main
+    thread has ranges, are attributed to nothing (see shared/notes/nsys.md, "Backward ranges").
+
+    Every range in ``ranges`` gets an entry, with zeros when no kernel was launched inside it.
+    Cost: one join in SQLite, then a sort and one sweep per thread, O((K + R) log(K + R) + K * depth).
+    """
+    with _connect(sqlite_path) as conn:
+        tables = _tables(conn)
+        if _KERNEL_TABLE not in tables or _RUNTIME_TABLE not in tables:
+            return {}
+        launches = _read_launches(conn, "StringIds" in tables)
+
+    by_thread: dict[int, list[NvtxRange]] = defaultdict(list)
+    for rng in ranges:
+        by_thread[rng.global_tid].append(rng)
+    accumulators = {rng: _Accumulator() for rng in ranges}
+
+    launches.sort()
+    for tid, thread_launches in _group_by_thread(launches):
+        thread_ranges = by_thread.get(tid)
+        if not thread_ranges:
+            continue
+        # Outer before inner when two ranges start together, so the innermost is always last.
+        thread_ranges.sort(key=lambda r: (r.start_ns, -r.end_ns))
+        next_range = 0
+        active: list[NvtxRange] = []  # ranges started and not yet ended, in start order
+        for _, call_start, call_end, duration, short, demangled in thread_launches:
+            while next_range < len(thread_ranges) and thread_ranges[next_range].start_ns <= call_start:
+                active.append(thread_ranges[next_range])
+                next_range += 1
+            active = [r for r in active if r.end_ns >= call_start]
+            containing = [r for r in active if r.end_ns >= call_end]
+            for rng in containing:
+                accumulators[rng].add(duration, short, demangled)
+            if containing:
+                accumulators[containing[-1]].add_self(duration)
+    return {rng: acc.stats() for rng, acc in accumulators.items()}
+
+
+def summarize(ranges: Iterable[NvtxRange]) -> list[dict[str, Any]]:
+    """Duration statistics of our measured ranges, one row per (op, phase, point), sorted by them.
+
+    Ranges that are not ours (``parsed`` is None) and warm-up iterations are left out. Each row has
+    ``op``, ``phase``, ``point``, ``count``, ``median_ns``, ``min_ns``, ``mean_ns`` and ``iqr_ns``
+    (third minus first quartile, ``statistics.quantiles`` with ``method="inclusive"``; 0 for a
+    single sample).
+    """
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for rng in ranges:
+        if rng.parsed is None or rng.parsed.warmup:
+            continue
+        groups[(rng.parsed.op, rng.parsed.phase, rng.parsed.point)].append(rng.duration_ns)
+    rows = []
+    for (op, phase, point), durations in sorted(groups.items()):
+        if len(durations) >= 2:
+            q1, _, q3 = statistics.quantiles(durations, n=4, method="inclusive")
+            iqr: float = q3 - q1
+        else:
+            iqr = 0
+        rows.append(
+            {
+                "op": op,
+                "phase": phase,
+                "point": point,
+                "count": len(durations),
+                "median_ns": statistics.median(durations),
+                "min_ns": min(durations),
+                "mean_ns": statistics.fmean(durations),
+                "iqr_ns": iqr,
+            }
+        )
+    return rows
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+@contextmanager
+def _connect(sqlite_path: Path) -> Iterator[sqlite3.Connection]:
+    """Open read-only: a plain ``sqlite3.connect`` would create an empty file for a wrong path."""
+    path = Path(sqlite_path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no nsys SQLite export at {path}")
+    with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as conn:
+        yield conn
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def _capture_end(conn: sqlite3.Connection, tables: set[str]) -> set[int]:
+    """The times nsys gives as the end of ranges it closed itself: the end of the capture.
+
+    Relative (``duration``) and absolute (``stopTime``) forms are both returned, so the check holds
+    whichever clock a version of nsys uses for event timestamps.
+    """
+    if "ANALYSIS_DETAILS" not in tables:
+        return set()
+    wanted = [c for c in ("duration", "stopTime") if c in _columns(conn, "ANALYSIS_DETAILS")]
+    ends: set[int] = set()
+    for column in wanted:
+        ends.update(
+            row[0] for row in conn.execute(f"SELECT {column} FROM ANALYSIS_DETAILS") if row[0] is not None
+        )
+    return ends
+
+
+def _read_ranges(sqlite_path: Path) -> tuple[list[NvtxRange], list[OpenRange]]:
+    with _connect(sqlite_path) as conn:
+        tables = _tables(conn)
+        if "NVTX_EVENTS" not in tables:
+            return [], []
+        if "StringIds" in tables and "textId" in _columns(conn, "NVTX_EVENTS"):
+            name = "COALESCE(e.text, s.value)"
+            join = "LEFT JOIN StringIds AS s ON s.id = e.textId"
+        else:
+            name, join = "e.text", ""
+        rows = conn.execute(
+            f"SELECT e.start, e.end, e.globalTid, {name} FROM NVTX_EVENTS AS e {join} "
+            f"WHERE e.eventType IN ({PUSH_POP_RANGE}, {START_END_RANGE}) ORDER BY e.start"
+        ).fetchall()
+        capture_end = _capture_end(conn, tables)
+
+    closed: list[NvtxRange] = []
+    still_open: list[OpenRange] = []
+    for start, end, global_tid, text in rows:
+        text = text or ""
+        if end is None or end in capture_end:
+            still_open.append(OpenRange(text, start, global_tid, parse_range(text)))
+        else:
+            closed.append(NvtxRange(text, start, end, global_tid, parse_range(text)))
+    return closed, still_open
+
+
+# (globalTid of the launching call, call start, call end, kernel duration, short name, demangled)
+_Launch = tuple[int, int, int, int, str, str]
+
+
+def _read_launches(conn: sqlite3.Connection, have_strings: bool) -> list[_Launch]:
+    """Each kernel joined to its runtime call. SQLite builds a transient index for the join."""
+    same_process = ""
+    if "globalPid" in _columns(conn, _KERNEL_TABLE):
+        # Shift rather than mask: SQLite would read a 64-bit mask literal as a REAL.
+        same_process = "AND (r.globalTid >> 24) = (k.globalPid >> 24)"
+    if have_strings:
+        names = "COALESCE(sn.value, ''), COALESCE(dn.value, sn.value, '')"
+        joins = (
+            "LEFT JOIN StringIds AS sn ON sn.id = k.shortName "
+            "LEFT JOIN StringIds AS dn ON dn.id = k.demangledName"
+        )
+    else:
+        names, joins = "CAST(k.shortName AS TEXT), CAST(k.demangledName AS TEXT)", ""
+    query = (
+        f"SELECT r.globalTid, r.start, r.end, k.end - k.start, {names} "
+        f"FROM {_KERNEL_TABLE} AS k "
+        f"JOIN {_RUNTIME_TABLE} AS r ON r.correlationId = k.correlationId {same_process} "
+        f"{joins}"
+    )
+    return conn.execute(query).fetchall()
+
+
+def _group_by_thread(launches: list[_Launch]) -> Iterator[tuple[int, list[_Launch]]]:
+    """Split launches sorted by thread into one run per thread."""
+    begin = 0
+    for i in range(1, len(launches) + 1):
+        if i == len(launches) or launches[i][0] != launches[begin][0]:
+            yield launches[begin][0], launches[begin:i]
+            begin = i
+
+
+class _Accumulator:
+    """Running totals for one range while kernels are swept in."""
+
+    __slots__ = ("count", "per_kernel", "self_count", "self_time", "short_names", "time")
+
+    def __init__(self) -> None:
+        self.time = 0
+        self.count = 0
+        self.self_time = 0
+        self.self_count = 0
+        self.per_kernel: dict[str, list[int]] = {}
+        self.short_names: dict[str, str] = {}
+
+    def add(self, duration: int, short: str, demangled: str) -> None:
+        self.time += duration
+        self.count += 1
+        totals = self.per_kernel.get(demangled)
+        if totals is None:
+            self.per_kernel[demangled] = [duration, 1]
+            self.short_names[demangled] = short
+        else:
+            totals[0] += duration
+            totals[1] += 1
+
+    def add_self(self, duration: int) -> None:
+        self.self_time += duration
+        self.self_count += 1
+
+    def stats(self) -> KernelStats:
+        top = sorted(self.per_kernel.items(), key=lambda item: (-item[1][0], item[0]))
+        return KernelStats(
+            kernel_time_ns=self.time,
+            kernel_count=self.count,
+            top_kernels=tuple(
+                KernelTotal(self.short_names[name], name, total, count)
+                for name, (total, count) in top[:TOP_KERNELS]
+            ),
+            self_kernel_time_ns=self.self_time,
+            self_kernel_count=self.self_count,
+        )
+
+
+def _tail(output: str, lines: int = 20) -> str:
+    """The last lines of nsys's output; its progress bars redraw with carriage returns."""
+    text = output.replace("\r", "\n")
+    kept = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])

@@ -1,0 +1,146 @@
+"""Entry point: ``python -m autotuner.main case=<name> launcher=<get_data|nsys|torch_profiler> [overrides]``.
+
+Before Hydra runs anything, :func:`preflight` composes the config for every job the command line asks
+for (each combination of a ``-m`` sweep) and validates it, so bad input (an unknown case, op, launcher or
+config field, an impossible shape) ends with one line on stderr and exit code 2 before any work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from autotuner.config import register_configs
+from autotuner.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# Hydra's own flags: those that take a value, and those that print instead of running.
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                     "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
+_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "--version", "--cfg", "-c", "--shell-completion", "-sc"}
+
+
+def _register_resolvers() -> None:
+    from autotuner.cases import available_cases
+
+    def ops() -> str:
+        from autotuner.op_mapping import ordered_tests
+
+        return "\n  ".join(f"{t.name:18} {t.description}" for t in ordered_tests())
+
+    OmegaConf.register_new_resolver("autotuner_cases", lambda: ", ".join(available_cases()), replace=True)
+    OmegaConf.register_new_resolver("autotuner_ops", ops, replace=True)
+
+
+def _user_overrides(argv: list[str]) -> list[str] | None:
+    """The key=value overrides of the command line; None when Hydra is only asked to print something."""
+    overrides, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in _INFO_FLAGS or arg.split("=", 1)[0] in _INFO_FLAGS:
+            return None
+        if arg in _FLAGS_WITH_VALUE:
+            skip = True
+            continue
+        if arg.startswith("-"):
+            continue
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if key.startswith(("hydra.", "hydra/")) or key == "hydra":
+            continue
+        overrides.append(arg)
+    return overrides
+
+
+def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
+    """Every job of a ``-m`` sweep as a plain override list (``case=a,b`` gives two jobs)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([f"{key}={override.get_value_element_as_str()}"])
+    return [list(combo) for combo in itertools.product(*choices)] or [[]]
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith(("Set the environment variable", "full_key", "object_type"))]
+    return "; ".join(lines[:3]) or type(exc).__name__
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and validate every job the command line asks for. Raises UserError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from autotuner.spec import resolve_spec
+
+    overrides = _user_overrides(argv)
+    if overrides is None:
+        return
+    try:
+        jobs = _expand_sweeps(overrides)
+    except HydraException as exc:
+        raise UserError(f"cannot parse the overrides: {_one_line(exc)}") from exc
+    for job in jobs:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=job)
+        except MissingConfigException as exc:
+            if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in job):
+                raise UserError(f"unknown launcher in {job}: use launcher=get_data, nsys or torch_profiler") from exc
+            raise UserError(f"config not found: {_one_line(exc)}") from exc
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise UserError(f"bad override: {_one_line(exc)}: see python -m autotuner.main --help") from exc
+        finally:
+            GlobalHydra.instance().clear()
+        resolve_spec(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def _app(cfg: DictConfig) -> None:
+    from autotuner.launchers import LAUNCHERS
+    from autotuner.spec import resolve_spec
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        spec = resolve_spec(cfg)
+        code = LAUNCHERS[cfg.launcher.name](cfg, spec, run_dir)
+    except UserError as exc:
+        print(f"autotuner: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    if code:
+        raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Validate the command line, then hand it to Hydra."""
+    argv = sys.argv[1:] if argv is None else argv
+    register_configs()
+    _register_resolvers()
+    try:
+        preflight(argv)
+    except UserError as exc:
+        print(f"autotuner: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    sys.argv = [sys.argv[0], *argv]
+    _app()
+
+
+if __name__ == "__main__":
+    main()

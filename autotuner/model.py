@@ -1,0 +1,166 @@
+"""Build the Megatron-Core model the ops come from, exactly as training builds it, and instrument it.
+
+One ``GPTModel`` built by Megatron's own constructor from the layer spec supplies every op: its embedding,
+the layers of its decoder (a ``TransformerBlock``), the block's final norm and the output layer. Only the
+parts the selected ops need are built (``pre_process``/``post_process`` off when no op uses the embedding
+or the head; one layer unless ``transformer_block`` is asked for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autotuner.errors import UserError
+from autotuner.hf_to_megatron import MegatronModelArgs
+from autotuner.ops.instrument import instrument_module, instrumented_factory, instrumented_function
+from autotuner.runtime import DTYPES
+
+# Modules of a TransformerLayer, by attribute path, and the op each one is.
+LAYER_MODULE_OPS = {
+    "": "transformer_layer",
+    "input_layernorm": "input_layernorm",
+    "self_attention": "self_attention",
+    "self_attention.linear_qkv": "linear_qkv",
+    "self_attention.core_attention": "core_attention",
+    "self_attention.linear_proj": "linear_proj",
+    "pre_mlp_layernorm": "pre_mlp_layernorm",
+    "mlp": "mlp",
+    "mlp.linear_fc1": "linear_fc1",
+    "mlp.linear_fc2": "linear_fc2",
+}
+# Functions a TransformerLayer holds as attributes (bias-dropout-add factories).
+LAYER_FACTORY_OPS = {"self_attn_bda": "self_attn_bda", "mlp_bda": "mlp_bda"}
+# Modules of the GPTModel around the layers.
+MODEL_MODULE_OPS = {
+    "embedding": "embedding",
+    "decoder": "transformer_block",
+    "decoder.final_layernorm": "final_layernorm",
+    "output_layer": "output_layer",
+}
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer-Engine imports. A half-installed TE raises RuntimeError (a missing cuDNN),
+    not ImportError, so every exception counts as 'not available'."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - see docstring
+        return False
+    return True
+
+
+def transformer_config_fields() -> set[str]:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def build_transformer_config(
+    args: MegatronModelArgs, tf_overrides: dict[str, Any], dtype: str, device: torch.device, tensor_parallel: int
+) -> Any:
+    """The TransformerConfig of the whole model: the HF mapping, then device settings, then ``tf.`` overrides."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    unknown = sorted(set(tf_overrides) - transformer_config_fields())
+    if unknown:
+        raise UserError(f"unknown TransformerConfig field(s) {unknown}: check the spelling of tf.<field> overrides")
+    kwargs = dict(args.transformer)
+    kwargs.update(
+        activation_func={"silu": F.silu, "gelu": F.gelu}[args.activation],
+        params_dtype=DTYPES[dtype],
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        use_cpu_initialization=device.type == "cpu",
+        tensor_model_parallel_size=tensor_parallel,
+    )
+    kwargs.update(tf_overrides)
+    tp = kwargs["tensor_model_parallel_size"]
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if kwargs[name] % tp:
+            raise UserError(f"tensor_model_parallel_size={tp} does not divide {name}={kwargs[name]}: choose a TP size that divides it")
+    try:
+        return TransformerConfig(**kwargs)
+    except (AssertionError, ValueError, TypeError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise UserError(f"invalid TransformerConfig: {message}: fix the hf./tf. overrides") from exc
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Which parts of the GPTModel to build."""
+
+    num_layers: int = 1
+    pre_process: bool = False
+    post_process: bool = False
+
+
+def layer_spec(tf_config: Any, use_transformer_engine: bool) -> Any:
+    """The layer spec training uses: Transformer-Engine's on a GPU where it imports, else the local one."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tf_config.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=tf_config.qk_layernorm, normalization=tf_config.normalization
+    )
+
+
+def build_model(
+    args: MegatronModelArgs, tf_config: Any, parts: ModelParts, device: torch.device, use_transformer_engine: bool
+) -> Any:
+    """Build the instrumented GPTModel with only the requested parts, on ``device``."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = dataclasses.replace(tf_config, num_layers=parts.num_layers)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, use_transformer_engine),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_sequence_length,
+        pre_process=parts.pre_process,
+        post_process=parts.post_process,
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=args.rotary_percent,
+        rotary_base=int(args.rotary_base),
+    )
+    model.to(device)
+    instrument_gpt(model)
+    return model
+
+
+def _get(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    for name in filter(None, path.split(".")):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def instrument_gpt(model: Any) -> None:
+    """Give every op of the model its range (see autotuner.ops.instrument), in place."""
+    from megatron.core.transformer import attention
+
+    for path, op in MODEL_MODULE_OPS.items():
+        module = _get(model, path)
+        if module is not None:
+            instrument_module(module, op)
+    for layer in model.decoder.layers:
+        for path, op in LAYER_MODULE_OPS.items():
+            module = _get(layer, path)
+            if module is not None:
+                instrument_module(module, op)
+        for attr, op in LAYER_FACTORY_OPS.items():
+            setattr(layer, attr, instrumented_factory(getattr(layer, attr), op))
+    # RoPE and the activation are functions Megatron calls by name: the rotary function in the attention
+    # module's namespace, the activation from the config the MLP reads it from. Fused variants (TE/apex
+    # kernels selected by *_fusion flags) bypass these names and then carry no range of their own.
+    attention.apply_rotary_pos_emb = instrumented_function(attention.apply_rotary_pos_emb, "rope")
+    config = model.config
+    if not config.bias_activation_fusion:
+        config.activation_func = instrumented_function(config.activation_func, "activation")

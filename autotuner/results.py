@@ -1,0 +1,127 @@
+"""Result rows: one per (case, op, phase, shape point), written as they are measured.
+
+Files in the run directory, rewritten whole after every row through a temporary file and an atomic
+rename, so each finished row is on disk before the next op starts and an interrupted run always leaves
+complete, valid files (never a half-written line):
+
+* ``results.jsonl``: one JSON object per row (the source of truth; numbers are numbers).
+* ``results.csv``: the same rows and columns, for spreadsheets and pandas.
+
+Columns (units in the name; empty where a value does not apply or was not measured):
+
+=====================  ===============================================================================
+case, op, phase        the model case, the canonical op name, ``forward`` or ``backward``
+point, seq_len,        the shape point (label ``s<seq>_b<mbs>``) and its dimensions
+micro_batch_size
+dtype, device          compute dtype (fp32/bf16/fp16) and device type (cpu/cuda)
+launcher               get_data, nsys or torch_profiler: who measured the times
+status, error          ``ok``; ``failed`` with the error's one-line text; ``skipped`` with the reason
+samples                number of timed samples behind the statistics
+median_us, iqr_us,     statistics of the per-sample times, microseconds
+min_us, mean_us
+stop_reason            why sampling stopped (budget, max_samples; the launcher's name otherwise)
+weight_bytes           the op's parameters (each storage once)
+activation_bytes       forward rows: bytes autograd saved for backward, excluding parameters
+peak_bytes             peak bytes in use during the phase above those in use when it began
+flops                  floating-point operations of the phase (torch.utils.flop_counter)
+tflops                 flops / median time, in 10^12 per second
+num_threads            torch intra-op threads the phase ran with
+=====================  ===============================================================================
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+COLUMNS = [
+    "case",
+    "op",
+    "phase",
+    "point",
+    "seq_len",
+    "micro_batch_size",
+    "dtype",
+    "device",
+    "launcher",
+    "status",
+    "error",
+    "samples",
+    "median_us",
+    "iqr_us",
+    "min_us",
+    "mean_us",
+    "stop_reason",
+    "weight_bytes",
+    "activation_bytes",
+    "peak_bytes",
+    "flops",
+    "tflops",
+    "num_threads",
+]
+
+KEY = ("case", "op", "phase", "point")
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row.get(k) for k in KEY)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class ResultsWriter:
+    """Holds the run's rows and rewrites ``results.jsonl`` and ``results.csv`` atomically after each one.
+
+    With ``resume=True`` the rows already in ``results.jsonl`` are loaded, and :meth:`done` tells the
+    runner which measurements to skip (rows with status ``ok``; failed ones are measured again).
+    """
+
+    def __init__(self, run_dir: Path, resume: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.run_dir / "results.jsonl"
+        self.csv = self.run_dir / "results.csv"
+        self.rows: list[dict[str, Any]] = []
+        if resume and self.jsonl.exists():
+            self.rows = load_rows(self.jsonl)
+
+    def done(self, key: tuple[Any, ...]) -> bool:
+        return any(row_key(r) == key and r.get("status") == "ok" for r in self.rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Add (or replace, by key) a row and persist every file before returning."""
+        full = {c: row.get(c) for c in COLUMNS}
+        self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
+        self._flush()
+
+    def extend(self, rows: Iterable[dict[str, Any]]) -> None:
+        for row in rows:
+            full = {c: row.get(c) for c in COLUMNS}
+            self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
+        self._flush()
+
+    def _flush(self) -> None:
+        _atomic_write(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.rows))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for row in self.rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        _atomic_write(self.csv, buffer.getvalue())
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``results.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,203 @@
+"""The one runner: executes a plan of (op, shape point, phase) and hands each phase to an observer.
+
+The launchers differ only in their observer: ``get_data`` times and meters each phase itself, ``nsys``
+and ``torch_profiler`` run the phase under their profiler's ranges. Everything else (building the model,
+making inputs, the forward/backward split, failure handling, incremental results, resume) is here.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from autotuner.hf_to_megatron import MegatronModelArgs
+from autotuner.ops.naming import PHASES
+from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
+from autotuner.results import ResultsWriter
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs, validated (see autotuner.spec.resolve_spec)."""
+
+    case: str
+    model_args: MegatronModelArgs
+    tf_config: Any
+    ops: list[OpTest]
+    points: list[ShapePoint]
+    device: torch.device
+    dtype: str
+    seed: int
+    block_layers: int
+    use_transformer_engine: bool = False
+    phases: tuple[str, ...] = PHASES
+    notes: list[str] = field(default_factory=list)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class Phase:
+    """One phase of an op as callables an observer can run: ``prepare()`` (untimed) then ``run()``.
+
+    * forward: ``run`` is the op's forward with autograd recording, as in training (it saves activations).
+    * backward: ``prepare`` clears the gradients and runs a fresh forward; ``run`` is the backward alone,
+      from seeded random output gradients. Backward is measured on its own, never as a difference of
+      forward+backward and forward.
+    """
+
+    def __init__(self, name: str, call: OpCall, seed: int) -> None:
+        self.name = name
+        self.call = call
+        self.seed = seed
+        self._outputs: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] | None = None
+        self.prepare: Callable[[], Any] | None = None if name == "forward" else self._forward_for_backward
+        self.run: Callable[[], Any] = self._forward if name == "forward" else self._backward
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.call.module.parameters()) if self.call.module is not None else []
+
+    def _forward(self) -> Any:
+        return self.call.fn(*self.call.inputs)
+
+    def _forward_for_backward(self) -> None:
+        for tensor in (*self.call.inputs, *self.parameters):
+            tensor.grad = None
+        outputs = [t for t in _tensors(self._forward()) if t.requires_grad]
+        if not outputs:
+            raise RuntimeError("the op's outputs need no gradient: it has no backward")
+        if self._grads is None:
+            gen = torch.Generator().manual_seed(self.seed)
+            self._grads = [
+                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype) for t in outputs
+            ]
+        self._outputs = outputs
+
+    def _backward(self) -> None:
+        outputs, self._outputs = self._outputs, []
+        torch.autograd.backward(outputs, self._grads)
+
+
+class Observer(Protocol):
+    """How a launcher observes a phase. Returns the row's measured columns."""
+
+    name: str
+
+    def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]: ...
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+class Runner:
+    """Builds the model once, then runs the plan through an observer, writing a row per measurement."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        observer: Observer,
+        writer: ResultsWriter,
+        progress: bool = True,
+    ) -> None:
+        self.spec = spec
+        self.observer = observer
+        self.writer = writer
+        self.progress = progress
+
+    def plan(self) -> list[tuple[ShapePoint, OpTest, str]]:
+        return [(p, op, ph) for p in self.spec.points for op in self.spec.ops for ph in self.spec.phases]
+
+    def _base_row(self, op: OpTest, point: ShapePoint, phase: str) -> dict[str, Any]:
+        return {
+            "case": self.spec.case,
+            "op": op.name,
+            "phase": phase,
+            "point": point.label,
+            "seq_len": point.seq_len,
+            "micro_batch_size": point.micro_batch_size,
+            "dtype": self.spec.dtype,
+            "device": self.spec.device.type,
+            "launcher": self.observer.name,
+            "num_threads": torch.get_num_threads(),
+        }
+
+    def run(self, context: OpContext) -> list[dict[str, Any]]:
+        """Run every (point, op, phase) not already done; return the rows written in this run."""
+        plan = self.plan()
+        todo = [item for item in plan if not self.writer.done((self.spec.case, item[1].name, item[2], item[0].label))]
+        bar = _progress(len(plan), len(plan) - len(todo), self.progress)
+        written = []
+        by_op: dict[tuple[ShapePoint, str], list[str]] = {}
+        for point, op, phase in todo:
+            by_op.setdefault((point, op.name), []).append(phase)
+        ops = {op.name: op for op in self.spec.ops}
+        for (point, name), phases in by_op.items():
+            op = ops[name]
+            call, build_error = self._build(op, context, point)
+            for phase_name in phases:
+                bar.set_description(f"{name}.{phase_name} {point.label}")
+                row = self._base_row(op, point, phase_name)
+                row.update(self._measure(op, point, phase_name, call, build_error))
+                self.writer.write(row)
+                written.append(row)
+                bar.update(1)
+            del call
+        bar.close()
+        return written
+
+    def _build(self, op: OpTest, context: OpContext, point: ShapePoint) -> tuple[OpCall | None, BaseException | None]:
+        try:
+            return op.build(context, point), None
+        except Exception as exc:  # noqa: BLE001 - recorded in the row; the plan goes on
+            return None, exc
+
+    def _measure(
+        self, op: OpTest, point: ShapePoint, phase_name: str, call: OpCall | None, build_error: BaseException | None
+    ) -> dict[str, Any]:
+        if isinstance(build_error, OpNotApplicable):
+            return {"status": "skipped", "error": str(build_error)}
+        if build_error is not None:
+            return {"status": "failed", "error": _one_line(build_error)}
+        assert call is not None
+        try:
+            metrics = self.observer.observe(op, point, Phase(phase_name, call, self.spec.seed))
+            return {"status": "ok", **metrics}
+        except Exception as exc:  # noqa: BLE001 - an op that fails (OOM, an exception) is recorded; the plan goes on
+            if self.spec.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if self.progress:
+                print(f"\n{op.name}.{phase_name} {point.label} failed:", file=sys.stderr)
+                traceback.print_exc(limit=3)
+            return {"status": "failed", "error": _one_line(exc)}
+
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+
+    def set_description(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _progress(total: int, done: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="phase", file=sys.stderr, dynamic_ncols=True, leave=False)
+

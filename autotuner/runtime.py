@@ -1,0 +1,132 @@
+"""The process around the ops: device and dtype, torch.distributed and Megatron's parallel state, seeds,
+and the environment record that makes a run reproducible."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import warnings
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from autotuner.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA where there is a GPU, else CPU; asking for CUDA without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but torch sees no CUDA device: use device=cpu or device=auto")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """``auto`` is bf16 on a GPU and fp32 on a CPU (CPU bf16 matrix products are ~250x slower)."""
+    if dtype == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}: use auto, fp32, bf16 or fp16")
+    return dtype
+
+
+def quiet_megatron_import() -> None:
+    """Import Megatron-Core once, without its warnings about optional packages we do not use."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        import megatron.core  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, int]:
+    """Start torch.distributed (from torchrun's environment, or a one-process group) and Megatron's
+    parallel state. Returns (rank, world_size). Idempotent."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:
+            if device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
+            )
+    world = dist.get_world_size()
+    if world % tensor_parallel:
+        raise UserError(
+            f"tensor_model_parallel_size={tensor_parallel} does not divide the {world} processes: "
+            "launch as many processes as the TP size (torchrun --nproc-per-node=N)"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    return dist.get_rank(), world
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    """Seed the CPU generator and, on a GPU, Megatron's model-parallel CUDA RNG tracker."""
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What a reader needs to reproduce a run: versions, device, threads, host and command line."""
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "command": [sys.executable, *sys.argv],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "megatron_core": _version("megatron-core"),
+        "transformers": _version("transformers"),
+        "hydra_core": _version("hydra-core"),
+        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
+        "nvtx": _version("nvtx"),
+        "device_type": device.type,
+        "num_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        info["device_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        info["device_name"] = _cpu_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

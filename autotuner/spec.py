@@ -1,0 +1,100 @@
+"""From a composed config to a validated RunSpec, and from a RunSpec to a built model.
+
+Every check of user input happens in :func:`resolve_spec`, before any model is built or measured, and
+fails with a one-line :class:`UserError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from autotuner import cases
+from autotuner.errors import UserError
+from autotuner.hf_to_megatron import map_hf_config
+from autotuner.ops_test.base import OpContext, ShapePoint
+from autotuner.runner import RunSpec
+from autotuner.runtime import DTYPES, resolve_device, resolve_dtype
+
+
+def _positive_list(values: Any, name: str) -> list[int]:
+    values = list(values)
+    if not values:
+        raise UserError(f"{name} is empty: give at least one value, e.g. {name}=[256]")
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"{name} must hold positive integers, got {value!r}: fix {name}=[...]")
+    return values
+
+
+def resolve_spec(cfg: DictConfig) -> RunSpec:
+    """Validate the config and derive everything the run needs. Raises UserError on bad input."""
+    from autotuner import model as model_lib
+    from autotuner.op_mapping import resolve_ops
+    from autotuner.runtime import quiet_megatron_import
+
+    case = cases.load_case(cfg.case, cfg.case_dir)
+    hf_overrides = OmegaConf.to_container(cfg.hf, resolve=True) or {}
+    tf_overrides = OmegaConf.to_container(cfg.tf, resolve=True) or {}
+    seq_lens = _positive_list(cfg.shapes.seq_len if cfg.shapes.seq_len is not None else case.seq_len, "shapes.seq_len")
+    batches = _positive_list(
+        cfg.shapes.micro_batch_size if cfg.shapes.micro_batch_size is not None else case.micro_batch_size,
+        "shapes.micro_batch_size",
+    )
+    if cfg.transformer_block_layers <= 0:
+        raise UserError("transformer_block_layers must be positive: set transformer_block_layers=2")
+    timing = cfg.timing
+    if timing.warmup < 0 or timing.min_samples < 1 or timing.max_samples < timing.min_samples or timing.budget_s < 0:
+        raise UserError("timing needs warmup >= 0, 1 <= min_samples <= max_samples and budget_s >= 0: fix timing.*")
+    ops = resolve_ops(list(cfg.ops))
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    hf_config = cases.build_hf_config(case.hf_fields, hf_overrides)
+    args = map_hf_config(hf_config)
+    too_long = [s for s in seq_lens if s > args.max_sequence_length]
+    if too_long:
+        raise UserError(
+            f"shapes.seq_len {too_long} exceed max_position_embeddings={args.max_sequence_length}: "
+            "use shorter sequences or raise hf.max_position_embeddings"
+        )
+    quiet_megatron_import()
+    tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
+    tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
+    use_te = device.type == "cuda" and model_lib.transformer_engine_available()
+    return RunSpec(
+        case=cfg.case,
+        model_args=args,
+        tf_config=tf_config,
+        ops=ops,
+        points=[ShapePoint(s, b) for s in seq_lens for b in batches],
+        device=device,
+        dtype=dtype,
+        seed=int(cfg.seed),
+        block_layers=int(cfg.transformer_block_layers),
+        use_transformer_engine=use_te,
+        notes=list(args.notes),
+    )
+
+
+def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
+    """Start the process group, seed, and build the instrumented model holding the selected ops."""
+    import warnings
+
+    from autotuner import cpu_bridges
+    from autotuner.model import build_model
+    from autotuner.op_mapping import model_parts
+    from autotuner.runtime import init_parallel, seed_everything
+
+    if spec.device.type == "cpu":
+        cpu_bridges.apply()
+    init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)
+    seed_everything(spec.seed, spec.device)
+    parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+        model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
+    return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
+
+

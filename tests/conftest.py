@@ -1,0 +1,47 @@
+"""Shared pytest fixtures."""
+
+# --- nsys: a real Nsight Systems for the tests (see scripts/install_nsys.sh) ------------------
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _nsys_answers(nsys: str) -> bool:
+    try:
+        proc = subprocess.run([nsys, "--version"], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def nsys_bin() -> str:
+    """Path of a working nsys: $NSYS_BIN, else the project's own in .tools/nsys, installed if missing.
+
+    scripts/install_nsys.sh returns at once when the install is complete; it checks the report
+    importer as well as ``nsys --version``, which answers even when only a .qdstrm can be written.
+    """
+    from_env = os.environ.get("NSYS_BIN")
+    if from_env:
+        if not _nsys_answers(from_env):
+            pytest.fail(f"NSYS_BIN={from_env} does not answer --version")
+        return from_env
+    proc = subprocess.run(
+        ["bash", str(_REPO_ROOT / "scripts/install_nsys.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "NSYS_PREFIX"},  # the default prefix
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/install_nsys.sh failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    installed = proc.stdout.strip().splitlines()[-1]
+    if not _nsys_answers(installed):
+        pytest.fail(f"install_nsys.sh printed {installed!r}, which does not answer --version")
+    return installed
