@@ -119,4 +119,9 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
             f"unknown HF config field(s) {unknown} for model_type {model_type}: check the spelling of hf.<field> overrides"
         )
     fields.update(overrides)
-    return AutoConfig.for_model(model_type, **fields)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001 - transformers validates (heads vs hidden size) with its own types
+        root = exc.__cause__ or exc
+        first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+        raise UserError(f"invalid HF config for case: {first}: fix the case file or the hf.<field> overrides") from exc

@@ -114,13 +114,13 @@ def preflight(argv: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def _app(cfg: DictConfig) -> None:
-    from autotuner.launchers import LAUNCHERS
+    from autotuner.launchers import launch
     from autotuner.spec import resolve_spec
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         spec = resolve_spec(cfg)
-        code = LAUNCHERS[cfg.launcher.name](cfg, spec, run_dir)
+        code = launch(cfg, spec, run_dir)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
@@ -128,9 +128,16 @@ def _app(cfg: DictConfig) -> None:
         raise SystemExit(code)
 
 
+def _open_dict_overrides(argv: list[str]) -> list[str]:
+    """``hf.<field>=`` and ``tf.<field>=`` set fields the root schema cannot list (they depend on the
+    model); Hydra's ``++`` adds-or-sets them. Their names are validated against the real HF config and
+    TransformerConfig fields by autotuner.spec, so a typo is still an error."""
+    return [f"++{arg}" if arg.startswith(("hf.", "tf.")) and "=" in arg else arg for arg in argv]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Validate the command line, then hand it to Hydra."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _open_dict_overrides(sys.argv[1:] if argv is None else argv)
     register_configs()
     _register_resolvers()
     try:
@@ -140,6 +147,22 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(exc.exit_code) from None
     sys.argv = [sys.argv[0], *argv]
     _app()
+
+
+def run(argv: list[str]) -> int:
+    """Run the CLI in this process and return its exit code (for tests and notebooks: one Megatron import
+    serves many runs). ``argv`` as on the command line, without the program name."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    saved = sys.argv
+    try:
+        main(argv)
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
 
 
 if __name__ == "__main__":

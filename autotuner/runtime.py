@@ -39,9 +39,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 
 
 def quiet_megatron_import() -> None:
-    """Import Megatron-Core once, without its warnings about optional packages we do not use."""
+    """Import Megatron-Core once, and silence the warnings it raises about optional packages we do not
+    use (Transformer Engine, Apex) and about config defaults it deprecates, for the whole process."""
+    for pattern in (".*Transformer Engine.*", ".*[Aa]pex.*", ".*scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
         warnings.filterwarnings("ignore", category=FutureWarning)
         import megatron.core  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401

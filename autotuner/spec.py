@@ -80,8 +80,6 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
 
 def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     """Start the process group, seed, and build the instrumented model holding the selected ops."""
-    import warnings
-
     from autotuner import cpu_bridges
     from autotuner.model import build_model
     from autotuner.op_mapping import model_parts
@@ -92,9 +90,7 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)
     seed_everything(spec.seed, spec.device)
     parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
-        model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
+    model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
     return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
 
 

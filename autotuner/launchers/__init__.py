@@ -1,19 +1,24 @@
-"""Launchers: the same plan of ops, observed three ways. ``LAUNCHERS`` maps ``launcher.name`` to the
-function that runs a validated spec in a run directory and returns the process exit code."""
+"""Launchers: the same plan of ops, observed three ways.
+
+Each launcher is a module with ``launch(cfg, spec, run_dir) -> int`` (the process exit code); this table
+maps ``launcher.name`` to it, imported only when chosen.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+LAUNCHERS = {
+    "get_data": "autotuner.launchers.get_data",
+    "nsys": "autotuner.launchers.nsys",
+    "torch_profiler": "autotuner.launchers.torch_profiler",
+}
 
-def _get_data(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
-    from autotuner.launchers.get_data import launch
 
-    return launch(cfg, spec, run_dir)
-
-
-LAUNCHERS: dict[str, Callable[[DictConfig, Any, Path], int]] = {"get_data": _get_data}
+def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
+    """Run the validated spec with the launcher the config names."""
+    return importlib.import_module(LAUNCHERS[cfg.launcher.name]).launch(cfg, spec, run_dir)
