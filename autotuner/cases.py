@@ -39,7 +39,9 @@ def case_dirs(case_dir: str | None) -> list[Path]:
     if case_dir:
         user_dir = Path(case_dir).expanduser().resolve()
         if not user_dir.is_dir():
-            raise UserError(f"case_dir {case_dir!r} is not a folder: point case_dir at a folder of case YAML files")
+            raise UserError(
+                f"case_dir {case_dir!r} is not a folder: point case_dir at a folder of case YAML files"
+            )
         dirs.append(user_dir)
     dirs.append(BUILTIN_CASE_DIR)
     return dirs
@@ -69,7 +71,9 @@ def _parse_case(name: str, path: Path) -> Case:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise UserError(f"case file {path} is not valid YAML ({exc.__class__.__name__}): fix the file") from exc
+        raise UserError(
+            f"case file {path} is not valid YAML ({exc.__class__.__name__}): fix the file"
+        ) from exc
     if not isinstance(data, dict):
         raise UserError(f"case file {path} must be a mapping with hf_config and shapes")
     known = {"description", "hf_config", "hf_config_dir", "shapes", "notes"}
@@ -77,13 +81,19 @@ def _parse_case(name: str, path: Path) -> Case:
     if unknown:
         raise UserError(f"case file {path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     if ("hf_config" in data) == ("hf_config_dir" in data):
-        raise UserError(f"case file {path}: give exactly one of hf_config (inline) or hf_config_dir (a folder with config.json)")
+        raise UserError(
+            f"case file {path}: give exactly one of hf_config (inline) "
+            "or hf_config_dir (a folder with config.json)"
+        )
     if "hf_config" in data:
         hf_fields = dict(data["hf_config"])
     else:
         config_json = (path.parent / data["hf_config_dir"]).resolve() / "config.json"
         if not config_json.is_file():
-            raise UserError(f"case file {path}: {config_json} does not exist: point hf_config_dir at a folder holding config.json")
+            raise UserError(
+                f"case file {path}: {config_json} does not exist: "
+                "point hf_config_dir at a folder holding config.json"
+            )
         hf_fields = json.loads(config_json.read_text())
     shapes = data.get("shapes") or {}
     return Case(
@@ -111,12 +121,15 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
     try:
         reference = AutoConfig.for_model(model_type)
     except ValueError as exc:
-        raise UserError(f"unknown HF model_type {model_type!r}: use a model_type transformers knows (llama, mistral, ...)") from exc
+        raise UserError(
+            f"unknown HF model_type {model_type!r}: use a model_type transformers knows (llama, mistral, ...)"
+        ) from exc
     known_fields = set(reference.to_dict()) | set(fields) | {"head_dim", "rope_theta"}
     unknown = sorted(set(overrides) - known_fields)
     if unknown:
         raise UserError(
-            f"unknown HF config field(s) {unknown} for model_type {model_type}: check the spelling of hf.<field> overrides"
+            f"unknown HF config field(s) {unknown} for model_type {model_type}: "
+            "check the spelling of hf.<field> overrides"
         )
     fields.update(overrides)
     try:
@@ -124,4 +137,6 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
     except Exception as exc:  # noqa: BLE001 - transformers validates (heads vs hidden size) with its own types
         root = exc.__cause__ or exc
         first = (str(root).strip().splitlines() or [type(root).__name__])[0]
-        raise UserError(f"invalid HF config for case: {first}: fix the case file or the hf.<field> overrides") from exc
+        raise UserError(
+            f"invalid HF config for case: {first}: fix the case file or the hf.<field> overrides"
+        ) from exc

@@ -46,7 +46,14 @@ class GetDataLauncherConfig(LauncherConfig):
 
 @dataclass
 class NsysLauncherConfig(LauncherConfig):
-    """``nsys profile`` around our worker. ``trace``/``extra_args`` None: per-device defaults."""
+    """``nsys profile`` around our worker (see autotuner.launchers.nsys).
+
+    ``nsys_bin``: a name on the PATH or a path. ``trace``: the APIs nsys traces (``-t``); None takes the
+    device's default (CUDA: cuda, nvtx, osrt, cublas, cudnn; CPU: nvtx, osrt), and it must hold nvtx.
+    ``extra_args``: more ``nsys profile`` switches, each one list item (``--sample=process-tree``); one that
+    names a switch the launcher sets by default replaces that default. ``warmup``/``iterations``: per
+    phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).
+    """
 
     name: str = "nsys"
     nsys_bin: str = "nsys"
@@ -58,18 +65,25 @@ class NsysLauncherConfig(LauncherConfig):
 
 @dataclass
 class TorchProfilerLauncherConfig(LauncherConfig):
-    """``torch.profiler`` schedule and options."""
+    """``torch.profiler`` around the same plan (autotuner.launchers.torch_profiler).
+
+    Each (op, shape point) is one profiling session of ``wait + warmup + active`` training-like steps
+    (forward then backward); only the ``active`` steps are recorded and give the row's statistics.
+    ``output_dir`` (relative to the run directory) receives ``<point>/<op>/`` folders with the trace,
+    stacks and operator tables; traces over ``compress_over_bytes`` are written as ``.json.gz``.
+    """
 
     name: str = "torch_profiler"
     wait: int = 0
     warmup: int = 2
-    active: int = 3
+    active: int = 5
     record_shapes: bool = True
     profile_memory: bool = True
     with_stack: bool = True
     with_flops: bool = True
     memory_snapshot: bool = False
     compress_over_bytes: int = 20_000_000
+    output_dir: str = "profiles"
 
 
 @dataclass

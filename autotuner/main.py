@@ -21,9 +21,32 @@ from autotuner.errors import UserError
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Hydra's own flags: those that take a value, and those that print instead of running.
-_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                     "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
-_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "--version", "--cfg", "-c", "--shell-completion", "-sc"}
+_FLAGS_WITH_VALUE = {
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--shell-completion",
+    "-sc",
+}
+_INFO_FLAGS = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "--version",
+    "--cfg",
+    "-c",
+    "--shell-completion",
+    "-sc",
+}
 
 
 def _register_resolvers() -> None:
@@ -76,7 +99,11 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
 
 def _one_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith(("Set the environment variable", "full_key", "object_type"))]
+    lines = [
+        line
+        for line in lines
+        if not line.startswith(("Set the environment variable", "full_key", "object_type"))
+    ]
     return "; ".join(lines[:3]) or type(exc).__name__
 
 
@@ -103,7 +130,9 @@ def preflight(argv: list[str]) -> None:
                 cfg = compose(config_name="config", overrides=job)
         except MissingConfigException as exc:
             if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in job):
-                raise UserError(f"unknown launcher in {job}: use launcher=get_data, nsys or torch_profiler") from exc
+                raise UserError(
+                    f"unknown launcher in {job}: use launcher=get_data, nsys or torch_profiler"
+                ) from exc
             raise UserError(f"config not found: {_one_line(exc)}") from exc
         except (HydraException, OmegaConfBaseException) as exc:
             raise UserError(f"bad override: {_one_line(exc)}: see python -m autotuner.main --help") from exc

@@ -60,15 +60,22 @@ def transformer_config_fields() -> set[str]:
 
 
 def build_transformer_config(
-    args: MegatronModelArgs, tf_overrides: dict[str, Any], dtype: str, device: torch.device, tensor_parallel: int
+    args: MegatronModelArgs,
+    tf_overrides: dict[str, Any],
+    dtype: str,
+    device: torch.device,
+    tensor_parallel: int,
 ) -> Any:
-    """The TransformerConfig of the whole model: the HF mapping, then device settings, then ``tf.`` overrides."""
+    """The TransformerConfig of the whole model: the HF mapping, then device settings, then ``tf.``
+    overrides."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     unknown = sorted(set(tf_overrides) - transformer_config_fields())
     if unknown:
-        raise UserError(f"unknown TransformerConfig field(s) {unknown}: check the spelling of tf.<field> overrides")
+        raise UserError(
+            f"unknown TransformerConfig field(s) {unknown}: check the spelling of tf.<field> overrides"
+        )
     kwargs = dict(args.transformer)
     kwargs.update(
         activation_func={"silu": F.silu, "gelu": F.gelu}[args.activation],
@@ -82,7 +89,10 @@ def build_transformer_config(
     tp = kwargs["tensor_model_parallel_size"]
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if kwargs[name] % tp:
-            raise UserError(f"tensor_model_parallel_size={tp} does not divide {name}={kwargs[name]}: choose a TP size that divides it")
+            raise UserError(
+                f"tensor_model_parallel_size={tp} does not divide {name}={kwargs[name]}: "
+                "choose a TP size that divides it"
+            )
     try:
         return TransformerConfig(**kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
@@ -111,7 +121,11 @@ def layer_spec(tf_config: Any, use_transformer_engine: bool) -> Any:
 
 
 def build_model(
-    args: MegatronModelArgs, tf_config: Any, parts: ModelParts, device: torch.device, use_transformer_engine: bool
+    args: MegatronModelArgs,
+    tf_config: Any,
+    parts: ModelParts,
+    device: torch.device,
+    use_transformer_engine: bool,
 ) -> Any:
     """Build the instrumented GPTModel with only the requested parts, on ``device``."""
     from megatron.core.models.gpt import GPTModel

@@ -80,7 +80,10 @@ def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
             raise UserError(f"unknown op {name!r}: choose from {', '.join(t.name for t in ordered_tests())}")
         test = REGISTRY[canonical]
         if test not in available:
-            raise UserError(f"op {canonical!r} needs the package {OPTIONAL_PACKAGES.get(test.requires, test.requires)}: install it")
+            raise UserError(
+                f"op {canonical!r} needs the package "
+                f"{OPTIONAL_PACKAGES.get(test.requires, test.requires)}: install it"
+            )
         chosen.add(canonical)
     return [t for t in available if t.name in chosen]
 

@@ -81,7 +81,8 @@ class Phase:
         if self._grads is None:
             gen = torch.Generator().manual_seed(self.seed)
             self._grads = [
-                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype) for t in outputs
+                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
+                for t in outputs
             ]
         self._outputs = outputs
 
@@ -138,7 +139,11 @@ class Runner:
     def run(self, context: OpContext) -> list[dict[str, Any]]:
         """Run every (point, op, phase) not already done; return the rows written in this run."""
         plan = self.plan()
-        todo = [item for item in plan if not self.writer.done((self.spec.case, item[1].name, item[2], item[0].label))]
+        todo = [
+            item
+            for item in plan
+            if not self.writer.done((self.spec.case, item[1].name, item[2], item[0].label))
+        ]
         bar = _progress(len(plan), len(plan) - len(todo), self.progress)
         written = []
         by_op: dict[tuple[ShapePoint, str], list[str]] = {}
@@ -159,14 +164,21 @@ class Runner:
         bar.close()
         return written
 
-    def _build(self, op: OpTest, context: OpContext, point: ShapePoint) -> tuple[OpCall | None, BaseException | None]:
+    def _build(
+        self, op: OpTest, context: OpContext, point: ShapePoint
+    ) -> tuple[OpCall | None, BaseException | None]:
         try:
             return op.build(context, point), None
         except Exception as exc:  # noqa: BLE001 - recorded in the row; the plan goes on
             return None, exc
 
     def _measure(
-        self, op: OpTest, point: ShapePoint, phase_name: str, call: OpCall | None, build_error: BaseException | None
+        self,
+        op: OpTest,
+        point: ShapePoint,
+        phase_name: str,
+        call: OpCall | None,
+        build_error: BaseException | None,
     ) -> dict[str, Any]:
         if isinstance(build_error, OpNotApplicable):
             return {"status": "skipped", "error": str(build_error)}
@@ -185,7 +197,6 @@ class Runner:
             return {"status": "failed", "error": _one_line(exc)}
 
 
-
 class _NoBar:
     def update(self, n: int) -> None: ...
 
@@ -200,4 +211,3 @@ def _progress(total: int, done: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=done, unit="phase", file=sys.stderr, dynamic_ncols=True, leave=False)
-

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from autotuner import cases
@@ -38,7 +37,9 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     case = cases.load_case(cfg.case, cfg.case_dir)
     hf_overrides = OmegaConf.to_container(cfg.hf, resolve=True) or {}
     tf_overrides = OmegaConf.to_container(cfg.tf, resolve=True) or {}
-    seq_lens = _positive_list(cfg.shapes.seq_len if cfg.shapes.seq_len is not None else case.seq_len, "shapes.seq_len")
+    seq_lens = _positive_list(
+        cfg.shapes.seq_len if cfg.shapes.seq_len is not None else case.seq_len, "shapes.seq_len"
+    )
     batches = _positive_list(
         cfg.shapes.micro_batch_size if cfg.shapes.micro_batch_size is not None else case.micro_batch_size,
         "shapes.micro_batch_size",
@@ -46,8 +47,15 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     if cfg.transformer_block_layers <= 0:
         raise UserError("transformer_block_layers must be positive: set transformer_block_layers=2")
     timing = cfg.timing
-    if timing.warmup < 0 or timing.min_samples < 1 or timing.max_samples < timing.min_samples or timing.budget_s < 0:
-        raise UserError("timing needs warmup >= 0, 1 <= min_samples <= max_samples and budget_s >= 0: fix timing.*")
+    if (
+        timing.warmup < 0
+        or timing.min_samples < 1
+        or timing.max_samples < timing.min_samples
+        or timing.budget_s < 0
+    ):
+        raise UserError(
+            "timing needs warmup >= 0, 1 <= min_samples <= max_samples and budget_s >= 0: fix timing.*"
+        )
     ops = resolve_ops(list(cfg.ops))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -92,5 +100,3 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
     model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
     return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
-
-

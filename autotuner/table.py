@@ -34,7 +34,19 @@ def _num(value: Any, fmt: str) -> str:
 
 def render(rows: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table: one line per row, grouped by shape point, in the order measured."""
-    headers = ["point", "op", "phase", "median", "IQR", "n", "TFLOP/s", "weights", "activations", "peak", "status"]
+    headers = [
+        "point",
+        "op",
+        "phase",
+        "median",
+        "IQR",
+        "n",
+        "TFLOP/s",
+        "weights",
+        "activations",
+        "peak",
+        "status",
+    ]
     lines = []
     for row in rows:
         ok = row.get("status") == "ok"
@@ -53,11 +65,16 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
                 "ok" if ok else f"{row.get('status')}: {row.get('error') or ''}"[:60],
             ]
         )
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)
+    ]
     right = {3, 4, 5, 6, 7, 8, 9}
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
 
     out = [fmt(headers), fmt(["-" * w for w in widths])]
     out.extend(fmt(line) for line in lines)

@@ -45,3 +45,32 @@ def nsys_bin() -> str:
     if not _nsys_answers(installed):
         pytest.fail(f"install_nsys.sh printed {installed!r}, which does not answer --version")
     return installed
+
+
+# --- Megatron: one tiny model per test session (Megatron imports once per pytest process) ------
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    """The validated RunSpec of case=tiny with every op (CPU, fp32)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from autotuner.config import register_configs
+    from autotuner.main import CONFIG_DIR
+    from autotuner.spec import resolve_spec
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["case=tiny", "device=cpu"])
+    GlobalHydra.instance().clear()
+    return resolve_spec(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_session(tiny_spec):
+    """(model, OpContext) for case=tiny with every part built (embedding, 2 layers, head)."""
+    from autotuner.spec import open_session
+
+    return open_session(tiny_spec)

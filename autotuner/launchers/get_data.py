@@ -23,7 +23,9 @@ from autotuner.runner import Phase
 class GetDataObserver:
     name = "get_data"
 
-    def __init__(self, device: torch.device, policy: SamplingPolicy, model_parameters: list[torch.Tensor]) -> None:
+    def __init__(
+        self, device: torch.device, policy: SamplingPolicy, model_parameters: list[torch.Tensor]
+    ) -> None:
         self.device = device
         self.policy = policy
         self.timer = DeviceTimer(device)
@@ -52,7 +54,9 @@ class GetDataObserver:
             row["activation_bytes"] = saved.bytes
         row["peak_bytes"] = self._once(phase, lambda run: peak_bytes(run, self.device))
         row["flops"] = self._once(phase, count_flops)
-        row["tflops"] = row["flops"] / (measurement.median_ns * 1e-9) / 1e12 if measurement.median_ns else None
+        row["tflops"] = (
+            row["flops"] / (measurement.median_ns * 1e-9) / 1e12 if measurement.median_ns else None
+        )
         return row
 
 
@@ -64,7 +68,9 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
 
     writer = start_writer(cfg, spec, run_dir)
     model, context = open_session(spec)
-    policy = SamplingPolicy(**{k: cfg.timing[k] for k in ("warmup", "min_samples", "max_samples", "budget_s")})
+    policy = SamplingPolicy(
+        **{k: cfg.timing[k] for k in ("warmup", "min_samples", "max_samples", "budget_s")}
+    )
     observer = GetDataObserver(spec.device, policy, list(model.parameters()))
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

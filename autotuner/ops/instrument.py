@@ -83,8 +83,7 @@ class _ParamCountdown:
         self.remaining = len(params)
         ref = weakref.ref(self)
         self.handles = [
-            p.register_post_accumulate_grad_hook(lambda _p, ref=ref: ref() and ref().fire())
-            for p in params
+            p.register_post_accumulate_grad_hook(lambda _p, ref=ref: ref() and ref().fire()) for p in params
         ]
 
     def fire(self) -> None:
@@ -104,15 +103,13 @@ class _ParamCountdown:
 
 
 def _grad_tensor_slots(values: Sequence[Any]) -> list[int]:
-    return [
-        i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad
-    ]
+    return [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
 
 
 def _replace(values: Sequence[Any], slots: list[int], new: Any) -> list[Any]:
     new = new if isinstance(new, tuple) else (new,)
     out = list(values)
-    for slot, tensor in zip(slots, new):
+    for slot, tensor in zip(slots, new, strict=True):
         out[slot] = tensor
     return out
 
@@ -158,7 +155,9 @@ def call_op(
     if isinstance(out, (tuple, list)):
         slots = _grad_tensor_slots(out)
         if slots:
-            marked = _replace(out, slots, _PushOnBackward.apply(bwd_name, keepalive, *(out[i] for i in slots)))
+            marked = _replace(
+                out, slots, _PushOnBackward.apply(bwd_name, keepalive, *(out[i] for i in slots))
+            )
             return type(out)(marked)
     return out
 
@@ -177,7 +176,12 @@ def instrumented_class(cls: type[torch.nn.Module], op: str) -> type[torch.nn.Mod
         sub = type(
             f"Instrumented{cls.__name__}",
             (cls,),
-            {"forward": forward, "autotuner_op": op, "__module__": __name__, "__qualname__": f"Instrumented{cls.__name__}"},
+            {
+                "forward": forward,
+                "autotuner_op": op,
+                "__module__": __name__,
+                "__qualname__": f"Instrumented{cls.__name__}",
+            },
         )
         _CLASS_CACHE[key] = sub
     return _CLASS_CACHE[key]
@@ -206,7 +210,8 @@ def instrumented_function(fn: Callable[..., Any], op: str) -> Callable[..., Any]
 
 
 def instrumented_factory(factory: Callable[..., Callable[..., Any]], op: str) -> Callable[..., Any]:
-    """Wrap a function factory (Megatron's ``get_bias_dropout_add``) so the functions it returns run as ``op``."""
+    """Wrap a function factory (Megatron's ``get_bias_dropout_add``) so the functions it returns run
+    as ``op``."""
     if getattr(factory, "autotuner_op", None) == op:
         return factory
 

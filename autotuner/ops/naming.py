@@ -18,7 +18,8 @@ from dataclasses import dataclass
 PHASES = ("forward", "backward")
 
 _RANGE_RE = re.compile(
-    r"^(?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) \[(?P<point>[^\]]+)\] #(?P<warmup>w?)(?P<iteration>\d+)$"
+    r"^(?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) "
+    r"\[(?P<point>[^\]]+)\] #(?P<warmup>w?)(?P<iteration>\d+)$"
 )
 
 

@@ -75,7 +75,9 @@ def register_op(
 ) -> Callable[[Callable[[OpContext, ShapePoint], OpCall]], Callable[[OpContext, ShapePoint], OpCall]]:
     """Register an op builder under ``name`` (and its aliases); the docstring becomes its description."""
 
-    def decorate(build: Callable[[OpContext, ShapePoint], OpCall]) -> Callable[[OpContext, ShapePoint], OpCall]:
+    def decorate(
+        build: Callable[[OpContext, ShapePoint], OpCall],
+    ) -> Callable[[OpContext, ShapePoint], OpCall]:
         if name in REGISTRY:
             raise ValueError(f"op {name!r} registered twice")
         REGISTRY[name] = OpTest(

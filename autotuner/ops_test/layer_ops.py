@@ -30,7 +30,9 @@ def _heads(ctx: OpContext) -> tuple[int, int, int]:
     )
 
 
-def split_mixed_qkv(attention: Any, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_mixed_qkv(
+    attention: Any, mixed_qkv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split linear_qkv's output into q [s,b,nq,d], k and v [s,b,nkv,d], as
     ``SelfAttention.get_query_key_value_tensors`` does after calling linear_qkv (TP=1 layout)."""
     groups = attention.num_query_groups_per_partition
@@ -111,7 +113,9 @@ def self_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     """SelfAttention: linear_qkv, RoPE, core attention and linear_proj."""
     attention = ctx.layer.self_attention
     mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
-    return OpCall(lambda h: attention(h, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), attention)
+    return OpCall(
+        lambda h: attention(h, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), attention
+    )
 
 
 @register_op("linear_qkv", aliases=("qkv",))
@@ -146,7 +150,9 @@ def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     inputs = (ctx.randn(q_shape, "query"), ctx.randn(kv_shape, "key"), ctx.randn(kv_shape, "value"))
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return module(q, k, v, mask, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=None)
+        return module(
+            q, k, v, mask, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=None
+        )
 
     return OpCall(call, inputs, module)
 
@@ -207,7 +213,9 @@ def linear_fc2(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The MLP down projection (row-parallel)."""
     linear = ctx.layer.mlp.linear_fc2
     width = ctx.config.ffn_hidden_size // ctx.config.tensor_model_parallel_size
-    return OpCall(linear, (ctx.randn((point.seq_len, point.micro_batch_size, width), "activation_out"),), linear)
+    return OpCall(
+        linear, (ctx.randn((point.seq_len, point.micro_batch_size, width), "activation_out"),), linear
+    )
 
 
 @register_op("mlp_bda")

@@ -17,11 +17,14 @@ def embedding(ctx: OpContext, point: ShapePoint) -> OpCall:
 
 @register_op("transformer_block", aliases=("TransformerBlock",), needs=(BLOCK, EMBEDDING, HEAD))
 def transformer_block(ctx: OpContext, point: ShapePoint) -> OpCall:
-    """A TransformerBlock of ``transformer_block_layers`` layers plus the final norm (the last pipeline stage)."""
+    """A TransformerBlock of ``transformer_block_layers`` layers plus the final norm (as in the last
+    pipeline stage)."""
     block = ctx.model.decoder
     mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
     return OpCall(
-        lambda x: block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), block
+        lambda x: block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary),
+        (ctx.hidden(point),),
+        block,
     )
 
 
@@ -42,4 +45,8 @@ def output_layer(ctx: OpContext, point: ShapePoint) -> OpCall:
         logits, _ = model.output_layer(hidden, weight=weight)
         return model.compute_language_model_loss(labels, logits)
 
-    return OpCall(instrumented_function(head, "output_layer"), (ctx.hidden(point), ctx.token_ids(point)), model.output_layer)
+    return OpCall(
+        instrumented_function(head, "output_layer"),
+        (ctx.hidden(point), ctx.token_ids(point)),
+        model.output_layer,
+    )

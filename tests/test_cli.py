@@ -1,0 +1,187 @@
+"""The command line end to end: the get_data run, bad input, --help, multirun, failures, interruption."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotuner.main import run
+from autotuner.op_mapping import OP_ORDER
+from autotuner.results import COLUMNS, load_rows
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3", "progress=false"]
+
+
+def _check_files(run_dir: Path) -> list[dict]:
+    rows = load_rows(run_dir / "results.jsonl")
+    with open(run_dir / "results.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["op"] for r in table] == [r["op"] for r in rows]
+    assert list(table[0]) == COLUMNS if table else True
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny_get_data")
+    assert run(["case=tiny", "launcher=get_data", f"hydra.run.dir={run_dir}", *FAST]) == 0
+    return run_dir
+
+
+def test_tiny_run_has_every_op_phase_and_point(tiny_run: Path):
+    rows = _check_files(tiny_run)
+    keys = {(r["op"], r["phase"], r["point"]) for r in rows}
+    expected = {
+        (op, phase, point)
+        for op in OP_ORDER
+        for phase in ("forward", "backward")
+        for point in ("s32_b2", "s64_b2")
+    }
+    assert keys == expected and len(rows) == len(expected)
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["samples"] >= 2 and 0 < row["min_us"] <= row["median_us"]
+        assert row["peak_bytes"] >= 0 and row["device"] == "cpu" and row["dtype"] == "fp32"
+    gemm = [r for r in rows if r["op"] == "linear_qkv"]
+    assert all(r["flops"] > 0 and r["tflops"] > 0 for r in gemm)
+
+
+def test_run_directory_records_how_to_reproduce(tiny_run: Path):
+    record = json.loads((tiny_run / "environment.json").read_text())
+    env = record["environment"]
+    assert env["torch"] and env["megatron_core"] and env["transformers"] and env["device_name"]
+    assert record["transformer_config"]["num_query_groups"] == 2
+    assert (tiny_run / ".hydra" / "config.yaml").exists() and (
+        tiny_run / ".hydra" / "overrides.yaml"
+    ).exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["case=nope"], "unknown case 'nope'"),
+        (["ops=[linear_qkv,fc3]"], "unknown op 'fc3'"),
+        (["launcher=perf"], "unknown launcher"),
+        (["foo=1"], "Could not override 'foo'"),
+        (["timing.warmups=1"], "timing.warmups"),
+        (["hf.hiden_size=1"], "hiden_size"),
+        (["tf.num_layer=1"], "num_layer"),
+        (["hf.num_attention_heads=3", "hf.head_dim=null"], "not a multiple of the number of attention heads"),
+        (["hf.num_key_value_heads=3"], "does not divide num_attention_heads"),
+        (["shapes.seq_len=[0]"], "positive integers"),
+        (["shapes.micro_batch_size=[-2]"], "positive integers"),
+        (["shapes.seq_len=[100000]"], "max_position_embeddings"),
+        (["device=tpu"], "unknown device"),
+        (["dtype=int8"], "unknown dtype"),
+        (["tf.tensor_model_parallel_size=3"], "does not divide"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
+    assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autotuner: error:") and message in err[0], err
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_bad_input_from_a_real_process():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotuner.main", "case=llama8"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown case 'llama8'" in proc.stderr
+
+
+def test_help_lists_cases_and_ops(capsys):
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("llama7b", "llama70b", "mistral7b", "tiny", "core_attention", "mlp_bda", "launcher:"):
+        assert name in out
+
+
+def test_failing_op_is_recorded_and_the_plan_goes_on(tmp_path, capsys):
+    from autotuner.ops_test.base import REGISTRY, register_op
+
+    @register_op("always_fails")
+    def always_fails(ctx, point):
+        """An op whose build raises."""
+        raise RuntimeError("out of memory (simulated)\nsecond line")
+
+    try:
+        code = run(
+            [
+                "case=tiny",
+                "ops=[always_fails,linear_qkv]",
+                "shapes.seq_len=[8]",
+                f"hydra.run.dir={tmp_path}",
+                *FAST,
+            ]
+        )
+    finally:
+        del REGISTRY["always_fails"]
+    assert code == 1  # some op failed
+    rows = {(r["op"], r["phase"]): r for r in _check_files(tmp_path)}
+    assert rows[("always_fails", "forward")]["status"] == "failed"
+    assert rows[("always_fails", "backward")]["error"] == "RuntimeError: out of memory (simulated)"
+    assert rows[("linear_qkv", "backward")]["status"] == "ok"
+
+
+def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
+    overrides = ["ops=[transformer_layer]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]"]
+    assert run(["-m", "case=tiny,llama7b", f"hydra.sweep.dir={tmp_path}", *overrides, *FAST]) == 0
+    jobs = {p.name.split("_", 1)[1]: p for p in tmp_path.iterdir() if p.is_dir()}
+    assert set(jobs) == {"tiny_get_data", "llama7b_get_data"}
+    llama = load_rows(jobs["llama7b_get_data"] / "results.jsonl")
+    assert {r["status"] for r in llama} == {"ok"}
+    assert llama[0]["weight_bytes"] == 202_383_360 * 4  # one Llama-2-7B layer in fp32
+
+
+def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
+    args = [
+        "case=tiny",
+        f"hydra.run.dir={tmp_path}",
+        "timing.budget_s=0.3",
+        "timing.max_samples=1000",
+        "progress=false",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotuner.main", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    results = tmp_path / "results.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if results.exists() and len(results.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = _check_files(tmp_path)
+    assert 4 <= len(before) < 2 * len(OP_ORDER) * 2
+
+    assert (
+        run([*args, "resume=true", "timing.budget_s=0", "timing.max_samples=2", "timing.min_samples=1"]) == 0
+    )
+    after = _check_files(tmp_path)
+    assert len(after) == len(OP_ORDER) * 2 * 2 and len(
+        {(r["op"], r["phase"], r["point"]) for r in after}
+    ) == len(after)
+    kept = {(r["op"], r["phase"], r["point"]): r["median_us"] for r in after}
+    for row in before:  # measured rows were kept, not measured again
+        if row["status"] == "ok":
+            assert kept[(row["op"], row["phase"], row["point"])] == row["median_us"]

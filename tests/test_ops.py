@@ -1,0 +1,85 @@
+"""The ops: each sees the inputs it sees inside the model (the chaining test), the registry resolves
+names and aliases, and the model built holds exactly the parameters the mapping predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotuner.errors import UserError
+from autotuner.hf_to_megatron import layer_parameter_count, model_parameter_count
+from autotuner.op_mapping import OP_ORDER, model_parts, resolve_ops
+from autotuner.ops_test.base import ShapePoint
+
+
+def test_chained_sub_ops_reproduce_the_layer(tiny_session):
+    """Feed each sub-op of one TransformerLayer what the previous returned; the result must be the layer's."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from autotuner.ops_test import layer_ops
+
+    model, ctx = tiny_session
+    layer, point = ctx.layer, ShapePoint(24, 3)
+    x = ctx.hidden(point)
+    mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
+    expected, _ = layer(x, attention_mask=mask, rotary_pos_emb=rotary)
+
+    attention, mlp = layer.self_attention, layer.mlp
+    normed = layer.input_layernorm(x)
+    mixed, _ = attention.linear_qkv(normed)
+    q, k, v = layer_ops.split_mixed_qkv(attention, mixed)
+    q, k = layer_ops.rope_call(ctx, point)(q, k)
+    context = attention.core_attention(
+        q, k, v, mask, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=None
+    )
+    projected, proj_bias = attention.linear_proj(context)
+    hidden = layer_ops.bda_call(layer, "self_attn_bda", proj_bias)(projected, x)
+    fc1, _ = mlp.linear_fc1(layer.pre_mlp_layernorm(hidden))
+    fc2, fc2_bias = mlp.linear_fc2(layer_ops.activation_call(ctx)(fc1))
+    chained = layer_ops.bda_call(layer, "mlp_bda", fc2_bias)(fc2, hidden)
+
+    assert chained.shape == expected.shape
+    torch.testing.assert_close(chained, expected, rtol=0, atol=1e-5)
+
+
+def test_every_op_builds_and_runs_forward_and_backward(tiny_session, tiny_spec):
+    from autotuner.runner import Phase
+
+    _, ctx = tiny_session
+    point = ShapePoint(16, 2)
+    assert [t.name for t in tiny_spec.ops] == list(OP_ORDER)
+    for test in tiny_spec.ops:
+        call = test.build(ctx, point)
+        Phase("forward", call, 0).run()
+        backward = Phase("backward", call, 0)
+        backward.prepare()
+        backward.run()
+        grads = [t.grad for t in call.inputs if t.requires_grad]
+        assert grads and all(g is not None for g in grads) or test.name == "embedding", test.name
+
+
+def test_built_model_parameters_match_the_mapping(tiny_session, tiny_spec):
+    model, _ = tiny_session
+    tf = tiny_spec.tf_config
+    args = tiny_spec.model_args
+    built = sum(p.numel() for p in model.parameters())
+    assert built == model_parameter_count(tf, args.vocab_size, args.tie_word_embeddings)
+    layer = model.decoder.layers[0]
+    assert sum(p.numel() for p in layer.parameters()) == layer_parameter_count(tf)
+
+
+def test_names_aliases_and_selection():
+    names = [t.name for t in resolve_ops(["fc1_op", "TEDotProductAttention", "pre_layernorm", "self_attn"])]
+    assert names == ["input_layernorm", "self_attention", "core_attention", "linear_fc1"]  # model order
+    assert [t.name for t in resolve_ops(None)] == list(OP_ORDER)
+    with pytest.raises(UserError, match="unknown op 'fc3'"):
+        resolve_ops(["fc3"])
+
+
+def test_only_the_needed_parts_are_built():
+    layer_only = model_parts(resolve_ops(["linear_qkv", "mlp"]), block_layers=2, tied_embeddings=False)
+    assert (layer_only.num_layers, layer_only.pre_process, layer_only.post_process) == (1, False, False)
+    head = model_parts(resolve_ops(["output_layer"]), block_layers=2, tied_embeddings=True)
+    assert head.post_process and head.pre_process  # a tied output layer reads the embedding's weight
+    block = model_parts(resolve_ops(["transformer_block"]), block_layers=3, tied_embeddings=False)
+    assert block.num_layers == 3
