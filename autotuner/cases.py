@@ -26,8 +26,7 @@ class Case:
 
     name: str
     hf_fields: dict[str, Any]
-    seq_len: list[int]
-    micro_batch_size: list[int]
+    shapes: dict[str, Any]
     path: Path
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -96,11 +95,14 @@ def _parse_case(name: str, path: Path) -> Case:
             )
         hf_fields = json.loads(config_json.read_text())
     shapes = data.get("shapes") or {}
+    if not isinstance(shapes, dict):
+        raise UserError(
+            f"case file {path}: shapes must be a mapping (seq_len, micro_batch_size, generator, ...)"
+        )
     return Case(
         name=name,
         hf_fields=hf_fields,
-        seq_len=list(shapes.get("seq_len", [])),
-        micro_batch_size=list(shapes.get("micro_batch_size", [])),
+        shapes=shapes,
         path=path,
         description=str(data.get("description", "")),
     )

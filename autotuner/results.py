@@ -19,7 +19,14 @@ status, error          ``ok``; ``failed`` with the error's one-line text; ``skip
 samples                number of timed samples behind the statistics
 median_us, iqr_us,     statistics of the per-sample times, microseconds
 min_us, mean_us
-stop_reason            why sampling stopped (budget, max_samples; the launcher's name otherwise)
+stop_reason            why sampling stopped: precision (the median's CI reached the target), budget,
+                       max_samples; the launcher's name for profiler launchers
+rel_ci                 width of the median's 95% confidence interval over the median
+warnings               ``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..),
+                       drift(+..%), ci_target_missed
+calls_per_sample       back-to-back calls per timed sample (forward of short ops; 1 otherwise)
+input_sets             copies of the inputs the samples cycled through (cache-resident inputs)
+cache_flush            whether the last-level cache was flushed before every sample
 weight_bytes           the op's parameters (each storage once)
 activation_bytes       forward rows: bytes autograd saved for backward, excluding parameters
 peak_bytes             peak bytes in use during the phase above those in use when it began
@@ -57,6 +64,11 @@ COLUMNS = [
     "min_us",
     "mean_us",
     "stop_reason",
+    "rel_ci",
+    "warnings",
+    "calls_per_sample",
+    "input_sets",
+    "cache_flush",
     "weight_bytes",
     "activation_bytes",
     "peak_bytes",

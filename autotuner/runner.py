@@ -35,6 +35,7 @@ class RunSpec:
     seed: int
     block_layers: int
     use_transformer_engine: bool = False
+    threads: int = 0
     phases: tuple[str, ...] = PHASES
     notes: list[str] = field(default_factory=list)
 
@@ -54,12 +55,17 @@ class Phase:
     * backward: ``prepare`` clears the gradients and runs a fresh forward; ``run`` is the backward alone,
       from seeded random output gradients. Backward is measured on its own, never as a difference of
       forward+backward and forward.
+
+    :meth:`rotate` makes copies of the inputs that successive calls cycle through, so an op whose inputs
+    fit in the cache does not read them from cache in every sample (as it would not inside the model).
     """
 
     def __init__(self, name: str, call: OpCall, seed: int) -> None:
         self.name = name
         self.call = call
         self.seed = seed
+        self.input_sets: list[tuple[torch.Tensor, ...]] = [call.inputs]
+        self._next = 0
         self._outputs: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] | None = None
         self.prepare: Callable[[], Any] | None = None if name == "forward" else self._forward_for_backward
@@ -69,20 +75,37 @@ class Phase:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.call.module.parameters()) if self.call.module is not None else []
 
+    @property
+    def input_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.call.inputs)
+
+    def rotate(self, sets: int) -> None:
+        """Cycle through ``sets`` copies of the inputs (the original included)."""
+        copies = [
+            tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in self.call.inputs)
+            for _ in range(max(sets, 1) - 1)
+        ]
+        self.input_sets = [self.call.inputs, *copies]
+
+    def _inputs(self) -> tuple[torch.Tensor, ...]:
+        inputs = self.input_sets[self._next % len(self.input_sets)]
+        self._next += 1
+        return inputs
+
     def _forward(self) -> Any:
-        return self.call.fn(*self.call.inputs)
+        return self.call.fn(*self._inputs())
 
     def _forward_for_backward(self) -> None:
-        for tensor in (*self.call.inputs, *self.parameters):
+        inputs = self._inputs()
+        for tensor in (*inputs, *self.parameters):
             tensor.grad = None
-        outputs = [t for t in _tensors(self._forward()) if t.requires_grad]
+        outputs = [t for t in _tensors(self.call.fn(*inputs)) if t.requires_grad]
         if not outputs:
             raise RuntimeError("the op's outputs need no gradient: it has no backward")
         if self._grads is None:
             gen = torch.Generator().manual_seed(self.seed)
             self._grads = [
-                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
-                for t in outputs
+                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype) for t in outputs
             ]
         self._outputs = outputs
 

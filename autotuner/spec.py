@@ -8,24 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from autotuner import cases
 from autotuner.errors import UserError
 from autotuner.hf_to_megatron import map_hf_config
-from autotuner.ops_test.base import OpContext, ShapePoint
+from autotuner.ops_test.base import OpContext
 from autotuner.runner import RunSpec
 from autotuner.runtime import DTYPES, resolve_device, resolve_dtype
-
-
-def _positive_list(values: Any, name: str) -> list[int]:
-    values = list(values)
-    if not values:
-        raise UserError(f"{name} is empty: give at least one value, e.g. {name}=[256]")
-    for value in values:
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UserError(f"{name} must hold positive integers, got {value!r}: fix {name}=[...]")
-    return values
+from autotuner.shapes import generate_points, merge
 
 
 def resolve_spec(cfg: DictConfig) -> RunSpec:
@@ -37,13 +29,6 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     case = cases.load_case(cfg.case, cfg.case_dir)
     hf_overrides = OmegaConf.to_container(cfg.hf, resolve=True) or {}
     tf_overrides = OmegaConf.to_container(cfg.tf, resolve=True) or {}
-    seq_lens = _positive_list(
-        cfg.shapes.seq_len if cfg.shapes.seq_len is not None else case.seq_len, "shapes.seq_len"
-    )
-    batches = _positive_list(
-        cfg.shapes.micro_batch_size if cfg.shapes.micro_batch_size is not None else case.micro_batch_size,
-        "shapes.micro_batch_size",
-    )
     if cfg.transformer_block_layers <= 0:
         raise UserError("transformer_block_layers must be positive: set transformer_block_layers=2")
     timing = cfg.timing
@@ -51,37 +36,42 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         timing.warmup < 0
         or timing.min_samples < 1
         or timing.max_samples < timing.min_samples
-        or timing.budget_s < 0
+        or min(timing.budget_s, timing.target_rel_ci, timing.min_block_s, timing.threads) < 0
+        or timing.check_every < 1
     ):
         raise UserError(
-            "timing needs warmup >= 0, 1 <= min_samples <= max_samples and budget_s >= 0: fix timing.*"
+            "timing needs warmup >= 0, 1 <= min_samples <= max_samples, check_every >= 1 and budget_s, "
+            "target_rel_ci, min_block_s, threads >= 0: fix timing.*"
         )
     ops = resolve_ops(list(cfg.ops))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cases.build_hf_config(case.hf_fields, hf_overrides)
     args = map_hf_config(hf_config)
-    too_long = [s for s in seq_lens if s > args.max_sequence_length]
+    quiet_megatron_import()
+    tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
+    tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
+    shapes = merge(case.shapes, OmegaConf.to_container(cfg.shapes, resolve=True))
+    points = generate_points(shapes, sequence_multiple=tp if tf_config.sequence_parallel else 1)
+    too_long = sorted({p.seq_len for p in points if p.seq_len > args.max_sequence_length})
     if too_long:
         raise UserError(
             f"shapes.seq_len {too_long} exceed max_position_embeddings={args.max_sequence_length}: "
             "use shorter sequences or raise hf.max_position_embeddings"
         )
-    quiet_megatron_import()
-    tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
-    tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
     use_te = device.type == "cuda" and model_lib.transformer_engine_available()
     return RunSpec(
         case=cfg.case,
         model_args=args,
         tf_config=tf_config,
         ops=ops,
-        points=[ShapePoint(s, b) for s in seq_lens for b in batches],
+        points=points,
         device=device,
         dtype=dtype,
         seed=int(cfg.seed),
         block_layers=int(cfg.transformer_block_layers),
         use_transformer_engine=use_te,
+        threads=int(timing.threads),
         notes=list(args.notes),
     )
 
@@ -93,6 +83,8 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     from autotuner.op_mapping import model_parts
     from autotuner.runtime import init_parallel, seed_everything
 
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
     if spec.device.type == "cpu":
         cpu_bridges.apply()
     init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)

@@ -55,7 +55,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
                 str(row.get("point", "")),
                 str(row.get("op", "")),
                 str(row.get("phase", "")),
-                _time(row.get("median_us")) if ok else "-",
+                (_time(row.get("median_us")) + (" !" if row.get("warnings") else "")) if ok else "-",
                 _time(row.get("iqr_us")) if ok else "-",
                 str(row.get("samples") or "-"),
                 _num(row.get("tflops"), ".3f") if ok else "-",
@@ -78,4 +78,6 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
     out = [fmt(headers), fmt(["-" * w for w in widths])]
     out.extend(fmt(line) for line in lines)
+    if any(row.get("warnings") for row in rows):
+        out.append("! the sampler raised warnings for this row (see the warnings column of results.csv)")
     return "\n".join(out)

@@ -95,7 +95,7 @@ def test_user_case_dir_and_config_json_folder(tmp_path: Path):
     )
     assert "mymodel" in cases.available_cases(str(tmp_path))
     case = cases.load_case("mymodel", str(tmp_path))
-    assert case.hf_fields["hidden_size"] == 96 and case.seq_len == [8]
+    assert case.hf_fields["hidden_size"] == 96 and case.shapes["seq_len"] == [8]
     # built-in cases stay reachable beside the user's
     assert cases.load_case("tiny", str(tmp_path)).hf_fields["hidden_size"] == 64
 

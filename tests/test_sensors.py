@@ -81,18 +81,73 @@ def test_flop_counter_on_a_matmul():
     assert count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
 
 
-def test_timer_measures_a_known_sleep_and_stops_on_budget():
-    policy = SamplingPolicy(warmup=1, min_samples=4, max_samples=1000, budget_s=0.05)
-    measurement = sample(DeviceTimer(CPU), lambda: time.sleep(0.004), policy)
-    assert measurement.stop_reason == "budget"
-    assert 4 <= measurement.samples < 40
-    assert 4.0e6 <= measurement.median_ns < 4.0e6 * 3  # a sleep never returns early
+def _sleep(seconds: float):
+    return lambda: time.sleep(seconds)
 
 
-def test_timer_excludes_the_prepare_step():
-    policy = SamplingPolicy(warmup=0, min_samples=3, max_samples=3, budget_s=0)
-    measurement = sample(DeviceTimer(CPU), lambda: None, policy, prepare=lambda: time.sleep(0.01))
-    assert measurement.stop_reason == "max_samples" and measurement.median_ns < 5e6
+def test_sampler_stops_on_precision_for_a_steady_op():
+    policy = SamplingPolicy(warmup=1, min_samples=5, budget_s=10, target_rel_ci=0.05)
+    measurement = sample(DeviceTimer(CPU), _sleep(0.002), policy)
+    assert measurement.stop_reason == "precision"
+    assert measurement.rel_ci <= 0.05 and measurement.samples >= 6
+    assert 2.0e6 <= measurement.median_ns < 2.0e6 * 3  # a sleep never returns early
+    assert "ci_target_missed" not in measurement.warnings
+
+
+def test_sampler_stops_on_budget_when_the_target_is_out_of_reach():
+    policy = SamplingPolicy(warmup=0, min_samples=5, budget_s=0.05, target_rel_ci=0.0)
+    measurement = sample(DeviceTimer(CPU), _sleep(0.004), policy)
+    assert measurement.stop_reason == "budget" and 5 <= measurement.samples < 40
+    assert "ci_target_missed" in measurement.warnings
+
+
+def test_sampler_stops_at_max_samples_and_honours_min_samples():
+    capped = sample(DeviceTimer(CPU), _sleep(0.0005), SamplingPolicy(warmup=0, max_samples=7, budget_s=60, target_rel_ci=0))
+    assert capped.stop_reason == "max_samples" and capped.samples == 7
+    floor = sample(DeviceTimer(CPU), _sleep(0.0005), SamplingPolicy(warmup=0, min_samples=12, target_rel_ci=10))
+    assert floor.stop_reason == "precision" and floor.samples >= 12
+
+
+def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
+    x = torch.randn(16)
+    blocked = sample(DeviceTimer(CPU), lambda: x + 1, SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001))
+    assert blocked.calls_per_sample > 1 and blocked.median_ns < 1e6
+    prepared = sample(
+        DeviceTimer(CPU), lambda: None, SamplingPolicy(warmup=0, max_samples=3, budget_s=60), prepare=_sleep(0.01)
+    )
+    assert prepared.calls_per_sample == 1 and prepared.median_ns < 5e6  # the 10 ms prepare is not timed
+
+
+def test_warnings_flag_a_noisy_op_and_a_drifting_op():
+    calls = []
+
+    def noisy():
+        calls.append(1)
+        time.sleep(0.001 if len(calls) % 2 else 0.004)
+
+    policy = SamplingPolicy(warmup=0, min_samples=20, max_samples=20, budget_s=60, target_rel_ci=0)
+    noisy_warnings = sample(DeviceTimer(CPU), noisy, policy).warnings
+    assert any(w.startswith("noisy") for w in noisy_warnings)
+
+    delay = [0.001]
+
+    def drifting():
+        delay[0] *= 1.06  # 20 calls: the last third is about 2.5x slower than the first
+        time.sleep(delay[0])
+
+    drift_warnings = sample(DeviceTimer(CPU), drifting, policy).warnings
+    assert any(w.startswith("drift(+") for w in drift_warnings)
+    steady = Measurement(times_ns=[100.0] * 30, stop_reason="precision", target_rel_ci=0.02)
+    assert steady.warnings == [] and Measurement(times_ns=[1.0] * 4).warnings[0] == "few_samples(4)"
+
+
+def test_median_confidence_interval_from_order_statistics():
+    from autotuner.measure.timer import median_ci
+
+    assert median_ci([1, 2, 3, 4, 5]) is None
+    values = list(range(1, 101))
+    low, high = median_ci(values)
+    assert low < 50.5 < high and (low, high) == (41, 60)
 
 
 def test_measurement_statistics():

@@ -1,20 +1,35 @@
-"""Timing one phase of one op: device-correct timers, warm-up, repeated samples, plain-data results.
+"""Timing one phase of one op: device-correct timers, adaptive sampling, plain-data results.
 
-Gotchas this guards against:
+Gotchas this guards against (and records in the row, so a reader knows they were guarded):
 
 * Asynchronous devices. On CUDA, ``time.perf_counter`` around a call measures how long the host took to
   *launch* the kernels, not how long they ran. We record CUDA events on the stream before and after the
-  call and read the elapsed time between them after synchronising, so host launch time is never reported
-  as op time. On CPU the op runs synchronously and ``perf_counter_ns`` brackets it.
+  call and read the elapsed time after synchronising, so host launch time is never reported as op time.
+  On CPU the op runs synchronously and ``perf_counter_ns`` brackets it.
 * Work that belongs to the next sample. Each sample may have an untimed ``prepare`` step (the backward
-  phase runs its forward there, then the timed call is the backward alone); we synchronise after
-  ``prepare`` so none of its queued kernels leak into the timed window.
-* Cold starts. Warm-up calls (first-call allocations, lazy initialisation, caches, the allocator growing
-  its pool) run before any sample is kept.
+  phase runs its forward there; the timed call is the backward alone); we synchronise after ``prepare``
+  so none of its queued kernels leak into the timed window.
+* Timer overhead on short ops. An event pair plus a synchronisation costs single to low double digit
+  microseconds on a GPU, ``perf_counter_ns`` well under one on a CPU. Where there is no ``prepare`` (the
+  forward phase) a sample is a block of back-to-back calls sized so that the block lasts at least
+  ``min_block_s``, and the sample is the block's time divided by its calls.
+* Warm caches. With ``flush_cache`` each sample starts after a write over a buffer twice the size of the
+  last-level cache (GPU L2, CPU LLC; autotuner.measure.cache) in the untimed step, so no sample reads the
+  previous sample's data from cache; blocks are then one call. Without it, small inputs are rotated
+  instead (autotuner.runner.Phase): each call reads a different copy.
+* Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
+  run before any sample is kept.
+
+Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` until the
+95% confidence interval of the median is narrower than ``target_rel_ci`` of the median ("precision"), or
+the time budget runs out ("budget"), or ``max_samples`` were taken ("max_samples"); at least
+``min_samples`` are always taken. The interval is distribution-free (order statistics), so a skewed or
+bimodal distribution of times does not fool it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -23,14 +38,36 @@ from typing import Any
 
 import torch
 
+# Warning thresholds (documented in the README's table of warnings).
+NOISY_IQR_FRACTION = 0.10
+DRIFT_FRACTION = 0.10
+FEW_SAMPLES = 10
+
+
+def median_ci(sorted_times: list[float], z: float = 1.96) -> tuple[float, float] | None:
+    """Distribution-free 95% confidence interval of the median from order statistics (None if n < 6).
+
+    The ranks ``n/2 -+ z*sqrt(n)/2`` come from the normal approximation of the binomial count of samples
+    below the median.
+    """
+    n = len(sorted_times)
+    if n < 6:
+        return None
+    half = z * math.sqrt(n) / 2
+    lower = max(0, math.floor(n / 2 - half))
+    upper = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return sorted_times[lower], sorted_times[upper]
+
 
 @dataclass
 class Measurement:
-    """Raw per-sample times of one (op, phase, point) plus derived statistics. Times in nanoseconds."""
+    """Raw per-call times of one (op, phase, point) plus derived statistics. Times in nanoseconds."""
 
-    times_ns: list[int] = field(default_factory=list)
+    times_ns: list[float] = field(default_factory=list)
+    calls_per_sample: int = 1
     warmup: int = 0
     stop_reason: str = ""
+    target_rel_ci: float = 0.0
 
     @property
     def samples(self) -> int:
@@ -55,12 +92,46 @@ class Measurement:
         q1, _, q3 = statistics.quantiles(self.times_ns, n=4, method="inclusive")
         return float(q3 - q1)
 
+    @property
+    def rel_ci(self) -> float | None:
+        """Width of the median's 95% confidence interval over the median (None: too few samples)."""
+        interval = median_ci(sorted(self.times_ns))
+        if interval is None or self.median_ns <= 0:
+            return None
+        return (interval[1] - interval[0]) / self.median_ns
+
+    @property
+    def drift(self) -> float | None:
+        """Change between the medians of the first and last thirds of the samples, over the median."""
+        third = self.samples // 3
+        if third < 3 or self.median_ns <= 0:
+            return None
+        first = statistics.median(self.times_ns[:third])
+        last = statistics.median(self.times_ns[-third:])
+        return (last - first) / self.median_ns
+
+    @property
+    def warnings(self) -> list[str]:
+        """Reasons to distrust this measurement (empty when none)."""
+        found = []
+        if self.samples < FEW_SAMPLES:
+            found.append(f"few_samples({self.samples})")
+        if self.median_ns > 0 and self.iqr_ns / self.median_ns > NOISY_IQR_FRACTION:
+            found.append(f"noisy(iqr={self.iqr_ns / self.median_ns:.0%})")
+        drift = self.drift
+        if drift is not None and abs(drift) > DRIFT_FRACTION:
+            found.append(f"drift({drift:+.0%})")
+        rel_ci = self.rel_ci
+        if self.stop_reason != "precision" and (rel_ci is None or rel_ci > self.target_rel_ci):
+            found.append("ci_target_missed")
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class DeviceTimer:
-    """Times a single call on the device it runs on (see the module docstring)."""
+    """Times a single call (or a block of calls) on the device it runs on."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -69,28 +140,38 @@ class DeviceTimer:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def time_ns(self, run: Callable[[], Any]) -> int:
+    def time_ns(self, run: Callable[[], Any], calls: int = 1) -> int:
+        """Total time of ``calls`` back-to-back calls of ``run``."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            run()
+            for _ in range(calls):
+                run()
             end.record()
             end.synchronize()
             return int(start.elapsed_time(end) * 1e6)
         begin = time.perf_counter_ns()
-        run()
+        for _ in range(calls):
+            run()
         return time.perf_counter_ns() - begin
 
 
 @dataclass
 class SamplingPolicy:
-    """How many samples: warm-up calls, then at least ``min_samples`` and until ``budget_s`` of sampling
-    has passed or ``max_samples`` are taken."""
+    """How to sample (see the module docstring for what each guards against)."""
 
-    warmup: int = 2
+    warmup: int = 3
     min_samples: int = 5
-    max_samples: int = 100
-    budget_s: float = 1.0
+    max_samples: int = 1000
+    budget_s: float = 2.0
+    target_rel_ci: float = 0.02
+    check_every: int = 5
+    min_block_s: float = 0.0002
+
+
+def _block_size(timer: DeviceTimer, run: Callable[[], Any], policy: SamplingPolicy) -> int:
+    one_call = max(timer.time_ns(run), 1) * 1e-9
+    return max(1, min(1000, math.ceil(policy.min_block_s / one_call)))
 
 
 def sample(
@@ -98,24 +179,38 @@ def sample(
     run: Callable[[], Any],
     policy: SamplingPolicy,
     prepare: Callable[[], Any] | None = None,
+    flush: Callable[[], None] | None = None,
 ) -> Measurement:
-    """Warm up, then take timed samples of ``run`` (each after an untimed ``prepare``)."""
-    for _ in range(policy.warmup):
+    """Warm up, then take timed samples of ``run`` (each after an untimed ``prepare`` and ``flush``)
+    until the median is precise enough, the budget is spent, or ``max_samples`` are taken."""
+
+    def untimed() -> None:
         if prepare is not None:
             prepare()
+        if flush is not None:
+            flush()
+        timer.synchronize()
+
+    for _ in range(policy.warmup):
+        untimed()
         run()
-    measurement = Measurement(warmup=policy.warmup)
+    calls = 1 if (prepare is not None or flush is not None) else _block_size(timer, run, policy)
+    measurement = Measurement(calls_per_sample=calls, warmup=policy.warmup, target_rel_ci=policy.target_rel_ci)
     started = time.perf_counter()
     while True:
-        if prepare is not None:
-            prepare()
-        timer.synchronize()
-        measurement.times_ns.append(timer.time_ns(run))
+        for _ in range(min(policy.check_every, policy.max_samples - measurement.samples)):
+            untimed()
+            measurement.times_ns.append(timer.time_ns(run, calls) / calls)
         n = measurement.samples
+        if n >= policy.min_samples:
+            rel_ci = measurement.rel_ci
+            if rel_ci is not None and rel_ci <= policy.target_rel_ci:
+                measurement.stop_reason = "precision"
+                break
+            if time.perf_counter() - started >= policy.budget_s:
+                measurement.stop_reason = "budget"
+                break
         if n >= policy.max_samples:
             measurement.stop_reason = "max_samples"
-            break
-        if n >= policy.min_samples and time.perf_counter() - started >= policy.budget_s:
-            measurement.stop_reason = "budget"
             break
     return measurement

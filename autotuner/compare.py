@@ -1,0 +1,189 @@
+"""Compare runs: ``python -m autotuner.compare RUN_DIR [RUN_DIR ...]``, and the OSS benchmark JSON export.
+
+The table follows ``torch.utils.benchmark.Compare``: one table per op, a row per (phase, run) — runs are
+the "env" and group the rows — and a column per shape point. Times are trimmed to ``--digits``
+significant figures in one unit per table. The first run is the baseline: every other run's cell carries
+its speed-up over the baseline (``1.25x`` = 1.25 times faster), marked ``~`` where the two medians are
+within noise of each other (their distance is under the mean of their IQRs), so a reader does not
+mistake noise for a change.
+
+``--oss-json FILE`` writes the rows in the PyTorch OSS benchmark database format (as TorchAO's CI does):
+one record per (op, phase, shape point, metric).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from autotuner.errors import UserError
+from autotuner.results import load_rows
+
+OSS_METRICS = ("median_us", "tflops", "peak_bytes", "activation_bytes")
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """A run's rows and environment record; a folder without results is a UserError."""
+    path = Path(run_dir)
+    if not (path / "results.jsonl").is_file():
+        raise UserError(
+            f"{run_dir} has no results.jsonl: pass the directory of a finished or interrupted run"
+        )
+    env_file = path / "environment.json"
+    env = json.loads(env_file.read_text()) if env_file.is_file() else {}
+    return {"dir": path, "rows": load_rows(path / "results.jsonl"), "env": env}
+
+
+def _significant(value: float, digits: int) -> str:
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
+
+
+def _unit(values: list[float]) -> tuple[str, float]:
+    """One time unit for a whole table, chosen by its smallest value (as Compare does)."""
+    smallest = min(values) if values else 1.0
+    for name, scale in (("s", 1e6), ("ms", 1e3)):
+        if smallest >= scale:
+            return name, scale
+    return "us", 1.0
+
+
+def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two rows' medians differ by less than the mean of their IQRs."""
+    spread = ((a.get("iqr_us") or 0) + (b.get("iqr_us") or 0)) / 2
+    return abs(a["median_us"] - b["median_us"]) <= spread
+
+
+def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 3) -> str:
+    """The comparison tables, one per op, as text."""
+    index = {}
+    for label, run in zip(labels, runs, strict=True):
+        for row in run["rows"]:
+            if row.get("status") == "ok" and row.get("median_us") is not None:
+                index[(label, row["op"], row["phase"], row["point"])] = row
+    ops = list(dict.fromkeys(row["op"] for run in runs for row in run["rows"]))
+    points = list(dict.fromkeys(row["point"] for run in runs for row in run["rows"]))
+    blocks = []
+    for op in ops:
+        cells = [r["median_us"] for (_, o, _, _), r in index.items() if o == op]
+        if not cells:
+            continue
+        unit, scale = _unit(cells)
+        header = [f"[ {op} ]  ({unit})", *points]
+        lines = [header]
+        for phase in ("forward", "backward"):
+            for position, label in enumerate(labels):
+                line = [f"{phase:8} {label}"]
+                for point in points:
+                    row = index.get((label, op, phase, point))
+                    if row is None:
+                        line.append("-")
+                        continue
+                    text = _significant(row["median_us"] / scale, digits)
+                    base = index.get((labels[0], op, phase, point))
+                    if position and base is not None:
+                        speedup = base["median_us"] / row["median_us"]
+                        text += f" ({'~' if within_noise(base, row) else ''}{speedup:.2f}x)"
+                    if row.get("warnings"):
+                        text += " !"
+                    line.append(text)
+                lines.append(line)
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        blocks.append(
+            "\n".join(
+                "  ".join(
+                    c.ljust(w) if i == 0 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(line, widths, strict=True))
+                )
+                for line in lines
+            )
+        )
+    legend = (
+        f"baseline: {labels[0]}; (N.NNx) = speed-up over the baseline, ~ = within noise (IQR); "
+        "! = the sampler warned (see results.csv)"
+    )
+    return "\n\n".join([*blocks, legend])
+
+
+def oss_records(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's rows as PyTorch OSS benchmark database records (one per row and metric)."""
+    env = run["env"].get("environment", {})
+    records = []
+    for row in run["rows"]:
+        if row.get("status") != "ok":
+            continue
+        for metric in OSS_METRICS:
+            value = row.get(metric)
+            if value is None:
+                continue
+            records.append(
+                {
+                    "benchmark": {
+                        "name": "autotuner op benchmark",
+                        "mode": "training",
+                        "dtype": row["dtype"],
+                        "extra_info": {
+                            "device": row["device"],
+                            "arch": env.get("device_name"),
+                            "launcher": row["launcher"],
+                            "phase": row["phase"],
+                            "shape": row["point"],
+                        },
+                    },
+                    "model": {
+                        "name": f"{row['case']}.{row['op']}",
+                        "type": "megatron-core operator",
+                        "origins": ["autotuner"],
+                    },
+                    "metric": {
+                        "name": f"{row['phase']}_{metric}",
+                        "benchmark_values": [value],
+                        "target_value": None,
+                    },
+                    "runners": [
+                        {"name": env.get("hostname"), "type": row["device"], "arch": env.get("device_name")}
+                    ],
+                    "dependencies": {
+                        k: env.get(k) for k in ("torch", "megatron_core", "transformers") if env.get(k)
+                    },
+                }
+            )
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autotuner.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories (the first is the baseline)")
+    parser.add_argument("--labels", help="comma-separated names for the runs (default: their folder names)")
+    parser.add_argument("--digits", type=int, default=3, help="significant figures (default 3)")
+    parser.add_argument(
+        "--oss-json", help="also write every run's rows in the OSS benchmark JSON format here"
+    )
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(r) for r in args.runs]
+        labels = args.labels.split(",") if args.labels else [run["dir"].name for run in runs]
+        if len(labels) != len(runs):
+            raise UserError(
+                f"--labels names {len(labels)} runs but {len(runs)} were given: give one label per run"
+            )
+    except UserError as exc:
+        print(f"autotuner.compare: error: {exc}", file=sys.stderr)
+        return 2
+    print(render(runs, labels, args.digits))
+    if args.oss_json:
+        records = [record for run in runs for record in oss_records(run)]
+        Path(args.oss_json).write_text(json.dumps(records, indent=1) + "\n")
+        print(f"\n{len(records)} records in {args.oss_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""The device's last-level cache: its size, and a flush that evicts it between samples.
+
+On a GPU the last-level cache is L2 (``L2_cache_size`` of the device properties). On a CPU it is the
+largest cache the kernel reports in sysfs (usually the shared L3); 32 MiB where nothing is reported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_DEFAULT_CPU_CACHE = 32 * 2**20
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    sizes = []
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            sizes.append(_parse_size(size_file.read_text()))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=_DEFAULT_CPU_CACHE)
+
+
+class CacheFlusher:
+    """Writes over a buffer twice the last-level cache, so the next sample starts with a cold cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer = torch.empty(2 * last_level_cache_bytes(device), dtype=torch.uint8, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.zero_()

@@ -1,0 +1,77 @@
+"""The comparison table and the OSS benchmark JSON export, on runs with known numbers."""
+
+from __future__ import annotations
+
+import json
+
+from autotuner.compare import main, within_noise
+from autotuner.results import ResultsWriter
+
+
+def _run(tmp_path, name, medians, iqr=1.0):
+    writer = ResultsWriter(tmp_path / name)
+    for (op, phase, point), median in medians.items():
+        writer.write(
+            {
+                "case": "tiny",
+                "op": op,
+                "phase": phase,
+                "point": point,
+                "dtype": "fp32",
+                "device": "cpu",
+                "launcher": "get_data",
+                "status": "ok",
+                "median_us": median,
+                "iqr_us": iqr,
+                "tflops": 0.5,
+                "peak_bytes": 1024,
+            }
+        )
+    (tmp_path / name / "environment.json").write_text(
+        json.dumps({"environment": {"device_name": "Test CPU", "hostname": "h", "torch": "2.13.0"}})
+    )
+    return str(tmp_path / name)
+
+
+def test_table_speedups_noise_marks_and_significant_figures(tmp_path, capsys):
+    base = _run(
+        tmp_path, "base", {("mlp", "forward", "s8_b1"): 12345.678, ("mlp", "forward", "s16_b1"): 4000.0}
+    )
+    new = _run(tmp_path, "new", {("mlp", "forward", "s8_b1"): 6172.8, ("mlp", "forward", "s16_b1"): 4000.5})
+    assert main([base, new, "--labels", "main,branch"]) == 0
+    out = capsys.readouterr().out
+    assert "[ mlp ]  (ms)" in out
+    assert " 12.3 " in out  # 12345.678 us trimmed to 3 significant figures in ms
+    assert "6.17 (2.00x)" in out  # twice as fast, well outside the IQR
+    assert "4.00 (~1.00x)" in out  # 0.5 us apart with IQRs of 1 us: within noise
+
+
+def test_within_noise():
+    assert within_noise({"median_us": 10, "iqr_us": 2}, {"median_us": 11, "iqr_us": 2})
+    assert not within_noise({"median_us": 10, "iqr_us": 0.1}, {"median_us": 11, "iqr_us": 0.1})
+
+
+def test_oss_json_export(tmp_path):
+    run = _run(tmp_path, "one", {("linear_qkv", "backward", "s8_b1"): 50.0})
+    out = tmp_path / "oss.json"
+    assert main([run, "--oss-json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert {r["metric"]["name"] for r in records} == {
+        "backward_median_us",
+        "backward_tflops",
+        "backward_peak_bytes",
+    }
+    record = next(r for r in records if r["metric"]["name"] == "backward_median_us")
+    assert record["metric"]["benchmark_values"] == [50.0]
+    assert (
+        record["model"]["name"] == "tiny.linear_qkv" and record["benchmark"]["extra_info"]["shape"] == "s8_b1"
+    )
+    assert (
+        record["benchmark"]["extra_info"]["arch"] == "Test CPU"
+        and record["dependencies"]["torch"] == "2.13.0"
+    )
+
+
+def test_missing_run_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
