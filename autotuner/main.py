@@ -107,12 +107,35 @@ def _one_line(exc: BaseException) -> str:
     return "; ".join(lines[:3]) or type(exc).__name__
 
 
-def preflight(argv: list[str]) -> None:
-    """Compose and validate every job the command line asks for. Raises UserError."""
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose the config for one job's overrides without running it (also for tests and benchmarks).
+    Raises UserError for an unknown launcher or a bad override."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    overrides = _open_dict_overrides(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except MissingConfigException as exc:
+        if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in overrides):
+            raise UserError(
+                f"unknown launcher in {overrides}: use launcher=get_data, nsys or torch_profiler"
+            ) from exc
+        raise UserError(f"config not found: {_one_line(exc)}") from exc
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UserError(f"bad override: {_one_line(exc)}: see python -m autotuner.main --help") from exc
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and validate every job the command line asks for. Raises UserError."""
+    from hydra.errors import HydraException
 
     from autotuner.spec import resolve_spec
 
@@ -124,21 +147,7 @@ def preflight(argv: list[str]) -> None:
     except HydraException as exc:
         raise UserError(f"cannot parse the overrides: {_one_line(exc)}") from exc
     for job in jobs:
-        GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-                cfg = compose(config_name="config", overrides=job)
-        except MissingConfigException as exc:
-            if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in job):
-                raise UserError(
-                    f"unknown launcher in {job}: use launcher=get_data, nsys or torch_profiler"
-                ) from exc
-            raise UserError(f"config not found: {_one_line(exc)}") from exc
-        except (HydraException, OmegaConfBaseException) as exc:
-            raise UserError(f"bad override: {_one_line(exc)}: see python -m autotuner.main --help") from exc
-        finally:
-            GlobalHydra.instance().clear()
-        resolve_spec(cfg)
+        resolve_spec(compose_config(job))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
@@ -153,8 +162,20 @@ def _app(cfg: DictConfig) -> None:
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    if cfg.report and (run_dir / "results.jsonl").exists():
+        _report(run_dir)  # also after failed ops: the report lists them
     if code:
         raise SystemExit(code)
+
+
+def _report(run_dir: Path) -> None:
+    """Write the run's report. A report bug must never fail a measured run: it is one line on stderr."""
+    try:
+        from autotuner.report import write_report
+
+        print(f"report: {write_report(run_dir)}")
+    except Exception as exc:  # noqa: BLE001 - the measurements are on disk whatever happens here
+        print(f"autotuner: report not written: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
 
 
 def _open_dict_overrides(argv: list[str]) -> list[str]:

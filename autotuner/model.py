@@ -126,8 +126,10 @@ def build_model(
     parts: ModelParts,
     device: torch.device,
     use_transformer_engine: bool,
+    instrument: bool = True,
 ) -> Any:
-    """Build the instrumented GPTModel with only the requested parts, on ``device``."""
+    """Build the GPTModel with only the requested parts, on ``device``, instrumented unless told not to
+    (the instrumentation-overhead benchmark compares the two)."""
     from megatron.core.models.gpt import GPTModel
 
     config = dataclasses.replace(tf_config, num_layers=parts.num_layers)
@@ -144,7 +146,8 @@ def build_model(
         rotary_base=int(args.rotary_base),
     )
     model.to(device)
-    instrument_gpt(model)
+    if instrument:
+        instrument_gpt(model)
     return model
 
 

@@ -32,6 +32,10 @@ activation_bytes       forward rows: bytes autograd saved for backward, excludin
 peak_bytes             peak bytes in use during the phase above those in use when it began
 flops                  floating-point operations of the phase (torch.utils.flop_counter)
 tflops                 flops / median time, in 10^12 per second
+bytes_moved            counted minimum of bytes read and written (runner.Phase.bytes_moved)
+gbps                   bytes_moved / median time, in 10^9 per second (a lower bound of the traffic)
+bound, ceiling_fraction  with a calibration: compute or memory (which side of the ridge point the op's
+                       FLOPs per byte lie) and the achieved fraction of that calibrated ceiling
 num_threads            torch intra-op threads the phase ran with
 =====================  ===============================================================================
 """
@@ -74,6 +78,10 @@ COLUMNS = [
     "peak_bytes",
     "flops",
     "tflops",
+    "bytes_moved",
+    "gbps",
+    "bound",
+    "ceiling_fraction",
     "num_threads",
 ]
 

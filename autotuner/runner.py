@@ -79,6 +79,24 @@ class Phase:
     def input_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.call.inputs)
 
+    def bytes_moved(self) -> int:
+        """A counted minimum of the bytes the phase must move: every tensor it needs read once, every
+        tensor it makes written once. Forward: inputs, weights, outputs. Backward: the output gradients,
+        the inputs and weights (read to form the gradients), the input and weight gradients. Re-reads,
+        intermediates and saved activations other than the inputs are not counted, so the GB/s derived
+        from it is a lower bound of the traffic."""
+        weights = sum(p.numel() * p.element_size() for p in self.parameters)
+        if self.name == "forward":
+            outputs = _tensors(self.call.fn(*self.call.inputs))
+            return self.input_bytes + weights + sum(t.numel() * t.element_size() for t in outputs)
+        if self._grads is None:
+            self._forward_for_backward()
+            self._outputs = []
+        grad_outputs = sum(g.numel() * g.element_size() for g in self._grads or [])
+        grad_inputs = sum(t.numel() * t.element_size() for t in self.call.inputs if t.requires_grad)
+        weight_grads = sum(p.numel() * p.element_size() for p in self.parameters if p.requires_grad)
+        return grad_outputs + self.input_bytes + weights + grad_inputs + weight_grads
+
     def rotate(self, sets: int) -> None:
         """Cycle through ``sets`` copies of the inputs (the original included)."""
         copies = [
@@ -105,7 +123,8 @@ class Phase:
         if self._grads is None:
             gen = torch.Generator().manual_seed(self.seed)
             self._grads = [
-                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype) for t in outputs
+                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
+                for t in outputs
             ]
         self._outputs = outputs
 

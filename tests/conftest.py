@@ -53,19 +53,10 @@ def nsys_bin() -> str:
 @pytest.fixture(scope="session")
 def tiny_spec():
     """The validated RunSpec of case=tiny with every op (CPU, fp32)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from autotuner.config import register_configs
-    from autotuner.main import CONFIG_DIR
+    from autotuner.main import compose_config
     from autotuner.spec import resolve_spec
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["case=tiny", "device=cpu"])
-    GlobalHydra.instance().clear()
-    return resolve_spec(cfg)
+    return resolve_spec(compose_config(["case=tiny", "device=cpu"]))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ Per phase, in this order, each pass separate so no sensor disturbs another's num
 2. activation bytes (forward only): one forward under autograd's saved-tensor hooks;
 3. peak bytes: one run under the device's memory sensor;
 4. FLOPs: one run under torch's FLOP counter.
+Bytes moved (a counted minimum, see Phase.bytes_moved) give GB/s; with a device calibration
+(python -m autotuner.calibrate) each row also gets its bound and the fraction of that ceiling it reaches.
 """
 
 from __future__ import annotations
@@ -23,6 +25,29 @@ from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
 
 
+def roofline(
+    flops: int, bytes_moved: int, seconds: float, calibration: dict[str, Any] | None, dtype: str
+) -> dict[str, Any]:
+    """The op's bound and the fraction of that ceiling it reaches, from the device's calibration.
+
+    The ridge point is the calibrated FLOP/s over the calibrated bandwidth: an op whose FLOPs per byte
+    moved lie above it is compute-bound (judged against the matmul FLOP/s of its dtype), below it
+    memory-bound (judged against the copy bandwidth). Without a calibration the columns stay empty.
+    """
+    if not calibration or not seconds or not bytes_moved:
+        return {}
+    peak = calibration["peak_flops"].get(dtype)
+    bandwidth = calibration["memory_bandwidth"]
+    if not peak or not bandwidth:
+        return {}
+    compute_bound = flops / bytes_moved > peak / bandwidth
+    achieved = flops / seconds if compute_bound else bytes_moved / seconds
+    return {
+        "bound": "compute" if compute_bound else "memory",
+        "ceiling_fraction": achieved / (peak if compute_bound else bandwidth),
+    }
+
+
 class GetDataObserver:
     name = "get_data"
 
@@ -33,7 +58,11 @@ class GetDataObserver:
         model_parameters: list[torch.Tensor],
         flush_cache: bool = False,
         rotate_inputs: bool = True,
+        calibration: dict[str, Any] | None = None,
+        dtype: str = "fp32",
     ) -> None:
+        self.calibration = calibration
+        self.dtype = dtype
         self.device = device
         self.policy = policy
         self.timer = DeviceTimer(device)
@@ -79,8 +108,28 @@ class GetDataObserver:
             row["activation_bytes"] = saved.bytes
         row["peak_bytes"] = self._once(phase, lambda run: peak_bytes(run, self.device))
         row["flops"] = self._once(phase, count_flops)
-        row["tflops"] = row["flops"] / (measurement.median_ns * 1e-9) / 1e12 if measurement.median_ns else None
+        seconds = measurement.median_ns * 1e-9
+        row["tflops"] = row["flops"] / seconds / 1e12 if seconds else None
+        row["bytes_moved"] = phase.bytes_moved()
+        row["gbps"] = row["bytes_moved"] / seconds / 1e9 if seconds else None
+        row.update(roofline(row["flops"], row["bytes_moved"], seconds, self.calibration, self.dtype))
         return row
+
+
+def load_calibration(cfg: Any, spec: Any, run_dir: Any) -> dict[str, Any] | None:
+    """The calibration named by ``calibration=`` or, if absent, this device's default file (if any);
+    a copy goes into the run directory so the run's report can use it."""
+    import json
+    from pathlib import Path
+
+    from autotuner import calibrate
+
+    path = cfg.calibration or calibrate.default_path(spec.device)
+    if not cfg.calibration and not Path(path).is_file():
+        return None
+    data = calibrate.load(path)
+    (Path(run_dir) / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
+    return data
 
 
 def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
@@ -91,9 +140,16 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
 
     writer = start_writer(cfg, spec, run_dir)
     model, context = open_session(spec)
-    policy = SamplingPolicy(
-        **{k: cfg.timing[k] for k in ("warmup", "min_samples", "max_samples", "budget_s")}
+    timing = cfg.timing
+    policy = SamplingPolicy(**{f.name: timing[f.name] for f in dataclasses.fields(SamplingPolicy)})
+    observer = GetDataObserver(
+        spec.device,
+        policy,
+        list(model.parameters()),
+        flush_cache=timing.flush_cache,
+        rotate_inputs=timing.rotate_inputs,
+        calibration=load_calibration(cfg, spec, run_dir),
+        dtype=spec.dtype,
     )
-    observer = GetDataObserver(spec.device, policy, list(model.parameters()))
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

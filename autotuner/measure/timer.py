@@ -195,7 +195,9 @@ def sample(
         untimed()
         run()
     calls = 1 if (prepare is not None or flush is not None) else _block_size(timer, run, policy)
-    measurement = Measurement(calls_per_sample=calls, warmup=policy.warmup, target_rel_ci=policy.target_rel_ci)
+    measurement = Measurement(
+        calls_per_sample=calls, warmup=policy.warmup, target_rel_ci=policy.target_rel_ci
+    )
     started = time.perf_counter()
     while True:
         for _ in range(min(policy.check_every, policy.max_samples - measurement.samples)):

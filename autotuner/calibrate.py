@@ -1,0 +1,123 @@
+"""Device calibration: the ceilings an op's achieved rate is judged against.
+
+``python -m autotuner.calibrate [--device auto|cpu|cuda] [--out FILE]`` measures, with the same sampler
+as the get_data launcher:
+
+* matrix-product FLOP/s per dtype (square ``a @ b``; 2*n^3 FLOPs), the compute ceiling;
+* memory copy bandwidth (``dst.copy_(src)`` of a buffer far larger than the last-level cache; each copy
+  reads and writes the buffer, 2 x its bytes), the memory ceiling;
+* on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory.
+
+The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
+``calibration`` config key, or that default file) to add each op's bound and the fraction of its ceiling
+it reaches. Calibrate once per machine; the file names the device and versions it was measured with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotuner.errors import UserError
+from autotuner.measure.cache import last_level_cache_bytes
+from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
+from autotuner.runtime import DTYPES, environment, resolve_device
+
+DEFAULT_DIR = Path("runs") / "calibration"
+# Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
+# bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
+MATMUL_SIZE = {
+    "cuda": {"fp32": 8192, "bf16": 8192, "fp16": 8192},
+    "cpu": {"fp32": 1024, "bf16": 128, "fp16": 128},
+}
+
+
+def default_path(device: torch.device) -> Path:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = environment(device)["device_name"]
+    return DEFAULT_DIR / (re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{name}").strip("-").lower() + ".json")
+
+
+def _median_s(run: Any, device: torch.device, policy: SamplingPolicy) -> float:
+    return sample(DeviceTimer(device), run, policy).median_ns * 1e-9
+
+
+def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dict[str, Any]:
+    """Measure the ceilings of ``device``; plain data."""
+    policy = policy or SamplingPolicy(warmup=2, min_samples=5, budget_s=1.0, target_rel_ci=0.02)
+    peak_flops = {}
+    for dtype, n in MATMUL_SIZE[device.type].items():
+        a = torch.randn(n, n, device=device).to(DTYPES[dtype])
+        b = torch.randn(n, n, device=device).to(DTYPES[dtype])
+        peak_flops[dtype] = 2 * n**3 / _median_s(lambda a=a, b=b: a @ b, device, policy)
+    size = max(8 * last_level_cache_bytes(device), 64 * 2**20)
+    src = torch.empty(size, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    result: dict[str, Any] = {
+        "device_type": device.type,
+        "environment": environment(device),
+        "peak_flops": peak_flops,
+        "memory_bandwidth": 2 * size / _median_s(lambda: dst.copy_(src), device, policy),
+        "buffer_bytes": size,
+    }
+    if device.type == "cuda":
+        for kind, pinned in (("pageable", False), ("pinned", True)):
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+            result[f"h2d_{kind}"] = size / _median_s(
+                lambda h=host, p=pinned: src.copy_(h, non_blocking=p), device, policy
+            )
+            result[f"d2h_{kind}"] = size / _median_s(
+                lambda h=host, p=pinned: h.copy_(src, non_blocking=p), device, policy
+            )
+    return result
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a calibration file; a missing or malformed one is a UserError."""
+    try:
+        data = json.loads(Path(path).read_text())
+        data["peak_flops"], data["memory_bandwidth"]  # noqa: B018 - the keys every reader needs
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"calibration file {path} is missing or invalid ({exc}): run python -m autotuner.calibrate"
+        ) from exc
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    parser.add_argument("--out", help="where to write the JSON (default runs/calibration/<device>.json)")
+    args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+    except UserError as exc:
+        print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    result = calibrate(device)
+    out = Path(args.out) if args.out else default_path(device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for dtype, flops in result["peak_flops"].items():
+        print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")
+    print(f"copy          {result['memory_bandwidth'] / 1e9:10.2f} GB/s")
+    for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
+        if key in result:
+            print(f"{key:13} {result[key] / 1e9:10.2f} GB/s")
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
