@@ -185,3 +185,35 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
     for row in before:  # measured rows were kept, not measured again
         if row["status"] == "ok":
             assert kept[(row["op"], row["phase"], row["point"])] == row["median_us"]
+
+
+def test_generator_flush_and_calibration_from_the_command_line(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10}))
+    run_dir = tmp_path / "run"
+    overrides = [
+        "ops=[linear_fc1,activation]",
+        "shapes.generator=pow2",
+        "shapes.pow2.seq_len.min_power=3",
+        "shapes.pow2.seq_len.max_power=4",
+        "shapes.micro_batch_size=[1]",
+        "timing.flush_cache=true",
+        f"calibration={calibration}",
+    ]
+    assert run(["case=tiny", f"hydra.run.dir={run_dir}", *overrides, *FAST]) == 0
+    rows = _check_files(run_dir)
+    assert {r["point"] for r in rows} == {"s8_b1", "s16_b1"}
+    assert all(r["cache_flush"] is True and r["input_sets"] == 1 and r["calls_per_sample"] == 1 for r in rows)
+    by_op = {(r["op"], r["phase"], r["point"]): r for r in rows}
+    # ridge point = 1e11 / 1e10 = 10 FLOP/byte: a GEMM of hidden 64 sits below it at this size
+    fc1 = by_op[("linear_fc1", "forward", "s16_b1")]
+    intensity = fc1["flops"] / fc1["bytes_moved"]
+    assert fc1["bound"] == ("compute" if intensity > 10 else "memory")
+    assert by_op[("activation", "forward", "s16_b1")]["bound"] == "memory"  # no FLOPs counted at all
+    for row in rows:
+        achieved = (
+            row["flops"] / (row["median_us"] * 1e-6) if row["bound"] == "compute" else row["gbps"] * 1e9
+        )
+        ceiling = 1e11 if row["bound"] == "compute" else 1e10
+        assert row["ceiling_fraction"] == pytest.approx(achieved / ceiling)
+    assert json.loads((run_dir / "calibration.json").read_text())["memory_bandwidth"] == 1e10
