@@ -8,6 +8,7 @@ config field, an impossible shape) ends with one line on stderr and exit code 2 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -185,12 +186,28 @@ def _open_dict_overrides(argv: list[str]) -> list[str]:
     return [f"++{arg}" if arg.startswith(("hf.", "tf.")) and "=" in arg else arg for arg in argv]
 
 
+def _shared_run_dir(argv: list[str]) -> list[str]:
+    """Under torchrun every rank is a process with its own clock: without an explicit run directory
+    they would pick different ``${now:}`` folders. Name it by the job's id instead (SLURM's job id, or
+    torchrun's run id, which ``--standalone`` makes unique), so all ranks write into one folder."""
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":
+        raise UserError(
+            "several processes but no job id to name their shared run directory: "
+            "use torchrun --standalone, or pass hydra.run.dir=<folder>"
+        )
+    return [*argv, f"hydra.run.dir=runs/${{case}}/${{launcher.name}}/job-{job}"]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Validate the command line, then hand it to Hydra."""
     argv = _open_dict_overrides(sys.argv[1:] if argv is None else argv)
     register_configs()
     _register_resolvers()
     try:
+        argv = _shared_run_dir(argv)
         preflight(argv)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)

@@ -15,6 +15,8 @@ point, seq_len,        the shape point (label ``s<seq>_b<mbs>``) and its dimensi
 micro_batch_size
 dtype, device          compute dtype (fp32/bf16/fp16) and device type (cpu/cuda)
 launcher               get_data, nsys or torch_profiler: who measured the times
+rank, tensor_parallel  the process's rank and the TP size; with several ranks, ``rank`` is ``max`` on the
+                       merged row that carries the cross-rank figure (the slowest rank's statistics)
 status, error          ``ok``; ``failed`` with the error's one-line text; ``skipped`` with the reason
 samples                number of timed samples behind the statistics
 median_us, iqr_us,     statistics of the per-sample times, microseconds
@@ -37,6 +39,9 @@ gbps                   bytes_moved / median time, in 10^9 per second (a lower bo
 bound, ceiling_fraction  with a calibration: compute or memory (which side of the ridge point the op's
                        FLOPs per byte lie) and the achieved fraction of that calibrated ceiling
 num_threads            torch intra-op threads the phase ran with
+kernel_time_us,        nsys on a GPU: per iteration (median), the summed durations of the CUDA kernels
+kernel_count,          launched inside the op's range and their number; the five kernels with the most
+top_kernels            time, ``name <us>us x<count>`` joined by ``;`` (autotuner.launchers.nsys)
 =====================  ===============================================================================
 """
 
@@ -60,6 +65,8 @@ COLUMNS = [
     "dtype",
     "device",
     "launcher",
+    "rank",
+    "tensor_parallel",
     "status",
     "error",
     "samples",
@@ -83,9 +90,12 @@ COLUMNS = [
     "bound",
     "ceiling_fraction",
     "num_threads",
+    "kernel_time_us",
+    "kernel_count",
+    "top_kernels",
 ]
 
-KEY = ("case", "op", "phase", "point")
+KEY = ("case", "op", "phase", "point", "rank")
 
 
 def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -108,16 +118,17 @@ class ResultsWriter:
     runner which measurements to skip (rows with status ``ok``; failed ones are measured again).
     """
 
-    def __init__(self, run_dir: Path, resume: bool = False) -> None:
+    def __init__(self, run_dir: Path, resume: bool = False, stem: str = "results") -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = self.run_dir / "results.jsonl"
-        self.csv = self.run_dir / "results.csv"
+        self.jsonl = self.run_dir / f"{stem}.jsonl"
+        self.csv = self.run_dir / f"{stem}.csv"
         self.rows: list[dict[str, Any]] = []
         if resume and self.jsonl.exists():
             self.rows = load_rows(self.jsonl)
 
     def done(self, key: tuple[Any, ...]) -> bool:
+        """Whether a row with this key (see KEY) was measured successfully."""
         return any(row_key(r) == key and r.get("status") == "ok" for r in self.rows)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -145,3 +156,19 @@ class ResultsWriter:
 def load_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a ``results.jsonl`` file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every rank's rows, then per (case, op, phase, point) one row with ``rank="max"``: the statistics
+    of the rank whose median is the slowest (a TP op is as slow as its slowest rank, as Megatron's timers
+    report the max over ranks), status ``failed`` if any rank failed."""
+    merged = [row for rows in rank_rows for row in rows]
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in merged:
+        groups.setdefault(row_key(row)[:-1], []).append(row)
+    for rows in groups.values():
+        ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us") is not None]
+        failed = [r for r in rows if r.get("status") == "failed"]
+        slowest = max(ok, key=lambda r: r["median_us"]) if ok and not failed else (failed or rows)[0]
+        merged.append({**slowest, "rank": "max"})
+    return merged

@@ -7,6 +7,7 @@ making inputs, the forward/backward split, failure handling, incremental results
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -160,6 +161,7 @@ class Runner:
         self.observer = observer
         self.writer = writer
         self.progress = progress
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
     def plan(self) -> list[tuple[ShapePoint, OpTest, str]]:
         return [(p, op, ph) for p in self.spec.points for op in self.spec.ops for ph in self.spec.phases]
@@ -175,6 +177,8 @@ class Runner:
             "dtype": self.spec.dtype,
             "device": self.spec.device.type,
             "launcher": self.observer.name,
+            "rank": self.rank,
+            "tensor_parallel": self.spec.tf_config.tensor_model_parallel_size,
             "num_threads": torch.get_num_threads(),
         }
 
@@ -184,7 +188,7 @@ class Runner:
         todo = [
             item
             for item in plan
-            if not self.writer.done((self.spec.case, item[1].name, item[2], item[0].label))
+            if not self.writer.done((self.spec.case, item[1].name, item[2], item[0].label, self.rank))
         ]
         bar = _progress(len(plan), len(plan) - len(todo), self.progress)
         written = []
@@ -202,6 +206,10 @@ class Runner:
                 self.writer.write(row)
                 written.append(row)
                 bar.update(1)
+                if row["status"] == "failed" and self.world > 1:
+                    # The other ranks may be waiting in this op's collectives: going on would hang them.
+                    # Exiting makes torchrun stop the job and report this rank's error.
+                    raise RuntimeError(f"rank {self.rank}: {name}.{phase_name} {point.label}: {row['error']}")
             del call
         bar.close()
         return written

@@ -65,7 +65,8 @@ class GetDataObserver:
         self.dtype = dtype
         self.device = device
         self.policy = policy
-        self.timer = DeviceTimer(device)
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.timer = DeviceTimer(device, barrier=distributed)
         self.model_parameters = model_parameters
         self.flush = CacheFlusher(device) if flush_cache else None
         self.rotate_inputs = rotate_inputs and not flush_cache

@@ -131,14 +131,21 @@ class Measurement:
 
 
 class DeviceTimer:
-    """Times a single call (or a block of calls) on the device it runs on."""
+    """Times a single call (or a block of calls) on the device it runs on.
 
-    def __init__(self, device: torch.device) -> None:
+    With ``barrier`` (several tensor-parallel ranks) every sample starts after a barrier, so all ranks
+    enter the op together and no rank's time includes waiting for a late peer in the op's collectives.
+    """
+
+    def __init__(self, device: torch.device, barrier: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.barrier = barrier
 
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+        if self.barrier:
+            torch.distributed.barrier()
 
     def time_ns(self, run: Callable[[], Any], calls: int = 1) -> int:
         """Total time of ``calls`` back-to-back calls of ``run``."""
