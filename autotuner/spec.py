@@ -51,18 +51,18 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     args = map_hf_config(hf_config)
     quiet_megatron_import()
     tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if tp < 1 or world % tp:
-        raise UserError(
-            f"tensor_model_parallel_size={tp} needs a multiple of {tp} processes, this job has {world}: "
-            f"launch with torchrun --nproc-per-node={tp}"
-        )
     if device.type == "cpu" and tf_overrides.get("sequence_parallel"):
         raise UserError(
             "sequence_parallel needs reduce-scatter and all-gather collectives that gloo lacks on CPU: "
             "drop tf.sequence_parallel or run on GPUs"
         )
     tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if tp < 1 or world % tp:
+        raise UserError(
+            f"tensor_model_parallel_size={tp} needs a multiple of {tp} processes, this job has {world}: "
+            f"launch with torchrun --nproc-per-node={tp}"
+        )
     shapes = merge(case.shapes, OmegaConf.to_container(cfg.shapes, resolve=True))
     points = generate_points(shapes, sequence_multiple=tp if tf_config.sequence_parallel else 1)
     too_long = sorted({p.seq_len for p in points if p.seq_len > args.max_sequence_length})

@@ -169,7 +169,7 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be interrupted"
-    os.kill(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGTERM)  # what SLURM sends on preemption or at the time limit
     proc.wait()
     before = _check_files(tmp_path)
     assert 4 <= len(before) < 2 * len(OP_ORDER) * 2

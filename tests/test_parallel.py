@@ -1,0 +1,108 @@
+"""Tensor parallelism under real torchrun processes (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotuner.main import run
+from autotuner.results import load_rows
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+SMALL = ["shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", "progress=false", "report=false"]
+
+
+def _env() -> dict[str, str]:
+    # pytest may run inside a torchrun-like environment; the children must start clean
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def test_sharded_ops_match_the_unsharded_ones(tmp_path):
+    """TP=2 outputs (column-parallel ones gathered) equal TP=1 outputs on the same inputs and weights."""
+    script = str(REPO / "tests" / "tp_reference.py")
+    one, two = tmp_path / "tp1.pt", tmp_path / "tp2.pt"
+    subprocess.run([sys.executable, script, str(one), "1"], check=True, cwd=REPO, env=_env(), timeout=300)
+    subprocess.run([*TORCHRUN, script, str(two), "2"], check=True, cwd=REPO, env=_env(), timeout=300)
+    reference, sharded = torch.load(one), torch.load(two)
+    assert set(reference) == {"linear_qkv", "self_attention", "mlp", "transformer_layer"}
+    for name, expected in reference.items():
+        torch.testing.assert_close(sharded[name], expected, rtol=0, atol=1e-5, msg=name)
+
+
+def test_torchrun_results_hold_every_rank_and_the_cross_rank_max(tmp_path):
+    args = [
+        "case=tiny",
+        "tf.tensor_model_parallel_size=2",
+        "ops=[linear_qkv,linear_proj]",
+        "timing.max_samples=5",
+        f"hydra.run.dir={tmp_path}",
+        *SMALL,
+    ]
+    proc = subprocess.run(
+        [*TORCHRUN, "-m", "autotuner.main", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = load_rows(tmp_path / "results.jsonl")
+    keys = {(r["op"], r["phase"], r["rank"]) for r in rows}
+    assert keys == {
+        (op, ph, rank)
+        for op in ("linear_qkv", "linear_proj")
+        for ph in ("forward", "backward")
+        for rank in (0, 1, "max")
+    }
+    assert all(r["status"] == "ok" and r["tensor_parallel"] == 2 for r in rows)
+    for op in ("linear_qkv", "linear_proj"):
+        for phase in ("forward", "backward"):
+            per_rank = [r for r in rows if r["op"] == op and r["phase"] == phase]
+            top = next(r for r in per_rank if r["rank"] == "max")
+            assert top["median_us"] == max(r["median_us"] for r in per_rank if r["rank"] != "max")
+    # each rank holds half of linear_qkv's weight
+    qkv = next(r for r in rows if r["op"] == "linear_qkv" and r["rank"] == 0)
+    assert qkv["weight_bytes"] == 64 * 128 * 4 // 2
+    assert (tmp_path / "results.rank0.jsonl").exists() and (tmp_path / "results.rank1.jsonl").exists()
+
+
+def test_a_failing_rank_fails_the_job_with_its_error_not_a_hang(tmp_path):
+    (tmp_path / "results.rank1.jsonl").mkdir()  # rank 1 cannot write its results: a real fault on one rank
+    args = [
+        "case=tiny",
+        "tf.tensor_model_parallel_size=2",
+        "ops=[linear_proj]",
+        f"hydra.run.dir={tmp_path}",
+        *SMALL,
+    ]
+    proc = subprocess.run(
+        [*TORCHRUN, "-m", "autotuner.main", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode != 0
+    assert "results.rank1.jsonl" in proc.stderr and "rank      : 1" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["tf.tensor_model_parallel_size=2"], "launch with torchrun --nproc-per-node=2"),
+        (["tf.tensor_model_parallel_size=3"], "does not divide"),
+        (["tf.sequence_parallel=true", "tf.tensor_model_parallel_size=2"], "gloo"),
+    ],
+)
+def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, message, capsys, tmp_path):
+    assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
