@@ -163,8 +163,9 @@ def _app(cfg: DictConfig) -> None:
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
-    if cfg.report and (run_dir / "results.jsonl").exists():
-        _report(run_dir)  # also after failed ops: the report lists them
+    # Also after failed ops (the report lists them); under torchrun only rank 0, which merged the rows.
+    if cfg.report and os.environ.get("RANK", "0") == "0" and (run_dir / "results.jsonl").exists():
+        _report(run_dir)
     if code:
         raise SystemExit(code)
 

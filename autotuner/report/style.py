@@ -1,0 +1,90 @@
+"""What every figure shares: fixed pixel sizes, one colour per op, one marker and line style per run,
+units, and the one way figures are written to PNG (matplotlib's Agg canvas, no pyplot)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+DPI = 100
+# Pixel sizes of the figures. Fixed, so the page lays out the same for every run (and the tests can check
+# them): savefig is called without bbox_inches="tight", which would crop each figure to a different size.
+SIZES = {
+    "layer_breakdown": (1200, 600),
+    "sublayer_breakdown": (1200, 700),
+    "scaling_time": (1200, 800),
+    "scaling_memory": (1200, 900),
+    "roofline": (1200, 700),
+}
+MARKERS = ("o", "s", "D", "v", "^", "P", "X", "*")
+LINESTYLES = ("-", "--", ":", "-.")
+REMAINDER_COLOUR = "#bbbbbb"
+EXCESS_COLOUR = "#d62728"
+
+
+def new_figure(name: str) -> Figure:
+    """A figure of the registered size, on the Agg canvas: works headless and never touches pyplot's
+    global state, so making a report inside a run (or a notebook) leaves the caller's backend alone."""
+    width, height = SIZES[name]
+    figure = Figure(figsize=(width / DPI, height / DPI), dpi=DPI)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def save(figure: Figure, path: Path) -> None:
+    figure.savefig(path, dpi=DPI, format="png", metadata={"Software": None})
+
+
+def op_colours(ops: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """The same colour for an op in every figure of a report, in model order: tab10's strong colours, then
+    their light variants, then Dark2. Red and grey are left out: in the breakdowns grey means "not covered
+    by sub-ops" and red "sub-ops exceed the whole"."""
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"].colors
+    reserved = {6, 7, 14, 15}  # tab20's reds and greys
+    strong = [c for i, c in enumerate(tab20) if i % 2 == 0 and i not in reserved]
+    light = [c for i, c in enumerate(tab20) if i % 2 == 1 and i not in reserved]
+    palette = strong + light + list(matplotlib.colormaps["Dark2"].colors)
+    return {op: palette[i % len(palette)] for i, op in enumerate(ops)}
+
+
+def time_unit(max_us: float) -> tuple[str, float]:
+    """(unit, divisor from microseconds) so the largest value reads between 1 and 1000."""
+    if max_us >= 1e6:
+        return "s", 1e6
+    if max_us >= 1e3:
+        return "ms", 1e3
+    return "µs", 1.0
+
+
+def human_bytes(value: float | None) -> str:
+    if value is None:
+        return ""
+    value = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return ""
+
+
+def human_si(value: float | None, unit: str = "") -> str:
+    """12800000 -> "12.8 M" (FLOPs and FLOP/s span too many decades for one fixed unit)."""
+    if value is None:
+        return ""
+    value = float(value)
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".rstrip()
+
+
+def human_time(us: float | None) -> str:
+    if us is None:
+        return ""
+    unit, divisor = time_unit(abs(float(us)))
+    return f"{float(us) / divisor:.3g} {unit}"
