@@ -16,22 +16,81 @@ from omegaconf import MISSING
 
 
 @dataclass
-class ShapesConfig:
-    """Shape sweep overrides; None takes the case's own list."""
+class Pow2Dim:
+    min_power: int | None = None
+    max_power: int | None = None
 
+
+@dataclass
+class Pow2Shapes:
+    seq_len: Pow2Dim = field(default_factory=Pow2Dim)
+    micro_batch_size: Pow2Dim = field(default_factory=Pow2Dim)
+
+
+@dataclass
+class SweepDim:
+    values: list[int] | None = None
+    start: int | None = None
+    stop: int | None = None
+    step: int | None = None
+    multiple_of: int | None = None
+
+
+@dataclass
+class SweepShapes:
+    seq_len: SweepDim = field(default_factory=SweepDim)
+    micro_batch_size: SweepDim = field(default_factory=SweepDim)
+
+
+@dataclass
+class FuzzDim:
+    min: int | None = None
+    max: int | None = None
+    multiple_of: int | None = None
+
+
+@dataclass
+class FuzzShapes:
+    n: int | None = None
+    seed: int | None = None
+    seq_len: FuzzDim = field(default_factory=FuzzDim)
+    micro_batch_size: FuzzDim = field(default_factory=FuzzDim)
+
+
+@dataclass
+class ShapesConfig:
+    """The shape sweep (autotuner.shapes). Every key left unset (None) takes the case's value; the case's
+    ``shapes:`` block has the same keys. ``generator``: explicit (default), pow2, sweep or fuzz."""
+
+    generator: str | None = None
     seq_len: list[int] | None = None
     micro_batch_size: list[int] | None = None
+    pow2: Pow2Shapes = field(default_factory=Pow2Shapes)
+    sweep: SweepShapes = field(default_factory=SweepShapes)
+    fuzz: FuzzShapes = field(default_factory=FuzzShapes)
 
 
 @dataclass
 class TimingConfig:
-    """Sampling of the get_data launcher: warm-up calls, then at least ``min_samples`` and until
-    ``budget_s`` of sampling has passed or ``max_samples`` were taken."""
+    """Sampling of the get_data launcher (autotuner.measure.timer explains each guard).
 
-    warmup: int = 2
+    After ``warmup`` calls, samples come in blocks of ``check_every`` until the median's 95% confidence
+    interval is narrower than ``target_rel_ci`` of it, or ``budget_s`` of sampling has passed, or
+    ``max_samples`` were taken; never fewer than ``min_samples``. ``flush_cache`` evicts the last-level
+    cache before every sample; otherwise ``rotate_inputs`` cycles copies of inputs that fit in it.
+    ``threads``: torch intra-op threads (0 keeps torch's default); the rows record the number used.
+    """
+
+    warmup: int = 3
     min_samples: int = 5
-    max_samples: int = 100
+    max_samples: int = 1000
     budget_s: float = 1.0
+    target_rel_ci: float = 0.02
+    check_every: int = 5
+    min_block_s: float = 0.0002
+    flush_cache: bool = False
+    rotate_inputs: bool = True
+    threads: int = 0
 
 
 @dataclass
@@ -53,6 +112,8 @@ class NsysLauncherConfig(LauncherConfig):
     ``extra_args``: more ``nsys profile`` switches, each one list item (``--sample=process-tree``); one that
     names a switch the launcher sets by default replaces that default. ``warmup``/``iterations``: per
     phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).
+    ``sub_op_ranges``: give the sub-ops of the op being measured their ranges too (nested in its range
+    on the timeline, at a small cost inside its time); false marks the measured op alone.
     """
 
     name: str = "nsys"
@@ -61,16 +122,21 @@ class NsysLauncherConfig(LauncherConfig):
     extra_args: list[str] = field(default_factory=list)
     warmup: int = 2
     iterations: int = 5
+    sub_op_ranges: bool = True
 
 
 @dataclass
 class TorchProfilerLauncherConfig(LauncherConfig):
     """``torch.profiler`` around the same plan (autotuner.launchers.torch_profiler).
 
-    Each (op, shape point) is one profiling session of ``wait + warmup + active`` training-like steps
-    (forward then backward); only the ``active`` steps are recorded and give the row's statistics.
-    ``output_dir`` (relative to the run directory) receives ``<point>/<op>/`` folders with the trace,
-    stacks and operator tables; traces over ``compress_over_bytes`` are written as ``.json.gz``.
+    Per (op, shape point), sessions of ``wait + warmup + active`` training-like steps (forward then
+    backward); only the ``active`` steps are recorded and give the row's statistics (``active`` >= 1).
+    ``record_shapes``/``profile_memory``/``with_stack``/``with_flops`` set what the detailed session
+    records for the trace, stacks and tables. ``lean_timing``: take the row's times from a separate
+    session that records only the ranges and operators (true), or from the detailed one, its recording
+    overhead included (false). ``memory_snapshot`` (GPU only): a CUDA allocator snapshot per op and point.
+    ``output_dir`` (relative to the run directory) receives ``<point>/<op>/`` folders; traces over
+    ``compress_over_bytes`` are written as ``.json.gz``.
     """
 
     name: str = "torch_profiler"
@@ -84,6 +150,7 @@ class TorchProfilerLauncherConfig(LauncherConfig):
     memory_snapshot: bool = False
     compress_over_bytes: int = 20_000_000
     output_dir: str = "profiles"
+    lean_timing: bool = True
 
 
 @dataclass
@@ -104,7 +171,10 @@ class AutotunerConfig:
     transformer_block_layers: int = 2
     timing: TimingConfig = field(default_factory=TimingConfig)
     resume: bool = False
+    calibration: str | None = None
     progress: bool = True
+    report: bool = True  # write report.html and its figures into the run directory (autotuner.report)
+    capture: str | None = None  # a python -m autotuner.capture file: profile its calls (capture/replay.py)
 
 
 def register_configs() -> None:

@@ -42,6 +42,8 @@ num_threads            torch intra-op threads the phase ran with
 kernel_time_us,        nsys on a GPU: per iteration (median), the summed durations of the CUDA kernels
 kernel_count,          launched inside the op's range and their number; the five kernels with the most
 top_kernels            time, ``name <us>us x<count>`` joined by ``;`` (autotuner.launchers.nsys)
+call_count             with ``capture=``: how often the op ran at this point in the captured training
+                       steps (autotuner.capture.replay); median x call_count ranks what matters there
 =====================  ===============================================================================
 """
 
@@ -93,6 +95,7 @@ COLUMNS = [
     "kernel_time_us",
     "kernel_count",
     "top_kernels",
+    "call_count",
 ]
 
 KEY = ("case", "op", "phase", "point", "rank")

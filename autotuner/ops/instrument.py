@@ -124,7 +124,7 @@ def call_op(
     """Call ``fn`` as op ``op``: straight through without an annotator, inside its ranges with one."""
     annotator = STATE.annotator
     active = _active_ops()
-    if annotator is None or (active and active[-1] == op):
+    if annotator is None or (active and active[-1] == op) or STATE.only_op not in (None, op):
         return fn(*args, **kwargs)
     context = (STATE.point, STATE.iteration, STATE.warmup)
     backward = STATE.backward_ranges and torch.is_grad_enabled()

@@ -1,0 +1,186 @@
+"""The process that ``nsys profile`` runs: the plan of get_data, with NVTX ranges instead of timers.
+
+Started by autotuner.launchers.nsys as ``python -m autotuner.launchers.nsys_worker <run_dir> <config>``,
+where ``<config>`` is the config the parent validated (Hydra's ``<run_dir>/.hydra/config.yaml``). The
+worker resolves it with the same :func:`autotuner.spec.resolve_spec`, builds the same model and runs the
+same :class:`autotuner.runner.Runner` with :class:`NsysObserver`. It measures nothing itself: the times
+come from the report, read by the parent. What it writes, under ``<run_dir>/worker/``:
+
+* ``results.jsonl``/``results.csv``: one row per (op, phase, point) as the runner finishes it, with the
+  status (ok, failed with the error, skipped). After a crash these rows say which ops completed.
+* ``measuring.txt``: the (op, phase, point) whose iterations are running, rewritten before each one;
+  after a crash it names the op the process died in.
+
+Per phase, :meth:`NsysObserver.observe` runs::
+
+    for i in range(warmup):      ranges "<op>.<phase> [<point>] #w<i>"
+        run iteration i
+    cudaProfilerStart()          (CUDA only; see autotuner.launchers.nsys for the capture range)
+    push "measure <op>.<phase> [<point>]"
+    for i in range(iterations):  ranges "<op>.<phase> [<point>] #<i>"
+        run iteration i; synchronize the device
+    pop; cudaProfilerStop()
+
+An iteration of the backward phase is ``prepare()`` (a fresh forward, whose forward ranges are emitted
+too: they are that iteration's forward) then ``run()`` (the backward alone). So a forward range of an op
+appears in both of its phases, and, nested, inside every op that contains it (a ``linear_qkv`` range
+inside each ``self_attention``, ``transformer_layer`` and ``transformer_block`` iteration), all with the
+same name. The ``measure`` range says which ranges a row is made of: those of its op and phase inside
+its window (see :func:`autotuner.launchers.nsys.measured_ranges`). Its name does not parse as one of
+ours (:func:`autotuner.ops.naming.parse_range` gives None), so no statistic ever counts it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotuner.measure.memory import weight_bytes
+from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
+from autotuner.ops_test.base import OpTest, ShapePoint
+from autotuner.runner import Phase
+
+WORKER_DIR = "worker"
+MEASURING_FILE = "measuring.txt"
+
+_MARKER_RE = re.compile(r"^measure (?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) \[(?P<point>[^\]]+)\]$")
+
+
+def marker_name(op: str, phase: str, point: str) -> str:
+    """The name of the range around a phase's measured iterations."""
+    return f"measure {op}.{phase} [{point}]"
+
+
+def parse_marker(name: str) -> tuple[str, str, str] | None:
+    """(op, phase, point) of a :func:`marker_name`; None for any other range."""
+    match = _MARKER_RE.match(name)
+    return None if match is None else (match["op"], match["phase"], match["point"])
+
+
+class NsysObserver:
+    """Runs each phase under NVTX ranges: ``warmup`` unmeasured iterations, then ``iterations`` measured
+    ones inside a ``measure`` range (and, on CUDA, inside the profiler's capture range).
+
+    With ``sub_op_ranges`` (the default) every instrumented op inside the observed one gets its ranges
+    too, so the report shows a layer's sub-ops nested in it; each costs the enclosing range a push/pop
+    and two autograd nodes (tens of microseconds on a CPU), which the enclosing op's time includes.
+    Without, only the observed op is marked (see :func:`autotuner.ops.annotate.annotating`).
+
+    Returns only what the report cannot hold: the number of iterations, ``stop_reason`` "nsys" and the
+    op's ``weight_bytes`` (a property of the parameters, read without running anything).
+    """
+
+    name = "nsys"
+
+    def __init__(
+        self,
+        device: torch.device,
+        warmup: int,
+        iterations: int,
+        annotator: Annotator | None = None,
+        measuring_file: Path | None = None,
+        sub_op_ranges: bool = True,
+    ) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.iterations = iterations
+        self.sub_op_ranges = sub_op_ranges
+        self.annotator = annotator if annotator is not None else NvtxAnnotator()
+        self.measuring_file = measuring_file
+
+    def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]:
+        if self.measuring_file is not None:
+            self.measuring_file.write_text(f"{op.name}\t{phase.name}\t{point.label}\n")
+        only_op = None if self.sub_op_ranges else op.name
+        with annotating(self.annotator, only_op=only_op):
+            for i in range(self.warmup):
+                self._iteration(phase, point, i, warmup=True)
+            self._capture(start=True)
+            self.annotator.push(marker_name(op.name, phase.name, point.label))
+            try:
+                for i in range(self.iterations):
+                    self._iteration(phase, point, i, warmup=False)
+            finally:
+                # Popped even when the op fails, so the ranges of the next ops do not nest inside it.
+                self.annotator.pop()
+                self._capture(start=False)
+        return {
+            "samples": self.iterations,
+            "stop_reason": "nsys",
+            "weight_bytes": weight_bytes(phase.parameters),
+        }
+
+    def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
+        # Set before prepare(): the backward ranges are named when the forward builds the graph.
+        set_range_context(point.label, iteration, warmup=warmup)
+        if phase.prepare is not None:
+            phase.prepare()
+        out = phase.run()
+        del out  # a forward's graph is freed here, not during the next iteration
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: without this, one iteration's kernels would still be running
+            # inside the next iteration's ranges. (An NVTX range itself is host time; see nsys.py.)
+            torch.cuda.synchronize(self.device)
+
+    def _capture(self, start: bool) -> None:
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize(self.device)
+        if start:
+            torch.cuda.profiler.start()
+        else:
+            torch.cuda.profiler.stop()
+
+
+def _load_config(path: Path) -> Any:
+    """The parent's config, checked against the structured schema (so types are the parent's)."""
+    from omegaconf import OmegaConf
+
+    from autotuner.config import AutotunerConfig, NsysLauncherConfig
+
+    schema = OmegaConf.structured(AutotunerConfig(launcher=NsysLauncherConfig()))
+    return OmegaConf.merge(schema, OmegaConf.load(path))
+
+
+def run_worker(run_dir: Path, config_path: Path) -> int:
+    """Run the plan in this process under NVTX ranges; 0 once the plan is done (failed ops included)."""
+    from autotuner.results import ResultsWriter
+    from autotuner.runner import Runner
+    from autotuner.spec import open_session, resolve_spec
+
+    cfg = _load_config(config_path)
+    spec = resolve_spec(cfg)
+    out = Path(run_dir) / WORKER_DIR
+    writer = ResultsWriter(out)  # a fresh record each run: the parent reads it to know what completed
+    _, context = open_session(spec)
+    observer = NsysObserver(
+        spec.device,
+        int(cfg.launcher.warmup),
+        int(cfg.launcher.iterations),
+        measuring_file=out / MEASURING_FILE,
+        sub_op_ranges=bool(cfg.launcher.sub_op_ranges),
+    )
+    Runner(spec, observer, writer, progress=bool(cfg.progress)).run(context)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from autotuner.errors import UserError
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m autotuner.launchers.nsys_worker <run_dir> <config.yaml>", file=sys.stderr)
+        return 2
+    try:
+        return run_worker(Path(args[0]), Path(args[1]))
+    except UserError as exc:
+        print(f"autotuner nsys worker: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

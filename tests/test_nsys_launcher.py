@@ -1,0 +1,502 @@
+"""The nsys launcher end to end, with a real Nsight Systems on the CPU (no mock, no skip).
+
+One full ``case=tiny launcher=nsys`` run (module fixture) serves the report, table and nesting checks;
+small runs cover the faults: no nsys, nsys refusing its arguments, the worker killed mid-run. Kernel
+attribution needs a GPU report: a small hand-built SQLite checks that it reaches the rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import signal
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from autotuner.config import NsysLauncherConfig
+from autotuner.errors import UserError
+from autotuner.launchers.nsys import NsysRun, Outcome, build_rows, measured_ranges, nsys_command, read_sqlite
+from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_ranges
+from autotuner.launchers.nsys_worker import marker_name
+from autotuner.main import run
+from autotuner.op_mapping import OP_ORDER
+from autotuner.ops.naming import format_range, parse_range
+from autotuner.ops_test.base import ShapePoint
+from autotuner.results import COLUMNS, load_rows
+
+POINT = "s16_b1"
+ITERATIONS = 2
+SMALL = [
+    "shapes.seq_len=[16]",
+    "shapes.micro_batch_size=[1]",
+    "launcher.warmup=1",
+    f"launcher.iterations={ITERATIONS}",
+    "progress=false",
+]
+# The sub-ops of a TransformerLayer in model order (Megatron calls RoPE twice: on q, then on k).
+LAYER_OPS = [
+    "input_layernorm",
+    "self_attention",
+    "linear_qkv",
+    "rope",
+    "core_attention",
+    "linear_proj",
+    "self_attn_bda",
+    "pre_mlp_layernorm",
+    "mlp",
+    "linear_fc1",
+    "activation",
+    "linear_fc2",
+    "mlp_bda",
+]
+# Their backward ranges open in reverse model order, each container (mlp, self_attention) as soon as
+# its output gradient is ready, i.e. before the sub-ops inside it.
+LAYER_OPS_BACKWARD = [
+    "mlp_bda",
+    "mlp",
+    "linear_fc2",
+    "activation",
+    "linear_fc1",
+    "pre_mlp_layernorm",
+    "self_attn_bda",
+    "self_attention",
+    "linear_proj",
+    "core_attention",
+    "rope",
+    "linear_qkv",
+    "input_layernorm",
+]
+CONTAINERS = {
+    "self_attention": {"linear_qkv", "rope", "core_attention", "linear_proj"},
+    "mlp": {"linear_fc1", "activation", "linear_fc2"},
+}
+
+
+@dataclass
+class Launch:
+    code: int
+    run_dir: Path
+    stdout: str
+    stderr: str
+
+
+def _launch(nsys_bin: str, run_dir: Path, *overrides: str) -> Launch:
+    """``python -m autotuner.main`` in this process (one Megatron import for every run)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run(
+            [
+                "launcher=nsys",
+                f"launcher.nsys_bin={nsys_bin}",
+                f"hydra.run.dir={run_dir}",
+                "report=false",
+                *overrides,
+            ]
+        )
+    return Launch(code, run_dir, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def tiny(nsys_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return _launch(nsys_bin, tmp_path_factory.mktemp("nsys_tiny"), "case=tiny", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def tiny_ranges(tiny: Launch) -> list[NvtxRange]:
+    return read_nvtx_ranges(tiny.run_dir / "report.sqlite")
+
+
+def _window(ranges: list[NvtxRange], op: str, phase: str) -> NvtxRange:
+    (window,) = [r for r in ranges if r.name == marker_name(op, phase, POINT)]
+    return window
+
+
+# --- the full run ------------------------------------------------------------------------------
+
+
+def test_tiny_run_writes_report_sqlite_and_table(tiny: Launch) -> None:
+    assert tiny.code == 0, tiny.stderr[-3000:]
+    for name in ("report.nsys-rep", "report.sqlite", "results.csv", "results.jsonl", "nsys.log"):
+        assert (tiny.run_dir / name).is_file(), name
+    rows = load_rows(tiny.run_dir / "results.jsonl")
+    with open(tiny.run_dir / "results.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert list(table[0]) == COLUMNS and len(table) == len(rows)
+    assert [(r["op"], r["phase"]) for r in rows] == [
+        (op, ph) for op in OP_ORDER for ph in ("forward", "backward")
+    ]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert (row["launcher"], row["point"], row["stop_reason"]) == ("nsys", POINT, "nsys")
+        assert row["samples"] == ITERATIONS
+        assert 0 < row["min_us"] <= row["median_us"]
+        assert row["kernel_time_us"] is None and row["top_kernels"] is None  # no GPU, no kernels
+    assert rows[0]["weight_bytes"] > 0  # the embedding table
+    # The table on stdout: every row, none failed.
+    assert "linear_qkv" in tiny.stdout and f"{len(rows)} rows (0 failed)" in tiny.stdout
+
+
+def test_report_holds_every_op_phase_and_iteration(tiny: Launch, tiny_ranges: list[NvtxRange]) -> None:
+    names = {r.name for r in tiny_ranges}
+    for op in OP_ORDER:
+        for phase in ("forward", "backward"):
+            for i in range(ITERATIONS):
+                assert format_range(op, phase, POINT, i) in names
+            assert format_range(op, phase, POINT, 0, warmup=True) in names
+            assert marker_name(op, phase, POINT) in names
+
+
+def test_rows_are_the_ops_own_ranges_in_their_window(tiny: Launch, tiny_ranges: list[NvtxRange]) -> None:
+    """linear_qkv's forward name also appears nested in every op that contains it and in its backward
+    phase (the forward before each backward); the row is made of the ranges in its own window only."""
+    rows = {(r["op"], r["phase"]): r for r in load_rows(tiny.run_dir / "results.jsonl")}
+    for op, phase in [
+        ("linear_qkv", "forward"),
+        ("linear_qkv", "backward"),
+        ("transformer_layer", "backward"),
+    ]:
+        window = _window(tiny_ranges, op, phase)
+        durations = sorted(
+            r.duration_ns
+            for r in tiny_ranges
+            if r.parsed is not None
+            and (r.parsed.op, r.parsed.phase, r.parsed.warmup) == (op, phase, False)
+            and window.start_ns <= r.start_ns <= r.end_ns <= window.end_ns
+        )
+        assert len(durations) == ITERATIONS
+        assert rows[(op, phase)]["min_us"] == pytest.approx(durations[0] / 1e3)
+        assert rows[(op, phase)]["median_us"] == pytest.approx(sum(durations) / len(durations) / 1e3)
+    everywhere = [r for r in tiny_ranges if r.name == format_range("linear_qkv", "forward", POINT, 0)]
+    assert len(everywhere) > 2
+
+
+def _inside(outer: NvtxRange, ranges: list[NvtxRange], phase: str, iteration: int) -> list[NvtxRange]:
+    """Our ranges of ``phase`` and ``iteration`` on outer's thread that start inside it, by start."""
+    return sorted(
+        (
+            r
+            for r in ranges
+            if r.parsed is not None
+            and r is not outer
+            and r.global_tid == outer.global_tid
+            and (r.parsed.phase, r.parsed.point, r.parsed.iteration, r.parsed.warmup)
+            == (phase, POINT, iteration, False)
+            and outer.start_ns <= r.start_ns <= outer.end_ns
+        ),
+        key=lambda r: r.start_ns,
+    )
+
+
+def _dedupe(ops: list[str]) -> list[str]:
+    return [op for i, op in enumerate(ops) if i == 0 or ops[i - 1] != op]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_layer_sub_op_ranges_nest_in_model_order(tiny_ranges: list[NvtxRange], phase: str) -> None:
+    window = _window(tiny_ranges, "transformer_layer", phase)
+    for i in range(ITERATIONS):
+        (layer,) = [
+            r
+            for r in tiny_ranges
+            if r.name == format_range("transformer_layer", phase, POINT, i)
+            and window.start_ns <= r.start_ns <= window.end_ns
+        ]
+        inner = _inside(layer, tiny_ranges, phase, i)
+        for r in inner:
+            assert r.end_ns <= layer.end_ns, f"{r.name} ends after {layer.name}"
+        expected = LAYER_OPS if phase == "forward" else LAYER_OPS_BACKWARD
+        assert _dedupe([r.parsed.op for r in inner]) == expected
+        # Each container holds its sub-ops' ranges.
+        for container, members in CONTAINERS.items():
+            (outer,) = [r for r in inner if r.parsed.op == container]
+            held = {r.parsed.op for r in _inside(outer, tiny_ranges, phase, i) if r.end_ns <= outer.end_ns}
+            assert held == members, (container, held)
+        # Nothing of this phase and iteration runs inside the window outside the layer's range.
+        stray = [
+            r
+            for r in tiny_ranges
+            if r.parsed is not None
+            and r.parsed.op in LAYER_OPS
+            and (r.parsed.phase, r.parsed.iteration, r.parsed.warmup) == (phase, i, False)
+            and window.start_ns <= r.start_ns <= window.end_ns
+            and not layer.start_ns <= r.start_ns <= layer.end_ns
+        ]
+        assert stray == []
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_block_holds_its_layers(tiny_ranges: list[NvtxRange], phase: str) -> None:
+    window = _window(tiny_ranges, "transformer_block", phase)
+    (block,) = [
+        r
+        for r in tiny_ranges
+        if r.name == format_range("transformer_block", phase, POINT, 0)
+        and window.start_ns <= r.start_ns <= window.end_ns
+    ]
+    layers = [r for r in _inside(block, tiny_ranges, phase, 0) if r.parsed.op == "transformer_layer"]
+    assert len(layers) == 2  # transformer_block_layers
+    assert all(r.end_ns <= block.end_ns for r in layers)
+    assert layers[0].end_ns <= layers[1].start_ns  # one after the other, not nested in each other
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+
+def test_missing_nsys_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = _launch(str(tmp_path / "no-such-nsys"), tmp_path / "run", "case=tiny", *SMALL)
+    assert result.code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "nsys not found" in lines[0]
+    assert "scripts/install_nsys.sh" in lines[0] and "launcher.nsys_bin" in lines[0]
+
+
+def test_nsys_failure_prints_its_tail_and_no_shell_runs(
+    nsys_bin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A switch nsys refuses: its message, a non-zero exit, every row failed naming nsys. The switch
+    holds shell syntax, which must reach nsys as text: no shell runs it."""
+    monkeypatch.chdir(tmp_path)
+    result = _launch(
+        nsys_bin,
+        tmp_path / "run",
+        "case=tiny",
+        "ops=[linear_qkv]",
+        *SMALL,
+        "launcher.extra_args=['--bogus=$(touch pwned);touch pwned2']",
+    )
+    assert result.code == 1
+    assert "nsys profile ended with exit code 1" in result.stderr
+    assert "unrecognised option" in result.stderr  # nsys's own words, from the tail
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+    rows = load_rows(tmp_path / "run" / "results.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["status"] == "failed" and row["error"].startswith("nsys profile failed (exit code 1)")
+
+
+def _worker_pid(run_dir: Path) -> int | None:
+    """The worker that nsys started for ``run_dir`` (not nsys itself, whose arguments name it too)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"autotuner.launchers.nsys_worker" in args
+            and str(run_dir).encode() in args
+            and b"nsys" not in args[0]
+        ):
+            return int(proc.name)
+    return None
+
+
+def _kill_worker_after(run_dir: Path, rows: int, done: threading.Event, killed: list[int]) -> None:
+    results = run_dir / "worker" / "results.jsonl"
+    while not done.is_set():
+        if results.is_file() and len(results.read_text().splitlines()) >= rows:
+            pid = _worker_pid(run_dir)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+        time.sleep(0.002)
+
+
+def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
+    """SIGKILL the worker once two rows are done: what nsys saved is read, the rest is named."""
+    run_dir = tmp_path / "run"
+    done, killed = threading.Event(), []
+    watcher = threading.Thread(target=_kill_worker_after, args=(run_dir, 2, done, killed), daemon=True)
+    watcher.start()
+    try:
+        result = _launch(
+            nsys_bin,
+            run_dir,
+            "case=tiny",
+            "ops=[embedding,transformer_layer]",
+            "shapes.seq_len=[16,32]",
+            "shapes.micro_batch_size=[1]",
+            "launcher.warmup=1",
+            "launcher.iterations=3",
+            "progress=false",
+        )
+    finally:
+        done.set()
+        watcher.join()
+    assert killed, "the worker finished before it could be killed"
+    assert result.code == 1
+    assert "killed by SIGKILL" in result.stderr
+    assert (run_dir / "report.sqlite").is_file()
+
+    rows = load_rows(run_dir / "results.jsonl")
+    assert len(rows) == 8
+    statuses = [r["status"] for r in rows]
+    first_failed = statuses.index("failed")
+    assert first_failed >= 2 and statuses[:first_failed] == ["ok"] * first_failed
+    assert set(statuses[first_failed:]) == {"failed"}
+    for row in rows[:first_failed]:  # read from the report nsys saved after the kill
+        assert 1 <= row["samples"] <= 3 and row["median_us"] > 0
+    assert rows[0]["samples"] == 3  # done well before the kill: every iteration was saved
+    errors = [r["error"] for r in rows[first_failed:]]
+    while_measuring = [e for e in errors if "died while measuring it" in e]
+    assert len(while_measuring) <= 1 and (not while_measuring or errors[0] == while_measuring[0])
+    for error in errors:
+        assert "the profiled process died" in error and "killed by SIGKILL" in error, error
+
+
+# --- the nsys command --------------------------------------------------------------------------
+
+
+def _launcher(**fields: object) -> object:
+    return OmegaConf.structured(NsysLauncherConfig(**fields))
+
+
+def test_command_defaults_per_device(tmp_path: Path) -> None:
+    program = ["python", "-m", "worker"]
+    cpu = nsys_command("nsys", _launcher(), torch.device("cpu"), tmp_path / "report", program)
+    assert cpu == [
+        "nsys",
+        "profile",
+        "--trace=nvtx,osrt",
+        "--sample=none",
+        "--cpuctxsw=none",
+        f"--output={tmp_path / 'report'}",
+        "--force-overwrite=true",
+        *program,
+    ]
+    cuda = nsys_command("nsys", _launcher(), torch.device("cuda"), tmp_path / "report", program)
+    assert "--trace=cuda,nvtx,osrt,cublas,cudnn" in cuda
+    assert "--capture-range=cudaProfilerApi" in cuda and "--capture-range-end=none" in cuda
+    # An extra switch that names a default replaces it (nsys refuses a switch given twice).
+    custom = nsys_command(
+        "nsys",
+        _launcher(extra_args=["-s", "process-tree", "--capture-range-end=repeat"]),
+        torch.device("cuda"),
+        tmp_path / "report",
+        program,
+    )
+    assert "--sample=none" not in custom and "--capture-range-end=none" not in custom
+    assert custom[-6:] == ["-s", "process-tree", "--capture-range-end=repeat", *program]
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"extra_args": ["-o", "elsewhere"]}, "--output/-o"),
+        ({"extra_args": ["--trace=cuda"]}, "launcher.trace"),
+        ({"trace": ["osrt"]}, "nvtx"),
+        ({"trace": ["nvtx", "osrt;rm"]}, "nvtx"),
+    ],
+)
+def test_command_rejects_bad_settings(tmp_path: Path, fields: dict, match: str) -> None:
+    with pytest.raises(UserError, match=match):
+        nsys_command("nsys", _launcher(**fields), torch.device("cpu"), tmp_path / "report", ["python"])
+
+
+# --- kernel attribution reaches the rows (a hand-built GPU report) ------------------------------
+
+MAIN, AUTOGRAD = (7 << 24) | 7, (7 << 24) | 9  # globalTid: pid 7, two threads
+
+
+def _gpu_report(path: Path) -> Path:
+    """linear_qkv's two phases: windows, measured ranges, decoys, and kernels under the forward."""
+    fwd = lambda i, warmup=False: format_range("linear_qkv", "forward", POINT, i, warmup)  # noqa: E731
+    ranges = [
+        (fwd(0, warmup=True), 0, 50, MAIN),  # warm-up: outside the window, never counted
+        (marker_name("linear_qkv", "forward", POINT), 90, 1000, MAIN),
+        (fwd(0), 100, 300, MAIN),
+        (fwd(1), 400, 700, MAIN),
+        (marker_name("self_attention", "forward", POINT), 1100, 1900, MAIN),
+        (fwd(0), 1200, 1300, MAIN),  # nested in self_attention's measurement: not linear_qkv's row
+        (marker_name("linear_qkv", "backward", POINT), 2000, 3000, MAIN),
+        (fwd(0), 2100, 2200, MAIN),  # the forward before the backward: not the forward row
+        (format_range("linear_qkv", "backward", POINT, 0), 2300, 2500, AUTOGRAD),
+    ]
+    # (correlation id, launching thread, call start, kernel ns, name)
+    kernels = [(1, MAIN, 110, 5000, "gemm"), (2, MAIN, 120, 1000, "bias"), (3, MAIN, 410, 7000, "gemm")]
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.executescript(
+            """
+            CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT);
+            CREATE TABLE NVTX_EVENTS (start INTEGER, end INTEGER, eventType INTEGER, text TEXT,
+                textId INTEGER, globalTid INTEGER);
+            CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER, end INTEGER, globalTid INTEGER,
+                correlationId INTEGER);
+            CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER, end INTEGER, correlationId INTEGER,
+                globalPid INTEGER, shortName INTEGER, demangledName INTEGER);
+            """
+        )
+        conn.executemany(
+            "INSERT INTO NVTX_EVENTS VALUES (?, ?, 59, ?, NULL, ?)", [(s, e, n, t) for n, s, e, t in ranges]
+        )
+        names = {"gemm": 1, "bias": 2}
+        conn.executemany("INSERT INTO StringIds VALUES (?, ?)", [(i, n) for n, i in names.items()])
+        for corr, tid, call, duration, name in kernels:
+            conn.execute(
+                "INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, ?, ?)", (call, call + 5, tid, corr)
+            )
+            conn.execute(
+                "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?, ?, ?, ?)",
+                (10_000 * corr, 10_000 * corr + duration, corr, tid & ~0xFFFFFF, names[name], names[name]),
+            )
+    return path
+
+
+def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
+    report = read_sqlite(_gpu_report(tmp_path / "gpu.sqlite"))
+    point, op = ShapePoint(16, 1), SimpleNamespace(name="linear_qkv")
+    spec = SimpleNamespace(
+        case="tiny",
+        dtype="bf16",
+        device=torch.device("cuda"),
+        tf_config=SimpleNamespace(tensor_model_parallel_size=1),
+    )
+    worker = {
+        ("linear_qkv", ph, POINT): {"status": "ok", "weight_bytes": 64, "stop_reason": "nsys"}
+        for ph in ("forward", "backward")
+    }
+    outcome = Outcome(NsysRun(0, ""), worker, None, report)
+    forward, backward = build_rows(spec, [(point, op, "forward"), (point, op, "backward")], outcome)
+
+    assert forward["status"] == "ok" and forward["samples"] == 2
+    assert (forward["median_us"], forward["min_us"]) == (0.25, 0.2)  # 200 and 300 ns
+    assert forward["kernel_time_us"] == 6.5  # median of 6000 (gemm + bias) and 7000 ns
+    assert forward["kernel_count"] == 1.5
+    assert forward["top_kernels"] == "gemm 6.0us x1; bias 0.5us x0.5"  # per iteration
+    assert forward["weight_bytes"] == 64 and forward["launcher"] == "nsys"
+
+    assert backward["status"] == "ok" and backward["samples"] == 1 and backward["median_us"] == 0.2
+    assert (backward["kernel_time_us"], backward["kernel_count"]) == (0, 0)  # a GPU report, no kernels here
+
+
+def test_window_left_open_by_a_kill_still_counts() -> None:
+    """After a SIGKILL the window's pop can be the one event nsys lost: the iterations inside it count,
+    up to the next window."""
+
+    def closed(name: str, start: int, end: int) -> NvtxRange:
+        return NvtxRange(name, start, end, MAIN, parse_range(name))
+
+    qkv = lambda i: format_range("linear_qkv", "backward", POINT, i)  # noqa: E731
+    ranges = [
+        closed(qkv(0), 110, 200),
+        closed(qkv(1), 210, 300),
+        closed(marker_name("linear_proj", "forward", POINT), 400, 500),
+        closed(qkv(2), 410, 420),  # a later window's range (not possible in a run, but not counted)
+    ]
+    window = marker_name("linear_qkv", "backward", POINT)
+    got = measured_ranges(ranges, [OpenRange(window, 100, MAIN, None)])
+    assert [r.name for r in got[("linear_qkv", "backward", POINT)]] == [qkv(0), qkv(1)]
+    assert measured_ranges(ranges) == {("linear_proj", "forward", POINT): []}
