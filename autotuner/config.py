@@ -14,6 +14,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from autotuner.measure.timer import SamplingPolicy
+
 
 @dataclass
 class Pow2Dim:
@@ -71,23 +73,15 @@ class ShapesConfig:
 
 
 @dataclass
-class TimingConfig:
-    """Sampling of the get_data launcher (autotuner.measure.timer explains each guard).
+class TimingConfig(SamplingPolicy):
+    """Sampling of the get_data launcher: the sampler's policy (autotuner.measure.timer.SamplingPolicy,
+    whose docstring and module explain each field and guard) plus the guards around it.
 
-    After ``warmup`` calls, samples come in blocks of ``check_every`` until the median's 95% confidence
-    interval is narrower than ``target_rel_ci`` of it, or ``budget_s`` of sampling has passed, or
-    ``max_samples`` were taken; never fewer than ``min_samples``. ``flush_cache`` evicts the last-level
-    cache before every sample; otherwise ``rotate_inputs`` cycles copies of inputs that fit in it.
-    ``threads``: torch intra-op threads (0 keeps torch's default); the rows record the number used.
+    ``flush_cache`` evicts the last-level cache before every sample; otherwise ``rotate_inputs`` cycles
+    copies of inputs that fit in it. ``threads``: torch intra-op threads (0 keeps torch's default); the
+    rows record the number used.
     """
 
-    warmup: int = 3
-    min_samples: int = 5
-    max_samples: int = 1000
-    budget_s: float = 1.0
-    target_rel_ci: float = 0.02
-    check_every: int = 5
-    min_block_s: float = 0.0002
     flush_cache: bool = False
     rotate_inputs: bool = True
     threads: int = 0

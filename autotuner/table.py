@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _bytes(value: Any) -> str:
+def human_bytes(value: Any) -> str:
+    """1536 -> "1.5 KiB" (binary units); "-" for a missing value."""
     if value is None or value == "":
         return "-"
     value = float(value)
@@ -59,9 +60,9 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
                 _time(row.get("iqr_us")) if ok else "-",
                 str(row.get("samples") or "-"),
                 _num(row.get("tflops"), ".3f") if ok else "-",
-                _bytes(row.get("weight_bytes")),
-                _bytes(row.get("activation_bytes")),
-                _bytes(row.get("peak_bytes")),
+                human_bytes(row.get("weight_bytes")),
+                human_bytes(row.get("activation_bytes")),
+                human_bytes(row.get("peak_bytes")),
                 "ok" if ok else f"{row.get('status')}: {row.get('error') or ''}"[:60],
             ]
         )

@@ -165,12 +165,18 @@ class DeviceTimer:
 
 @dataclass
 class SamplingPolicy:
-    """How to sample (see the module docstring for what each guards against)."""
+    """How to sample (see the module docstring for what each guards against).
+
+    After ``warmup`` calls, samples come in blocks of ``check_every`` until the median's 95% confidence
+    interval is narrower than ``target_rel_ci`` of it, or ``budget_s`` seconds of sampling have passed,
+    or ``max_samples`` were taken; never fewer than ``min_samples``. A forward sample is a block of calls
+    lasting at least ``min_block_s``.
+    """
 
     warmup: int = 3
     min_samples: int = 5
     max_samples: int = 1000
-    budget_s: float = 2.0
+    budget_s: float = 1.0
     target_rel_ci: float = 0.02
     check_every: int = 5
     min_block_s: float = 0.0002

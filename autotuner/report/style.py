@@ -9,6 +9,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from autotuner import table
+
 DPI = 100
 # Pixel sizes of the figures. Fixed, so the page lays out the same for every run (and the tests can check
 # them): savefig is called without bbox_inches="tight", which would crop each figure to a different size.
@@ -62,14 +64,7 @@ def time_unit(max_us: float) -> tuple[str, float]:
 
 
 def human_bytes(value: float | None) -> str:
-    if value is None:
-        return ""
-    value = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return ""
+    return "" if value is None else table.human_bytes(value)
 
 
 def human_si(value: float | None, unit: str = "") -> str:
