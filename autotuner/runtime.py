@@ -8,6 +8,7 @@ import platform
 import socket
 import sys
 import warnings
+from datetime import timedelta
 from importlib import metadata
 from typing import Any
 
@@ -66,7 +67,9 @@ def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, 
         if "WORLD_SIZE" in os.environ:
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
+            # A rank that never arrives (it died before joining) fails the others after this long
+            # instead of torch's 30 minutes.
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
         else:
             dist.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0

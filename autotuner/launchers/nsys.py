@@ -85,7 +85,8 @@ from autotuner.launchers.nsys_report import (
     read_open_ranges,
     summarize,
 )
-from autotuner.launchers.nsys_worker import MEASURING_FILE, WORKER_DIR, NsysObserver, parse_marker
+from autotuner.launchers.nsys_worker import MEASURING_FILE, STARTED_FILE, NsysObserver, parse_marker
+from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.results import load_rows
 from autotuner.runner import Runner
@@ -198,12 +199,62 @@ class NsysRun:
     tail: str
 
 
+_WORKER_MASTER_PORT: str | None = None  # under torchrun: the port the workers' process group meets on
+
+
 def _worker_env() -> dict[str, str]:
     """The parent's environment, with this checkout first on the path and unbuffered output (so the
-    worker's lines and nsys's arrive in order)."""
+    worker's lines and nsys's arrive in order); under torchrun, the workers' own rendezvous port."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    if _WORKER_MASTER_PORT is not None:
+        env["MASTER_PORT"] = _WORKER_MASTER_PORT
+        # torchrun tells its children to use its agent's store as clients; the workers' group has no
+        # agent on the new port, so rank 0's worker must host the store itself.
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    return env
+
+
+def _join_ranks() -> None:
+    """Under torchrun each rank's parent runs its own ``nsys profile`` around its own worker, and the
+    workers form the tensor-parallel group. The parents form a small gloo group of their own on
+    torchrun's port (to agree on the workers' port, and so rank 0 can wait for every rank before merging
+    the rows); the workers then meet on a fresh port that rank 0 picks and sends to all."""
+    global _WORKER_MASTER_PORT
+    import socket
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    port = [None]
+    if dist.get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = [str(sock.getsockname()[1])]
+    dist.broadcast_object_list(port, src=0)
+    _WORKER_MASTER_PORT = port[0]
+
+
+def _wait_turn(run_dir: Path, timeout_s: float = 600) -> None:
+    """Launch the ranks' ``nsys profile`` one after another: two nsys 2022.4 started at the same moment
+    on one machine both lose the ``sem_open`` launch race (see lost_launch_race) far more often than one.
+    Rank N waits until rank N-1's worker has started (its ``started`` file); the workers then wait for
+    each other in their process group's rendezvous."""
+    import time
+
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        return
+    previous = run_dir / f"worker.rank{rank - 1}" / STARTED_FILE
+    deadline = time.monotonic() + timeout_s
+    while not previous.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank - 1}'s nsys worker did not start within {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def run_nsys(cmd: list[str], log_path: Path, tail_bytes: int = 16_384) -> NsysRun:
@@ -389,7 +440,7 @@ def build_rows(
             "dtype": spec.dtype,
             "device": spec.device.type,
             "launcher": "nsys",
-            "rank": 0,  # one process (see launch)
+            "rank": int(os.environ.get("RANK", 0)),
             "tensor_parallel": spec.tf_config.tensor_model_parallel_size,
         }
         if worker is None:
@@ -439,8 +490,6 @@ def _check_settings(cfg: DictConfig) -> None:
     launcher = cfg.launcher
     if launcher.warmup < 0 or launcher.iterations < 1:
         raise UserError("launcher.warmup must be >= 0 and launcher.iterations >= 1: fix launcher.*")
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise UserError("launcher=nsys profiles one process: run it without torchrun (or use get_data)")
     if cfg.resume:
         raise UserError("launcher=nsys cannot resume (one report holds every op of a run): drop resume=true")
 
@@ -514,18 +563,28 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     launcher = cfg.launcher
     nsys = find_nsys(str(launcher.nsys_bin))
     run_dir = Path(run_dir).resolve()
-    worker_dir = run_dir / WORKER_DIR
-    report_base = run_dir / REPORT_NAME
+    _join_ranks()
+    worker_dir = worker_dir_of(run_dir)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # One report per rank: report-rank<N>.nsys-rep (a dot would read as the file's suffix).
+    suffix = f"-rank{rank}" if world > 1 else ""
+    report_base = run_dir / f"{REPORT_NAME}{suffix}"
+    log_path = run_dir / f"{Path(LOG_NAME).stem}{suffix}.log"
     # A fresh worker record and report: what is there after the run is this run's, even after a crash.
     shutil.rmtree(worker_dir, ignore_errors=True)
     worker_dir.mkdir(parents=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank has cleared its old worker record before any waits on another's
     for suffix in (".nsys-rep", ".qdstrm", ".sqlite"):
         report_base.with_suffix(suffix).unlink(missing_ok=True)
     program = worker_command(run_dir, _worker_config(cfg, run_dir, worker_dir))
     cmd = nsys_command(nsys, launcher, spec.device, report_base, program)
 
     writer = start_writer(cfg, spec, run_dir)
-    result = _profile(cmd, run_dir / LOG_NAME, worker_dir, report_base.with_suffix(".nsys-rep"))
+    _wait_turn(run_dir)
+    result = _profile(cmd, log_path, worker_dir, report_base.with_suffix(".nsys-rep"))
     outcome = Outcome(result, *_read_worker(worker_dir), _read_report(nsys, report_base, result))
 
     # The runner's own plan, so the rows come in the order and number the worker ran them.

@@ -32,6 +32,7 @@ ours (:func:`autotuner.ops.naming.parse_range` gives None), so no statistic ever
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -45,7 +46,16 @@ from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
 
 WORKER_DIR = "worker"
+
+
+def worker_dir(run_dir: Path) -> Path:
+    """Where the worker records its rows: ``worker``, or ``worker.rank<N>`` for each rank under torchrun."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return Path(run_dir) / (f"{WORKER_DIR}.rank{rank}" if world > 1 else WORKER_DIR)
+
+
 MEASURING_FILE = "measuring.txt"
+STARTED_FILE = "started"
 
 _MARKER_RE = re.compile(r"^measure (?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) \[(?P<point>[^\]]+)\]$")
 
@@ -152,9 +162,10 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     from autotuner.runner import Runner
     from autotuner.spec import open_session, resolve_spec
 
+    out = worker_dir(Path(run_dir))
+    (out / STARTED_FILE).touch()  # the next rank's parent may launch its nsys now (see nsys._wait_turn)
     cfg = _load_config(config_path)
     spec = resolve_spec(cfg)
-    out = Path(run_dir) / WORKER_DIR
     writer = ResultsWriter(out)  # a fresh record each run: the parent reads it to know what completed
     _, context = open_session(spec)
     observer = NsysObserver(
