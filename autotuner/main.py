@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from autotuner.config import register_configs
@@ -166,7 +167,12 @@ def _app(cfg: DictConfig) -> None:
     # Also after failed ops (the report lists them); under torchrun only rank 0, which merged the rows.
     if cfg.report and os.environ.get("RANK", "0") == "0" and (run_dir / "results.jsonl").exists():
         _report(run_dir)
-    if code:
+    if code and HydraConfig.get().mode == RunMode.MULTIRUN:
+        # Hydra's sweep (and submitit) stop at a SystemExit: the other jobs still deserve their run.
+        print(
+            f"autotuner: some ops failed in {run_dir} (see its results); the sweep goes on", file=sys.stderr
+        )
+    elif code:
         raise SystemExit(code)
 
 

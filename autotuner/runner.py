@@ -39,6 +39,10 @@ class RunSpec:
     threads: int = 0
     phases: tuple[str, ...] = PHASES
     notes: list[str] = field(default_factory=list)
+    # A capture's generic plan: (point, op, phase) triples, each op at its own point (None: every point
+    # x op x phase), and (op, point label) -> calls in the captured run (autotuner.capture.replay).
+    plan: list[tuple[ShapePoint, OpTest, str]] | None = None
+    call_counts: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -164,6 +168,8 @@ class Runner:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
     def plan(self) -> list[tuple[ShapePoint, OpTest, str]]:
+        if self.spec.plan is not None:
+            return list(self.spec.plan)
         return [(p, op, ph) for p in self.spec.points for op in self.spec.ops for ph in self.spec.phases]
 
     def _base_row(self, op: OpTest, point: ShapePoint, phase: str) -> dict[str, Any]:
@@ -180,16 +186,23 @@ class Runner:
             "rank": self.rank,
             "tensor_parallel": self.spec.tf_config.tensor_model_parallel_size,
             "num_threads": torch.get_num_threads(),
+            "call_count": self.spec.call_counts.get((op.name, point.label)),
         }
 
     def run(self, context: OpContext) -> list[dict[str, Any]]:
         """Run every (point, op, phase) not already done; return the rows written in this run."""
         plan = self.plan()
-        todo = [
-            item
-            for item in plan
-            if not self.writer.done((self.spec.case, item[1].name, item[2], item[0].label, self.rank))
+        done = [
+            self.writer.done((self.spec.case, op.name, phase, point.label, self.rank))
+            for point, op, phase in plan
         ]
+        if self.world > 1:
+            # Ranks run an op together (its collectives): skip only what every rank has measured, or a
+            # resumed job would have the ranks wait in different ops for ever.
+            flags = torch.tensor(done, dtype=torch.int32, device=self.spec.device)  # NCCL wants CUDA
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+            done = [bool(flag) for flag in flags.tolist()]
+        todo = [item for item, finished in zip(plan, done, strict=True) if not finished]
         bar = _progress(len(plan), len(plan) - len(todo), self.progress)
         written = []
         by_op: dict[tuple[ShapePoint, str], list[str]] = {}

@@ -44,7 +44,9 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             "timing needs warmup >= 0, 1 <= min_samples <= max_samples, check_every >= 1 and budget_s, "
             "target_rel_ci, min_block_s, threads >= 0: fix timing.*"
         )
-    ops = resolve_ops(list(cfg.ops))
+    op_names = list(cfg.ops)
+    # ops=[captured] (with capture=): the capture's own calls, no op of ours (autotuner.capture.replay)
+    ops = resolve_ops(["all"] if cfg.capture and op_names == ["captured"] else op_names)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cases.build_hf_config(case.hf_fields, hf_overrides)
@@ -72,7 +74,7 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             "use shorter sequences or raise hf.max_position_embeddings"
         )
     use_te = device.type == "cuda" and model_lib.transformer_engine_available()
-    return RunSpec(
+    spec = RunSpec(
         case=cfg.case,
         model_args=args,
         tf_config=tf_config,
@@ -86,6 +88,11 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         threads=int(timing.threads),
         notes=list(args.notes),
     )
+    if cfg.capture:
+        from autotuner.capture.replay import case_from_capture
+
+        spec = case_from_capture(spec, cfg.capture, op_names, None if cfg.dtype == "auto" else dtype)
+    return spec
 
 
 def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
@@ -97,6 +104,10 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    if spec.ops and not any(op.needs for op in spec.ops):  # a capture's generic plan: no Megatron model
+        from autotuner.capture.replay import open_generic_session
+
+        return open_generic_session(spec)
     if spec.device.type == "cpu":
         cpu_bridges.apply()
     init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,24 +36,26 @@ def test_sharded_ops_match_the_unsharded_ones(tmp_path):
         torch.testing.assert_close(sharded[name], expected, rtol=0, atol=1e-5, msg=name)
 
 
-def test_torchrun_results_hold_every_rank_and_the_cross_rank_max(tmp_path):
-    args = [
-        "case=tiny",
-        "tf.tensor_model_parallel_size=2",
-        "ops=[linear_qkv,linear_proj]",
-        "timing.max_samples=5",
-        f"hydra.run.dir={tmp_path}",
-        *SMALL,
-    ]
-    proc = subprocess.run(
-        [*TORCHRUN, "-m", "autotuner.main", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+TP_ARGS = [
+    "case=tiny",
+    "tf.tensor_model_parallel_size=2",
+    "ops=[linear_qkv,linear_proj]",
+    "timing.max_samples=5",
+]
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> Path:
+    """A TP=2 get_data run under torchrun, shared by the tests below."""
+    run_dir = tmp_path_factory.mktemp("tp2")
+    cmd = [*TORCHRUN, "-m", "autotuner.main", *TP_ARGS, f"hydra.run.dir={run_dir}", *SMALL]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_torchrun_results_hold_every_rank_and_the_cross_rank_max(tp_run):
+    tmp_path = tp_run
     rows = load_rows(tmp_path / "results.jsonl")
     keys = {(r["op"], r["phase"], r["rank"]) for r in rows}
     assert keys == {
@@ -106,3 +109,21 @@ def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, m
     assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_resume_with_ranks_cut_at_different_rows(tp_run, tmp_path):
+    """Rank 1 lost its last rows (killed a row after rank 0): a resumed job measures them on both ranks
+    together instead of leaving the ranks in different ops."""
+    for name in ("results.rank0.jsonl", "results.rank1.jsonl"):
+        shutil.copy(tp_run / name, tmp_path / name)
+    rank1 = tmp_path / "results.rank1.jsonl"
+    rank1.write_text("\n".join(rank1.read_text().splitlines()[:3]) + "\n")  # the last row is lost
+    before = load_rows(tmp_path / "results.rank0.jsonl")
+    cmd = [*TORCHRUN, "-m", "autotuner.main", *TP_ARGS, f"hydra.run.dir={tmp_path}", *SMALL, "resume=true"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after0 = load_rows(tmp_path / "results.rank0.jsonl")
+    assert len(load_rows(rank1)) == 4 and len(after0) == 4
+    kept = {(r["op"], r["phase"]): r["median_us"] for r in after0}
+    for row in before[:3]:  # measured on both ranks: kept, not measured again
+        assert kept[(row["op"], row["phase"])] == row["median_us"]

@@ -442,6 +442,7 @@ def build_rows(
             "launcher": "nsys",
             "rank": int(os.environ.get("RANK", 0)),
             "tensor_parallel": spec.tf_config.tensor_model_parallel_size,
+            "call_count": spec.call_counts.get((op.name, point.label)),
         }
         if worker is None:
             row.update(status="failed", error=_missing_reason(key, outcome))

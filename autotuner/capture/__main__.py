@@ -1,0 +1,120 @@
+"""``python -m autotuner.capture --out shapes.json [--steps 1:3] -- python train.py ARGS...``
+
+Runs the training command in a child process that captures it (autotuner.capture._child) and then:
+* the child's stdout and stderr are the terminal's own (inherited, never piped or rewritten);
+* its exit code is ours; killed by a signal, we end by the same signal (``$?`` shows 128+N as for the
+  plain command);
+* one line on stderr at the end says what was captured, or that nothing was.
+
+The parent never imports torch. SIGTERM sent to it is passed on to the child (which writes its capture and
+ends); SIGINT is ignored here because a terminal's Ctrl-C reaches the child directly, and passing it on
+too would interrupt the child's writing of the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from autotuner.capture import _child
+from autotuner.errors import UserError
+
+USAGE = "python -m autotuner.capture --out FILE [--steps START:STOP] -- python SCRIPT.py ARGS..."
+# Interpreter options that take no value, allowed between "python" and the script.
+_PYTHON_FLAGS = {"-u", "-O", "-OO", "-B", "-s", "-E", "-I", "-q", "-b", "-bb"}
+
+
+def child_command(command: list[str], options: list[str]) -> list[str]:
+    """The child's argument list for ``command`` (``python [flags] SCRIPT|-m MODULE ARGS`` or ``SCRIPT.py
+    ARGS``): the same interpreter, our bootstrap module, then the script and its arguments."""
+    if not command:
+        raise UserError(f"no command to capture: {USAGE}")
+    if command[0].endswith(".py"):
+        python, rest = sys.executable, command
+    elif Path(command[0]).name.startswith("python"):
+        # A bare "python" means this Python (the one that has autotuner); a path is taken as given.
+        python = command[0] if "/" in command[0] else sys.executable
+        rest = command[1:]
+    else:
+        raise UserError(
+            f"the command must be a Python script, got {command[0]!r}: {USAGE} "
+            "(for torchrun, capture inside the script with autotuner.capture.capture)"
+        )
+    flags = []
+    while rest and rest[0] in _PYTHON_FLAGS:
+        flags.append(rest.pop(0))
+    if not rest or rest[0].startswith("-") and rest[0] != "-m":
+        raise UserError(f"give a script or -m MODULE after the interpreter: {USAGE}")
+    return [python, *flags, "-m", "autotuner.capture._child", *options, "--", *rest]
+
+
+def _summary(out: Path, returncode: int) -> str:
+    from autotuner.capture.schema import load
+
+    ending = f"exit code {returncode}" if returncode >= 0 else f"killed by {signal.Signals(-returncode).name}"
+    if not out.exists():
+        return f"autotuner.capture: nothing written to {out} ({ending})"
+    try:
+        capture = load(out)
+    except UserError as exc:
+        return f"autotuner.capture: {exc}"
+    return (
+        f"autotuner.capture: {capture.total_calls} calls, {len(capture.calls)} distinct, in "
+        f"{capture.steps_captured} optimizer step(s) -> {out} ({capture.status}, {ending})"
+    )
+
+
+def run(argv: list[str]) -> int:
+    """Run the capture CLI; return the exit code (negative: the child was killed by that signal)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m autotuner.capture",
+        usage=USAGE,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", required=True, help="the capture file to write (JSON)")
+    parser.add_argument("--steps", type=_child.parse_steps, help="optimizer steps START:STOP (default all)")
+    parser.add_argument("--functions", help="torch.nn.functional names to capture, comma-separated")
+    parser.add_argument("--methods", help="Tensor methods to capture, comma-separated")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    out = Path(args.out).resolve()
+    options = ["--out", str(out)]
+    if args.steps:
+        options += ["--steps", f"{args.steps[0]}:{args.steps[1]}"]
+    for name in ("functions", "methods"):
+        if getattr(args, name) is not None:
+            options.append(f"--{name}={getattr(args, name)}")
+    try:
+        argv_child = child_command(list(command), options)
+    except UserError as exc:
+        parser.error(str(exc))
+    child = subprocess.Popen(argv_child)  # before ignoring SIGINT: the child must not inherit SIG_IGN
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    try:
+        returncode = child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print(_summary(out, returncode), file=sys.stderr)
+    return returncode
+
+
+def main() -> None:
+    code = run(sys.argv[1:])
+    if code < 0:  # end as the child did, by its signal (default action: Python's own SIGINT handler
+        sys.stdout.flush()  # would raise KeyboardInterrupt here instead)
+        sys.stderr.flush()
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    raise SystemExit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The capture file: versioned JSON, written atomically, validated on load.
+
+A capture is one JSON object (never pickle: a capture can be read, diffed and shared safely)::
+
+    {
+      "format": "autotuner-capture",          # always this string
+      "version": 1,                           # bumped whenever a field changes meaning
+      "created": "2026-01-31T12:00:00+00:00", # when the file was written (UTC)
+      "command": ["train.py", "--lr", "1e-3"],# the program's sys.argv when the file was written
+      "environment": {...},                   # versions, device, threads (autotuner.runtime.environment)
+      "settings": {"steps": [1, 3] | null, "functions": [...], "methods": [...]},
+      "steps": {"seen": 3, "captured": 2},    # optimizer steps the program made / made inside the window
+      "status": "complete",                   # complete | exit | exception | interrupted | signal
+      "error": null,                          # one line when status is not complete
+      "calls": [CALL, ...]
+    }
+
+Each CALL is one distinct signature of one callee at one module path, with how often it was called::
+
+    {
+      "kind": "module" | "function" | "method",
+      "callee": "torch.nn.functional.linear",        # modules: the class, e.g. transformers...LlamaRMSNorm
+      "base": "torch.nn.modules.linear.Linear",      # modules: nearest torch.nn/megatron.core class (not
+                                                     # nn.Module itself) in the class's MRO, or null
+      "path": "model.layers.0.self_attn.q_proj",     # module path ("" = the outermost module called)
+      "args": [VALUE, ...], "kwargs": {"name": VALUE},
+      "attrs": {"in_features": 64, ...},             # modules: constructor-relevant attributes
+      "training": true,                              # modules: module.training at the call
+      "grad_enabled": true,                          # torch.is_grad_enabled() at the call
+      "count": 2
+    }
+
+A VALUE is one of:
+``{"tensor": {"shape", "dtype", "device", "stride", "contiguous", "requires_grad", "parameter"}}``;
+``{"value": scalar}`` (null, bool, int, finite float, str); ``{"float": "inf"|"-inf"|"nan"}``;
+``{"tuple": [VALUE...]}``, ``{"list": [VALUE...]}``, ``{"dict": {key: VALUE}}``; ``{"dtype": "float32"}``;
+``{"device": "cuda:0"}``; or ``{"object": "module.Class"}`` (anything else: only its type is kept; a
+sequence longer than 64 items becomes ``{"object": "tuple", "length": n}``).
+
+Method calls list ``self`` as their first argument. Function and method calls are recorded at the
+outermost level only: a wrapped function called by another wrapped function is part of the outer call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotuner.errors import UserError
+
+FORMAT = "autotuner-capture"
+VERSION = 1
+KINDS = ("module", "function", "method")
+STATUSES = ("complete", "exit", "exception", "interrupted", "signal")
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One distinct (callee, module path, signature) and its call count."""
+
+    kind: str
+    callee: str
+    path: str
+    args: list[dict[str, Any]]
+    kwargs: dict[str, dict[str, Any]]
+    count: int
+    grad_enabled: bool = True
+    base: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    training: bool | None = None
+
+    @property
+    def class_name(self) -> str:
+        """The short class (modules) or function name."""
+        return self.callee.rsplit(".", 1)[-1]
+
+    @property
+    def base_name(self) -> str | None:
+        """The short name of ``base``: the torch.nn or Megatron-Core class this module is or derives from."""
+        return self.base.rsplit(".", 1)[-1] if self.base else None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "kind": self.kind,
+            "callee": self.callee,
+            "path": self.path,
+            "args": self.args,
+            "kwargs": self.kwargs,
+            "grad_enabled": self.grad_enabled,
+            "count": self.count,
+        }
+        if self.kind == "module":
+            data.update(base=self.base, attrs=self.attrs, training=self.training)
+        return data
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A loaded capture file."""
+
+    path: Path
+    calls: list[CallRecord]
+    steps_seen: int = 0
+    steps_captured: int = 0
+    window: tuple[int, int] | None = None
+    status: str = "complete"
+    error: str | None = None
+    command: list[str] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_calls(self) -> int:
+        return sum(c.count for c in self.calls)
+
+
+def dump(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``data`` as JSON to ``path`` atomically: a temporary file in the same folder, then a rename,
+    so a reader (or a crash half-way) never sees a half-written capture. Non-finite floats must already
+    be encoded (``allow_nan=False`` refuses them rather than write non-standard JSON)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1, allow_nan=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _bad(path: Path, problem: str) -> UserError:
+    return UserError(f"capture file {path}: {problem}: capture it again with python -m autotuner.capture")
+
+
+def _call(path: Path, index: int, raw: Any) -> CallRecord:
+    if not isinstance(raw, dict):
+        raise _bad(path, f"calls[{index}] is not an object")
+    for key, kind in (("kind", str), ("callee", str), ("path", str), ("args", list), ("kwargs", dict)):
+        if not isinstance(raw.get(key), kind):
+            raise _bad(path, f"calls[{index}] lacks {key!r} ({kind.__name__})")
+    count = raw.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise _bad(path, f"calls[{index}] has no positive integer 'count'")
+    if raw["kind"] not in KINDS:
+        raise _bad(path, f"calls[{index}] has unknown kind {raw['kind']!r}")
+    return CallRecord(
+        kind=raw["kind"],
+        callee=raw["callee"],
+        path=raw["path"],
+        args=raw["args"],
+        kwargs=raw["kwargs"],
+        count=count,
+        grad_enabled=bool(raw.get("grad_enabled", True)),
+        base=raw.get("base"),
+        attrs=raw.get("attrs") or {},
+        training=raw.get("training"),
+    )
+
+
+def load(path: str | os.PathLike[str]) -> Capture:
+    """Read and validate a capture file. Anything wrong is a one-line UserError naming the file."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(
+            f"cannot read capture file {source}: {exc.strerror or exc}: pass the file "
+            "python -m autotuner.capture --out wrote"
+        ) from exc
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" (line {exc.lineno} column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise _bad(source, f"not valid JSON{where}") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(
+            f'{source} is not an autotuner capture (no "format": "{FORMAT}"): '
+            "pass a file written by python -m autotuner.capture"
+        )
+    version = data.get("version")
+    if version != VERSION:
+        raise UserError(
+            f"capture file {source} has version {version!r}, this autotuner reads version {VERSION}: "
+            "capture it again with this autotuner, or use the autotuner that wrote it"
+        )
+    calls = data.get("calls")
+    if not isinstance(calls, list):
+        raise _bad(source, "'calls' is not a list")
+    steps = data.get("steps") if isinstance(data.get("steps"), dict) else {}
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+    window = settings.get("steps")
+    return Capture(
+        path=source,
+        calls=[_call(source, i, raw) for i, raw in enumerate(calls)],
+        steps_seen=int(steps.get("seen") or 0),
+        steps_captured=int(steps.get("captured") or 0),
+        window=tuple(window) if isinstance(window, list) and len(window) == 2 else None,
+        status=str(data.get("status", "complete")),
+        error=data.get("error"),
+        command=list(data.get("command") or []),
+        environment=dict(data.get("environment") or {}),
+        settings=settings,
+    )
