@@ -1,0 +1,349 @@
+"""The torch_profiler launcher: the same plan, observed by ``torch.profiler``.
+
+For each (op, shape point) the observer runs profiling sessions of training-like steps, each the op's
+forward then its backward, under ``record_function`` ranges named as the NVTX ranges are
+(``linear_qkv.forward [s256_b1] #3``, see autotuner.ops.naming)::
+
+    for step in range(wait + warmup + active):      # torch.profiler.schedule(wait, warmup, active)
+        set_range_context(point, i, warmup=step < wait + warmup)
+        forward (the backward phase's untimed prepare: zero grads, forward with autograd)
+        backward (seeded output gradients)
+        prof.step()
+
+and leaves a trace, stacks and operator tables per (op, point) (autotuner.launchers.profiler_files), plus
+the usual results rows. Measurement gotchas, and how this launcher settles them:
+
+* Which time. A row's times are the op's *own* range per active step: ``<op>.<phase> [<point>] #i`` with
+  the op's name, not a parent's or a sub-op's (a transformer_layer step also holds linear_qkv ranges with
+  the same point and iteration), and never a warm-up range (``#w``). The statistics are over the active
+  steps only; ``samples`` is ``active``. Use ``launcher.active`` of 10 or more for a stable median.
+* Recording overhead. ``with_stack`` records every Python call, ``profile_memory`` every allocation,
+  ``record_shapes`` every operator's inputs; on CPU that made small, Python-heavy ops (mlp, a whole layer
+  at s128_b4 of case=tiny) 2-2.5x slower than get_data measures them. As get_data runs each sensor in
+  its own pass, the times therefore come from a first, lean session (same schedule, operators only)
+  and the files from a second, detailed one. The lean session also marks the measured op alone: each
+  marked sub-op costs its parent a push/pop and two autograd nodes (autotuner.ops.instrument), which
+  put mlp's forward (s128_b4, one thread) at 1.7x of get_data instead of 1.1-1.3x; the detailed
+  session marks them all, so a layer's trace shows its sub-ops. ``lean_timing=false``: one session,
+  times from the detailed one (on CPU, 2-2.5x for small Python-heavy ops).
+* Host vs device time. On CPU the range's duration is the op's time. On a GPU the host range only
+  brackets kernel *launches*; the time taken is the range's GPU-side span (kineto's
+  ``gpu_user_annotation``: first kernel start to last kernel end of the kernels launched inside it),
+  and each step ends with a synchronisation so steps never overlap on the device.
+* Backward is timed on its own, from the range pushed when autograd reaches the op's outputs to the one
+  popped when its input gradients exist (autotuner.ops.instrument), not as (forward+backward)-forward.
+  Unlike get_data's timer around the whole ``backward()`` call, the range leaves out autograd's
+  start-up and the storing of the input gradients in ``.grad``: about 10% of core_attention's backward
+  at s128_b4 on CPU, so there the profiler can read lower than get_data.
+* Both phases per session. The runner asks for the forward row first; the sessions measure both and
+  the backward measurement is kept for the backward row that follows (on resume, with the forward row
+  already done, they run for the backward row instead). Sessions that fail fail both rows.
+* Memory and FLOPs columns come from the same sensors as get_data (autotuner.measure), run outside the
+  profiler, so the columns mean the same in both launchers; only the times come from the profiler.
+  ``peak_bytes`` is filled on a GPU only (see ``_sensors``).
+
+Opening the files: drop a ``.pt.trace.json[.gz]`` on https://ui.perfetto.dev (or chrome://tracing), or
+run ``tensorboard --logdir <run_dir>/profiles`` with the ``torch-tb-profiler`` plugin (each
+``<point>/<op>`` folder is a run); ``hta.trace_analysis.TraceAnalysis(trace_dir=<point>/<op> folder)``
+loads one as rank 0. Look for the ``ProfilerStep#N`` bands, the op's forward and backward ranges in each,
+the ``aten::`` operators nested under them (and, on a GPU, the kernels linked to them), and gaps between
+ranges (Python overhead, synchronisation). The stacks feed flamegraph.pl or speedscope; the memory
+snapshot opens at https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+
+from autotuner.errors import UserError
+from autotuner.launchers import profiler_files
+from autotuner.measure.flops import count_flops
+from autotuner.measure.memory import SavedTensorsMeter, _kineto_quiet, peak_bytes, weight_bytes
+from autotuner.measure.timer import Measurement
+from autotuner.ops.annotate import RecordFunctionAnnotator, annotating, set_range_context
+from autotuner.ops.naming import parse_range
+from autotuner.ops_test.base import OpCall, OpTest, ShapePoint
+from autotuner.runner import Phase
+
+# CUDA allocator events kept for a memory snapshot: enough for a layer's forward and backward steps.
+_SNAPSHOT_ENTRIES = 200_000
+
+
+@dataclass(frozen=True)
+class ProfilerOptions:
+    """The validated launcher config: schedule, recording switches and where the files go."""
+
+    wait: int
+    warmup: int
+    active: int
+    record_shapes: bool
+    profile_memory: bool
+    with_stack: bool
+    with_flops: bool
+    memory_snapshot: bool
+    compress_over_bytes: int
+    output_dir: Path
+    lean_timing: bool = True
+
+    @property
+    def steps(self) -> int:
+        return self.wait + self.warmup + self.active
+
+    def range_context(self, step: int) -> tuple[int, bool]:
+        """(iteration, warm-up?) of a step: ``#w<step>`` before the active steps, then ``#0..#active-1``."""
+        skipped = self.wait + self.warmup
+        return (step, True) if step < skipped else (step - skipped, False)
+
+
+def _check_writable(folder: Path, what: str, fix: str) -> None:
+    """Create ``folder`` and a file in it. A real write is the only reliable test: root passes every
+    permission check (``os.access`` says yes) yet still fails on a read-only mount or a path through a
+    regular file."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UserError(f"{what} {folder} is not writable ({reason}): {fix}") from exc
+
+
+def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> ProfilerOptions:
+    """Validate ``cfg.launcher`` before any work. Raises UserError (one line, exit code 2)."""
+    wait, warmup, active = int(launcher.wait), int(launcher.warmup), int(launcher.active)
+    if wait < 0 or warmup < 0:
+        raise UserError(f"launcher.wait={wait} and launcher.warmup={warmup} must be >= 0")
+    if active < 1:
+        raise UserError(
+            f"launcher.active={active}: the profiler records only active steps, so at least one is needed: "
+            "set launcher.active=5"
+        )
+    if int(launcher.compress_over_bytes) < 0:
+        raise UserError("launcher.compress_over_bytes must be >= 0 (0 compresses every trace)")
+    if launcher.memory_snapshot and device.type != "cuda":
+        raise UserError(
+            f"launcher.memory_snapshot=true records the CUDA allocator, but this run is on {device.type}: "
+            "drop it or run on a GPU"
+        )
+    output_dir = Path(str(launcher.output_dir)).expanduser()
+    output_dir = output_dir if output_dir.is_absolute() else Path(run_dir) / output_dir
+    _check_writable(Path(run_dir), "the run directory", "choose another with hydra.run.dir=...")
+    _check_writable(output_dir, "launcher.output_dir", "choose another with launcher.output_dir=...")
+    return ProfilerOptions(
+        wait=wait,
+        warmup=warmup,
+        active=active,
+        record_shapes=bool(launcher.record_shapes),
+        profile_memory=bool(launcher.profile_memory),
+        with_stack=bool(launcher.with_stack),
+        with_flops=bool(launcher.with_flops),
+        memory_snapshot=bool(launcher.memory_snapshot),
+        compress_over_bytes=int(launcher.compress_over_bytes),
+        output_dir=output_dir,
+        lean_timing=bool(launcher.lean_timing),
+    )
+
+
+def range_times_ns(events: Any, op: str, point: str, cuda: bool) -> dict[str, dict[int, int]]:
+    """Per phase, per active iteration: the duration of the op's own range, in nanoseconds.
+
+    On CPU the host ranges; on a GPU their device-side spans. Several spans for one (phase, iteration)
+    (one per stream on a GPU) count as one, from the earliest start to the latest end.
+    """
+    spans: dict[tuple[str, int], tuple[float, float]] = {}
+    for event in events:
+        if not event.is_user_annotation or (event.device_type != DeviceType.CPU) != cuda:
+            continue
+        name = parse_range(event.name)
+        if name is None or name.op != op or name.point != point or name.warmup:
+            continue
+        key = (name.phase, name.iteration)
+        start, end = event.time_range.start, event.time_range.end
+        if key in spans:
+            start, end = min(start, spans[key][0]), max(end, spans[key][1])
+        spans[key] = (start, end)
+    times: dict[str, dict[int, int]] = {}
+    for (phase, iteration), (start, end) in sorted(spans.items()):
+        times.setdefault(phase, {})[iteration] = round((end - start) * 1e3)  # events are in microseconds
+    return times
+
+
+class TorchProfilerObserver:
+    """Profiles (op, point) sessions and answers the runner's per-phase calls from them."""
+
+    name = "torch_profiler"
+
+    def __init__(
+        self,
+        options: ProfilerOptions,
+        device: torch.device,
+        phases: tuple[str, ...],
+        model_parameters: list[torch.Tensor],
+    ) -> None:
+        self.options = options
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.with_backward = "backward" in phases
+        self.model_parameters = model_parameters
+        # The measurement of the phase the runner will ask for next: (op, point, phase) -> times.
+        self._pending: tuple[tuple[str, str, str], Measurement] | None = None
+
+    def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]:
+        key = (op.name, point.label, phase.name)
+        if self._pending is not None and self._pending[0] == key:
+            measurement = self._pending[1]
+        else:
+            measured = self.profile(op, point, phase.call, phase.seed)
+            measurement = measured[phase.name]
+            later = [p for p in measured if p != phase.name]
+            self._pending = ((op.name, point.label, later[0]), measured[later[0]]) if later else None
+        row = {**self._columns(measurement), **self._sensors(phase)}
+        row["tflops"] = (
+            row["flops"] / (measurement.median_ns * 1e-9) / 1e12 if measurement.median_ns else None
+        )
+        return row
+
+    def _profiler(self, detailed: bool) -> torch.profiler.profile:
+        o = self.options
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        stack = detailed and o.with_stack
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=o.wait, warmup=o.warmup, active=o.active, repeat=1),
+            record_shapes=detailed and o.record_shapes,
+            profile_memory=detailed and o.profile_memory,
+            with_stack=stack,
+            with_flops=detailed and o.with_flops,
+            # verbose=True is what makes export_stacks write frames (without it the file is empty)
+            experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True) if stack else None,
+        )
+
+    def _session(self, op: str, point: ShapePoint, phase: Phase, detailed: bool) -> torch.profiler.profile:
+        """Run ``wait + warmup + active`` steps of ``phase`` (prepare then run) under one profiler.
+
+        Detailed: every op's ranges (a layer's trace shows its sub-ops). Lean: ``op``'s alone.
+        """
+        gc.collect()  # a collection of the previous session's garbage would land inside a range
+        marks = annotating(RecordFunctionAnnotator(), only_op=None if detailed else op)
+        try:
+            with _kineto_quiet(), self._profiler(detailed) as prof, marks:
+                for step in range(self.options.steps):
+                    iteration, warmup = self.options.range_context(step)
+                    set_range_context(point.label, iteration, warmup)
+                    if phase.prepare is not None:
+                        phase.prepare()
+                    out = phase.run()
+                    del out
+                    if self.cuda:
+                        torch.cuda.synchronize()  # the step's kernels end inside the step
+                    prof.step()
+        finally:
+            set_range_context("-", 0, False)
+        return prof
+
+    def profile(self, op: OpTest, point: ShapePoint, call: OpCall, seed: int) -> dict[str, Measurement]:
+        """Profile (op, point): write its files, return a Measurement per phase."""
+        # The backward Phase's prepare() is the training forward; forward-only plans run the forward alone.
+        step_phase = Phase("backward" if self.with_backward else "forward", call, seed)
+        timing = (
+            self._session(op.name, point, step_phase, detailed=False) if self.options.lean_timing else None
+        )
+        folder = self.options.output_dir / point.label / op.name
+        folder.mkdir(parents=True, exist_ok=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        # Under torchrun each rank writes its own trace into the same folder: HTA's layout for several
+        # ranks (one trace per rank per folder), and TensorBoard shows them side by side.
+        stem = f"{op.name}.{point.label}" + (f".rank{rank}" if world > 1 else "")
+        snapshot = self.options.memory_snapshot and self.cuda
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=_SNAPSHOT_ENTRIES, clear_history=True)
+        try:
+            detailed = self._session(op.name, point, step_phase, detailed=True)
+            if snapshot:
+                profiler_files.write_memory_snapshot(folder, stem)
+        finally:
+            if snapshot:
+                torch.cuda.memory._record_memory_history(enabled=None)
+        # Files before times: when the op's ranges are missing, the trace is there to show why.
+        profiler_files.write_trace(detailed, folder, stem, rank, self.options.compress_over_bytes)
+        if self.options.with_stack:
+            profiler_files.write_stacks(detailed, folder, stem, self.cuda)
+        profiler_files.write_tables(detailed, folder, stem, self.cuda)
+        return self._measurements((timing or detailed).events(), op.name, point.label)
+
+    def _measurements(self, events: Any, op: str, point: str) -> dict[str, Measurement]:
+        times = range_times_ns(events, op, point, self.cuda)
+        out = {}
+        for phase in ("forward", "backward") if self.with_backward else ("forward",):
+            found = times.get(phase, {})
+            if sorted(found) != list(range(self.options.active)):
+                side = "GPU-side spans of " if self.cuda else ""
+                raise RuntimeError(
+                    f"found {len(found)} of {self.options.active} {side}'{op}.{phase} [{point}] #i' ranges "
+                    "in the profile: is the op instrumented (autotuner.ops.instrument)?"
+                )
+            out[phase] = Measurement(
+                times_ns=[found[i] for i in sorted(found)], warmup=self.options.warmup, stop_reason=self.name
+            )
+        return out
+
+    def _columns(self, m: Measurement) -> dict[str, Any]:
+        return {
+            "samples": m.samples,
+            "median_us": m.median_ns / 1e3,
+            "iqr_us": m.iqr_ns / 1e3,
+            "min_us": m.min_ns / 1e3,
+            "mean_us": m.mean_ns / 1e3,
+            "stop_reason": m.stop_reason,
+        }
+
+    def _sensors(self, phase: Phase) -> dict[str, Any]:
+        """weight/activation bytes and FLOPs as get_data measures them (outside the profiler), and peak
+        bytes on a GPU (the allocator's statistics). Peak bytes on CPU are left empty: there they take a
+        profiler session of their own per row, as long as this launcher's own; get_data measures them."""
+        fresh = Phase(phase.name, phase.call, phase.seed)  # its own outputs and gradients
+
+        def once(meter: Any) -> Any:
+            if fresh.prepare is not None:
+                fresh.prepare()
+            return meter(fresh.run)
+
+        row: dict[str, Any] = {"weight_bytes": weight_bytes(fresh.parameters)}
+        if fresh.name == "forward":
+            with SavedTensorsMeter(exclude=self.model_parameters) as saved:
+                out = fresh.run()
+            del out
+            row["activation_bytes"] = saved.bytes
+        if self.cuda:
+            row["peak_bytes"] = once(lambda run: peak_bytes(run, self.device))
+        row["flops"] = once(count_flops)
+        return row
+
+
+def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
+    """Validate the launcher config, run the plan under the profiler, print the summary table."""
+    from autotuner.launchers.common import finish, start_writer
+    from autotuner.runner import Runner
+    from autotuner.spec import open_session
+
+    # Before any work: bad input ends with one line and exit code 2 (autotuner.main).
+    options = resolve_options(cfg.launcher, spec.device, Path(run_dir))
+    writer = start_writer(cfg, spec, run_dir)
+    model, context = open_session(spec)
+    observer = TorchProfilerObserver(options, spec.device, tuple(spec.phases), list(model.parameters()))
+    Runner(spec, observer, writer, progress=cfg.progress).run(context)
+    code = finish(writer, spec)
+    print(f"traces, stacks and operator tables in {options.output_dir}/<point>/<op>/")
+    return code
