@@ -463,6 +463,7 @@ def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
         dtype="bf16",
         device=torch.device("cuda"),
         tf_config=SimpleNamespace(tensor_model_parallel_size=1),
+        call_counts={},
     )
     worker = {
         ("linear_qkv", ph, POINT): {"status": "ok", "weight_bytes": 64, "stop_reason": "nsys"}

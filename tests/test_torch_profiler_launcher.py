@@ -259,7 +259,7 @@ def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
     s128_b4, mlp's forward of 1 ms read 1.25-1.45x). The machine is a shared 2-core VM whose speed
     drifts between runs seconds apart, so: one intra-op thread for both launchers (a 2-thread OpenMP
     region stalls whenever another process takes a core); rounds of the two CLI runs back to back, in
-    alternating order; per (op, phase) the median over rounds of the pair's ratio, so one disturbed round
+    alternating order; per (op, phase) the ratio of the two launchers' fastest rounds, so a disturbed round
     cannot decide. core_attention is left out: memory-bound, its back-to-back ratio swung 0.6-1.9x here.
     Only the lean timing session matters, so the detailed session records little (faster; the times
     are unaffected).
@@ -278,6 +278,7 @@ def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
             "timing.warmup=2",
             "timing.min_samples=15",
             "timing.max_samples=15",
+            "timing.min_block_s=0",  # one call per sample, as the profiler's steps have
         ],
         "torch_profiler": [
             "launcher=torch_profiler",
@@ -307,10 +308,13 @@ def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
         for phase in ("forward", "backward"):
             profiler, reference = medians[("torch_profiler", op, phase)], medians[("get_data", op, phase)]
             per_round = [p / r for p, r in zip(profiler, reference, strict=True)]
-            ratios[(op, phase)] = statistics.median(per_round)  # one disturbed round does not decide
+            # Interference from other processes only ever slows a run down, so each launcher's fastest
+            # round is its least disturbed measurement; compare those (a pair's ratio within one round
+            # still swung 0.9-2.0x on a loaded 2-core machine).
+            ratios[(op, phase)] = min(profiler) / min(reference)
             print(
-                f"{op:18} {phase:8} get_data {statistics.median(reference):9.1f} us  torch_profiler "
-                f"{statistics.median(profiler):9.1f} us  ratio {ratios[(op, phase)]:.2f} "
+                f"{op:18} {phase:8} get_data {min(reference):9.1f} us  torch_profiler "
+                f"{min(profiler):9.1f} us  ratio {ratios[(op, phase)]:.2f} "
                 f"(rounds {', '.join(f'{x:.2f}' for x in per_round)})"
             )
     print("median ratio", round(statistics.median(ratios.values()), 2))
