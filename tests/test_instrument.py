@@ -42,7 +42,10 @@ def _ranges(events, phase):
     return out
 
 
-def _run(op_name, tiny_session, tiny_spec, point=ShapePoint(8, 1)):
+POINT = ShapePoint(8, 1)
+
+
+def _run(op_name, tiny_session, tiny_spec, point=POINT):
     _, ctx = tiny_session
     test = next(t for t in tiny_spec.ops if t.name == op_name)
     call = test.build(ctx, point)

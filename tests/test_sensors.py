@@ -102,18 +102,29 @@ def test_sampler_stops_on_budget_when_the_target_is_out_of_reach():
 
 
 def test_sampler_stops_at_max_samples_and_honours_min_samples():
-    capped = sample(DeviceTimer(CPU), _sleep(0.0005), SamplingPolicy(warmup=0, max_samples=7, budget_s=60, target_rel_ci=0))
+    capped = sample(
+        DeviceTimer(CPU),
+        _sleep(0.0005),
+        SamplingPolicy(warmup=0, max_samples=7, budget_s=60, target_rel_ci=0),
+    )
     assert capped.stop_reason == "max_samples" and capped.samples == 7
-    floor = sample(DeviceTimer(CPU), _sleep(0.0005), SamplingPolicy(warmup=0, min_samples=12, target_rel_ci=10))
+    floor = sample(
+        DeviceTimer(CPU), _sleep(0.0005), SamplingPolicy(warmup=0, min_samples=12, target_rel_ci=10)
+    )
     assert floor.stop_reason == "precision" and floor.samples >= 12
 
 
 def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
     x = torch.randn(16)
-    blocked = sample(DeviceTimer(CPU), lambda: x + 1, SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001))
+    blocked = sample(
+        DeviceTimer(CPU), lambda: x + 1, SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001)
+    )
     assert blocked.calls_per_sample > 1 and blocked.median_ns < 1e6
     prepared = sample(
-        DeviceTimer(CPU), lambda: None, SamplingPolicy(warmup=0, max_samples=3, budget_s=60), prepare=_sleep(0.01)
+        DeviceTimer(CPU),
+        lambda: None,
+        SamplingPolicy(warmup=0, max_samples=3, budget_s=60),
+        prepare=_sleep(0.01),
     )
     assert prepared.calls_per_sample == 1 and prepared.median_ns < 5e6  # the 10 ms prepare is not timed
 
