@@ -33,6 +33,9 @@ OP_ORDER = (
     "output_layer",
 )
 
+# The sub-ops inside one TransformerLayer, in the order its forward runs them.
+LAYER_SUB_OPS = OP_ORDER[OP_ORDER.index("input_layernorm") : OP_ORDER.index("mlp_bda") + 1]
+
 # Packages an op may need, and whether they import here (filled lazily; see available_ops).
 OPTIONAL_PACKAGES = {"transformer_engine": "transformer-engine[pytorch]"}
 

@@ -6,26 +6,13 @@ import gc
 
 import torch
 
+from autotuner.op_mapping import LAYER_SUB_OPS
 from autotuner.ops.annotate import RecordingAnnotator, annotating, set_range_context
 from autotuner.ops.naming import parse_range
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
 
-LAYER_FORWARD_ORDER = [
-    "input_layernorm",
-    "self_attention",
-    "linear_qkv",
-    "rope",
-    "core_attention",
-    "linear_proj",
-    "self_attn_bda",
-    "pre_mlp_layernorm",
-    "mlp",
-    "linear_fc1",
-    "activation",
-    "linear_fc2",
-    "mlp_bda",
-]
+LAYER_FORWARD_ORDER = list(LAYER_SUB_OPS)
 
 
 def _ranges(events, phase):

@@ -29,7 +29,7 @@ from autotuner.launchers.nsys import NsysRun, Outcome, build_rows, measured_rang
 from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_ranges
 from autotuner.launchers.nsys_worker import marker_name
 from autotuner.main import run
-from autotuner.op_mapping import OP_ORDER
+from autotuner.op_mapping import LAYER_SUB_OPS, OP_ORDER
 from autotuner.ops.naming import format_range, parse_range
 from autotuner.ops_test.base import ShapePoint
 from autotuner.results import COLUMNS, load_rows
@@ -44,21 +44,7 @@ SMALL = [
     "progress=false",
 ]
 # The sub-ops of a TransformerLayer in model order (Megatron calls RoPE twice: on q, then on k).
-LAYER_OPS = [
-    "input_layernorm",
-    "self_attention",
-    "linear_qkv",
-    "rope",
-    "core_attention",
-    "linear_proj",
-    "self_attn_bda",
-    "pre_mlp_layernorm",
-    "mlp",
-    "linear_fc1",
-    "activation",
-    "linear_fc2",
-    "mlp_bda",
-]
+LAYER_OPS = list(LAYER_SUB_OPS)
 # Their backward ranges open in reverse model order, each container (mlp, self_attention) as soon as
 # its output gradient is ready, i.e. before the sub-ops inside it.
 LAYER_OPS_BACKWARD = [
