@@ -88,14 +88,7 @@ class GetDataObserver:
         phase.rotate(self._input_sets(phase))
         measurement = sample(self.timer, phase.run, self.policy, phase.prepare, self.flush)
         row: dict[str, Any] = {
-            "samples": measurement.samples,
-            "median_us": measurement.median_ns / 1e3,
-            "iqr_us": measurement.iqr_ns / 1e3,
-            "min_us": measurement.min_ns / 1e3,
-            "mean_us": measurement.mean_ns / 1e3,
-            "rel_ci": measurement.rel_ci,
-            "stop_reason": measurement.stop_reason,
-            "warnings": ";".join(measurement.warnings),
+            **measurement.columns(),
             "calls_per_sample": measurement.calls_per_sample,
             "input_sets": len(phase.input_sets),
             "cache_flush": self.flush is not None,

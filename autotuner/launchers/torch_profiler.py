@@ -300,14 +300,7 @@ class TorchProfilerObserver:
         return out
 
     def _columns(self, m: Measurement) -> dict[str, Any]:
-        return {
-            "samples": m.samples,
-            "median_us": m.median_ns / 1e3,
-            "iqr_us": m.iqr_ns / 1e3,
-            "min_us": m.min_ns / 1e3,
-            "mean_us": m.mean_ns / 1e3,
-            "stop_reason": m.stop_reason,
-        }
+        return m.columns()
 
     def _sensors(self, phase: Phase) -> dict[str, Any]:
         """weight/activation bytes and FLOPs as get_data measures them (outside the profiler), and peak

@@ -67,7 +67,7 @@ class Measurement:
     calls_per_sample: int = 1
     warmup: int = 0
     stop_reason: str = ""
-    target_rel_ci: float = 0.0
+    target_rel_ci: float | None = None
 
     @property
     def samples(self) -> int:
@@ -122,9 +122,24 @@ class Measurement:
         if drift is not None and abs(drift) > DRIFT_FRACTION:
             found.append(f"drift({drift:+.0%})")
         rel_ci = self.rel_ci
-        if self.stop_reason != "precision" and (rel_ci is None or rel_ci > self.target_rel_ci):
+        # None: no precision target (the profiler launchers take a fixed count of iterations)
+        targeted = self.target_rel_ci is not None
+        if targeted and self.stop_reason != "precision" and (rel_ci is None or rel_ci > self.target_rel_ci):
             found.append("ci_target_missed")
         return found
+
+    def columns(self) -> dict[str, Any]:
+        """The result-row columns of these times (see autotuner.results), microseconds."""
+        return {
+            "samples": self.samples,
+            "median_us": self.median_ns / 1e3,
+            "iqr_us": self.iqr_ns / 1e3,
+            "min_us": self.min_ns / 1e3,
+            "mean_us": self.mean_ns / 1e3,
+            "rel_ci": self.rel_ci,
+            "stop_reason": self.stop_reason,
+            "warnings": ";".join(self.warnings),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
