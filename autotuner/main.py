@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -164,6 +165,15 @@ def _app(cfg: DictConfig) -> None:
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    except Exception:
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            # The other ranks may be waiting for this one in a collective, and a normal exit can block
+            # in the process group's teardown: leave at once, so torchrun stops the job and names us.
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
     # Also after failed ops (the report lists them); under torchrun only rank 0, which merged the rows.
     if cfg.report and os.environ.get("RANK", "0") == "0" and (run_dir / "results.jsonl").exists():
         _report(run_dir)

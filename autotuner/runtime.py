@@ -67,9 +67,10 @@ def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, 
         if "WORLD_SIZE" in os.environ:
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            # A rank that never arrives (it died before joining) fails the others after this long
-            # instead of torch's 30 minutes.
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+            # A rank that never arrives, or dies inside a collective, fails the others after this long
+            # (AUTOTUNER_DIST_TIMEOUT_S, default 10 minutes) instead of torch's 30 minutes.
+            timeout_s = float(os.environ.get("AUTOTUNER_DIST_TIMEOUT_S", 600))
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         else:
             dist.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0

@@ -88,7 +88,7 @@ def test_a_failing_rank_fails_the_job_with_its_error_not_a_hang(tmp_path):
     proc = subprocess.run(
         [*TORCHRUN, "-m", "autotuner.main", *args],
         cwd=REPO,
-        env=_env(),
+        env={**_env(), "AUTOTUNER_DIST_TIMEOUT_S": "30"},  # the peer blocked in a collective gives up
         capture_output=True,
         text=True,
         timeout=240,
