@@ -8,7 +8,8 @@ as the get_data launcher:
   reads and writes the buffer, 2 x its bytes), the memory ceiling;
 * on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory.
 
-The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
+The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops), at sizes that reach the
+peak. The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
 ``calibration`` config key, or that default file) to add each op's bound and the fraction of its ceiling
 it reaches. Calibrate once per machine; the file names the device and versions it was measured with.
 """
@@ -28,6 +29,8 @@ import torch
 from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
+from autotuner.ops_test.base import OpCall
+from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.runtime import DTYPES, environment, resolve_device
 
 DEFAULT_DIR = Path("runs") / "calibration"
@@ -38,6 +41,9 @@ MATMUL_SIZE = {
     "cpu": {"fp32": 1024, "bf16": 128, "fp16": 128},
 }
 
+# Host transfer sizes tried for the pageable ceilings (the best rate is kept).
+TRANSFER_SIZES = (16 * 2**20, 64 * 2**20, 256 * 2**20)
+
 
 def default_path(device: torch.device) -> Path:
     if device.type == "cuda":
@@ -47,37 +53,35 @@ def default_path(device: torch.device) -> Path:
     return DEFAULT_DIR / (re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{name}").strip("-").lower() + ".json")
 
 
-def _median_s(run: Any, device: torch.device, policy: SamplingPolicy) -> float:
-    return sample(DeviceTimer(device), run, policy).median_ns * 1e-9
+def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> float:
+    return sample(DeviceTimer(device), lambda: call.fn(*call.inputs), policy).median_ns * 1e-9
 
 
 def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dict[str, Any]:
-    """Measure the ceilings of ``device``; plain data."""
+    """Measure the ceilings of ``device`` with the functional ops' calls at peak sizes; plain data."""
     policy = policy or SamplingPolicy(warmup=2, min_samples=5, budget_s=1.0, target_rel_ci=0.02)
     peak_flops = {}
     for dtype, n in MATMUL_SIZE[device.type].items():
-        a = torch.randn(n, n, device=device).to(DTYPES[dtype])
-        b = torch.randn(n, n, device=device).to(DTYPES[dtype])
-        peak_flops[dtype] = 2 * n**3 / _median_s(lambda a=a, b=b: a @ b, device, policy)
+        peak_flops[dtype] = 2 * n**3 / _median_s(matmul_call(n, n, n, device, DTYPES[dtype]), device, policy)
     size = max(8 * last_level_cache_bytes(device), 64 * 2**20)
-    src = torch.empty(size, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
+    copy = copy_call(size, device)
     result: dict[str, Any] = {
         "device_type": device.type,
         "environment": environment(device),
         "peak_flops": peak_flops,
-        "memory_bandwidth": 2 * size / _median_s(lambda: dst.copy_(src), device, policy),
+        "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
         "buffer_bytes": size,
     }
     if device.type == "cuda":
-        for kind, pinned in (("pageable", False), ("pinned", True)):
-            host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-            result[f"h2d_{kind}"] = size / _median_s(
-                lambda h=host, p=pinned: src.copy_(h, non_blocking=p), device, policy
-            )
-            result[f"d2h_{kind}"] = size / _median_s(
-                lambda h=host, p=pinned: h.copy_(src, non_blocking=p), device, policy
-            )
+        # A pageable copy is staged through a pinned buffer by the driver, and its rate depends on the size
+        # (seen on an H100: 9.7 GB/s at 400 MiB, 16 GB/s at 32 MiB); the ceiling is the best of a few sizes.
+        for direction in ("h2d", "d2h"):
+            for pinned in (False, True):
+                rates = []
+                for nbytes in TRANSFER_SIZES if not pinned else (size,):
+                    transfer = transfer_call(direction, pinned, min(nbytes, size), device)
+                    rates.append(transfer.bytes_moved["forward"] / _median_s(transfer, device, policy))
+                result[transfer.ceiling] = max(rates)
     return result
 
 

@@ -79,12 +79,16 @@ class TimingConfig(SamplingPolicy):
 
     ``flush_cache`` evicts the last-level cache before every sample; otherwise ``rotate_inputs`` cycles
     copies of inputs that fit in it. ``threads``: torch intra-op threads (0 keeps torch's default); the
-    rows record the number used.
+    rows record the number used. ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than
+    ``cuda_graph_below_us`` as CUDA-graph replays, without host launch overhead (autotuner.measure.graphs);
+    the rows say which were.
     """
 
     flush_cache: bool = False
     rotate_inputs: bool = True
     threads: int = 0
+    cuda_graph: bool = False
+    cuda_graph_below_us: float = 200.0
 
 
 @dataclass

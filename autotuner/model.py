@@ -146,6 +146,12 @@ def build_model(
         rotary_base=int(args.rotary_base),
     )
     model.to(device)
+    # Megatron's training wraps the model in Float16Module, which casts every parameter to the half dtype,
+    # the norms' too (torch.nn norms ignore params_dtype): do the same, so each op sees training's dtypes.
+    if config.bf16:
+        model.bfloat16()
+    elif config.fp16:
+        model.half()
     if instrument:
         instrument_gpt(model)
     return model

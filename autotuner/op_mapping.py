@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 from autotuner.errors import UserError
 from autotuner.model import ModelParts
-from autotuner.ops_test import layer_ops, model_ops  # noqa: F401  (registers the ops)
-from autotuner.ops_test.base import BLOCK, EMBEDDING, HEAD, REGISTRY, OpTest
+from autotuner.ops_test import functional_ops, layer_ops, model_ops  # noqa: F401  (registers the ops)
+from autotuner.ops_test.base import BLOCK, EMBEDDING, FUNCTIONAL, HEAD, REGISTRY, OpTest
+from autotuner.ops_test.functional_ops import FUNCTIONAL_OPS
 
 OP_ORDER = (
     "embedding",
@@ -50,8 +51,9 @@ def _alias_table() -> dict[str, str]:
 
 
 def ordered_tests() -> list[OpTest]:
-    """Every registered op test, in model order (ops registered elsewhere come last, by name)."""
-    rank = {name: i for i, name in enumerate(OP_ORDER)}
+    """Every registered op test, in model order, then the functional group (ops registered elsewhere come
+    last, by name)."""
+    rank = {name: i for i, name in enumerate((*OP_ORDER, *FUNCTIONAL_OPS))}
     return sorted(REGISTRY.values(), key=lambda t: (rank.get(t.name, len(rank)), t.name))
 
 
@@ -67,20 +69,30 @@ def _package_available(package: str) -> bool:
     return True
 
 
+# Names that select several ops: "all" is every op of the model (the functional group is asked for by name).
+GROUPS = ("all", FUNCTIONAL)
+
+
 def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
-    """The op tests for ``ops=[...]`` (None or ["all"]: every available op), in model order.
+    """The op tests for ``ops=[...]`` in model order. None or ["all"]: every available op of the model;
+    "functional": the device's base capabilities (autotuner.ops_test.functional_ops); both combine with
+    op names.
 
     Unknown names and ops whose optional package is missing are errors naming the fix.
     """
     available = [t for t in ordered_tests() if t.requires is None or _package_available(t.requires)]
-    if not names or list(names) == ["all"]:
-        return available
+    names = list(names or ["all"])
     table = _alias_table()
     chosen = set()
     for name in names:
+        if str(name).lower() in GROUPS:
+            functional = str(name).lower() == FUNCTIONAL
+            chosen.update(t.name for t in available if (FUNCTIONAL in t.needs) == functional)
+            continue
         canonical = table.get(str(name).lower())
         if canonical is None:
-            raise UserError(f"unknown op {name!r}: choose from {', '.join(t.name for t in ordered_tests())}")
+            choices = ", ".join([*GROUPS, *(t.name for t in ordered_tests())])
+            raise UserError(f"unknown op {name!r}: choose from {choices}")
         test = REGISTRY[canonical]
         if test not in available:
             raise UserError(
@@ -89,6 +101,11 @@ def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
             )
         chosen.add(canonical)
     return [t for t in available if t.name in chosen]
+
+
+def needs_model(tests: Sequence[OpTest]) -> bool:
+    """Whether any selected op comes from the Megatron model (the functional ops do not)."""
+    return any(FUNCTIONAL not in t.needs for t in tests)
 
 
 def model_parts(tests: Sequence[OpTest], block_layers: int, tied_embeddings: bool) -> ModelParts:

@@ -82,6 +82,7 @@ COLUMNS = [
     "calls_per_sample",
     "input_sets",
     "cache_flush",
+    "cuda_graph",
     "weight_bytes",
     "activation_bytes",
     "peak_bytes",

@@ -90,6 +90,8 @@ class Phase:
         the inputs and weights (read to form the gradients), the input and weight gradients. Re-reads,
         intermediates and saved activations other than the inputs are not counted, so the GB/s derived
         from it is a lower bound of the traffic."""
+        if self.call.bytes_moved is not None and self.name in self.call.bytes_moved:
+            return self.call.bytes_moved[self.name]
         weights = sum(p.numel() * p.element_size() for p in self.parameters)
         if self.name == "forward":
             outputs = _tensors(self.call.fn(*self.call.inputs))
@@ -103,11 +105,14 @@ class Phase:
         return grad_outputs + self.input_bytes + weights + grad_inputs + weight_grads
 
     def rotate(self, sets: int) -> None:
-        """Cycle through ``sets`` copies of the inputs (the original included)."""
-        copies = [
-            tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in self.call.inputs)
-            for _ in range(max(sets, 1) - 1)
-        ]
+        """Cycle through ``sets`` copies of the inputs (the original included); a pinned host tensor's copies
+        are pinned too (a host transfer's speed depends on it)."""
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            twin = t.detach().clone()
+            return (twin.pin_memory() if t.is_pinned() else twin).requires_grad_(t.requires_grad)
+
+        copies = [tuple(copy(t) for t in self.call.inputs) for _ in range(max(sets, 1) - 1)]
         self.input_sets = [self.call.inputs, *copies]
 
     def _inputs(self) -> tuple[torch.Tensor, ...]:
@@ -117,6 +122,27 @@ class Phase:
 
     def _forward(self) -> Any:
         return self.call.fn(*self._inputs())
+
+    def clear_grads(self) -> None:
+        for tensor in (*self.call.inputs, *self.parameters):
+            tensor.grad = None
+
+    def static_work(self) -> Callable[[], Any]:
+        """The timed work on fixed tensors, repeatable with no per-call Python state: what a CUDA graph
+        captures (autotuner.measure.graphs). Backward: one eager forward now, whose outputs and
+        activations the returned call keeps (``retain_graph``) for every call; it returns the gradients
+        of the inputs and weights (``torch.autograd.grad``) instead of accumulating them into ``.grad``:
+        the same kernels (a first accumulation only hands the gradient over), but no AccumulateGrad
+        node, which remembers the stream of the forward that created it and would tie the capture to
+        the default stream when that was an earlier, eager forward."""
+        self.rotate(1)
+        if self.name == "forward":
+            inputs = self.call.inputs
+            return lambda: self.call.fn(*inputs)
+        self._forward_for_backward()
+        outputs, grads, self._outputs = self._outputs, self._grads, []
+        wrt = [t for t in (*self.call.inputs, *self.parameters) if t.requires_grad]
+        return lambda: torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
 
     def _forward_for_backward(self) -> None:
         inputs = self._inputs()
@@ -170,7 +196,13 @@ class Runner:
     def plan(self) -> list[tuple[ShapePoint, OpTest, str]]:
         if self.spec.plan is not None:
             return list(self.spec.plan)
-        return [(p, op, ph) for p in self.spec.points for op in self.spec.ops for ph in self.spec.phases]
+        return [
+            (p, op, ph)
+            for p in self.spec.points
+            for op in self.spec.ops
+            for ph in self.spec.phases
+            if ph in op.phases
+        ]
 
     def _base_row(self, op: OpTest, point: ShapePoint, phase: str) -> dict[str, Any]:
         return {

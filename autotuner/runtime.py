@@ -63,7 +63,9 @@ def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, 
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # Where CUDA exists, CPU tensors' collectives go to gloo and CUDA tensors' to NCCL, so a CPU run on
+        # a GPU machine (and a CPU run after a CUDA one in the same process) finds a backend for its tensors.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if "WORLD_SIZE" in os.environ:
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -92,7 +94,8 @@ def seed_everything(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # force_reset: a CPU run earlier in this process may have installed the no-op tracker (cpu_bridges)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def _version(package: str) -> str | None:

@@ -49,6 +49,11 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     ops = resolve_ops(["all"] if cfg.capture and op_names == ["captured"] else op_names)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    if timing.cuda_graph and device.type != "cuda":
+        raise UserError(
+            f"timing.cuda_graph replays CUDA graphs, but the device is {device.type}: "
+            "drop timing.cuda_graph or run with device=cuda"
+        )
     hf_config = cases.build_hf_config(case.hf_fields, hf_overrides)
     args = map_hf_config(hf_config)
     quiet_megatron_import()
@@ -99,7 +104,7 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     """Start the process group, seed, and build the instrumented model holding the selected ops."""
     from autotuner import cpu_bridges
     from autotuner.model import build_model
-    from autotuner.op_mapping import model_parts
+    from autotuner.op_mapping import model_parts, needs_model
     from autotuner.runtime import init_parallel, seed_everything
 
     if spec.threads:
@@ -108,10 +113,12 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
         from autotuner.capture.replay import open_generic_session
 
         return open_generic_session(spec)
-    if spec.device.type == "cpu":
-        cpu_bridges.apply()
+    cpu_bridges.apply(spec.device)
     init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)
     seed_everything(spec.seed, spec.device)
+    if not needs_model(spec.ops):  # only the functional ops: nothing to build
+        context = OpContext(None, spec.device, DTYPES[spec.dtype], spec.seed, config=spec.tf_config)
+        return torch.nn.Module(), context
     parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
     model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
     return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)

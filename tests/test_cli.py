@@ -83,6 +83,7 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["device=tpu"], "unknown device"),
         (["dtype=int8"], "unknown dtype"),
         (["tf.tensor_model_parallel_size=3"], "does not divide"),
+        (["device=cpu", "timing.cuda_graph=true"], "timing.cuda_graph replays CUDA graphs"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
@@ -217,3 +218,37 @@ def test_generator_flush_and_calibration_from_the_command_line(tmp_path):
         ceiling = 1e11 if row["bound"] == "compute" else 1e10
         assert row["ceiling_fraction"] == pytest.approx(achieved / ceiling)
     assert json.loads((run_dir / "calibration.json").read_text())["memory_bandwidth"] == 1e10
+
+
+def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypatch):
+    import torch
+
+    from autotuner import model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the functional ops need no Megatron model")
+
+    monkeypatch.setattr(model, "build_model", no_model)
+    calibration = tmp_path / "calibration.json"
+    ceilings = {"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10, "h2d_pinned": 2e10}
+    calibration.write_text(json.dumps(ceilings))
+    run_dir = tmp_path / "run"
+    overrides = ["ops=[functional]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[2]"]
+    assert (
+        run(["case=tiny", f"hydra.run.dir={run_dir}", f"calibration={calibration}", *overrides, *FAST]) == 0
+    )
+    rows = {r["op"]: r for r in _check_files(run_dir)}
+    assert {r["phase"] for r in rows.values()} == {"forward"}  # no backward rows
+    hidden, fp32 = 64, 4  # cases/tiny.yaml
+    cuda = torch.cuda.is_available()
+    assert rows["matmul"]["flops"] == 2 * (16 * 2) * hidden * hidden
+    copy = rows["copy"]
+    assert copy["bytes_moved"] == 2 * 16 * 2 * hidden * fp32  # read once, written once
+    assert copy["bound"] == "memory"
+    assert copy["ceiling_fraction"] == pytest.approx(copy["gbps"] * 1e9 / 1e10)
+    for name in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
+        assert rows[name]["status"] == ("ok" if cuda else "skipped"), rows[name]
+        if cuda:
+            assert rows[name]["bytes_moved"] == 16 * 2 * hidden * fp32 and rows[name]["gbps"] > 0
+    if cuda:
+        assert rows["h2d_pinned"]["bound"] == "h2d_pinned" and rows["h2d_pinned"]["ceiling_fraction"] > 0

@@ -8,8 +8,8 @@ import torch
 
 from autotuner.errors import UserError
 from autotuner.hf_to_megatron import layer_parameter_count, model_parameter_count
-from autotuner.op_mapping import OP_ORDER, model_parts, resolve_ops
-from autotuner.ops_test.base import ShapePoint
+from autotuner.op_mapping import OP_ORDER, model_parts, needs_model, resolve_ops
+from autotuner.ops_test.base import REGISTRY, ShapePoint
 
 
 def test_chained_sub_ops_reproduce_the_layer(tiny_session):
@@ -76,6 +76,16 @@ def test_names_aliases_and_selection():
         resolve_ops(["fc3"])
 
 
+def test_the_functional_group_is_asked_for_by_name():
+    functional = ["matmul", "copy", "h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"]
+    assert [t.name for t in resolve_ops(["functional"])] == functional
+    assert not {t.name for t in resolve_ops(["all"])} & set(functional)  # "all" is the model's ops
+    assert [t.name for t in resolve_ops(["all", "functional"])] == [*OP_ORDER, *functional]
+    assert [t.name for t in resolve_ops(["gemm", "linear_fc1"])] == ["linear_fc1", "matmul"]
+    assert all(t.phases == ("forward",) for t in resolve_ops(["functional"]))
+    assert not needs_model(resolve_ops(["functional"])) and needs_model(resolve_ops(["copy", "mlp"]))
+
+
 def test_only_the_needed_parts_are_built():
     layer_only = model_parts(resolve_ops(["linear_qkv", "mlp"]), block_layers=2, tied_embeddings=False)
     assert (layer_only.num_layers, layer_only.pre_process, layer_only.post_process) == (1, False, False)
@@ -83,3 +93,16 @@ def test_only_the_needed_parts_are_built():
     assert head.post_process and head.pre_process  # a tied output layer reads the embedding's weight
     block = model_parts(resolve_ops(["transformer_block"]), block_layers=3, tied_embeddings=False)
     assert block.num_layers == 3
+
+
+def test_the_embedding_moves_the_rows_it_gathers_not_its_table(tiny_session):
+    from autotuner.runner import Phase
+
+    _, ctx = tiny_session
+    point = ShapePoint(16, 2)
+    call = REGISTRY["embedding"].build(ctx, point)
+    table = ctx.model.embedding.word_embeddings.weight
+    rows = 16 * 2 * table.shape[1] * 4  # fp32
+    ids = 16 * 2 * 8  # int64 token ids
+    assert Phase("forward", call, 0).bytes_moved() == ids + 2 * rows  # gathered rows read, output written
+    assert Phase("backward", call, 0).bytes_moved() == ids + rows + table.numel() * 4  # dense table gradient

@@ -187,3 +187,19 @@ def test_backward_phase_times_the_backward_alone(phase):
     else:
         p.run()
         assert len(forward_calls) == 1
+
+
+def test_static_work_repeats_the_phase_on_fixed_tensors():
+    """What a CUDA graph captures (Phase.static_work) computes what the eager phase computes, call after
+    call: the backward reuses one forward's activations (retain_graph) and returns the same gradients."""
+    eager, linear = _linear_phase("backward")
+    eager.prepare()
+    eager.run()
+    expected = (eager.call.inputs[0].grad.clone(), linear.weight.grad.clone())
+    work = eager.static_work()
+    for _ in range(2):
+        grad_input, grad_weight = work()
+        torch.testing.assert_close(grad_input, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(grad_weight, expected[1], rtol=0, atol=0)
+    forward, linear = _linear_phase("forward")
+    assert torch.equal(forward.static_work()(), linear(forward.call.inputs[0]))

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
 from autotuner.measure.flops import count_flops
+from autotuner.measure.graphs import capture_phase
 from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
 from autotuner.ops_test.base import OpTest, ShapePoint
@@ -26,16 +29,29 @@ from autotuner.runner import Phase
 
 
 def roofline(
-    flops: int, bytes_moved: int, seconds: float, calibration: dict[str, Any] | None, dtype: str
+    flops: int,
+    bytes_moved: int,
+    seconds: float,
+    calibration: dict[str, Any] | None,
+    dtype: str,
+    ceiling: str | None = None,
 ) -> dict[str, Any]:
     """The op's bound and the fraction of that ceiling it reaches, from the device's calibration.
 
     The ridge point is the calibrated FLOP/s over the calibrated bandwidth: an op whose FLOPs per byte
     moved lie above it is compute-bound (judged against the matmul FLOP/s of its dtype), below it
-    memory-bound (judged against the copy bandwidth). Without a calibration the columns stay empty.
+    memory-bound (judged against the copy bandwidth). An op that names its ``ceiling`` (a calibration
+    key: a host transfer's "h2d_pinned", ...) is judged by bytes against that one. Without a calibration
+    the columns stay empty.
     """
     if not calibration or not seconds or not bytes_moved:
         return {}
+    if ceiling is not None:
+        limit = calibration.get(ceiling)
+        if not limit:
+            return {}
+        bound = "memory" if ceiling == "memory_bandwidth" else ceiling
+        return {"bound": bound, "ceiling_fraction": bytes_moved / seconds / limit}
     peak = calibration["peak_flops"].get(dtype)
     bandwidth = calibration["memory_bandwidth"]
     if not peak or not bandwidth:
@@ -46,6 +62,11 @@ def roofline(
         "bound": "compute" if compute_bound else "memory",
         "ceiling_fraction": achieved / (peak if compute_bound else bandwidth),
     }
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 class GetDataObserver:
@@ -60,7 +81,10 @@ class GetDataObserver:
         rotate_inputs: bool = True,
         calibration: dict[str, Any] | None = None,
         dtype: str = "fp32",
+        cuda_graph_below_us: float | None = None,
     ) -> None:
+        self.cuda_graph_below_us = cuda_graph_below_us if device.type == "cuda" else None
+        self.graphs_off = ""  # set after a failed capture: the reason later rows give
         self.calibration = calibration
         self.dtype = dtype
         self.device = device
@@ -84,16 +108,51 @@ class GetDataObserver:
             return 1
         return min(8, math.ceil(2 * self.cache_bytes / size))
 
+    def _graphed(self, phase: Phase) -> tuple[Callable[[], None] | None, str]:
+        """A CUDA-graph replay of the phase when its eager call is short enough (autotuner.measure.graphs),
+        else None; and a warning when the capture failed."""
+        if self.cuda_graph_below_us is None or not phase.call.graphable:
+            return None, ""
+        if self.graphs_off:
+            return None, f"cuda_graph_off({self.graphs_off})"
+        probes = []
+        for _ in range(3):  # the first call may initialise things; the fastest of three decides
+            if phase.prepare is not None:
+                phase.prepare()
+            self.timer.synchronize()
+            probes.append(self.timer.time_ns(phase.run) / 1e3)
+        if min(probes) >= self.cuda_graph_below_us:
+            return None, ""
+        try:
+            return capture_phase(phase), ""
+        except Exception as exc:  # noqa: BLE001 - timed eagerly instead; the row says why
+            # a failed capture may strand memory (autotuner.measure.graphs): no more captures this run
+            self.graphs_off = "earlier_failure"
+            print(
+                f"CUDA-graph capture failed, timed eagerly (no more captures this run): {_first_line(exc)}",
+                file=sys.stderr,
+            )
+            return None, f"cuda_graph_failed({type(exc).__name__})"
+
     def observe(self, op: OpTest | None, point: ShapePoint, phase: Phase) -> dict[str, Any]:
-        phase.rotate(self._input_sets(phase))
-        measurement = sample(self.timer, phase.run, self.policy, phase.prepare, self.flush)
+        replay, graph_warning = self._graphed(phase)
+        graphed = replay is not None
+        if replay is not None:
+            measurement = sample(self.timer, replay, self.policy, None, self.flush)
+        else:
+            phase.rotate(self._input_sets(phase))
+            measurement = sample(self.timer, phase.run, self.policy, phase.prepare, self.flush)
+        del replay  # frees the graph and its memory pool before the memory passes
         row: dict[str, Any] = {
             **measurement.columns(),
             "calls_per_sample": measurement.calls_per_sample,
             "input_sets": len(phase.input_sets),
             "cache_flush": self.flush is not None,
+            "cuda_graph": graphed,
             "weight_bytes": weight_bytes(phase.parameters),
         }
+        if graph_warning:
+            row["warnings"] = ";".join(w for w in (row["warnings"], graph_warning) if w)
         phase.rotate(1)  # the memory and FLOP passes need one set only
         if phase.name == "forward":
             with SavedTensorsMeter(exclude=self.model_parameters) as saved:
@@ -106,7 +165,11 @@ class GetDataObserver:
         row["tflops"] = row["flops"] / seconds / 1e12 if seconds else None
         row["bytes_moved"] = phase.bytes_moved()
         row["gbps"] = row["bytes_moved"] / seconds / 1e9 if seconds else None
-        row.update(roofline(row["flops"], row["bytes_moved"], seconds, self.calibration, self.dtype))
+        row.update(
+            roofline(
+                row["flops"], row["bytes_moved"], seconds, self.calibration, self.dtype, phase.call.ceiling
+            )
+        )
         return row
 
 
@@ -144,6 +207,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
         rotate_inputs=timing.rotate_inputs,
         calibration=load_calibration(cfg, spec, run_dir),
         dtype=spec.dtype,
+        cuda_graph_below_us=timing.cuda_graph_below_us if timing.cuda_graph else None,
     )
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

@@ -20,11 +20,11 @@ Gotchas this guards against (and records in the row, so a reader knows they were
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
   run before any sample is kept.
 
-Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` until the
-95% confidence interval of the median is narrower than ``target_rel_ci`` of the median ("precision"), or
-the time budget runs out ("budget"), or ``max_samples`` were taken ("max_samples"); at least
-``min_samples`` are always taken. The interval is distribution-free (order statistics), so a skewed or
-bimodal distribution of times does not fool it.
+Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` (one by one
+once a sample lasts over a millisecond) until the 95% confidence interval of the median is narrower than
+``target_rel_ci`` of the median ("precision"), or the time budget runs out ("budget"), or ``max_samples``
+were taken ("max_samples"); at least ``min_samples`` are always taken. The interval is distribution-free
+(order statistics), so a skewed or bimodal distribution of times does not fool it.
 """
 
 from __future__ import annotations
@@ -197,9 +197,10 @@ class SamplingPolicy:
     min_block_s: float = 0.0002
 
 
-def _block_size(timer: DeviceTimer, run: Callable[[], Any], policy: SamplingPolicy) -> int:
-    one_call = max(timer.time_ns(run), 1) * 1e-9
-    return max(1, min(1000, math.ceil(policy.min_block_s / one_call)))
+# A sample at least this long is followed by a stopping check of its own: the check (sorting at most
+# max_samples numbers) costs microseconds, so waiting for a block of check_every samples would only
+# lengthen long ops' measurements.
+CHECK_EACH_SAMPLE_NS = 1_000_000
 
 
 def sample(
@@ -210,7 +211,12 @@ def sample(
     flush: Callable[[], None] | None = None,
 ) -> Measurement:
     """Warm up, then take timed samples of ``run`` (each after an untimed ``prepare`` and ``flush``)
-    until the median is precise enough, the budget is spent, or ``max_samples`` are taken."""
+    until the median is precise enough, the budget is spent, or ``max_samples`` are taken.
+
+    A forward sample (no ``prepare``/``flush``) is a block of calls lasting ``min_block_s``; the first
+    timed call sizes it, and is kept as the first sample when the block is one call (it ran after the
+    warm-up exactly as a sample does; not under a barrier, where samples start after one).
+    """
 
     def untimed() -> None:
         if prepare is not None:
@@ -222,16 +228,28 @@ def sample(
     for _ in range(policy.warmup):
         untimed()
         run()
-    calls = 1 if (prepare is not None or flush is not None) else _block_size(timer, run, policy)
+    times: list[float] = []
+    calls = 1
+    if prepare is None and flush is None:
+        probe_ns = max(timer.time_ns(run), 1)
+        calls = max(1, min(1000, math.ceil(policy.min_block_s / (probe_ns * 1e-9))))
+        if calls == 1 and not timer.barrier:
+            times.append(probe_ns)
     measurement = Measurement(
-        calls_per_sample=calls, warmup=policy.warmup, target_rel_ci=policy.target_rel_ci
+        times_ns=times, calls_per_sample=calls, warmup=policy.warmup, target_rel_ci=policy.target_rel_ci
     )
     started = time.perf_counter()
     while True:
-        for _ in range(min(policy.check_every, policy.max_samples - measurement.samples)):
+        if measurement.samples < policy.max_samples:
             untimed()
-            measurement.times_ns.append(timer.time_ns(run, calls) / calls)
+            block_ns = timer.time_ns(run, calls)
+            measurement.times_ns.append(block_ns / calls)
+        else:
+            block_ns = 0
         n = measurement.samples
+        due = n % policy.check_every == 0 or block_ns >= CHECK_EACH_SAMPLE_NS or n >= policy.max_samples
+        if not due:
+            continue
         if n >= policy.min_samples:
             rel_ci = measurement.rel_ci
             if rel_ci is not None and rel_ci <= policy.target_rel_ci:

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
-# What an op needs built (see autotuner.model.ModelParts).
-LAYER, BLOCK, EMBEDDING, HEAD = "layer", "block", "embedding", "head"
+from autotuner.ops.naming import PHASES
+
+# What an op needs built (see autotuner.model.ModelParts); FUNCTIONAL ops need no model at all.
+LAYER, BLOCK, EMBEDDING, HEAD, FUNCTIONAL = "layer", "block", "embedding", "head", "functional"
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,21 @@ class ShapePoint:
 
 @dataclass
 class OpCall:
-    """An op ready to run: ``fn(*inputs)`` is its forward as the model runs it."""
+    """An op ready to run: ``fn(*inputs)`` is its forward as the model runs it.
+
+    ``bytes_moved`` (per phase) replaces the counted minimum of autotuner.runner.Phase.bytes_moved where
+    the op knows better (a copy's destination is an input it only writes; a lookup reads only the rows it
+    gathers); ``ceiling`` names the calibration entry its
+    rate is judged against (a copy: "memory_bandwidth"; a host transfer: "h2d_pinned", ...) instead of
+    the roofline's choice.
+    """
 
     fn: Callable[..., Any]
     inputs: tuple[torch.Tensor, ...]
     module: torch.nn.Module | None = None
+    bytes_moved: dict[str, int] | None = None
+    ceiling: str | None = None
+    graphable: bool = True  # False: never CUDA-graph captured (a pageable host copy)
 
 
 class OpNotApplicable(Exception):
@@ -61,6 +73,7 @@ class OpTest:
     needs: frozenset[str] = field(default_factory=frozenset)
     requires: str | None = None  # an optional package the op needs
     description: str = ""
+    phases: tuple[str, ...] = PHASES  # the functional ops have no backward
 
 
 REGISTRY: dict[str, OpTest] = {}
@@ -72,6 +85,7 @@ def register_op(
     aliases: tuple[str, ...] = (),
     needs: str | tuple[str, ...] = LAYER,
     requires: str | None = None,
+    phases: tuple[str, ...] = PHASES,
 ) -> Callable[[Callable[[OpContext, ShapePoint], OpCall]], Callable[[OpContext, ShapePoint], OpCall]]:
     """Register an op builder under ``name`` (and its aliases); the docstring becomes its description."""
 
@@ -86,6 +100,7 @@ def register_op(
             aliases=aliases,
             needs=frozenset((needs,) if isinstance(needs, str) else needs),
             requires=requires,
+            phases=phases,
             description=(build.__doc__ or "").strip().splitlines()[0] if build.__doc__ else "",
         )
         return build
@@ -96,9 +111,11 @@ def register_op(
 class OpContext:
     """The built model and the seeded input makers every op builder shares."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, seed: int) -> None:
-        self.model = model
-        self.config = model.config
+    def __init__(
+        self, model: Any, device: torch.device, dtype: torch.dtype, seed: int, config: Any = None
+    ) -> None:
+        self.model = model  # None when only functional ops run (then ``config`` is the TransformerConfig)
+        self.config = model.config if model is not None else config
         self.device = device
         self.dtype = dtype
         self.seed = seed

@@ -12,7 +12,17 @@ from autotuner.ops_test.base import BLOCK, EMBEDDING, HEAD, OpCall, OpContext, S
 def embedding(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Token embedding lookup (vocab-parallel) for [b, s] token ids, output [s, b, h]."""
     module = ctx.model.embedding
-    return OpCall(module, (ctx.token_ids(point), ctx.position_ids(point)), module)
+    ids, positions = ctx.token_ids(point), ctx.position_ids(point)
+    table = module.word_embeddings.weight
+    rows = point.seq_len * point.micro_batch_size * table.shape[1] * table.element_size()
+    index_bytes = ids.numel() * ids.element_size()
+    # A lookup reads only the rows it gathers, not the table; its backward writes a dense gradient of
+    # the whole (local) table, as Megatron's VocabParallelEmbedding does.
+    moved = {
+        "forward": index_bytes + 2 * rows,
+        "backward": index_bytes + rows + table.numel() * table.element_size(),
+    }
+    return OpCall(module, (ids, positions), module, bytes_moved=moved)
 
 
 @register_op("transformer_block", aliases=("TransformerBlock",), needs=(BLOCK, EMBEDDING, HEAD))

@@ -1,0 +1,147 @@
+"""The CUDA paths, on a real GPU: CUDA-event timing, the caching allocator's peak, CUDA-graph replay, the
+functional ops' host transfers, and a whole run on the device.
+
+Without CUDA every test here is skipped (and counted as skipped, not passed): CI has no GPU. They run on
+a lent GPU machine through scripts/gpu_check.sh; docs/gpu_checks.md records what they showed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotuner.launchers.get_data import GetDataObserver
+from autotuner.main import run
+from autotuner.measure.graphs import capture_phase
+from autotuner.measure.timer import DeviceTimer, SamplingPolicy
+from autotuner.ops_test.base import OpCall, ShapePoint
+from autotuner.results import load_rows
+from autotuner.runner import Phase
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+N, IN, OUT = 96, 128, 320
+FP32 = 4
+QUICK = SamplingPolicy(warmup=2, min_samples=5, max_samples=200, budget_s=0.3)
+
+
+def _linear_phase(phase: str, n: int = N, d_in: int = IN, d_out: int = OUT) -> tuple[Phase, torch.nn.Linear]:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(d_in, d_out, bias=False, device=CUDA)
+    x = torch.randn(n, d_in, device=CUDA, requires_grad=True)
+    return Phase(phase, OpCall(linear, (x,), linear), seed=0), linear
+
+
+def test_events_time_the_device_not_the_launch():
+    cycles = 20_000_000  # ~10 ms of spinning at a GPU's clock; its launch takes microseconds
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    begin = time.perf_counter_ns()
+    torch.cuda._sleep(cycles)
+    launch_ns = time.perf_counter_ns() - begin
+    torch.cuda.synchronize()
+    device_ns = DeviceTimer(CUDA).time_ns(lambda: torch.cuda._sleep(cycles))
+    assert device_ns > 1_000_000 and device_ns > 20 * launch_ns, (device_ns, launch_ns)
+
+
+def test_linear_figures_from_the_caching_allocator_are_exact():
+    observer = GetDataObserver(CUDA, QUICK, [])
+    forward, linear = _linear_phase("forward")
+    observer.model_parameters = list(linear.parameters())
+    row = observer.observe(None, ShapePoint(N, 1), forward)
+    assert row["peak_bytes"] == N * OUT * FP32  # the output (sizes chosen as multiples of 512 B)
+    assert row["activation_bytes"] == N * IN * FP32
+    assert row["flops"] == 2 * N * IN * OUT and row["cuda_graph"] is False
+    backward, linear = _linear_phase("backward")
+    observer.model_parameters = list(linear.parameters())
+    row = observer.observe(None, ShapePoint(N, 1), backward)
+    assert row["peak_bytes"] == N * IN * FP32 + IN * OUT * FP32  # grad of the input and of the weight
+
+
+def test_graph_replay_computes_what_eager_computes():
+    eager, linear = _linear_phase("backward")
+    eager.prepare()
+    eager.run()
+    expected = (eager.call.inputs[0].grad.clone(), linear.weight.grad.clone())
+    replay = capture_phase(eager)
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    grad_input, grad_weight = replay.outputs
+    torch.testing.assert_close(grad_input, expected[0])
+    torch.testing.assert_close(grad_weight, expected[1])
+
+
+def test_a_norm_whose_weight_ran_eagerly_before_is_captured():
+    """Seen on an H100 with backward() in the capture: a norm whose weight had been through an eager
+    forward and backward (on the default stream) failed ("would make the legacy stream depend on a
+    capturing blocking stream"); autograd.grad, which runs no AccumulateGrad node, must not."""
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(4096, eps=1e-5, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(512, 1, 4096, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    phase = Phase("backward", OpCall(norm, (x,), norm), seed=0)
+    for _ in range(2):  # eager, on the default stream, as the observer's probe runs it
+        phase.prepare()
+        phase.run()
+    keep = norm(x)  # a live graph holding the weight's AccumulateGrad node from the default stream
+    replay = capture_phase(phase)
+    replay()
+    torch.cuda.synchronize()
+    assert keep is not None and all(g is not None for g in replay.outputs)
+
+
+def test_graph_replay_removes_launch_overhead_of_a_small_op():
+    """A [8, 8] linear's kernels take a few microseconds; eager calls are bound by the host's launch
+    rate, so the replayed time is the shorter one."""
+    rows = {}
+    for graphed in (False, True):
+        observer = GetDataObserver(CUDA, QUICK, [], cuda_graph_below_us=1e6 if graphed else None)
+        for phase_name in ("forward", "backward"):
+            phase, _ = _linear_phase(phase_name, 8, 8, 8)
+            rows[graphed, phase_name] = observer.observe(None, ShapePoint(8, 1), phase)
+    for phase_name in ("forward", "backward"):
+        eager, replayed = rows[False, phase_name], rows[True, phase_name]
+        assert replayed["cuda_graph"] is True and "cuda_graph_failed" not in replayed["warnings"]
+        assert replayed["median_us"] < eager["median_us"], (phase_name, replayed, eager)
+
+
+def test_an_op_that_cannot_be_captured_is_timed_eagerly_and_leaves_the_device_usable():
+    x = torch.randn(1024, 1024, device=CUDA, requires_grad=True)
+    syncs = Phase("forward", OpCall(lambda t: (t * t).sum().item(), (x,)), seed=0)  # .item() syncs the host
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    row = GetDataObserver(CUDA, QUICK, [], cuda_graph_below_us=1e6).observe(None, ShapePoint(64, 1), syncs)
+    assert row["cuda_graph"] is False and "cuda_graph_failed(" in row["warnings"]
+    assert row["samples"] >= 5 and row["median_us"] > 0
+    # usable afterwards: memory back, random numbers (the generator survived), and a new capture
+    assert torch.cuda.memory_allocated() <= allocated + 2**20
+    torch.manual_seed(1)
+    first = torch.randn(4, device=CUDA)
+    torch.manual_seed(1)
+    assert torch.equal(first, torch.randn(4, device=CUDA))
+    phase, _ = _linear_phase("forward", 8, 8, 8)
+    capture_phase(phase)()
+
+
+def test_tiny_case_on_the_gpu_with_graphs_and_functional_ops(tmp_path: Path):
+    fast = ["timing.warmup=2", "timing.min_samples=3", "timing.budget_s=0.2", "progress=false"]
+    overrides = ["device=cuda", "ops=[all,functional]", "timing.cuda_graph=true", "shapes.seq_len=[32]"]
+    overrides.append("timing.cuda_graph_below_us=1e9")  # every phase is tried
+    assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides, *fast]) == 0
+    rows = load_rows(tmp_path / "results.jsonl")
+    assert rows and all(r["status"] == "ok" and r["device"] == "cuda" for r in rows), [
+        (r["op"], r["phase"], r["error"]) for r in rows if r["status"] != "ok"
+    ]
+    graphed = {(r["op"], r["phase"]) for r in rows if r["cuda_graph"]}
+    assert ("linear_qkv", "forward") in graphed and ("linear_qkv", "backward") in graphed
+    by_op = {r["op"]: r for r in rows if r["phase"] == "forward"}
+    for name in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
+        assert by_op[name]["gbps"] > 0
+    # a pageable host copy cannot be captured (the driver stages it synchronously): not even tried
+    assert by_op["h2d_pageable"]["cuda_graph"] is False and by_op["h2d_pinned"]["cuda_graph"] is True
+    failed = [(r["op"], r["phase"], r["warnings"]) for r in rows if "cuda_graph_" in r["warnings"]]
+    assert not failed, failed
