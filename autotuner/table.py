@@ -43,6 +43,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         "IQR",
         "n",
         "TFLOP/s",
+        "GB/s",
         "weights",
         "activations",
         "peak",
@@ -60,6 +61,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
                 _time(row.get("iqr_us")) if ok else "-",
                 str(row.get("samples") or "-"),
                 _num(row.get("tflops"), ".3f") if ok else "-",
+                _num(row.get("gbps"), ".1f") if ok else "-",
                 human_bytes(row.get("weight_bytes")),
                 human_bytes(row.get("activation_bytes")),
                 human_bytes(row.get("peak_bytes")),
@@ -69,7 +71,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     widths = [
         max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)
     ]
-    right = {3, 4, 5, 6, 7, 8, 9}
+    right = {3, 4, 5, 6, 7, 8, 9, 10}
 
     def fmt(cells: list[str]) -> str:
         return "  ".join(

@@ -320,3 +320,22 @@ def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
     print("median ratio", round(statistics.median(ratios.values()), 2))
     bad = {k: round(v, 2) for k, v in ratios.items() if not 1 / 1.5 <= v <= 1.5}
     assert not bad, f"profiler/get_data outside [0.67, 1.5]: {bad}"
+
+
+def test_an_op_without_backward_gets_a_forward_row(tmp_path: Path) -> None:
+    """The functional ops have no backward: their sessions run the forward alone."""
+    argv = [
+        "case=tiny",
+        "launcher=torch_profiler",
+        "ops=[copy]",
+        "shapes.seq_len=[16]",
+        "shapes.micro_batch_size=[1]",
+        "launcher.warmup=1",
+        f"launcher.active={ACTIVE}",
+        "launcher.with_stack=false",
+        f"hydra.run.dir={tmp_path}",
+        "progress=false",
+    ]
+    assert run(argv) == 0
+    (row,) = _rows(tmp_path)
+    assert (row["op"], row["phase"], row["status"], row["samples"]) == ("copy", "forward", "ok", ACTIVE)

@@ -254,8 +254,10 @@ class TorchProfilerObserver:
 
     def profile(self, op: OpTest, point: ShapePoint, call: OpCall, seed: int) -> dict[str, Measurement]:
         """Profile (op, point): write its files, return a Measurement per phase."""
-        # The backward Phase's prepare() is the training forward; forward-only plans run the forward alone.
-        step_phase = Phase("backward" if self.with_backward else "forward", call, seed)
+        # The backward Phase's prepare() is the training forward; forward-only plans (and ops without a
+        # backward: the functional group) run the forward alone.
+        with_backward = self.with_backward and "backward" in op.phases
+        step_phase = Phase("backward" if with_backward else "forward", call, seed)
         timing = (
             self._session(op.name, point, step_phase, detailed=False) if self.options.lean_timing else None
         )
@@ -281,12 +283,12 @@ class TorchProfilerObserver:
         if self.options.with_stack:
             profiler_files.write_stacks(detailed, folder, stem, self.cuda)
         profiler_files.write_tables(detailed, folder, stem, self.cuda)
-        return self._measurements((timing or detailed).events(), op.name, point.label)
+        return self._measurements((timing or detailed).events(), op.name, point.label, with_backward)
 
-    def _measurements(self, events: Any, op: str, point: str) -> dict[str, Measurement]:
+    def _measurements(self, events: Any, op: str, point: str, with_backward: bool) -> dict[str, Measurement]:
         times = range_times_ns(events, op, point, self.cuda)
         out = {}
-        for phase in ("forward", "backward") if self.with_backward else ("forward",):
+        for phase in ("forward", "backward") if with_backward else ("forward",):
             found = times.get(phase, {})
             if sorted(found) != list(range(self.options.active)):
                 side = "GPU-side spans of " if self.cuda else ""
