@@ -21,11 +21,14 @@ status, error          ``ok``; ``failed`` with the error's one-line text; ``skip
 samples                number of timed samples behind the statistics
 median_us, iqr_us,     statistics of the per-sample times, microseconds
 min_us, mean_us
-stop_reason            why sampling stopped: precision (the median's CI reached the target), budget,
+stop_reason            why sampling stopped: precision (the precision rule's target was reached), budget,
                        max_samples; the launcher's name for profiler launchers
+precision_rule         get_data's stopping rule: ci (the median's 95% CI under timing.target_rel_ci of it)
+                       or iqr (IQR under timing.target_rel_iqr of the median); empty for profiler launchers
 rel_ci                 width of the median's 95% confidence interval over the median
 warnings               ``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..),
-                       drift(+..%), ci_target_missed
+                       drift(+..%), ci_target_missed / iqr_target_missed, cuda_graph_failed(..),
+                       cuda_graph_off(..)
 calls_per_sample       back-to-back calls per timed sample (forward of short ops; 1 otherwise)
 input_sets             copies of the inputs the samples cycled through (cache-resident inputs)
 cache_flush            whether the last-level cache was flushed before every sample
@@ -77,6 +80,7 @@ COLUMNS = [
     "min_us",
     "mean_us",
     "stop_reason",
+    "precision_rule",
     "rel_ci",
     "warnings",
     "calls_per_sample",

@@ -7,10 +7,11 @@ making inputs, the forward/backward split, failure handling, incremental results
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +52,32 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+@contextlib.contextmanager
+def _fresh_parameters(module: torch.nn.Module | None) -> Iterator[list[torch.nn.Parameter]]:
+    """Within the block, every parameter of ``module`` is replaced by a new leaf parameter sharing its
+    storage and attributes (a tied weight by one shared twin); yields the twins, restores on exit."""
+    if module is None:
+        yield []
+        return
+    twins: dict[int, torch.nn.Parameter] = {}
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in twins:
+                    twin = torch.nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+                    twin.__dict__.update(param.__dict__)  # Megatron's attributes (tensor_model_parallel, ...)
+                    twins[id(param)] = twin
+                owner._parameters[name] = twins[id(param)]
+                swapped.append((owner, name, param))
+        yield list(twins.values())
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
 
 
 class Phase:
@@ -129,20 +156,38 @@ class Phase:
 
     def static_work(self) -> Callable[[], Any]:
         """The timed work on fixed tensors, repeatable with no per-call Python state: what a CUDA graph
-        captures (autotuner.measure.graphs). Backward: one eager forward now, whose outputs and
-        activations the returned call keeps (``retain_graph``) for every call; it returns the gradients
-        of the inputs and weights (``torch.autograd.grad``) instead of accumulating them into ``.grad``:
-        the same kernels (a first accumulation only hands the gradient over), but no AccumulateGrad
-        node, which remembers the stream of the forward that created it and would tie the capture to
-        the default stream when that was an earlier, eager forward."""
+        captures (autotuner.measure.graphs). Backward: one forward now, whose outputs and activations
+        the returned call keeps (``retain_graph``) for every call; it returns the gradients of the inputs
+        and weights (``torch.autograd.grad``) instead of accumulating them into ``.grad``.
+
+        That forward runs on fresh leaves: the inputs detached, the weights swapped for parameters that
+        share their storage (:func:`_fresh_parameters`). A leaf's AccumulateGrad node remembers the stream
+        it was created on and lives as long as any graph holding it; an earlier eager forward on the
+        default stream would otherwise make the backward sync with that stream, which a capture on a side
+        stream refuses ("would make the legacy stream depend on a capturing blocking stream", seen on an
+        H100 and an H200). The kernels are the same."""
         self.rotate(1)
         if self.name == "forward":
             inputs = self.call.inputs
             return lambda: self.call.fn(*inputs)
-        self._forward_for_backward()
-        outputs, grads, self._outputs = self._outputs, self._grads, []
-        wrt = [t for t in (*self.call.inputs, *self.parameters) if t.requires_grad]
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in self.call.inputs)
+        with _fresh_parameters(self.call.module) as weights:
+            outputs = [t for t in _tensors(self.call.fn(*inputs)) if t.requires_grad]
+        if not outputs:
+            raise RuntimeError("the op's outputs need no gradient: it has no backward")
+        grads = self._output_grads(outputs)
+        wrt = [t for t in (*inputs, *weights) if t.requires_grad]
         return lambda: torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+
+    def _output_grads(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Seeded random gradients of the outputs, drawn once: every sample feeds the same."""
+        if self._grads is None:
+            gen = torch.Generator().manual_seed(self.seed)
+            self._grads = [
+                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
+                for t in outputs
+            ]
+        return self._grads
 
     def _forward_for_backward(self) -> None:
         inputs = self._inputs()
@@ -151,12 +196,7 @@ class Phase:
         outputs = [t for t in _tensors(self.call.fn(*inputs)) if t.requires_grad]
         if not outputs:
             raise RuntimeError("the op's outputs need no gradient: it has no backward")
-        if self._grads is None:
-            gen = torch.Generator().manual_seed(self.seed)
-            self._grads = [
-                torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
-                for t in outputs
-            ]
+        self._output_grads(outputs)
         self._outputs = outputs
 
     def _backward(self) -> None:

@@ -89,13 +89,37 @@ def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, 
 
 
 def seed_everything(seed: int, device: torch.device) -> None:
-    """Seed the CPU generator and, on a GPU, Megatron's model-parallel CUDA RNG tracker."""
+    """Seed the CPU generator and, on a GPU, Megatron's model-parallel CUDA RNG tracker.
+
+    On a GPU the tracker is the graph-safe one where torch supports it: its states are generators that a
+    CUDA graph can register (:func:`graph_rng_generators`), so an op that forks the tracker (attention
+    dropout) can be captured (autotuner.measure.graphs); the other tracker sets the generator's seed
+    inside the op, which a capture refuses. Both draw the same numbers for the same seed.
+    """
     torch.manual_seed(seed)
     if device.type == "cuda":
         from megatron.core import tensor_parallel
 
+        graph_safe = hasattr(torch.cuda.CUDAGraph, "register_generator_state") and hasattr(
+            torch.Generator, "graphsafe_set_state"
+        )
         # force_reset: a CPU run earlier in this process may have installed the no-op tracker (cpu_bridges)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, use_cudagraphable_rng=graph_safe, force_reset_rng=True
+        )
+
+
+def graph_rng_generators() -> list[torch.Generator]:
+    """The generators a CUDA graph must register besides the default one: the graph-safe model-parallel
+    tracker's states, when Megatron is loaded and its tracker is the graph-safe one (else none)."""
+    if "megatron.core" not in sys.modules:  # a functional-only run never imports Megatron
+        return []
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if not getattr(tracker, "use_cudagraphable_rng", False):
+        return []
+    return [s for s in tracker.get_states().values() if isinstance(s, torch.Generator)]
 
 
 def _version(package: str) -> str | None:

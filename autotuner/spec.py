@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from autotuner import cases
 from autotuner.errors import UserError
 from autotuner.hf_to_megatron import map_hf_config
+from autotuner.measure.timer import PRECISION_RULES
 from autotuner.ops_test.base import OpContext
 from autotuner.runner import RunSpec
 from autotuner.runtime import DTYPES, resolve_device, resolve_dtype
@@ -43,6 +44,11 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         raise UserError(
             "timing needs warmup >= 0, 1 <= min_samples <= max_samples, check_every >= 1 and budget_s, "
             "target_rel_ci, min_block_s, threads >= 0: fix timing.*"
+        )
+    if timing.precision_rule not in PRECISION_RULES or timing.target_rel_iqr < 0:
+        raise UserError(
+            f"timing.precision_rule={timing.precision_rule!r}, target_rel_iqr={timing.target_rel_iqr}: "
+            f"use one of {', '.join(PRECISION_RULES)} and a target_rel_iqr >= 0"
         )
     op_names = list(cfg.ops)
     # ops=[captured] (with capture=): the capture's own calls, no op of ours (autotuner.capture.replay)

@@ -84,6 +84,8 @@ step llama7b_bf16 120 "${RUN[@]}" "${LLAMA[@]}" 'ops=[all,functional]' \
     "${CAL[@]}" "hydra.run.dir=$RUNS/llama7b_bf16"
 step llama7b_bf16_graphs 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] timing.cuda_graph=true \
     "${CAL[@]}" "hydra.run.dir=$RUNS/llama7b_bf16_graphs"
+step llama7b_bf16_graphs_all 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] timing.cuda_graph=true \
+    timing.cuda_graph_below_us=1e9 "${CAL[@]}" "hydra.run.dir=$RUNS/llama7b_bf16_graphs_all"
 step llama7b_bf16_eager512 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] \
     "${CAL[@]}" "hydra.run.dir=$RUNS/llama7b_bf16_eager512"
 step torch_profiler 75 "${RUN[@]}" case=tiny device=cuda launcher=torch_profiler \

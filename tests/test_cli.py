@@ -84,6 +84,7 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["dtype=int8"], "unknown dtype"),
         (["tf.tensor_model_parallel_size=3"], "does not divide"),
         (["device=cpu", "timing.cuda_graph=true"], "timing.cuda_graph replays CUDA graphs"),
+        (["timing.precision_rule=mad"], "use one of ci, iqr"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):

@@ -72,8 +72,17 @@ def test_graph_replay_computes_what_eager_computes():
         replay()
     torch.cuda.synchronize()
     grad_input, grad_weight = replay.outputs
+    assert not replay.empty
     torch.testing.assert_close(grad_input, expected[0])
     torch.testing.assert_close(grad_weight, expected[1])
+
+
+def test_a_phase_without_gpu_work_is_replayed_and_called_empty():
+    """An add's backward hands the incoming gradient on: no kernel, an empty graph, and the replay says so."""
+    x, y = (torch.randn(64, device=CUDA, requires_grad=True) for _ in range(2))
+    replay = capture_phase(Phase("backward", OpCall(torch.add, (x, y)), seed=0))
+    replay()
+    assert replay.empty
 
 
 def test_a_norm_whose_weight_ran_eagerly_before_is_captured():
@@ -127,6 +136,33 @@ def test_an_op_that_cannot_be_captured_is_timed_eagerly_and_leaves_the_device_us
     capture_phase(phase)()
 
 
+def test_dropout_under_megatrons_rng_tracker_is_captured():
+    """Megatron draws attention dropout inside ``get_cuda_rng_tracker().fork()``. The tracker we install
+    on a GPU is the graph-safe one (autotuner.runtime.seed_everything), whose generators the graph
+    registers: each replay draws new numbers, as successive eager calls do."""
+    from megatron.core import tensor_parallel
+
+    from autotuner.runtime import graph_rng_generators, init_parallel, seed_everything
+
+    init_parallel(CUDA)
+    seed_everything(0, CUDA)
+    generators = graph_rng_generators()
+    assert generators
+
+    def dropout(t: torch.Tensor) -> torch.Tensor:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(t, p=0.5, training=True)
+
+    replay = capture_phase(Phase("forward", OpCall(dropout, (torch.ones(4096, device=CUDA),)), 0), generators)
+    replay()
+    first = replay.outputs.clone()
+    replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(first, replay.outputs)
+    assert bool(((replay.outputs == 0) | (replay.outputs == 2)).all())
+    assert 0.4 < float((replay.outputs == 0).float().mean()) < 0.6
+
+
 def test_tiny_case_on_the_gpu_with_graphs_and_functional_ops(tmp_path: Path):
     fast = ["timing.warmup=2", "timing.min_samples=3", "timing.budget_s=0.2", "progress=false"]
     overrides = ["device=cuda", "ops=[all,functional]", "timing.cuda_graph=true", "shapes.seq_len=[32]"]
@@ -136,12 +172,21 @@ def test_tiny_case_on_the_gpu_with_graphs_and_functional_ops(tmp_path: Path):
     assert rows and all(r["status"] == "ok" and r["device"] == "cuda" for r in rows), [
         (r["op"], r["phase"], r["error"]) for r in rows if r["status"] != "ok"
     ]
-    graphed = {(r["op"], r["phase"]) for r in rows if r["cuda_graph"]}
-    assert ("linear_qkv", "forward") in graphed and ("linear_qkv", "backward") in graphed
+    # every phase is captured (attention dropout forks Megatron's graph-safe RNG tracker) but pageable copies
+    # and the loss's backward, which edits a tensor its forward saved and so cannot run twice
+    eager = {(r["op"], r["phase"]): r["warnings"] for r in rows if not r["cuda_graph"]}
+    expected = {("h2d_pageable", "forward"), ("d2h_pageable", "forward"), ("output_layer", "backward")}
+    assert set(eager) == expected, eager
+    assert "cuda_graph_failed(not_replayable)" in eager["output_layer", "backward"], eager
     by_op = {r["op"]: r for r in rows if r["phase"] == "forward"}
     for name in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
         assert by_op[name]["gbps"] > 0
     # a pageable host copy cannot be captured (the driver stages it synchronously): not even tried
     assert by_op["h2d_pageable"]["cuda_graph"] is False and by_op["h2d_pinned"]["cuda_graph"] is True
-    failed = [(r["op"], r["phase"], r["warnings"]) for r in rows if "cuda_graph_" in r["warnings"]]
-    assert not failed, failed
+    failed = [(r["op"], r["phase"]) for r in rows if "cuda_graph_failed" in r["warnings"]]
+    assert failed == [("output_layer", "backward")], failed
+    assert not any("cuda_graph_off" in r["warnings"] for r in rows)
+    # bias-dropout-add without bias or dropout: its backward hands the gradient on, no kernel to time
+    empty = {(r["op"], r["phase"]) for r in rows if "cuda_graph_empty" in r["warnings"]}
+    assert {("self_attn_bda", "backward"), ("mlp_bda", "backward")} <= empty, empty
+    assert all(phase == "backward" for _, phase in empty), empty

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -114,6 +115,20 @@ def test_sampler_stops_at_max_samples_and_honours_min_samples():
     assert floor.stop_reason == "precision" and floor.samples >= 12
 
 
+def test_iqr_rule_stops_on_four_agreeing_samples_and_reports_a_miss():
+    """The iqr rule (adaptive_autorange's) may stop at 4 samples, where the CI rule needs 6 at least."""
+    policy = SamplingPolicy(warmup=1, min_samples=4, budget_s=10, precision_rule="iqr", target_rel_iqr=0.5)
+    quick = sample(DeviceTimer(CPU), _sleep(0.002), policy)
+    assert quick.stop_reason == "precision" and quick.samples == 4 and quick.rel_iqr <= 0.5
+    assert quick.rel_ci is None and "few_samples(4)" in quick.warnings
+    assert not any(w.endswith("_target_missed") for w in quick.warnings)
+    assert quick.columns()["precision_rule"] == "iqr"
+    strict = dataclasses.replace(policy, target_rel_iqr=0.0, budget_s=0.05)
+    missed = sample(DeviceTimer(CPU), _sleep(0.004), strict)
+    assert missed.stop_reason == "budget" and "iqr_target_missed" in missed.warnings
+    assert "ci_target_missed" not in missed.warnings
+
+
 def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
     x = torch.randn(16)
     blocked = sample(
@@ -203,3 +218,22 @@ def test_static_work_repeats_the_phase_on_fixed_tensors():
         torch.testing.assert_close(grad_weight, expected[1], rtol=0, atol=0)
     forward, linear = _linear_phase("forward")
     assert torch.equal(forward.static_work()(), linear(forward.call.inputs[0]))
+
+
+def test_static_work_runs_on_fresh_leaves_and_leaves_the_module_as_it_was():
+    """The captured backward's forward runs on twins of the weights (new leaves sharing their storage,
+    so no AccumulateGrad node from an earlier forward is reused); the module keeps its own parameters,
+    and a tied weight has one twin whose gradient sums both uses, as the eager backward's does."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+    second.weight = first.weight
+    model, weight = torch.nn.Sequential(first, second), first.weight
+    x = torch.randn(4, 8, requires_grad=True)
+    phase = Phase("backward", OpCall(model, (x,), model), seed=0)
+    grad_input, grad_weight = phase.static_work()()
+    assert first.weight is weight and second.weight is weight
+    assert weight.grad is None and x.grad is None  # gradients returned, not accumulated
+    phase.prepare()
+    phase.run()
+    torch.testing.assert_close(grad_input, x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(grad_weight, weight.grad, rtol=0, atol=0)

@@ -21,11 +21,12 @@ import torch
 
 from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
 from autotuner.measure.flops import count_flops
-from autotuner.measure.graphs import capture_phase
+from autotuner.measure.graphs import NotReplayable, capture_phase
 from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
+from autotuner.runtime import graph_rng_generators
 
 
 def roofline(
@@ -108,7 +109,7 @@ class GetDataObserver:
             return 1
         return min(8, math.ceil(2 * self.cache_bytes / size))
 
-    def _graphed(self, phase: Phase) -> tuple[Callable[[], None] | None, str]:
+    def _graphed(self, phase: Phase, label: str) -> tuple[Callable[[], None] | None, str]:
         """A CUDA-graph replay of the phase when its eager call is short enough (autotuner.measure.graphs),
         else None; and a warning when the capture failed."""
         if self.cuda_graph_below_us is None or not phase.call.graphable:
@@ -124,24 +125,30 @@ class GetDataObserver:
         if min(probes) >= self.cuda_graph_below_us:
             return None, ""
         try:
-            return capture_phase(phase), ""
+            return capture_phase(phase, graph_rng_generators()), ""
+        except NotReplayable as exc:  # failed before capturing: nothing stranded, captures go on
+            print(f"{label} cannot be replayed, timed eagerly: {_first_line(exc)}", file=sys.stderr)
+            return None, "cuda_graph_failed(not_replayable)"
         except Exception as exc:  # noqa: BLE001 - timed eagerly instead; the row says why
             # a failed capture may strand memory (autotuner.measure.graphs): no more captures this run
             self.graphs_off = "earlier_failure"
             print(
-                f"CUDA-graph capture failed, timed eagerly (no more captures this run): {_first_line(exc)}",
+                f"CUDA-graph capture of {label} failed, timed eagerly (no more captures this run): "
+                f"{_first_line(exc)}",
                 file=sys.stderr,
             )
             return None, f"cuda_graph_failed({type(exc).__name__})"
 
     def observe(self, op: OpTest | None, point: ShapePoint, phase: Phase) -> dict[str, Any]:
-        replay, graph_warning = self._graphed(phase)
+        label = f"{op.name if op is not None else 'an op'} {phase.name} at {point.label}"
+        replay, graph_warning = self._graphed(phase, label)
         graphed = replay is not None
         if replay is not None:
             measurement = sample(self.timer, replay, self.policy, None, self.flush)
         else:
             phase.rotate(self._input_sets(phase))
             measurement = sample(self.timer, phase.run, self.policy, phase.prepare, self.flush)
+        replay_empty = replay is not None and replay.empty
         del replay  # frees the graph and its memory pool before the memory passes
         row: dict[str, Any] = {
             **measurement.columns(),
@@ -151,6 +158,8 @@ class GetDataObserver:
             "cuda_graph": graphed,
             "weight_bytes": weight_bytes(phase.parameters),
         }
+        if graphed and replay_empty:
+            graph_warning = "cuda_graph_empty"
         if graph_warning:
             row["warnings"] = ";".join(w for w in (row["warnings"], graph_warning) if w)
         phase.rotate(1)  # the memory and FLOP passes need one set only

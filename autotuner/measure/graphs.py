@@ -21,12 +21,15 @@ capture can leave memory the caching allocator never gets back (seen on an H100:
 captures, then 75 GiB reserved but unusable and every later op out of memory).
 
 A phase that cannot be captured (a host synchronisation inside, an op CUDA graphs do not support) is timed
-eagerly and its row carries ``cuda_graph_failed(<error>)`` in ``warnings``.
+eagerly and its row carries ``cuda_graph_failed(<error>)`` in ``warnings``. A phase whose work cannot be
+repeated at all (a backward that edits what its forward saved) fails in the eager warm-up, before any
+capture (:class:`NotReplayable`, ``cuda_graph_failed(not_replayable)``); captures go on after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,40 +51,64 @@ class Replay:
 
     graph: torch.cuda.CUDAGraph
     outputs: Any
+    empty: bool = False  # the capture recorded no GPU work: a replay times the replay call alone
 
     def __call__(self) -> None:
         self.graph.replay()
 
 
-def capture_phase(phase: Capturable, warmup: int = 3) -> Replay:
+def capture_phase(phase: Capturable, generators: Sequence[torch.Generator] = (), warmup: int = 3) -> Replay:
     """Capture the phase's timed work into a CUDA graph; return its replay (raises if it cannot be
     captured, leaving the device usable).
 
     Everything happens on one side stream: the backward's eager forward too, because autograd runs each
     backward op on the stream its forward ran on; had the forward run on the default stream, the backward
     would leave the capture stream. The work is warmed up there first (cuBLAS creates its handle and
-    workspace on first use, which must not happen during capture); gradients are cleared before the
-    capture so the captured backward writes them afresh.
+    workspace on first use, which must not happen during capture).
+
+    A phase can launch no GPU work at all (a bias-dropout-add backward without bias or dropout hands the
+    incoming gradient on): torch then warns that the graph is empty, and the replay says so (``empty``),
+    because its time is then the cost of a replay call, not of any kernel. The same warning is also the
+    sign of work that escaped the capture stream and ran eagerly, which a row must not hide either.
     """
     stream = _capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    generator = torch.cuda.default_generators[torch.cuda.current_device()]
-    rng_state = generator.get_state()
+    default = torch.cuda.default_generators[torch.cuda.current_device()]
+    rng_states = [(g, g.get_state()) for g in (default, *generators)]
     try:
         with torch.cuda.stream(stream):
             work = phase.static_work()
             for _ in range(warmup):
                 work()
         stream.synchronize()
+    except Exception as exc:  # noqa: BLE001 - eager, before any capture: nothing to recover
+        raise NotReplayable(f"{type(exc).__name__}: {exc}") from exc
+    try:
         phase.clear_grads()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outputs = work()
+        for generator in generators:
+            graph.register_generator_state(generator)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(graph, stream=stream):
+                outputs = work()
     except Exception as exc:  # noqa: BLE001 - any failure: recover, then report its first error
-        _recover(generator, rng_state)
+        _recover(rng_states)
         raise root_cause(exc) from None
     torch.cuda.synchronize()
-    return Replay(graph, outputs)
+    empty = False
+    for warning in caught:
+        if "Graph is empty" in str(warning.message):
+            empty = True
+        else:  # not ours to swallow
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return Replay(graph, outputs, empty)
+
+
+class NotReplayable(RuntimeError):
+    """The phase's static work failed when repeated eagerly, before any capture: it cannot be replayed
+    (seen: Megatron's cross-entropy backward edits a tensor its forward saved, so a second backward from
+    the same forward raises). Nothing was captured, so later captures are safe."""
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -105,15 +132,17 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _recover(generator: torch.Generator, rng_state: torch.Tensor) -> None:
-    """Undo what a failed capture leaves behind. Its end never reached the generator's epilogue, so the
-    default CUDA generator still expects a capture and every later random op would raise ("Offset
-    increment outside graph capture"): give it a fresh state object, then its seed and offset back."""
+def _recover(rng_states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    """Undo what a failed capture leaves behind. Its end never reached the generators' epilogue, so each
+    generator the graph registered still expects a capture and every later random op would raise
+    ("Offset increment outside graph capture"): give each a fresh state object, then its seed and offset
+    back."""
     try:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001, S110 - the capture's own error is the one to report
         pass
-    if hasattr(generator, "graphsafe_set_state"):  # torch >= 2.4
-        generator.graphsafe_set_state(torch.Generator(device=generator.device).graphsafe_get_state())
-    generator.set_state(rng_state)
+    for generator, state in rng_states:
+        if hasattr(generator, "graphsafe_set_state"):  # torch >= 2.4
+            generator.graphsafe_set_state(torch.Generator(device=generator.device).graphsafe_get_state())
+        generator.set_state(state)

@@ -21,10 +21,18 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   run before any sample is kept.
 
 Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` (one by one
-once a sample lasts over a millisecond) until the 95% confidence interval of the median is narrower than
-``target_rel_ci`` of the median ("precision"), or the time budget runs out ("budget"), or ``max_samples``
-were taken ("max_samples"); at least ``min_samples`` are always taken. The interval is distribution-free
-(order statistics), so a skewed or bimodal distribution of times does not fool it.
+once a sample lasts over a millisecond) until the median is precise enough ("precision"), or the time
+budget runs out ("budget"), or ``max_samples`` were taken ("max_samples"); at least ``min_samples`` are
+always taken. "Precise enough" is one of two rules (``precision_rule``):
+
+* ``ci`` (the default): the 95% confidence interval of the median is narrower than ``target_rel_ci`` of
+  the median. The interval is distribution-free (order statistics), so a skewed or bimodal distribution of
+  times does not fool it; it needs at least 6 samples.
+* ``iqr``: the interquartile range is under ``target_rel_iqr`` of the median, from at least 4 samples:
+  the rule of ``torch.utils.benchmark``'s ``adaptive_autorange``. It can stop after 4 samples, but it
+  bounds the spread of the times, not the uncertainty of their median: the spread is the op's and the
+  machine's and does not shrink with more samples, so an op that spreads wider than the target stops only
+  when a few samples happen to agree, or at the budget. The CI narrows as samples come in.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+PRECISION_RULES = ("ci", "iqr")
 
 # Warning thresholds (documented in the README's table of warnings).
 NOISY_IQR_FRACTION = 0.10
@@ -68,6 +78,8 @@ class Measurement:
     warmup: int = 0
     stop_reason: str = ""
     target_rel_ci: float | None = None
+    precision_rule: str = "ci"
+    target_rel_iqr: float | None = None
 
     @property
     def samples(self) -> int:
@@ -101,6 +113,23 @@ class Measurement:
         return (interval[1] - interval[0]) / self.median_ns
 
     @property
+    def rel_iqr(self) -> float | None:
+        """IQR over the median (None: fewer than 4 samples, too few for quartiles to mean anything)."""
+        if self.samples < 4 or self.median_ns <= 0:
+            return None
+        return self.iqr_ns / self.median_ns
+
+    @property
+    def precision(self) -> float | None:
+        """The statistic the precision rule compares with its target (rel_ci or rel_iqr)."""
+        return self.rel_iqr if self.precision_rule == "iqr" else self.rel_ci
+
+    @property
+    def target(self) -> float | None:
+        """The precision rule's target (None: none, the profiler launchers take a fixed count)."""
+        return self.target_rel_iqr if self.precision_rule == "iqr" else self.target_rel_ci
+
+    @property
     def drift(self) -> float | None:
         """Change between the medians of the first and last thirds of the samples, over the median."""
         third = self.samples // 3
@@ -121,11 +150,10 @@ class Measurement:
         drift = self.drift
         if drift is not None and abs(drift) > DRIFT_FRACTION:
             found.append(f"drift({drift:+.0%})")
-        rel_ci = self.rel_ci
-        # None: no precision target (the profiler launchers take a fixed count of iterations)
-        targeted = self.target_rel_ci is not None
-        if targeted and self.stop_reason != "precision" and (rel_ci is None or rel_ci > self.target_rel_ci):
-            found.append("ci_target_missed")
+        precision, target = self.precision, self.target
+        reached = precision is not None and target is not None and precision <= target
+        if target is not None and self.stop_reason != "precision" and not reached:
+            found.append(f"{self.precision_rule}_target_missed")
         return found
 
     def columns(self) -> dict[str, Any]:
@@ -138,6 +166,7 @@ class Measurement:
             "mean_us": self.mean_ns / 1e3,
             "rel_ci": self.rel_ci,
             "stop_reason": self.stop_reason,
+            "precision_rule": self.precision_rule if self.target is not None else None,
             "warnings": ";".join(self.warnings),
         }
 
@@ -182,10 +211,11 @@ class DeviceTimer:
 class SamplingPolicy:
     """How to sample (see the module docstring for what each guards against).
 
-    After ``warmup`` calls, samples come in blocks of ``check_every`` until the median's 95% confidence
-    interval is narrower than ``target_rel_ci`` of it, or ``budget_s`` seconds of sampling have passed,
-    or ``max_samples`` were taken; never fewer than ``min_samples``. A forward sample is a block of calls
-    lasting at least ``min_block_s``.
+    After ``warmup`` calls, samples come in blocks of ``check_every`` until the precision rule holds
+    (``precision_rule="ci"``: the median's 95% confidence interval is narrower than ``target_rel_ci`` of
+    it; ``"iqr"``: the IQR is under ``target_rel_iqr`` of the median), or ``budget_s`` seconds of sampling
+    have passed, or ``max_samples`` were taken; never fewer than ``min_samples``. A forward sample is a
+    block of calls lasting at least ``min_block_s``.
     """
 
     warmup: int = 3
@@ -195,6 +225,8 @@ class SamplingPolicy:
     target_rel_ci: float = 0.02
     check_every: int = 5
     min_block_s: float = 0.0002
+    precision_rule: str = "ci"
+    target_rel_iqr: float = 0.05
 
 
 # A sample at least this long is followed by a stopping check of its own: the check (sorting at most
@@ -236,7 +268,12 @@ def sample(
         if calls == 1 and not timer.barrier:
             times.append(probe_ns)
     measurement = Measurement(
-        times_ns=times, calls_per_sample=calls, warmup=policy.warmup, target_rel_ci=policy.target_rel_ci
+        times_ns=times,
+        calls_per_sample=calls,
+        warmup=policy.warmup,
+        target_rel_ci=policy.target_rel_ci,
+        precision_rule=policy.precision_rule,
+        target_rel_iqr=policy.target_rel_iqr,
     )
     started = time.perf_counter()
     while True:
@@ -251,8 +288,8 @@ def sample(
         if not due:
             continue
         if n >= policy.min_samples:
-            rel_ci = measurement.rel_ci
-            if rel_ci is not None and rel_ci <= policy.target_rel_ci:
+            precision, target = measurement.precision, measurement.target
+            if precision is not None and target is not None and precision <= target:
                 measurement.stop_reason = "precision"
                 break
             if time.perf_counter() - started >= policy.budget_s:
