@@ -25,7 +25,7 @@ POINTS = ("s16_b1",)  # one point: each (op, point) costs two profiler sessions 
 ACTIVE = 2
 # Small enough that the layer-sized traces are compressed and the single-op ones are not.
 COMPRESS_OVER = 5_000_000
-ROUNDS = 3  # of the get_data / torch_profiler comparison
+ROUNDS = 4  # of the get_data / torch_profiler comparison
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -253,22 +253,26 @@ def test_bad_input_is_one_line_and_exit_2_before_profiling(
 
 
 def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
-    """Per (op, phase), the profiler's median and get_data's are within a factor of 1.5.
+    """Per (op, phase), the profiler's fastest sample and get_data's are within a factor of 1.5.
 
-    Ops of 1-15 ms at s128_b8, where the profiler's per-operator cost is small against the op (at
-    s128_b4, mlp's forward of 1 ms read 1.25-1.45x). The machine is a shared 2-core VM whose speed
-    drifts between runs seconds apart, so: one intra-op thread for both launchers (a 2-thread OpenMP
-    region stalls whenever another process takes a core); rounds of the two CLI runs back to back, in
-    alternating order; per (op, phase) the ratio of the two launchers' fastest rounds, so a disturbed round
-    cannot decide. core_attention is left out: memory-bound, its back-to-back ratio swung 0.6-1.9x here.
-    Only the lean timing session matters, so the detailed session records little (faster; the times
-    are unaffected).
+    Ops of 1.2-20 ms at s128_b16, where the profiler's per-operator cost is small against the op (at
+    s128_b8, linear_fc1's forward of 0.6 ms read 1.25-1.35x; at s128_b4, mlp's forward of 1 ms
+    1.25-1.45x). The machine is a shared 2-core VM whose speed drifts between runs seconds apart, so:
+    one intra-op thread for both launchers (a 2-thread OpenMP region stalls whenever another process
+    takes a core); rounds of the two CLI runs back to back, in alternating order. Interference only
+    ever adds time, and it comes in spells that slow a whole run: a pair's median ratio within one round
+    swung 0.75-1.6x here, and the ratio of each launcher's fastest-round *median* once read 1.54 in CI.
+    What both launchers share is the op's undisturbed cost, so the comparison is of each launcher's
+    fastest sample over all its rounds (``min_us``, 60 samples a side: 0.92-1.21 over three runs here,
+    one beside a busy loop on the other core), with the fastest-round medians printed beside it.
+    core_attention is left out: memory-bound, its back-to-back ratio swung 0.6-1.9x here. Only the lean
+    timing session matters, so the detailed session records little (faster; the times are unaffected).
     """
     common = [
         "case=tiny",
         "ops=[transformer_layer,mlp,linear_fc1]",
         "shapes.seq_len=[128]",
-        "shapes.micro_batch_size=[8]",
+        "shapes.micro_batch_size=[16]",
         "progress=false",
         "timing.threads=1",  # both launchers: open_session sets it
     ]
@@ -290,7 +294,7 @@ def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
             "launcher.with_flops=false",
         ],
     }
-    medians: dict[tuple[str, str, str], list[float]] = {}
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     threads = torch.get_num_threads()  # timing.threads changes it for the whole process
     try:
         for round_ in range(ROUNDS):
@@ -299,27 +303,28 @@ def test_profiler_times_agree_with_get_data(tmp_path: Path) -> None:
                 run_dir = tmp_path / f"{name}-{round_}"
                 assert run([*common, *launchers[name], f"hydra.run.dir={run_dir}"]) == 0
                 for row in _rows(run_dir):
-                    assert row["num_threads"] == 1
-                    medians.setdefault((name, row["op"], row["phase"]), []).append(row["median_us"])
+                    assert row["num_threads"] == 1 and row["samples"] == 15
+                    assert 0 < row["min_us"] <= row["median_us"]
+                    rows.setdefault((name, row["op"], row["phase"]), []).append(row)
     finally:
         torch.set_num_threads(threads)
     ratios = {}
     for op in ("transformer_layer", "mlp", "linear_fc1"):
         for phase in ("forward", "backward"):
-            profiler, reference = medians[("torch_profiler", op, phase)], medians[("get_data", op, phase)]
-            per_round = [p / r for p, r in zip(profiler, reference, strict=True)]
-            # Interference from other processes only ever slows a run down, so each launcher's fastest
-            # round is its least disturbed measurement; compare those (a pair's ratio within one round
-            # still swung 0.9-2.0x on a loaded 2-core machine).
-            ratios[(op, phase)] = min(profiler) / min(reference)
+            profiler, reference = rows[("torch_profiler", op, phase)], rows[("get_data", op, phase)]
+            fastest = {
+                name: min(r["min_us"] for r in side) for name, side in (("p", profiler), ("g", reference))
+            }
+            ratios[(op, phase)] = fastest["p"] / fastest["g"]
+            median_ratio = min(r["median_us"] for r in profiler) / min(r["median_us"] for r in reference)
             print(
-                f"{op:18} {phase:8} get_data {min(reference):9.1f} us  torch_profiler "
-                f"{min(profiler):9.1f} us  ratio {ratios[(op, phase)]:.2f} "
-                f"(rounds {', '.join(f'{x:.2f}' for x in per_round)})"
+                f"{op:18} {phase:8} fastest sample: get_data {fastest['g']:9.1f} us  torch_profiler "
+                f"{fastest['p']:9.1f} us  ratio {ratios[(op, phase)]:.2f}; fastest-round medians "
+                f"{median_ratio:.2f}"
             )
     print("median ratio", round(statistics.median(ratios.values()), 2))
     bad = {k: round(v, 2) for k, v in ratios.items() if not 1 / 1.5 <= v <= 1.5}
-    assert not bad, f"profiler/get_data outside [0.67, 1.5]: {bad}"
+    assert not bad, f"profiler/get_data fastest samples outside [0.67, 1.5]: {bad}"
 
 
 def test_an_op_without_backward_gets_a_forward_row(tmp_path: Path) -> None:
