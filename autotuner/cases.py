@@ -9,6 +9,7 @@ built with transformers' own config classes, offline: nothing is fetched from a 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ import yaml
 from autotuner.errors import UserError
 
 BUILTIN_CASE_DIR = Path(__file__).resolve().parent.parent / "cases"
+# A case is named, never addressed by path: a name with a separator or a leading dot could load a file
+# outside the case folders and put the default run directory (runs/${case}/...) outside runs/.
+CASE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -56,6 +60,11 @@ def available_cases(case_dir: str | None = None) -> list[str]:
 
 def load_case(name: str, case_dir: str | None = None) -> Case:
     """Read one case file; unknown names and malformed files raise UserError."""
+    if not isinstance(name, str) or not CASE_NAME.fullmatch(name):
+        raise UserError(
+            f"case={name!r} is not a case name (letters, digits, _, - and ., not leading): for a case "
+            "file elsewhere pass case_dir=<its folder> case=<its file name without .yaml>"
+        )
     for folder in case_dirs(case_dir):
         path = folder / f"{name}.yaml"
         if path.is_file():
@@ -74,7 +83,10 @@ def _parse_case(name: str, path: Path) -> Case:
             f"case file {path} is not valid YAML ({exc.__class__.__name__}): fix the file"
         ) from exc
     if not isinstance(data, dict):
-        raise UserError(f"case file {path} must be a mapping with hf_config and shapes")
+        raise UserError(
+            f"case file {path} must be a mapping, not {type(data).__name__}: "
+            "write it as hf_config: {...} (or hf_config_dir: <folder>) and shapes: {...}"
+        )
     known = {"description", "hf_config", "hf_config_dir", "shapes", "notes"}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -85,15 +97,15 @@ def _parse_case(name: str, path: Path) -> Case:
             "or hf_config_dir (a folder with config.json)"
         )
     if "hf_config" in data:
-        hf_fields = dict(data["hf_config"])
+        hf_fields, where = data["hf_config"], f"case file {path}: hf_config"
     else:
-        config_json = (path.parent / data["hf_config_dir"]).resolve() / "config.json"
-        if not config_json.is_file():
-            raise UserError(
-                f"case file {path}: {config_json} does not exist: "
-                "point hf_config_dir at a folder holding config.json"
-            )
-        hf_fields = json.loads(config_json.read_text())
+        hf_fields, config_json = _read_config_json(path, data["hf_config_dir"])
+        where = str(config_json)
+    if not isinstance(hf_fields, dict) or not all(isinstance(key, str) for key in hf_fields):
+        raise UserError(
+            f"{where} must be a mapping of HF config fields, not {type(hf_fields).__name__} "
+            f"{_short(hf_fields)}: write it as model_type: llama, hidden_size: 4096, ..."
+        )
     shapes = data.get("shapes") or {}
     if not isinstance(shapes, dict):
         raise UserError(
@@ -108,6 +120,33 @@ def _parse_case(name: str, path: Path) -> Case:
     )
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _read_config_json(case_path: Path, folder: Any) -> tuple[Any, Path]:
+    """The parsed config.json of ``hf_config_dir`` (relative to the case file) and its path for messages."""
+    if not isinstance(folder, str) or not folder:
+        raise UserError(
+            f"case file {case_path}: hf_config_dir must be a folder path, not {_short(folder)}: "
+            "point it at a folder holding config.json"
+        )
+    config_json = (case_path.parent / folder).resolve() / "config.json"
+    if not config_json.is_file():
+        raise UserError(
+            f"case file {case_path}: {config_json} does not exist: "
+            "point hf_config_dir at a folder holding config.json"
+        )
+    try:
+        return json.loads(config_json.read_text()), config_json
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(
+            f"{config_json} is not valid JSON ({str(exc).splitlines()[0]}): fix the file or point "
+            "hf_config_dir at a folder holding a model's config.json"
+        ) from exc
+
+
 def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any:
     """Build the transformers config object, applying ``hf.<field>=`` overrides first.
 
@@ -115,6 +154,7 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
     transformers accepts any keyword and would store a typo without complaint.
     """
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
     model_type = hf_fields.get("model_type")
     if not model_type:
@@ -134,6 +174,10 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
             "check the spelling of hf.<field> overrides"
         )
     fields.update(overrides)
+    # transformers logs its own warnings about a bad field (a token id outside vocab_size=-1) before our
+    # checks in autotuner.hf_to_megatron refuse it in one line: keep them off stderr while building.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return AutoConfig.for_model(model_type, **fields)
     except Exception as exc:  # noqa: BLE001 - transformers validates (heads vs hidden size) with its own types
@@ -142,3 +186,5 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
         raise UserError(
             f"invalid HF config for case: {first}: fix the case file or the hf.<field> overrides"
         ) from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)

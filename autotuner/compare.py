@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autotuner.atomic import atomic_write_text
 from autotuner.errors import UserError
 from autotuner.results import load_rows
 
@@ -28,15 +29,39 @@ OSS_METRICS = ("median_us", "tflops", "peak_bytes", "activation_bytes")
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
-    """A run's rows and environment record; a folder without results is a UserError."""
+    """A run's rows (checked: autotuner.results.read_rows) and environment record. A folder without
+    results, a results file the tools cannot use or an environment record that is not a JSON object is a
+    UserError."""
     path = Path(run_dir)
     if not (path / "results.jsonl").is_file():
         raise UserError(
             f"{run_dir} has no results.jsonl: pass the directory of a finished or interrupted run"
         )
+    rows = load_rows(path / "results.jsonl")
     env_file = path / "environment.json"
-    env = json.loads(env_file.read_text()) if env_file.is_file() else {}
-    return {"dir": path, "rows": load_rows(path / "results.jsonl"), "env": env}
+    env: Any = {}
+    if env_file.is_file():
+        try:
+            env = json.loads(env_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            env = None
+        if not isinstance(env, dict):
+            raise UserError(
+                f"{env_file} is not a JSON object: delete it (compare then leaves the device and versions "
+                "out) or restore it from the run"
+            )
+    return {"dir": path, "rows": rows, "env": env}
+
+
+def check_output(path: Path) -> None:
+    """Refuse, before anything is rendered or written, an output file that cannot be written where given."""
+    if path.is_dir():
+        raise UserError(f"--oss-json {path} is a directory: give a file name, e.g. {path / 'oss.json'}")
+    if not path.parent.is_dir():
+        raise UserError(
+            f"--oss-json {path}: the folder {path.parent} does not exist: create it or give a path in an "
+            "existing folder"
+        )
 
 
 def _significant(value: float, digits: int) -> str:
@@ -174,13 +199,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(
                 f"--labels names {len(labels)} runs but {len(runs)} were given: give one label per run"
             )
+        if args.oss_json:
+            check_output(Path(args.oss_json))
     except UserError as exc:
         print(f"autotuner.compare: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     print(render(runs, labels, args.digits))
     if args.oss_json:
         records = [record for run in runs for record in oss_records(run)]
-        Path(args.oss_json).write_text(json.dumps(records, indent=1) + "\n")
+        try:
+            atomic_write_text(Path(args.oss_json), json.dumps(records, indent=1) + "\n")
+        except OSError as exc:  # permissions, a full disk: found only by writing
+            error = UserError(
+                f"cannot write {args.oss_json}: {exc.strerror or exc}: give a path you can write"
+            )
+            print(f"autotuner.compare: error: {error}", file=sys.stderr)
+            return error.exit_code
         print(f"\n{len(records)} records in {args.oss_json}")
     return 0
 

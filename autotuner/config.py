@@ -81,9 +81,12 @@ class TimingConfig(SamplingPolicy):
     copies of inputs that fit in it. ``threads``: torch intra-op threads (0 keeps torch's default); the
     rows record the number used. ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than
     ``cuda_graph_below_us`` as CUDA-graph replays, without host launch overhead (autotuner.measure.graphs);
-    the rows say which were.
+    the rows say which were. ``hide_launch`` (CUDA only) queues a spin kernel before each sample so the
+    sample's kernels are queued before its start event runs (autotuner.measure.timer); the rows record
+    it in ``launch_hidden``.
     """
 
+    hide_launch: bool = True
     flush_cache: bool = False
     rotate_inputs: bool = True
     threads: int = 0
@@ -105,8 +108,10 @@ class GetDataLauncherConfig(LauncherConfig):
 class NsysLauncherConfig(LauncherConfig):
     """``nsys profile`` around our worker (see autotuner.launchers.nsys).
 
-    ``nsys_bin``: a name on the PATH or a path. ``trace``: the APIs nsys traces (``-t``); None takes the
-    device's default (CUDA: cuda, nvtx, osrt, cublas, cudnn; CPU: nvtx, osrt), and it must hold nvtx.
+    ``nsys_bin``: a path, or a name; the default ``nsys`` is looked for on the PATH, then in the project's
+    ``.tools``, then in the CUDA and Nsight Systems folders, newest first (autotuner.launchers.nsys).
+    ``trace``: the APIs nsys traces (``-t``); None takes the device's default (CUDA: cuda, nvtx, osrt,
+    cublas, cudnn; CPU: nvtx, osrt), and it must hold nvtx.
     ``extra_args``: more ``nsys profile`` switches, each one list item (``--sample=process-tree``); one that
     names a switch the launcher sets by default replaces that default. ``warmup``/``iterations``: per
     phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).

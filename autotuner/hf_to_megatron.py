@@ -60,22 +60,84 @@ class MegatronModelArgs:
     notes: list[str] = field(default_factory=list)
 
 
+def _fix(name: str, hint: str = "") -> str:
+    """How to fix field ``name``: the override that sets it (the same field in the case file works too)."""
+    return f"set hf.{name}=<value>{hint} or fix {name} in the case file"
+
+
+def _int_field(hf: Any, name: str, hint: str = "", required: bool = True) -> int | None:
+    """A positive integer field. Missing: None (an error when ``required``); present but anything else
+    (0, negative, a string, a bool) is an error, never replaced by a default."""
+    value = getattr(hf, name, None)
+    if value is None:
+        if required:
+            raise UserError(f"the case's HF config has no {name}: {_fix(name, hint)}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"HF config field {name}={value!r} must be a positive integer: {_fix(name, hint)}")
+    return value
+
+
+def _float_field(hf: Any, name: str, default: float, low: float, high: float, low_open: bool) -> float:
+    """A number in [low, high] (or (low, high] when ``low_open``); only a missing field takes ``default``."""
+    value = getattr(hf, name, None)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (value > low if low_open else value >= low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise UserError(
+            f"HF config field {name}={value!r} must be a number in {bounds}: {_fix(name, f' in {bounds}')}"
+        )
+    return float(value)
+
+
+def _bool_field(hf: Any, name: str) -> bool:
+    value = getattr(hf, name, None)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise UserError(f"HF config field {name}={value!r} must be true or false: {_fix(name)}")
+    return value
+
+
 def _rope_theta(hf: Any) -> float:
     params = getattr(hf, "rope_parameters", None) or {}
-    if "rope_theta" in params:  # transformers >= 5
-        return float(params["rope_theta"])
-    return float(getattr(hf, "rope_theta", 10000.0))
+    value = params.get("rope_theta") if isinstance(params, dict) else None  # transformers >= 5
+    if value is None:
+        value = getattr(hf, "rope_theta", None)
+    if value is None:
+        return 10000.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise UserError(
+            f"HF config field rope_theta={value!r} must be a positive number: {_fix('rope_theta')}"
+        )
+    return float(value)
+
+
+def _layernorm_epsilon(hf: Any) -> float:
+    for name in ("rms_norm_eps", "layer_norm_eps"):
+        if getattr(hf, name, None) is not None:
+            return _float_field(hf, name, 1e-5, 0.0, 1.0, low_open=False)
+    return 1e-5
 
 
 def map_hf_config(hf: Any) -> MegatronModelArgs:
-    """Map a transformers config to Megatron-Core arguments, rejecting what cannot be expressed."""
+    """Map a transformers config to Megatron-Core arguments, rejecting what cannot be expressed.
+
+    A field that is present must be valid; only a missing one takes its default (a zero head count
+    must not quietly become multi-head attention)."""
     model_type = hf.model_type
-    hidden = int(hf.hidden_size)
-    heads = int(hf.num_attention_heads)
-    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
-    head_dim = getattr(hf, "head_dim", None)
-    if heads <= 0 or hidden <= 0:
-        raise UserError(f"hidden_size ({hidden}) and num_attention_heads ({heads}) must be positive")
+    hidden = _int_field(hf, "hidden_size")
+    heads = _int_field(hf, "num_attention_heads", f" dividing hidden_size ({hidden})")
+    kv_heads = _int_field(
+        hf,
+        "num_key_value_heads",
+        f" dividing num_attention_heads ({heads}), or leave it out for multi-head attention,",
+        required=False,
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    head_dim = _int_field(hf, "head_dim", " (the width of one head)", required=False)
     if head_dim is None:
         if hidden % heads:
             raise UserError(
@@ -83,17 +145,21 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
                 "change hf.num_attention_heads or set hf.head_dim"
             )
         head_dim = hidden // heads
-    if kv_heads <= 0 or heads % kv_heads:
+    if heads % kv_heads:
         raise UserError(
             f"num_key_value_heads ({kv_heads}) does not divide num_attention_heads ({heads}): "
             "set hf.num_key_value_heads to a divisor of the head count"
         )
+    layers = _int_field(hf, "num_hidden_layers")
+    ffn = _int_field(hf, "intermediate_size", " (the MLP width)")
+    vocab = _int_field(hf, "vocab_size")
+    max_positions = _int_field(hf, "max_position_embeddings")
     act = str(getattr(hf, "hidden_act", "silu"))
     gated = model_type in _RMSNORM_MODELS  # these families all use a gated (GLU) MLP
     if act not in _GATED_ACTIVATIONS:
         raise UserError(f"hidden_act {act!r} is not supported: use one of {sorted(_GATED_ACTIVATIONS)}")
-    attention_bias = bool(getattr(hf, "attention_bias", False))
-    mlp_bias = bool(getattr(hf, "mlp_bias", False))
+    attention_bias = _bool_field(hf, "attention_bias")
+    mlp_bias = _bool_field(hf, "mlp_bias")
     notes = []
     if model_type in _QKV_ONLY_BIAS_MODELS:
         add_bias_linear, add_qkv_bias = mlp_bias, True
@@ -111,30 +177,29 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
             f"sliding_window={window} is not mapped: attention is full causal, "
             f"identical to the model's for sequences up to {window} tokens"
         )
-    eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-5
     transformer = dict(
-        num_layers=int(hf.num_hidden_layers),
+        num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=int(hf.intermediate_size),
+        ffn_hidden_size=ffn,
         num_attention_heads=heads,
         num_query_groups=kv_heads,
-        kv_channels=int(head_dim),
-        layernorm_epsilon=float(eps),
+        kv_channels=head_dim,
+        layernorm_epsilon=_layernorm_epsilon(hf),
         normalization="RMSNorm" if model_type in _RMSNORM_MODELS else "LayerNorm",
         gated_linear_unit=gated,
         add_bias_linear=add_bias_linear,
         add_qkv_bias=add_qkv_bias,
-        attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+        attention_dropout=_float_field(hf, "attention_dropout", 0.0, 0.0, 1.0, low_open=False),
         hidden_dropout=0.0,
     )
     return MegatronModelArgs(
         transformer=transformer,
         activation=_GATED_ACTIVATIONS[act],
-        vocab_size=int(hf.vocab_size),
-        max_sequence_length=int(hf.max_position_embeddings),
+        vocab_size=vocab,
+        max_sequence_length=max_positions,
         rotary_base=_rope_theta(hf),
-        rotary_percent=float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0),
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        rotary_percent=_float_field(hf, "partial_rotary_factor", 1.0, 0.0, 1.0, low_open=True),
+        tie_word_embeddings=_bool_field(hf, "tie_word_embeddings"),
         notes=notes,
     )
 

@@ -7,11 +7,17 @@ config field, an impossible shape) ends with one line on stderr and exit code 2 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import shlex
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -151,6 +157,63 @@ def preflight(argv: list[str]) -> None:
         raise UserError(f"cannot parse the overrides: {_one_line(exc)}") from exc
     for job in jobs:
         resolve_spec(compose_config(job))
+    _check_output_dir(argv, jobs[0])
+
+
+def _hydra_overrides(argv: list[str]) -> list[str]:
+    """The ``hydra.*`` and ``hydra/...`` overrides of the command line (those _user_overrides leaves out)."""
+    found, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in _FLAGS_WITH_VALUE:
+            skip = True
+            continue
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if not arg.startswith("-") and (key.startswith(("hydra.", "hydra/")) or key == "hydra"):
+            found.append(arg)
+    return found
+
+
+def _check_output_dir(argv: list[str], job: list[str]) -> None:
+    """The folder Hydra will write into (``hydra.run.dir``, or ``hydra.sweep.dir`` under ``-m``) must be a
+    folder, or creatable: Hydra creates it after our checks and fails with a traceback. Nothing is created
+    here. Raises UserError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(
+                config_name="config", overrides=[*job, *_hydra_overrides(argv)], return_hydra_config=True
+            )
+            value = OmegaConf.select(cfg, key)
+    except Exception:  # noqa: BLE001 - an override only Hydra's own launch understands: Hydra reports it
+        return
+    finally:
+        GlobalHydra.instance().clear()
+    if value is None:
+        return
+    path = Path(os.path.abspath(str(value)))
+    try:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"{key}={value} is a file, not a folder: choose a folder for {key}")
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise UserError(
+                f"{key}={value} cannot be created, {existing} is a file: choose a {key} under a folder"
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserError(
+                f"{key}={value} cannot be created in {existing} (not writable): choose a {key} you can write"
+            )
+    except OSError as exc:
+        raise UserError(f"{key}={value} cannot be used ({exc.strerror}): choose another {key}") from exc
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
@@ -218,19 +281,131 @@ def _shared_run_dir(argv: list[str]) -> list[str]:
     return [*argv, f"hydra.run.dir=runs/${{case}}/${{launcher.name}}/job-{job}"]
 
 
+def _claim_run_dir(argv: list[str]) -> None:
+    """Lock the run directory and check a resume before Hydra writes its ``.hydra/`` files there.
+
+    Hydra saves the composed config into the run directory before our task starts, and the nsys worker
+    and a resume read it back: a second run into a directory a live run holds would already have
+    replaced it, and a refused resume would leave its own config in place of the earlier run's. So
+    where the directory is known in advance (``hydra.run.dir=`` given, as every resume and torchrun job
+    has it, without ``${now:}``; not a ``-m`` sweep) the checks of
+    :func:`autotuner.launchers.common.start_writer` run here first; start_writer repeats them for the
+    other runs (each check is done once per process). Raises UserError.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from autotuner.launchers.common import check_resume, claim_run_dir, release_run_dirs
+    from autotuner.spec import resolve_spec
+
+    overrides = _user_overrides(argv)
+    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
+    if overrides is None or not given or "now:" in given[-1] or {"-m", "--multirun"} & set(argv):
+        return
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(
+                config_name="config",
+                overrides=[*overrides, f"hydra.run.dir={given[-1]}"],
+                return_hydra_config=True,
+            )
+        run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UserError(f"bad hydra.run.dir: {_one_line(exc)}: give a folder path") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        claim_run_dir(run_dir)
+        if cfg.resume and cfg.launcher.name != "nsys":  # nsys refuses resume=true itself
+            check_resume(cfg, resolve_spec(cfg), run_dir)
+    except UserError:
+        release_run_dirs()
+        raise
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler: a BaseException, so the runner's per-op ``except Exception`` does
+    not record it as a failed row, and files being written are cleaned up (autotuner.atomic)."""
+
+
+def _resume_command(original: list[str]) -> str | None:
+    """The command that finishes this run (the original arguments, ``resume=true`` and its directory), or
+    None before Hydra named the directory, in a ``-m`` sweep, or for nsys (which cannot resume)."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN or hydra_cfg.runtime.choices.get("launcher") == "nsys":
+        return None
+    kept = [a for a in original if a.lstrip("+~").split("=", 1)[0] not in ("resume", "hydra.run.dir")]
+    args = shlex.join([*kept, "resume=true", f"hydra.run.dir={hydra_cfg.runtime.output_dir}"])
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return f"torchrun <the same torchrun options> -m autotuner.main {args}"
+    return f"python -m autotuner.main {args}"
+
+
+@contextlib.contextmanager
+def _guarded_run(original: list[str]) -> Iterator[None]:
+    """Around Hydra's run: on SIGTERM (what SLURM sends at the time limit or on preemption) say how to
+    finish the run, then end as the signal would have (exit status 143); pass the user's umask on to
+    processes that reset it (nsys); release the run directory's locks when the run ends in-process."""
+    from autotuner.atomic import remember_user_umask
+    from autotuner.launchers.common import release_run_dirs
+
+    remember_user_umask()
+    handled = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if handled else None
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        command = _resume_command(original)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        if command is None:  # nothing to resume (no directory yet, a sweep, nsys): end as by default
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if os.environ.get("RANK", "0") == "0":
+            # os.write, not print: the handler may interrupt a print to stderr, which must not re-enter
+            os.write(2, f"autotuner: terminated; finish the run with: {command}\n".encode())
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            # Unwinding could wait in a collective or the process group's teardown: end now.
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise _Terminated
+
+    if handled:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except _Terminated:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler is SIG_DFL again: the process ends here
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        release_run_dirs()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Validate the command line, then hand it to Hydra."""
-    argv = _open_dict_overrides(sys.argv[1:] if argv is None else argv)
+    original = list(sys.argv[1:] if argv is None else argv)
+    argv = _open_dict_overrides(original)
     register_configs()
     _register_resolvers()
     try:
         argv = _shared_run_dir(argv)
         preflight(argv)
+        _claim_run_dir(argv)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     sys.argv = [sys.argv[0], *argv]
-    _app()
+    with _guarded_run(original):
+        _app()
 
 
 def run(argv: list[str]) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from autotuner.errors import UserError
 from autotuner.model import ModelParts
 from autotuner.ops_test import functional_ops, layer_ops, model_ops  # noqa: F401  (registers the ops)
-from autotuner.ops_test.base import BLOCK, EMBEDDING, FUNCTIONAL, HEAD, REGISTRY, OpTest
+from autotuner.ops_test.base import BLOCK, EMBEDDING, FUNCTIONAL, HEAD, LAYER, REGISTRY, OpTest
 from autotuner.ops_test.functional_ops import FUNCTIONAL_OPS
 
 OP_ORDER = (
@@ -36,6 +36,9 @@ OP_ORDER = (
 
 # The sub-ops inside one TransformerLayer, in the order its forward runs them.
 LAYER_SUB_OPS = OP_ORDER[OP_ORDER.index("input_layernorm") : OP_ORDER.index("mlp_bda") + 1]
+# Which half of the layer each sub-op lives in: a layer built with that half alone holds it.
+ATTENTION_OPS = frozenset(LAYER_SUB_OPS[: LAYER_SUB_OPS.index("self_attn_bda") + 1])
+MLP_OPS = frozenset(LAYER_SUB_OPS[LAYER_SUB_OPS.index("pre_mlp_layernorm") :])
 
 # Packages an op may need, and whether they import here (filled lazily; see available_ops).
 OPTIONAL_PACKAGES = {"transformer_engine": "transformer-engine[pytorch]"}
@@ -81,6 +84,11 @@ def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
     Unknown names and ops whose optional package is missing are errors naming the fix.
     """
     available = [t for t in ordered_tests() if t.requires is None or _package_available(t.requires)]
+    if names is not None and not list(names):
+        # An empty list is a slip (a sweep value left blank, a script's empty variable), not a request.
+        raise UserError(
+            "ops=[] selects no op: name the ops (ops=[linear_qkv,mlp]), or ops=[all] for every op"
+        )
     names = list(names or ["all"])
     table = _alias_table()
     chosen = set()
@@ -108,11 +116,26 @@ def needs_model(tests: Sequence[OpTest]) -> bool:
     return any(FUNCTIONAL not in t.needs for t in tests)
 
 
+def _layer_halves(test: OpTest) -> tuple[bool, bool]:
+    """(attention, mlp): the halves of a layer ``test`` runs. An op of the layer this table does not know
+    (one registered elsewhere) gets both."""
+    if not test.needs & {LAYER, BLOCK}:
+        return False, False
+    if test.name in ATTENTION_OPS:
+        return True, False
+    if test.name in MLP_OPS:
+        return False, True
+    return True, True
+
+
 def model_parts(tests: Sequence[OpTest], block_layers: int, tied_embeddings: bool) -> ModelParts:
     """The smallest GPTModel that holds every selected op."""
     needs = set().union(*(t.needs for t in tests)) if tests else set()
+    halves = [_layer_halves(t) for t in tests]
     return ModelParts(
         num_layers=block_layers if BLOCK in needs else 1,
         pre_process=EMBEDDING in needs or (HEAD in needs and tied_embeddings),
         post_process=HEAD in needs,
+        attention=any(attention for attention, _ in halves),
+        mlp=any(mlp for _, mlp in halves),
     )

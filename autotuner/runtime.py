@@ -129,8 +129,12 @@ def _version(package: str) -> str | None:
         return None
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """What a reader needs to reproduce a run: versions, device, threads, host and command line."""
+def environment(device: torch.device, tools: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """What a reader needs to reproduce a run: versions, device, threads, host and command line.
+
+    ``tools``: the programs the run started, by name, as (absolute path, version line); each gives the
+    fields ``<name>_path`` and ``<name>_version`` (the nsys launcher: ``nsys_path``, ``nsys_version``).
+    """
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -151,6 +155,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         info["device_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     else:
         info["device_name"] = _cpu_name()
+    for name, (path, version) in (tools or {}).items():
+        info[f"{name}_path"], info[f"{name}_version"] = path, version
     return info
 
 

@@ -6,7 +6,11 @@ fails with a one-line :class:`UserError`.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +20,7 @@ from autotuner import cases
 from autotuner.errors import UserError
 from autotuner.hf_to_megatron import map_hf_config
 from autotuner.measure.timer import PRECISION_RULES
-from autotuner.ops_test.base import OpContext
+from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
 from autotuner.runtime import DTYPES, resolve_device, resolve_dtype
 from autotuner.shapes import generate_points, merge
@@ -45,6 +49,13 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             "timing needs warmup >= 0, 1 <= min_samples <= max_samples, check_every >= 1 and budget_s, "
             "target_rel_ci, min_block_s, threads >= 0: fix timing.*"
         )
+    cpus = usable_cpus()
+    if timing.threads > cpus:
+        # torch would start that many threads (a segfault at 100000) or oversubscribe the cores it times
+        raise UserError(
+            f"timing.threads={timing.threads} is more than the {cpus} CPU(s) this process may run on: "
+            f"set timing.threads between 1 and {cpus}, or 0 for torch's default"
+        )
     if timing.precision_rule not in PRECISION_RULES or timing.target_rel_iqr < 0:
         raise UserError(
             f"timing.precision_rule={timing.precision_rule!r}, target_rel_iqr={timing.target_rel_iqr}: "
@@ -63,6 +74,7 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     hf_config = cases.build_hf_config(case.hf_fields, hf_overrides)
     args = map_hf_config(hf_config)
     quiet_megatron_import()
+    model_lib.check_tf_overrides(tf_overrides)
     tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
     if device.type == "cpu" and tf_overrides.get("sequence_parallel"):
         raise UserError(
@@ -106,10 +118,80 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     return spec
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a container or taskset narrows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _PartsPerOp:
+    """When the model holding every selected op does not fit: each op's own parts (autotuner.op_mapping.
+    model_parts of that op alone), built when the op comes up. One such model is alive at a time, so its
+    memory is free for the next; an op whose parts cannot be built fails with the reason (the Runner
+    records its rows as failed) and the plan goes on."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.parts: Any = None
+        self.context: OpContext | None = None
+        self.failed: dict[Any, str] = {}
+
+    def context_for(self, op: OpTest) -> OpContext:
+        from autotuner.model import ModelBuildError, build_model
+        from autotuner.op_mapping import model_parts
+        from autotuner.runtime import seed_everything
+
+        spec = self.spec
+        parts = model_parts([op], spec.block_layers, spec.model_args.tie_word_embeddings)
+        if parts == self.parts and self.context is not None:
+            return self.context
+        if parts in self.failed:
+            raise ModelBuildError(self.failed[parts])
+        self.parts = self.context = None
+        _free_memory(spec.device)
+        seed_everything(spec.seed, spec.device)  # the same weights whichever op came first
+        error = None
+        try:
+            model = build_model(
+                spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine
+            )
+        except Exception as exc:  # noqa: BLE001 - this op's rows record it; the plan goes on
+            error = f"cannot build the model parts {op.name} needs: {_first_line(exc)}"
+        if error is not None:
+            _free_memory(spec.device)  # after the except block, whose traceback held the partial model
+            self.failed[parts] = error
+            raise ModelBuildError(error)
+        self.parts, self.context = parts, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
+        return self.context
+
+    def build_of(self, op: OpTest) -> Callable[[OpContext, ShapePoint], OpCall]:
+        def build(_shared: OpContext, point: ShapePoint) -> OpCall:
+            return op.build(self.context_for(op), point)
+
+        return build
+
+
 def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
-    """Start the process group, seed, and build the instrumented model holding the selected ops."""
+    """Start the process group, seed, and build the instrumented model holding the selected ops.
+
+    A model that does not fit in memory is not the end of the run: each op then gets its own parts as it
+    comes up (see :class:`_PartsPerOp`; ``spec.ops`` is rebound to builds that do so). Any other error
+    while building is a configuration the checks of :func:`resolve_spec` let through: one line, exit 2.
+    """
     from autotuner import cpu_bridges
-    from autotuner.model import build_model
+    from autotuner.model import build_model, is_out_of_memory
     from autotuner.op_mapping import model_parts, needs_model
     from autotuner.runtime import init_parallel, seed_everything
 
@@ -126,5 +208,27 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
         context = OpContext(None, spec.device, DTYPES[spec.dtype], spec.seed, config=spec.tf_config)
         return torch.nn.Module(), context
     parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
-    model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
-    return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
+    too_large = None
+    try:
+        model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
+        return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise UserError(
+                f"the model cannot be built from this configuration ({_first_line(exc)}): "
+                "fix the hf./tf. overrides or the case file"
+            ) from exc
+        too_large = _first_line(exc)
+    _free_memory(spec.device)  # outside the except block, whose traceback held the partial model
+    print(
+        f"autotuner: the model with every selected op does not fit ({too_large}): "
+        "building each op's parts alone; an op whose parts do not fit is recorded as failed",
+        file=sys.stderr,
+    )
+    per_op = _PartsPerOp(spec)
+    spec.ops = [
+        op if not needs_model([op]) else dataclasses.replace(op, build=per_op.build_of(op)) for op in spec.ops
+    ]
+    return torch.nn.Module(), OpContext(
+        None, spec.device, DTYPES[spec.dtype], spec.seed, config=spec.tf_config
+    )

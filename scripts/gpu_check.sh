@@ -6,8 +6,14 @@
 # Runs, each step under its own time limit so one hang does not cost the rest: the CUDA tests
 # (tests/test_gpu.py) and the sensor/op tests on the device's Python; a calibration; a get_data run at
 # Llama-2-7B's real size in bf16 (every op and the functional group, at s4096_b1) without and with
-# CUDA-graph replay; the torch_profiler launcher; the nsys launcher if an nsys is found; and, where a
-# second Megatron-Core is staged in .whl19/, the op tests and a tiny run on that version.
+# CUDA-graph replay; the torch_profiler launcher; the nsys launcher if an nsys is found; where a
+# second Megatron-Core is staged in .whl19/, the op tests and a tiny run on that version; and last the
+# three launchers on the same Llama-2-7B layer ops at s2048_b1, compared by autotuner.launcher_agreement
+# (agreement.txt and agreement.json beside the summary).
+#
+# nsys: NSYS_BUNDLE=<archive made by ../shared/tools/make_nsys_bundle.sh>, for a GPU image without a
+# working Nsight Systems (docs/gpu_checks.md), is unpacked into a temporary folder and its nsys given to
+# the launcher; without it the launcher finds nsys itself (PATH, the project's .tools/, CUDA folders).
 #
 # A machine without our packages gets them from wheels staged beside the repo (see the README's
 # "GPU checks"): .whl/*.whl are installed into a private target, .whl/pure/ holds pure-Python packages
@@ -33,15 +39,25 @@ stage_wheels() {  # $1: wheel folder, $2: target
 # All steps together stop after GPU_CHECK_DEADLINE_S (a lent machine's time is short): a step gets what is
 # left, and those after the deadline are skipped, so the summary and the archive are always written.
 DEADLINE=${GPU_CHECK_DEADLINE_S:-330}
-# GPU_CHECK_STEPS="pytest llama7b_bf16 ...": run only these steps (a rerun after a fix), else all.
+# GPU_CHECK_STEPS="pytest llama7b_bf16 ...": run only these steps (a rerun after a fix), else all. A
+# word may be a pattern: GPU_CHECK_STEPS='agree_*' runs the three-launcher comparison alone.
 STEPS=${GPU_CHECK_STEPS:-}
+
+selected() {  # selected NAME: whether GPU_CHECK_STEPS asks for this step (every step when it is empty)
+    [ -z "$STEPS" ] && return 0
+    local word words
+    read -ra words <<<"$STEPS"  # not $STEPS unquoted: a pattern must not expand to file names
+    for word in "${words[@]}"; do
+        # shellcheck disable=SC2053  # $word is a pattern on purpose
+        [[ $1 == $word ]] && return 0
+    done
+    return 1
+}
 
 step() {  # step NAME SECONDS COMMAND...: run, log, record the exit status and the wall time
     local name=$1 limit=$2
     shift 2
-    if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then
-        return
-    fi
+    selected "$name" || return 0
     local left=$((DEADLINE - SECONDS))
     if [ "$left" -lt 10 ]; then
         printf '%-22s skipped (deadline)\n' "$name" | tee -a "$SUMMARY"
@@ -91,10 +107,43 @@ step llama7b_bf16_eager512 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] \
 step torch_profiler 75 "${RUN[@]}" case=tiny device=cuda launcher=torch_profiler \
     'ops=[transformer_layer,linear_qkv,core_attention]' "hydra.run.dir=$RUNS/torch_profiler"
 
-NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys /usr/local/cuda*/bin/nsys 2>/dev/null | head -1)
-echo "nsys: ${NSYS:-none found}" | tee -a "$SUMMARY"
-if [ -n "$NSYS" ]; then
-    step nsys 90 "${RUN[@]}" case=tiny device=cuda launcher=nsys "launcher.nsys_bin=$NSYS" \
+# Which nsys: the bundle's when NSYS_BUNDLE names one, else the launcher's own lookup (no nsys_bin given).
+# Nsight Compute's bundled nsys is not tried: it writes a .qdstrm but no report (docs/gpu_checks.md).
+NSYS_ARGS=()
+NSYS_USABLE=yes
+if [ -n "${NSYS_BUNDLE:-}" ]; then
+    NSYS_DIR=$(mktemp -d)
+    trap 'rm -rf "$NSYS_DIR"' EXIT
+    NSYS_BIN="$NSYS_DIR/nsys-min/target-linux-x64/nsys"
+    NSYS_IMPORTER="$NSYS_DIR/nsys-min/host-linux-x64/QdstrmImporter"
+    # Python's tarfile reads .tar.xz and .tar.gz alike, also on an image without xz; its "data" filter
+    # (where Python has one) keeps every file inside the folder.
+    UNPACK='import sys, tarfile
+with tarfile.open(sys.argv[1]) as archive:
+    archive.extractall(sys.argv[2], **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))'
+    if ! "$PY" -c "$UNPACK" "$NSYS_BUNDLE" "$NSYS_DIR" >"$LOGS/nsys_bundle.txt" 2>&1; then
+        NSYS_USABLE=
+        echo "nsys: NSYS_BUNDLE=$NSYS_BUNDLE could not be unpacked (logs/nsys_bundle.txt): no nsys steps" \
+            | tee -a "$SUMMARY"
+    elif ! "$NSYS_BIN" --version >>"$LOGS/nsys_bundle.txt" 2>&1; then
+        NSYS_USABLE=
+        echo "nsys: the bundle's nsys does not start (logs/nsys_bundle.txt): no nsys steps" \
+            | tee -a "$SUMMARY"
+    elif ! "$NSYS_IMPORTER" --version >>"$LOGS/nsys_bundle.txt" 2>&1; then
+        # Without its importer nsys exits 0 having written only a .qdstrm (GBs for a CUDA trace).
+        NSYS_USABLE=
+        echo "nsys: the bundle's report importer does not start (logs/nsys_bundle.txt): no nsys steps" \
+            | tee -a "$SUMMARY"
+    else
+        echo "nsys: from NSYS_BUNDLE, $("$NSYS_BIN" --version 2>&1 | tail -n 1)" | tee -a "$SUMMARY"
+        NSYS_ARGS=("launcher.nsys_bin=$NSYS_BIN")
+    fi
+else
+    echo "nsys: the launcher's own lookup (the nsys steps' logs name the nsys used, or that none was found)" \
+        | tee -a "$SUMMARY"
+fi
+if [ -n "$NSYS_USABLE" ]; then
+    step nsys 90 "${RUN[@]}" case=tiny device=cuda launcher=nsys "${NSYS_ARGS[@]}" \
         'ops=[transformer_layer,linear_qkv]' "hydra.run.dir=$RUNS/nsys"
 fi
 
@@ -103,6 +152,43 @@ if [ -d .whl19 ]; then  # a newer Megatron-Core over the same code
     NEW=(env "PYTHONPATH=/tmp/autotuner-site19:$PYTHONPATH")
     step megatron_new_ops 90 "${NEW[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_cases.py
     step megatron_new_run 60 "${NEW[@]}" "${RUN[@]}" case=tiny device=cuda "hydra.run.dir=$RUNS/megatron_new_tiny"
+fi
+
+# The three launchers on the same ops and shape point (issue 13): get_data, torch_profiler and nsys times
+# and their ratios to nsys's kernel time (to torch_profiler's without an nsys run). Default timing: the
+# point is what a user gets. Only the rows' times are needed (the traces stay out of the archive): no
+# report, and a lean detailed profiler session.
+AGREE=("${RUN[@]}" report=false case=llama7b device=cuda dtype=bf16 shapes.seq_len=[2048]
+    shapes.micro_batch_size=[1] 'ops=[transformer_layer,linear_qkv,core_attention,mlp,linear_fc1]')
+step agree_get_data 120 "${AGREE[@]}" "hydra.run.dir=$RUNS/agree_get_data"
+step agree_torch_profiler 150 "${AGREE[@]}" launcher=torch_profiler launcher.active=10 \
+    launcher.with_stack=false launcher.record_shapes=false launcher.profile_memory=false \
+    "hydra.run.dir=$RUNS/agree_torch_profiler"
+if [ -n "$NSYS_USABLE" ]; then
+    step agree_nsys 180 "${AGREE[@]}" launcher=nsys launcher.iterations=10 "${NSYS_ARGS[@]}" \
+        "hydra.run.dir=$RUNS/agree_nsys"
+fi
+rm -f "$OUT_DIR/agreement.txt" "$OUT_DIR/agreement.json"  # never a table left from an earlier run
+if [ -f "$RUNS/agree_get_data/results.jsonl" ] && [ -f "$RUNS/agree_torch_profiler/results.jsonl" ]; then
+    AGREE_RUNS=("$RUNS/agree_get_data" "$RUNS/agree_torch_profiler")
+    if [ -f "$RUNS/agree_nsys/results.jsonl" ]; then
+        AGREE_RUNS+=("$RUNS/agree_nsys")
+        NSYS_NOTE="with nsys"
+    else
+        NSYS_NOTE="no nsys column: no usable nsys, or its run left no results (logs/agree_nsys.log)"
+    fi
+    # It reads two or three results files, a second's work: it runs even past the deadline.
+    {
+        printf '\n== three launchers, Llama-2-7B layer, bf16, s2048_b1 (%s)\n' "$NSYS_NOTE"
+        timeout 60 "$PY" -m autotuner.launcher_agreement "${AGREE_RUNS[@]}" --json "$OUT_DIR/agreement.json"
+        echo "launcher_agreement exit $?"
+    } >"$OUT_DIR/agreement.txt" 2>&1
+    cp "$OUT_DIR/agreement.txt" "$RUNS/"
+    [ -f "$OUT_DIR/agreement.json" ] && cp "$OUT_DIR/agreement.json" "$RUNS/"
+    cat "$OUT_DIR/agreement.txt" >>"$SUMMARY"
+elif selected agree_get_data || selected agree_torch_profiler; then
+    echo "three-launcher table: not made (the get_data or torch_profiler run left no results)" \
+        | tee -a "$SUMMARY"
 fi
 
 for log in "$LOGS"/*.log; do  # the end of every step's log, for a first look without the archive

@@ -176,9 +176,8 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
     before = _check_files(tmp_path)
     assert 4 <= len(before) < 2 * len(OP_ORDER) * 2
 
-    assert (
-        run([*args, "resume=true", "timing.budget_s=0", "timing.max_samples=2", "timing.min_samples=1"]) == 0
-    )
+    # the same settings: a resume that changes the sampler is refused (tests/test_faults_data.py)
+    assert run([*args, "resume=true"]) == 0
     after = _check_files(tmp_path)
     assert len(after) == len(OP_ORDER) * 2 * 2 and len(
         {(r["op"], r["phase"], r["point"]) for r in after}

@@ -190,3 +190,23 @@ def test_tiny_case_on_the_gpu_with_graphs_and_functional_ops(tmp_path: Path):
     empty = {(r["op"], r["phase"]) for r in rows if "cuda_graph_empty" in r["warnings"]}
     assert {("self_attn_bda", "backward"), ("mlp_bda", "backward")} <= empty, empty
     assert all(phase == "backward" for _, phase in empty), empty
+
+
+def test_hide_launch_keeps_the_hosts_delay_before_the_first_kernel_out_of_the_sample():
+    """A call that makes the host wait 2 ms before its one small kernel: without hide_launch the GPU
+    sits idle inside the events for those 2 ms (as it waits for autograd's start in a backward); with
+    it, the spin queued before the start event covers the wait and the sample is the kernel's time."""
+    a = torch.randn(256, 256, device=CUDA)
+
+    def late_kernel() -> None:
+        time.sleep(0.002)
+        torch.mm(a, a)
+
+    timed = {}
+    for hide in (False, True):
+        timer = DeviceTimer(CUDA, hide_launch=hide)
+        for _ in range(3):  # the spin learns the launch time from the previous call
+            timer.time_ns(late_kernel)
+        timed[hide] = min(timer.time_ns(late_kernel) for _ in range(5)) / 1e3
+    assert timed[False] > 1900, timed
+    assert timed[True] < 500, timed

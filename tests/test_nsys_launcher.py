@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from omegaconf import OmegaConf
 
 from autotuner.config import NsysLauncherConfig
 from autotuner.errors import UserError
+from autotuner.launchers import nsys as nsys_launcher
 from autotuner.launchers.nsys import NsysRun, Outcome, build_rows, measured_ranges, nsys_command, read_sqlite
 from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_ranges
 from autotuner.launchers.nsys_worker import marker_name
@@ -34,6 +38,7 @@ from autotuner.ops.naming import format_range, parse_range
 from autotuner.ops_test.base import ShapePoint
 from autotuner.results import COLUMNS, load_rows
 
+REPO = Path(__file__).resolve().parents[1]
 POINT = "s16_b1"
 ITERATIONS = 2
 SMALL = [
@@ -76,19 +81,13 @@ class Launch:
     stderr: str
 
 
-def _launch(nsys_bin: str, run_dir: Path, *overrides: str) -> Launch:
-    """``python -m autotuner.main`` in this process (one Megatron import for every run)."""
+def _launch(nsys_bin: str | None, run_dir: Path, *overrides: str) -> Launch:
+    """``python -m autotuner.main`` in this process (one Megatron import for every run); ``nsys_bin``
+    None leaves the launcher to look for nsys."""
     out, err = io.StringIO(), io.StringIO()
+    explicit = [] if nsys_bin is None else [f"launcher.nsys_bin={nsys_bin}"]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = run(
-            [
-                "launcher=nsys",
-                f"launcher.nsys_bin={nsys_bin}",
-                f"hydra.run.dir={run_dir}",
-                "report=false",
-                *overrides,
-            ]
-        )
+        code = run(["launcher=nsys", *explicit, f"hydra.run.dir={run_dir}", "report=false", *overrides])
     return Launch(code, run_dir, out.getvalue(), err.getvalue())
 
 
@@ -343,6 +342,260 @@ def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
         assert "the profiled process died" in error and "killed by SIGKILL" in error, error
 
 
+# --- finding nsys ------------------------------------------------------------------------------
+
+
+def _path_without_nsys() -> str:
+    """$PATH less every folder that holds an nsys, so only the launcher's own search can find one."""
+    return os.pathsep.join(
+        d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "nsys").exists()
+    )
+
+
+def _fake_nsys(path: Path, version: str, answers: bool = True) -> Path:
+    """A program that answers ``nsys --version`` as nsys does (or fails): the search runs nothing else."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"#!/bin/sh\necho 'NVIDIA Nsight Systems version {version}'\nexit {0 if answers else 1}\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def test_default_nsys_bin_finds_the_project_install(
+    nsys_bin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The design card's command, as written: no launcher.nsys_bin and no nsys on the PATH; the nsys of
+    ``make tools`` (.tools/nsys) is found, named first on stderr and in environment.json."""
+    monkeypatch.setenv("PATH", _path_without_nsys())
+    project = nsys_launcher.PROJECT_ROOT / nsys_launcher.PROJECT_NSYS
+    assert project.is_file(), "make tools / scripts/install_nsys.sh installs nsys here"
+    result = _launch(None, tmp_path / "run", "case=tiny", "ops=[linear_qkv]", *SMALL)
+    assert result.code == 0, result.stderr[-3000:]
+    rows = load_rows(result.run_dir / "results.jsonl")
+    assert [(r["op"], r["phase"], r["status"]) for r in rows] == [
+        ("linear_qkv", "forward", "ok"),
+        ("linear_qkv", "backward", "ok"),
+    ]
+    environment = json.loads((result.run_dir / "environment.json").read_text())["environment"]
+    assert environment["nsys_path"] == str(project)
+    assert environment["nsys_version"].startswith("NVIDIA Nsight Systems version 20")
+    version = environment["nsys_version"].split()[-1]
+    assert result.stderr.splitlines()[0] == f"autotuner: nsys {version} at {project}"
+
+
+def test_search_order_path_project_then_newest_cuda_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, project = tmp_path / "root", tmp_path / "checkout"
+    opt = root / "opt/nvidia/nsight-systems"
+    _fake_nsys(opt / "2023.1/bin/nsys", "2023.1.1")
+    _fake_nsys(opt / "2023.4.1/bin/nsys", "2023.4.1")
+    newest = _fake_nsys(opt / "2024.2/bin/nsys", "2024.2.3")
+    _fake_nsys(opt / "2025.1/bin/nsys", "2025.1.1", answers=False)  # broken: passed over
+    cuda_12_10 = _fake_nsys(root / "usr/local/cuda-12.10/bin/nsys", "2024.1.1")
+    cuda_12_4 = _fake_nsys(root / "usr/local/cuda-12.4/bin/nsys", "2023.4.4")
+    (root / "usr/local/cuda").symlink_to("cuda-12.4")  # the usual link: tried first, and only once
+    monkeypatch.setenv("PATH", _path_without_nsys())
+
+    candidates = nsys_launcher.nsys_candidates(project, root)
+    assert candidates == [
+        root / "usr/local/cuda/bin/nsys",
+        opt / "2025.1/bin/nsys",
+        newest,
+        opt / "2023.4.1/bin/nsys",
+        opt / "2023.1/bin/nsys",
+        cuda_12_10,  # 12.10 is newer than 12.4, which the cuda link already named
+    ]
+    assert cuda_12_4.resolve() == candidates[0].resolve()
+    found = nsys_launcher.find_nsys("nsys", project, root)
+    assert found.path == str(root / "usr/local/cuda/bin/nsys") and found.short_version == "2023.4.4"
+    (root / "usr/local/cuda").unlink()
+    found = nsys_launcher.find_nsys("nsys", project, root)
+    assert (found.path, found.version) == (str(newest), "NVIDIA Nsight Systems version 2024.2.3")
+
+    # The project's own install comes before the system's, and the PATH before both.
+    own = _fake_nsys(project / nsys_launcher.PROJECT_NSYS, "2022.4.2")
+    assert nsys_launcher.find_nsys("nsys", project, root).path == str(own)
+    on_path = _fake_nsys(tmp_path / "bin/nsys", "2023.2.1")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(on_path.parent), _path_without_nsys()]))
+    assert nsys_launcher.find_nsys("nsys", project, root).path == str(on_path)
+
+    # An explicit launcher.nsys_bin is used alone: found, or an error (never another nsys instead).
+    assert nsys_launcher.find_nsys(str(cuda_12_4), project, root).path == str(cuda_12_4)
+    with pytest.raises(UserError, match="launcher.nsys_bin=.*does not answer --version"):
+        nsys_launcher.find_nsys(str(opt / "2025.1/bin/nsys"), project, root)
+    with pytest.raises(UserError, match="nsys not found"):
+        nsys_launcher.find_nsys(str(tmp_path / "elsewhere/nsys"), project, root)
+
+
+def test_no_nsys_anywhere_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", _path_without_nsys())
+    monkeypatch.setattr(nsys_launcher, "PROJECT_ROOT", tmp_path / "checkout")
+    monkeypatch.setattr(nsys_launcher, "SYSTEM_ROOT", tmp_path / "root")
+    result = _launch(None, tmp_path / "run", "case=tiny", *SMALL)
+    assert result.code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("autotuner: error: nsys not found (launcher.nsys_bin='nsys'")
+    assert "make tools" in lines[0] and "/opt/nvidia/nsight-systems/*/bin" in lines[0]
+    assert not (tmp_path / "run" / "results.jsonl").exists()
+
+
+# --- stopping a run: SIGTERM, SIGINT -----------------------------------------------------------
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Live processes whose command line holds ``text`` (zombies have none)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            try:
+                args = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in args:
+                words = args.replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name}: {words}")
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
+    nsys_bin: str, tmp_path: Path, signum: signal.Signals
+) -> None:
+    """A real ``python -m autotuner.main`` process, signalled once its worker has finished a row: it
+    exits 128 + N with nsys's report read, the measured rows ok, the rest failed, and nothing left."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "autotuner.main",
+        "case=tiny",
+        "launcher=nsys",
+        "launcher.iterations=50",
+        "shapes.seq_len=[16,32]",
+        "shapes.micro_batch_size=[1]",
+        "progress=false",
+        "report=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    worker_rows = run_dir / "worker" / "results.jsonl"
+    # A session of its own: the signal goes to the main process alone, as from `kill <pid>`.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (worker_rows.is_file() and worker_rows.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the worker wrote no row in 240 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = stderr.decode(errors="replace")
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert _processes_naming(str(run_dir)) == []
+    assert f"autotuner: interrupted by {signum.name}" in err.splitlines()[-1]
+    assert (run_dir / "report.nsys-rep").is_file()
+
+    rows = load_rows(run_dir / "results.jsonl")
+    with open(run_dir / "results.csv", newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == len(rows) == len(OP_ORDER) * 2 * 2
+    statuses = [r["status"] for r in rows]
+    assert "failed" in statuses, "the plan finished before the signal"
+    first_failed = statuses.index("failed")
+    assert first_failed >= 1 and statuses[:first_failed] == ["ok"] * first_failed
+    assert set(statuses[first_failed:]) == {"failed"}
+    for row in rows[:first_failed]:
+        assert row["samples"] == 50 and row["median_us"] > 0
+    for row in rows[first_failed:]:
+        assert "the profiled process died" in row["error"] and signum.name in row["error"], row
+    assert "before measuring it" in rows[-1]["error"]
+    report = subprocess.run(
+        [sys.executable, "-m", "autotuner.report", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+
+
+def test_a_program_that_ignores_the_stop_signal_is_killed_after_the_grace(tmp_path: Path) -> None:
+    """StopSignals around a real process group (in place of nsys) that ignores SIGTERM, child included:
+    the signal is passed on, and once the grace is over the whole group is killed and run_nsys returns."""
+    hold = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    child = f"{hold}time.sleep(120)"
+    program = [
+        sys.executable,
+        "-c",
+        f"{hold}subprocess.Popen([sys.executable, '-c', {child!r}, sys.argv[1]]); time.sleep(120)",
+        str(tmp_path),  # names the run's processes, for the check below
+    ]
+    before = signal.getsignal(signal.SIGTERM)
+    stop = nsys_launcher.StopSignals(tmp_path, grace_s=1.0)
+    sender = threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM))
+    started = time.monotonic()
+    with stop:
+        sender.start()
+        result = nsys_launcher.run_nsys(program, tmp_path / "nsys.log", stop)
+    elapsed = time.monotonic() - started
+    sender.join()
+    assert stop.signum == signal.SIGTERM and stop.exit_code == 143
+    assert stop.killed == "nsys did not end within 1 s of SIGTERM"
+    assert result.returncode == -signal.SIGKILL
+    assert 2.0 <= elapsed < 60
+    assert _processes_naming(str(tmp_path)) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is gone with the run
+
+
+# --- under torchrun ----------------------------------------------------------------------------
+
+
+def test_torchrun_tensor_parallel_with_default_settings(nsys_bin: str, tmp_path: Path) -> None:
+    """TP=2 under torchrun with nothing pinned (default iterations, default nsys lookup): it ends, well
+    inside the watchdog, with both ranks' rows and the cross-rank max."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "autotuner.main",
+        "case=tiny",
+        "launcher=nsys",
+        "tf.tensor_model_parallel_size=2",
+        "ops=[linear_qkv,linear_proj]",
+        "shapes.seq_len=[16]",
+        "shapes.micro_batch_size=[1]",
+        "progress=false",
+        "report=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = load_rows(run_dir / "results.jsonl")
+    assert {(r["op"], r["phase"], r["rank"]) for r in rows} == {
+        (op, phase, rank)
+        for op in ("linear_qkv", "linear_proj")
+        for phase in ("forward", "backward")
+        for rank in (0, 1, "max")
+    }
+    assert all(r["status"] == "ok" and r["launcher"] == "nsys" for r in rows), rows
+    assert all(r["samples"] == NsysLauncherConfig().iterations for r in rows if r["rank"] != "max")
+    assert (run_dir / "report-rank0.nsys-rep").is_file() and (run_dir / "report-rank1.nsys-rep").is_file()
+
+
 # --- the nsys command --------------------------------------------------------------------------
 
 
@@ -459,14 +712,17 @@ def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
     forward, backward = build_rows(spec, [(point, op, "forward"), (point, op, "backward")], outcome)
 
     assert forward["status"] == "ok" and forward["samples"] == 2
-    assert (forward["median_us"], forward["min_us"]) == (0.25, 0.2)  # 200 and 300 ns
-    assert forward["kernel_time_us"] == 6.5  # median of 6000 (gemm + bias) and 7000 ns
+    # On a GPU the time is the kernels' (6000 ns: gemm + bias, then 7000 ns), the ranges' is the host's.
+    assert (forward["median_us"], forward["min_us"]) == (6.5, 6.0)
+    assert forward["host_median_us"] == 0.25  # ranges of 200 and 300 ns
+    assert forward["kernel_time_us"] == 6.5
     assert forward["kernel_count"] == 1.5
     assert forward["top_kernels"] == "gemm 6.0us x1; bias 0.5us x0.5"  # per iteration
     assert forward["weight_bytes"] == 64 and forward["launcher"] == "nsys"
 
-    assert backward["status"] == "ok" and backward["samples"] == 1 and backward["median_us"] == 0.2
+    assert backward["status"] == "ok" and backward["samples"] == 1 and backward["host_median_us"] == 0.2
     assert (backward["kernel_time_us"], backward["kernel_count"]) == (0, 0)  # a GPU report, no kernels here
+    assert backward["median_us"] == 0 and backward["warnings"] == "no_kernels"
 
 
 def test_window_left_open_by_a_kill_still_counts() -> None:

@@ -521,3 +521,98 @@ def test_real_nsys_report(nsys_bin: str, tmp_path: Path) -> None:
 def test_export_sqlite_failure_names_the_cause(nsys_bin: str, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="File not found"):
         export_sqlite(nsys_bin, tmp_path / "missing.nsys-rep", tmp_path / "missing.sqlite")
+
+
+# --- python -m autotuner.nsys_read on a .nsys-rep, made by real nsys ----------------------------
+
+WINDOWED = textwrap.dedent(
+    """
+    import time
+
+    import nvtx
+
+    from autotuner.launchers.nsys_worker import marker_name
+    from autotuner.ops.naming import format_range
+
+    POINT = "s32_b2"
+
+
+    def measure(op, iterations, close=True):
+        nvtx.push_range(format_range(op, "forward", POINT, 0, warmup=True))  # outside the window
+        nvtx.pop_range()
+        nvtx.push_range(marker_name(op, "forward", POINT))
+        for i in range(iterations):
+            nvtx.push_range(format_range(op, "forward", POINT, i))
+            time.sleep(0.002)
+            nvtx.pop_range()
+        if close:
+            nvtx.pop_range()
+
+
+    measure("linear_qkv", 3)
+    measure("core_attention", 2)  # as if its third iteration raised
+    measure("linear_proj", 1, close=False)  # the process ends inside the window
+    """
+)
+
+
+def test_nsys_read_exports_a_real_report(
+    nsys_bin: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from autotuner import nsys_read
+    from autotuner.launchers.nsys import NsysRun, lost_launch_race
+    from autotuner.results import load_rows
+
+    script = tmp_path / "windowed.py"
+    script.write_text(WINDOWED)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    cmd = [
+        nsys_bin,
+        "profile",
+        "-t",
+        "nvtx,osrt",
+        "-s",
+        "none",
+        "--cpuctxsw=none",
+        "-o",
+        "cpu-rank1",
+        "-f",
+        "true",
+    ]
+    report = tmp_path / "cpu-rank1.nsys-rep"
+    for _ in range(3):  # nsys 2022.4 can lose its launch race on a loaded machine (see lost_launch_race)
+        proc = subprocess.run(
+            [*cmd, sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=tmp_path,
+        )
+        if not lost_launch_race(NsysRun(proc.returncode, proc.stdout + proc.stderr), report):
+            break
+    assert proc.returncode == 0 and report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    out = tmp_path / "read"
+    assert nsys_read.main([str(report), "--out", str(out), "--nsys-bin", nsys_bin]) == 1  # two rows failed
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split()[3:5] == ["median", "IQR"]  # a CPU report: one time, no host column
+    assert "3 rows (2 failed)" in printed
+
+    rows = {r["op"]: r for r in load_rows(out / "results.jsonl")}
+    assert list(rows) == ["linear_qkv", "core_attention", "linear_proj"]  # the order measured
+    qkv = rows["linear_qkv"]
+    assert (qkv["status"], qkv["samples"], qkv["rank"]) == ("ok", 3, 1)  # rank from the report's name
+    assert (qkv["seq_len"], qkv["micro_batch_size"], qkv["launcher"]) == (32, 2, "nsys")
+    assert qkv["median_us"] == qkv["host_median_us"] >= 1500  # slept 2 ms; on a CPU the range is the time
+    assert qkv["kernel_time_us"] is None and qkv["device"] is None  # no kernels, no environment.json
+    assert rows["core_attention"]["status"] == "failed"
+    assert rows["core_attention"]["error"].startswith("2 of 3 measured iterations in the report")
+    assert rows["linear_proj"]["status"] == "failed" and "left open" in rows["linear_proj"]["error"]
+    # The export is kept beside the rows: it reads again without nsys, to the same rows.
+    assert (out / "cpu-rank1.sqlite").is_file()
+    rows_again, _ = nsys_read.read_report(out / "cpu-rank1.sqlite", tmp_path / "again")
+    assert [r.get("median_us") for r in rows_again] == [r["median_us"] for r in rows.values()]

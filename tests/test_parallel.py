@@ -36,12 +36,10 @@ def test_sharded_ops_match_the_unsharded_ones(tmp_path):
         torch.testing.assert_close(sharded[name], expected, rtol=0, atol=1e-5, msg=name)
 
 
-TP_ARGS = [
-    "case=tiny",
-    "tf.tensor_model_parallel_size=2",
-    "ops=[linear_qkv,linear_proj]",
-    "timing.max_samples=5",
-]
+# The default timing settings: a test that pins them (max_samples) would hide a rank leaving the sampling
+# loop early, which deadlocks the ranks in the op's collectives.
+TP_ARGS = ["case=tiny", "tf.tensor_model_parallel_size=2", "ops=[linear_qkv,linear_proj]"]
+WATCHDOG_S = 300  # a deadlock ends here, not at CI's limit
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +47,58 @@ def tp_run(tmp_path_factory) -> Path:
     """A TP=2 get_data run under torchrun, shared by the tests below."""
     run_dir = tmp_path_factory.mktemp("tp2")
     cmd = [*TORCHRUN, "-m", "autotuner.main", *TP_ARGS, f"hydra.run.dir={run_dir}", *SMALL]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
+
+
+def _assert_ranks_sampled_alike(rows: list[dict]) -> None:
+    """Every rank took the same samples, blocks and stop for each (op, phase, point): they called the op
+    equally often, as its collectives need."""
+    by_key: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["rank"] != "max":
+            by_key.setdefault((row["op"], row["phase"], row["point"]), []).append(row)
+    assert by_key
+    for key, per_rank in by_key.items():
+        assert sorted(r["rank"] for r in per_rank) == [0, 1], key
+        assert all(r["status"] == "ok" for r in per_rank), (key, [r.get("error") for r in per_rank])
+        decided = {(r["samples"], r["calls_per_sample"], r["stop_reason"]) for r in per_rank}
+        assert len(decided) == 1, (key, decided)
+
+
+def test_tensor_parallel_ranks_agree_on_sampling_with_the_default_timing(tp_run):
+    _assert_ranks_sampled_alike(load_rows(tp_run / "results.jsonl"))
+
+
+def test_a_noisy_rank_does_not_deadlock_the_default_sampler(tmp_path):
+    """Rank 1 shares its interpreter with a spinning thread (tests/noisy_rank.py), so alone it would stop
+    sampling on another rule or count than rank 0: the issue's command, default timing, with a watchdog."""
+    ops = "ops=[linear_qkv,linear_proj,linear_fc1,linear_fc2,self_attention]"
+    args = ["case=tiny", "tf.tensor_model_parallel_size=2", ops, f"hydra.run.dir={tmp_path}", *SMALL]
+    cmd = [*TORCHRUN, str(REPO / "tests" / "noisy_rank.py"), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = load_rows(tmp_path / "results.jsonl")
+    assert len([r for r in rows if r["rank"] == "max"]) == 10
+    _assert_ranks_sampled_alike(rows)
+
+
+def test_torch_profiler_under_torchrun_with_its_defaults(tmp_path):
+    args = [*TP_ARGS, "launcher=torch_profiler", f"hydra.run.dir={tmp_path}", *SMALL]
+    cmd = [*TORCHRUN, str(REPO / "tests" / "noisy_rank.py"), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = load_rows(tmp_path / "results.jsonl")
+    assert {(r["op"], r["phase"], r["rank"]) for r in rows} == {
+        (op, ph, rank)
+        for op in ("linear_qkv", "linear_proj")
+        for ph in ("forward", "backward")
+        for rank in (0, 1, "max")
+    }
+    _assert_ranks_sampled_alike(rows)
+    # a trace per rank
+    assert len(list(tmp_path.glob("profiles/*/linear_qkv/*.rank1.pt.trace.json*"))) == 1
 
 
 def test_torchrun_results_hold_every_rank_and_the_cross_rank_max(tp_run):
@@ -114,7 +161,8 @@ def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, m
 def test_resume_with_ranks_cut_at_different_rows(tp_run, tmp_path):
     """Rank 1 lost its last rows (killed a row after rank 0): a resumed job measures them on both ranks
     together instead of leaving the ranks in different ops."""
-    for name in ("results.rank0.jsonl", "results.rank1.jsonl"):
+    # environment.json: the record a resume checks its configuration against
+    for name in ("results.rank0.jsonl", "results.rank1.jsonl", "environment.json"):
         shutil.copy(tp_run / name, tmp_path / name)
     rank1 = tmp_path / "results.rank1.jsonl"
     rank1.write_text("\n".join(rank1.read_text().splitlines()[:3]) + "\n")  # the last row is lost

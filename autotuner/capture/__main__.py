@@ -4,7 +4,11 @@ Runs the training command in a child process that captures it (autotuner.capture
 * the child's stdout and stderr are the terminal's own (inherited, never piped or rewritten);
 * its exit code is ours; killed by a signal, we end by the same signal (``$?`` shows 128+N as for the
   plain command);
-* one line on stderr at the end says what was captured, or that nothing was.
+* one line on stderr at the end says what was captured, or that nothing was (a file left there by an
+  earlier capture is not taken for this one's).
+
+Bad input is one line on stderr before anything runs: an ``--out`` that is a folder or cannot be made, a
+command that is not a Python script, and a script that cannot be opened (exit code 2, as Python gives).
 
 The parent never imports torch. SIGTERM sent to it is passed on to the child (which writes its capture and
 ends); SIGINT is ignored here because a terminal's Ctrl-C reaches the child directly, and passing it on
@@ -52,19 +56,44 @@ def child_command(command: list[str], options: list[str]) -> list[str]:
     return [python, *flags, "-m", "autotuner.capture._child", *options, "--", *rest]
 
 
-def _summary(out: Path, returncode: int) -> str:
+def check_out(out: Path) -> None:
+    """Refuse, before the training runs, a capture file that could not be written when it ends."""
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder: give a file name, e.g. {out / 'shapes.json'}")
+    folder = out.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"--out {out}: {folder} is a file, not a folder: give a path in a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: cannot write in {folder}: give a path in a folder you can write")
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """What tells this file apart from the one written after it (the capture replaces it by a rename)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def _summary(out: Path, returncode: int, before: tuple[int, int, int] | None) -> str:
     from autotuner.capture.schema import load
 
     ending = f"exit code {returncode}" if returncode >= 0 else f"killed by {signal.Signals(-returncode).name}"
-    if not out.exists():
-        return f"autotuner.capture: nothing written to {out} ({ending})"
+    after = _signature(out)
+    if after is None or after == before:
+        earlier = "; the file there is from an earlier capture" if after is not None else ""
+        return f"autotuner.capture: nothing written to {out} ({ending}){earlier}"
     try:
         capture = load(out)
     except UserError as exc:
         return f"autotuner.capture: {exc}"
+    status = capture.status + (f": {capture.error}" if capture.error else "")
     return (
         f"autotuner.capture: {capture.total_calls} calls, {len(capture.calls)} distinct, in "
-        f"{capture.steps_captured} optimizer step(s) -> {out} ({capture.status}, {ending})"
+        f"{capture.steps_captured} optimizer step(s) -> {out} ({status}, {ending})"
     )
 
 
@@ -91,9 +120,17 @@ def run(argv: list[str]) -> int:
         if getattr(args, name) is not None:
             options.append(f"--{name}={getattr(args, name)}")
     try:
+        check_out(out)
         argv_child = child_command(list(command), options)
+        script = argv_child[argv_child.index("--") + 1]
+        # Only a script is checked here: a module is looked up by the child's interpreter, on its path.
+        reason = None if script == "-m" else _child.cannot_open(script)
+        if reason:
+            raise UserError(f"{reason}: give the path of the training script")
     except UserError as exc:
-        parser.error(str(exc))
+        print(f"autotuner.capture: error: {exc}", file=sys.stderr)
+        return exc.exit_code  # Python's own code for a script it cannot open, too
+    before = _signature(out)
     child = subprocess.Popen(argv_child)  # before ignoring SIGINT: the child must not inherit SIG_IGN
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
@@ -102,7 +139,7 @@ def run(argv: list[str]) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    print(_summary(out, returncode), file=sys.stderr)
+    print(_summary(out, returncode, before), file=sys.stderr)
     return returncode
 
 
@@ -111,7 +148,8 @@ def main() -> None:
     if code < 0:  # end as the child did, by its signal (default action: Python's own SIGINT handler
         sys.stdout.flush()  # would raise KeyboardInterrupt here instead)
         sys.stderr.flush()
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be handled, nor reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     raise SystemExit(code if code >= 0 else 128 - code)
 

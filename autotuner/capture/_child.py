@@ -7,15 +7,23 @@ the script returns, raises (the exception then goes on: Python prints its traceb
 calls ``sys.exit`` (its code passes through) or receives SIGTERM (after writing, the process ends by the
 same signal, so the parent sees what a plain run would show). A script that installs its own SIGTERM
 handler replaces ours; the file is then written when it exits.
+
+A program that never starts writes nothing: a script that cannot be opened, does not compile, or a
+module that cannot be found is refused before capturing begins, as Python itself refuses it (the same
+message on stderr and exit code: 2 for a script that cannot be opened, 1 otherwise). Once the program
+has started, its capture is written however it ends: calls recorded before an exception are real calls,
+and the file's ``status`` and ``error`` say that the run failed, so it never passes for a complete one.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,45 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
 
 def names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def cannot_open(script: str) -> str | None:
+    """Why Python could not open ``script`` (one line), or None. A folder is left to runpy, which runs its
+    ``__main__.py`` as Python does."""
+    if os.path.isdir(script):
+        return None
+    try:
+        with open(script, "rb"):
+            return None
+    except OSError as exc:
+        return f"can't open file {script!r}: {exc.strerror or exc}"
+
+
+def unstartable(target: list[str]) -> tuple[str, int] | None:
+    """(what to print, Python's exit code) when ``python TARGET`` would not start, else None.
+
+    Nothing is imported: importing the user's package now, before the recorder replaces torch's functions,
+    would let it keep the originals. So a module is looked up by its top-level name only; a missing
+    submodule is found by runpy, inside the capture, as an ordinary exception.
+    """
+    if target[0] == "-m":
+        top = target[1].partition(".")[0]
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else (f"autotuner.capture: error: No module named {top!r}", 1)
+    script = target[0]
+    reason = cannot_open(script)
+    if reason:
+        return f"autotuner.capture: error: {reason}: give the path of the training script", 2
+    if os.path.isdir(script):
+        return None
+    try:
+        compile(Path(script).read_bytes(), script, "exec")
+    except (SyntaxError, ValueError) as exc:  # the user's own error, shown as Python shows it
+        return "".join(traceback.format_exception_only(exc)).rstrip("\n"), 1
+    return None
 
 
 def _on_sigterm(recorder: Any, out: Path) -> Any:
@@ -70,6 +117,10 @@ def main(argv: list[str]) -> None:
     except ValueError as exc:
         print(f"autotuner.capture: error: {exc}: fix --functions/--methods", file=sys.stderr)
         raise SystemExit(2) from None
+    refused = unstartable(target)
+    if refused:
+        print(refused[0], file=sys.stderr)
+        raise SystemExit(refused[1])
     out = Path(args.out).resolve()
     with capture(out, args.steps, args.functions, args.methods) as recorder:
         signal.signal(signal.SIGTERM, _on_sigterm(recorder, out))

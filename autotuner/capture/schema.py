@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotuner.atomic import atomic_write_text
 from autotuner.errors import UserError
 
 FORMAT = "autotuner-capture"
@@ -119,22 +119,12 @@ class Capture:
 
 
 def dump(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically: a temporary file in the same folder, then a rename,
-    so a reader (or a crash half-way) never sees a half-written capture. Non-finite floats must already
-    be encoded (``allow_nan=False`` refuses them rather than write non-standard JSON)."""
+    """Write ``data`` as JSON to ``path`` atomically (autotuner.atomic), so a reader (or a crash half-way)
+    never sees a half-written capture. Non-finite floats must already be encoded (``allow_nan=False``
+    refuses them rather than write non-standard JSON)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1, allow_nan=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(target, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def _bad(path: Path, problem: str) -> UserError:

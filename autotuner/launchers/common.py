@@ -1,16 +1,22 @@
-"""What every launcher does around the runner: the run record on disk and the closing summary."""
+"""What every launcher does around the runner: the lock on the run directory, the resume check, the run
+record on disk and the closing summary."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from autotuner.results import ResultsWriter, load_rows, merge_ranks
+from autotuner.atomic import atomic_write_text
+from autotuner.errors import UserError
+from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
+from autotuner.runtime import _cpu_name as cpu_name
 from autotuner.runtime import environment
 from autotuner.table import render
 
@@ -20,38 +26,236 @@ def process_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def start_writer(cfg: DictConfig, spec: Any, run_dir: Path) -> ResultsWriter:
-    """Write ``environment.json`` (versions, device, the derived model config) and open the results.
+def results_stem(rank: int, world: int) -> str:
+    """``results``, or ``results.rank<N>`` for each rank of a several-process job."""
+    return f"results.rank{rank}" if world > 1 else "results"
 
+
+# Locks this process holds on run directories (lock file -> descriptor), and the run directories whose
+# resume was already checked (autotuner.main checks before Hydra writes; start_writer again, for runs
+# main could not place in advance): both end with the run (release_run_dirs) or with the process.
+_HELD: dict[Path, int] = {}
+_RESUME_CHECKED: set[Path] = set()
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Take this process's locks on ``run_dir``, or raise UserError naming the live run that holds them.
+
+    A lock is ``fcntl.flock`` on a hidden file per results stem (``.results.lock``; under torchrun each
+    rank locks ``.results.rank<N>.lock`` and rank 0 also ``.results.lock``, the merged files it writes),
+    held as long as this process lives: the kernel drops it when the process ends, killed or not, so a
+    crashed run never leaves a stale lock to clean up. A second run into the directory, which would
+    interleave its rows with the first one's and each rewrite the other's files, is refused instead.
+    """
+    run_dir = Path(run_dir).resolve()
+    rank, world = process_rank()
+    stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stem in stems:
+            path = run_dir / f".{stem}.lock"
+            if path in _HELD:
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise UserError(
+                    f"another run (pid {holder}) is writing into {run_dir}: wait for it to end, or "
+                    "choose another directory with hydra.run.dir=..."
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
+            _HELD[path] = fd
+    except OSError as exc:
+        raise UserError(
+            f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): "
+            "choose another with hydra.run.dir=..."
+        ) from None
+
+
+def release_run_dirs() -> None:
+    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process)."""
+    for fd in _HELD.values():
+        os.close(fd)
+    _HELD.clear()
+    _RESUME_CHECKED.clear()
+
+
+# Config keys that never change a measurement, so a resumed run may change them (that is how a run is
+# extended): which ops and shapes, what is shown, resume itself. hf, tf, device and dtype are compared
+# resolved (the model config Megatron builds; cuda and bf16 rather than auto), case_dir as the case.
+_RESUMABLE_KEYS = {"ops", "shapes", "progress", "report", "resume", "case_dir", "hf", "tf", "device", "dtype"}
+_VERSIONED = ("torch", "megatron-core", "transformers", "transformer-engine")
+
+
+def _stable(value: Any) -> Any:
+    """A JSON value that is the same in every process for the same setting: objects by their repr
+    without memory addresses (``<function silu at 0x7f..>`` -> ``<function silu>``)."""
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _stable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_stable(v) for v in value]
+    if hasattr(value, "__dict__") and not callable(value):
+        return _stable(vars(value))
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def _flat(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flat(f"{prefix}.{key}" if prefix else str(key), sub, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def _device_name(device: Any) -> str:
+    if device.type == "cuda":
+        import torch
+
+        # this rank's GPU by index: a bare "cuda" would be GPU 0 before the session sets the device
+        return torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)))
+    return cpu_name()
+
+
+def fingerprint(cfg: DictConfig, spec: Any) -> dict[str, Any]:
+    """Everything that changes a measurement, as flat ``key: value`` pairs (recorded in environment.json
+    and compared by :func:`check_resume`): every config key but :data:`_RESUMABLE_KEYS` (so a key added
+    later is compared unless listed there), the resolved model config, dtype, device, world size and
+    the versions of the libraries that run the ops."""
+    from importlib import metadata
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict)
+    out: dict[str, Any] = {}
+    _flat("", {k: v for k, v in plain.items() if k not in _RESUMABLE_KEYS}, out)
+    # the mapped model; its "transformer" part is what TransformerConfig holds (tf.*), not named twice
+    _flat("model", {k: _stable(v) for k, v in vars(spec.model_args).items() if k != "transformer"}, out)
+    _flat("tf", {k: _stable(v) for k, v in vars(spec.tf_config).items() if not k.startswith("_")}, out)
+    out.update(
+        dtype=spec.dtype,
+        device=spec.device.type,
+        device_name=_device_name(spec.device),
+        transformer_engine_spec=spec.use_transformer_engine,
+        world_size=process_rank()[1],
+    )
+    for package in _VERSIONED:
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = None
+    return json.loads(json.dumps(_stable(out)))  # as it reads back from the file
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
+    """With ``resume=true``, before anything is written: is there a run to resume, are its rows readable,
+    and was it measured with this configuration? Raises UserError (one line, files untouched) if not.
+
+    Rows match on (case, op, phase, point, rank) only, so resuming with another model, dtype, seed or
+    sampler would keep the earlier rows as if measured with the new settings; the earlier run's
+    :func:`fingerprint` in its environment.json must equal this one's. A torn last line of the results
+    is left to ResultsWriter, which drops it with a warning (start_writer).
+    """
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _RESUME_CHECKED:
+        return
+    rank, world = process_rank()
+    results = run_dir / f"{results_stem(rank, world)}.jsonl"
+    try:
+        rows = read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
+    except RowsFileError as exc:  # its message names the line and the fix
+        raise UserError(f"cannot resume: {exc}, or start a new run without resume=true") from None
+    if not rows:
+        if rank == 0:
+            print(
+                f"note: resume=true but nothing to resume in {run_dir}; starting a new run", file=sys.stderr
+            )
+        _RESUME_CHECKED.add(run_dir)
+        return
+    try:
+        recorded = json.loads((run_dir / "environment.json").read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise UserError(
+            f"cannot resume {run_dir}: its environment.json holds no configuration fingerprint (missing, "
+            "or written by an older autotuner), so a changed configuration cannot be ruled out: "
+            "start a new run without resume=true"
+        )
+    current = fingerprint(cfg, spec)
+    absent = object()
+    differ = sorted(
+        k for k in recorded.keys() | current.keys() if recorded.get(k, absent) != current.get(k, absent)
+    )
+    if differ:
+        shown = ", ".join(
+            f"{k} {_shown(recorded.get(k))} -> {_shown(current.get(k))}" for k in differ[:6]
+        ) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+        raise UserError(
+            f"cannot resume {run_dir} with a different configuration ({shown}): resume with the settings "
+            "of that run (its .hydra/overrides.yaml), or start a new run without resume=true"
+        )
+    _RESUME_CHECKED.add(run_dir)
+
+
+def start_writer(
+    cfg: DictConfig, spec: Any, run_dir: Path, tools: dict[str, tuple[str, str]] | None = None
+) -> ResultsWriter:
+    """Lock the run directory, check a resume, then write ``environment.json`` (versions, device, the
+    derived model config, the ``tools`` the launcher runs: see :func:`autotuner.runtime.environment`;
+    the :func:`fingerprint` a resume is checked against) and open the results.
+
+    Every check comes before the first write, so a refused run leaves the directory as it was.
     With several processes each rank writes its own ``results.rank<N>.{jsonl,csv}``; :func:`finish`
     merges them into ``results.{jsonl,csv}`` on rank 0.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)
+    if cfg.resume:
+        check_resume(cfg, spec, run_dir)
     rank, world = process_rank()
-    stem = f"results.rank{rank}" if world > 1 else "results"
-    if rank != 0:
-        return ResultsWriter(run_dir, resume=bool(cfg.resume), stem=stem)
-    record = {
-        "environment": environment(spec.device),
-        "case": spec.case,
-        "dtype": spec.dtype,
-        "points": [p.label for p in spec.points],
-        "ops": [op.name for op in spec.ops],
-        "transformer_engine_spec": spec.use_transformer_engine,
-        "transformer_config": {
-            k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
-            for k, v in vars(spec.tf_config).items()
-            if not k.startswith("_")
-        },
-        "model_args": {k: v for k, v in vars(spec.model_args).items()},
-        "notes": spec.notes,
-        "world_size": world,
-    }
-    (run_dir / "environment.json").write_text(json.dumps(record, indent=2, default=repr) + "\n")
+    record = None
+    if rank == 0:
+        record = {
+            "environment": environment(spec.device, tools),
+            "case": spec.case,
+            "dtype": spec.dtype,
+            "points": [p.label for p in spec.points],
+            "ops": [op.name for op in spec.ops],
+            "transformer_engine_spec": spec.use_transformer_engine,
+            "transformer_config": {
+                k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
+                for k, v in vars(spec.tf_config).items()
+                if not k.startswith("_")
+            },
+            "model_args": {k: v for k, v in vars(spec.model_args).items()},
+            "notes": spec.notes,
+            "world_size": world,
+            "fingerprint": fingerprint(cfg, spec),
+        }
+    writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
+    if writer.dropped_tail is not None:
+        print(
+            f"warning: dropped the torn last line of {writer.jsonl} (what a killed writer leaves): "
+            f"{writer.dropped_tail[:60]!r}",
+            file=sys.stderr,
+        )
+    if record is None:
+        return writer
+    atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
     for note in spec.notes:
         print(f"note: {note}", file=sys.stderr)
-    return ResultsWriter(run_dir, resume=bool(cfg.resume), stem=stem)
+    return writer
 
 
 def finish(writer: ResultsWriter, spec: Any) -> int:

@@ -23,7 +23,7 @@ from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
 from autotuner.measure.flops import count_flops
 from autotuner.measure.graphs import NotReplayable, capture_phase
 from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
-from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
+from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
 from autotuner.runtime import graph_rng_generators
@@ -83,6 +83,7 @@ class GetDataObserver:
         calibration: dict[str, Any] | None = None,
         dtype: str = "fp32",
         cuda_graph_below_us: float | None = None,
+        hide_launch: bool = True,
     ) -> None:
         self.cuda_graph_below_us = cuda_graph_below_us if device.type == "cuda" else None
         self.graphs_off = ""  # set after a failed capture: the reason later rows give
@@ -91,7 +92,9 @@ class GetDataObserver:
         self.device = device
         self.policy = policy
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        self.timer = DeviceTimer(device, barrier=distributed)
+        self.timer = DeviceTimer(device, barrier=distributed, hide_launch=hide_launch)
+        # Under torchrun every choice that changes how often a rank calls the op is the group's.
+        self.agreement = RankAgreement(device)
         self.model_parameters = model_parameters
         self.flush = CacheFlusher(device) if flush_cache else None
         self.rotate_inputs = rotate_inputs and not flush_cache
@@ -122,32 +125,43 @@ class GetDataObserver:
                 phase.prepare()
             self.timer.synchronize()
             probes.append(self.timer.time_ns(phase.run) / 1e3)
-        if min(probes) >= self.cuda_graph_below_us:
+        # Captured on every rank or on none: the slowest rank's fastest call decides.
+        if self.agreement.max(min(probes))[0] >= self.cuda_graph_below_us:
             return None, ""
+        replay, warning, error = None, "", None
         try:
-            return capture_phase(phase, graph_rng_generators()), ""
+            replay = capture_phase(phase, graph_rng_generators())
         except NotReplayable as exc:  # failed before capturing: nothing stranded, captures go on
             print(f"{label} cannot be replayed, timed eagerly: {_first_line(exc)}", file=sys.stderr)
-            return None, "cuda_graph_failed(not_replayable)"
+            warning = "cuda_graph_failed(not_replayable)"
         except Exception as exc:  # noqa: BLE001 - timed eagerly instead; the row says why
+            error = exc
+        # A capture that failed on any rank is timed eagerly on every rank (the calls must pair up).
+        if not self.agreement.all(error is None):
             # a failed capture may strand memory (autotuner.measure.graphs): no more captures this run
             self.graphs_off = "earlier_failure"
+            why = _first_line(error) if error is not None else "it failed on another rank"
             print(
-                f"CUDA-graph capture of {label} failed, timed eagerly (no more captures this run): "
-                f"{_first_line(exc)}",
+                f"CUDA-graph capture of {label} failed, timed eagerly (no more captures this run): {why}",
                 file=sys.stderr,
             )
-            return None, f"cuda_graph_failed({type(exc).__name__})"
+            name = type(error).__name__ if error is not None else "other_rank"
+            return None, f"cuda_graph_failed({name})"
+        if not self.agreement.all(replay is not None):
+            return None, warning or "cuda_graph_failed(not_replayable)"
+        return replay, ""
 
     def observe(self, op: OpTest | None, point: ShapePoint, phase: Phase) -> dict[str, Any]:
         label = f"{op.name if op is not None else 'an op'} {phase.name} at {point.label}"
         replay, graph_warning = self._graphed(phase, label)
         graphed = replay is not None
         if replay is not None:
-            measurement = sample(self.timer, replay, self.policy, None, self.flush)
+            measurement = sample(self.timer, replay, self.policy, None, self.flush, self.agreement)
         else:
             phase.rotate(self._input_sets(phase))
-            measurement = sample(self.timer, phase.run, self.policy, phase.prepare, self.flush)
+            measurement = sample(
+                self.timer, phase.run, self.policy, phase.prepare, self.flush, self.agreement
+            )
         replay_empty = replay is not None and replay.empty
         del replay  # frees the graph and its memory pool before the memory passes
         row: dict[str, Any] = {
@@ -156,6 +170,7 @@ class GetDataObserver:
             "input_sets": len(phase.input_sets),
             "cache_flush": self.flush is not None,
             "cuda_graph": graphed,
+            "launch_hidden": self.timer.hide_launch,
             "weight_bytes": weight_bytes(phase.parameters),
         }
         if graphed and replay_empty:
@@ -164,7 +179,9 @@ class GetDataObserver:
             row["warnings"] = ";".join(w for w in (row["warnings"], graph_warning) if w)
         phase.rotate(1)  # the memory and FLOP passes need one set only
         if phase.name == "forward":
-            with SavedTensorsMeter(exclude=self.model_parameters) as saved:
+            # Also the op's own weights: a model too large to build whole gives each op its own parts,
+            # built after model_parameters was listed (autotuner.spec._PartsPerOp).
+            with SavedTensorsMeter(exclude=[*self.model_parameters, *phase.parameters]) as saved:
                 out = phase.run()
             del out
             row["activation_bytes"] = saved.bytes
@@ -182,10 +199,10 @@ class GetDataObserver:
         return row
 
 
-def load_calibration(cfg: Any, spec: Any, run_dir: Any) -> dict[str, Any] | None:
-    """The calibration named by ``calibration=`` or, if absent, this device's default file (if any);
-    a copy goes into the run directory so the run's report can use it."""
-    import json
+def load_calibration(cfg: Any, spec: Any) -> dict[str, Any] | None:
+    """The calibration named by ``calibration=`` or, if absent, this device's default file (if any).
+    Reads and validates only (UserError for a bad file): :func:`launch` calls it before anything of the
+    run is written, and keeps a copy in the run directory afterwards (:func:`keep_calibration`)."""
     from pathlib import Path
 
     from autotuner import calibrate
@@ -193,9 +210,17 @@ def load_calibration(cfg: Any, spec: Any, run_dir: Any) -> dict[str, Any] | None
     path = cfg.calibration or calibrate.default_path(spec.device)
     if not cfg.calibration and not Path(path).is_file():
         return None
-    data = calibrate.load(path)
-    (Path(run_dir) / "calibration.json").write_text(json.dumps(data, indent=2) + "\n")
-    return data
+    return calibrate.load(path)
+
+
+def keep_calibration(data: dict[str, Any], run_dir: Any) -> None:
+    """A copy of the calibration in the run directory, so the run's report can use it."""
+    import json
+    from pathlib import Path
+
+    from autotuner.atomic import atomic_write_text
+
+    atomic_write_text(Path(run_dir) / "calibration.json", json.dumps(data, indent=2) + "\n")
 
 
 def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
@@ -204,7 +229,10 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
     from autotuner.runner import Runner
     from autotuner.spec import open_session
 
+    calibration = load_calibration(cfg, spec)  # validated before start_writer writes anything
     writer = start_writer(cfg, spec, run_dir)
+    if calibration is not None:
+        keep_calibration(calibration, run_dir)
     model, context = open_session(spec)
     timing = cfg.timing
     policy = SamplingPolicy(**{f.name: timing[f.name] for f in dataclasses.fields(SamplingPolicy)})
@@ -214,9 +242,10 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
         list(model.parameters()),
         flush_cache=timing.flush_cache,
         rotate_inputs=timing.rotate_inputs,
-        calibration=load_calibration(cfg, spec, run_dir),
+        calibration=calibration,
         dtype=spec.dtype,
         cuda_graph_below_us=timing.cuda_graph_below_us if timing.cuda_graph else None,
+        hide_launch=timing.hide_launch,
     )
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

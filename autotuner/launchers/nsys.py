@@ -29,27 +29,34 @@ nsys options, by device (each overridable, see :func:`nsys_command`):
   on a GPU here.
 * CPU: ``-t nvtx,osrt``, whole process (the CUDA profiler API does not exist there).
 
-Columns: the times (``median_us``, ``iqr_us``, ``min_us``, ``mean_us``) are statistics of the durations
-of the op's own ranges in its measured iterations, in microseconds, and ``samples`` is how many ranges
-were found (``launcher.iterations`` when nothing was lost). An NVTX range is *host* time: on a CPU that
-is the op's time; on a GPU it is the time to issue the op's kernels (plus any synchronisation inside
-the op), and the GPU's own time is ``kernel_time_us``: the median over iterations of the summed
-durations of the kernels launched inside the range (nested ranges included; kernels overlapping on
-several streams each count in full), with ``kernel_count`` and ``top_kernels`` (per iteration, the
-five longest by total time: ``name time_us xcount``). These three are empty where the report has no
-CUDA kernels (a CPU run). ``weight_bytes`` comes from the worker. ``activation_bytes``, ``peak_bytes``,
-``flops`` and ``tflops`` are left empty: measuring them takes extra runs of each op, which would
-appear on the timeline among the measured ones; use launcher=get_data for them.
+Columns: :func:`autotuner.launchers.nsys_rows.range_columns` says which time leads. In short: on a CPU
+the statistics are of the op's own NVTX ranges in its measured iterations; on a GPU they are of each
+iteration's summed kernel durations (the device's time, as ``kernel_time_us``), and the ranges' median
+(the host's time to issue the op) is ``host_median_us``. ``samples`` is how many ranges were found
+(``launcher.iterations`` when nothing was lost). ``weight_bytes`` comes from the worker.
+``activation_bytes``, ``peak_bytes``, ``flops`` and ``tflops`` are left empty: measuring them takes
+extra runs of each op, which would appear on the timeline among the measured ones; use
+launcher=get_data for them.
 
 Faults:
 
-* nsys not found: :class:`autotuner.errors.UserError` (one line, exit 2) saying how to install it.
+* which nsys: ``launcher.nsys_bin`` left at its default ``nsys`` is looked for on the PATH, then in the
+  project's own install (``make tools``: ``.tools/nsys``), then in ``/usr/local/cuda/bin``,
+  ``/opt/nvidia/nsight-systems/*/bin`` and ``/usr/local/cuda*/bin`` (newest version first); the first
+  that answers ``nsys --version`` runs. Any other value is used alone. The path and version go into
+  ``environment.json`` (``nsys_path``, ``nsys_version``) and the first line on stderr. None found:
+  :class:`autotuner.errors.UserError` (one line, exit 2) naming where it looked and how to install it.
 * nsys exits non-zero: the tail of its output on stderr and a non-zero exit code; whatever report it
   saved is still read.
 * the worker dies (a crash, the OOM killer, a kill): nsys still saves the report, and passes the exit
   status through (128 + signal after a kill). Rows the worker completed are read from the report; the
   op it was running is ``failed`` with "the profiled process died while measuring it", every op after it
   ``failed`` with "... died before measuring it".
+* SIGTERM or SIGINT (``kill``, Ctrl-C, a batch system ending the job): passed on to nsys and the worker,
+  which run in sessions of their own (:class:`StopSignals`). The worker unwinds and exits, nsys saves its
+  report (given STOP_GRACE_S; then it and the worker are killed, said in one line), the rows are read
+  and written as for a worker that died, and the exit code is 128 + the signal's number (143, 130)
+  after one line saying so and where the results are. No process of the run outlives it.
 * an op fails in the worker (an exception, OOM): its row is ``failed`` with the error, and the plan goes on.
 * a completed op with no range in the report: ``failed``, naming the likely cause (the nvtx package's
   version; see autotuner.ops.annotate).
@@ -57,17 +64,18 @@ Faults:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,26 +83,34 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
-from autotuner.launchers.nsys_report import (
-    KernelStats,
-    NvtxRange,
-    OpenRange,
-    attribute_kernels,
-    export_sqlite,
-    read_nvtx_ranges,
-    read_open_ranges,
-    summarize,
+from autotuner.launchers.nsys_report import export_sqlite
+from autotuner.launchers.nsys_rows import (  # noqa: F401 (measured_ranges, range_columns: re-exported)
+    Key,
+    Outcome,
+    ReportData,
+    build_rows,
+    measured_ranges,
+    range_columns,
+    read_sqlite,
 )
-from autotuner.launchers.nsys_worker import MEASURING_FILE, STARTED_FILE, NsysObserver, parse_marker
+from autotuner.launchers.nsys_worker import MEASURING_FILE, STARTED_FILE, NsysObserver
 from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
-from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.results import load_rows
 from autotuner.runner import Runner
 
 REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
 LOG_NAME = "nsys.log"
 LAUNCH_ATTEMPTS = 3  # see lost_launch_race
-INSTALL_HINT = "install it with scripts/install_nsys.sh or point launcher.nsys_bin at an nsys binary"
+INSTALL_HINT = (
+    "install it with make tools (scripts/install_nsys.sh) or point launcher.nsys_bin at an nsys binary"
+)
+# launcher.nsys_bin's default, which means: look for nsys (see find_nsys). Tests point the roots elsewhere.
+DEFAULT_NSYS = "nsys"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout
+PROJECT_NSYS = Path(".tools/nsys/usr/lib/nsight-systems/bin/nsys")  # where scripts/install_nsys.sh puts it
+SYSTEM_ROOT = Path("/")
+# CUDA's usual locations (relative to SYSTEM_ROOT), in the order they are tried.
+SYSTEM_NSYS = ("usr/local/cuda/bin/nsys", "opt/nvidia/nsight-systems/*/bin/nsys", "usr/local/cuda*/bin/nsys")
 
 CUDA_TRACE = ("cuda", "nvtx", "osrt", "cublas", "cudnn")
 CPU_TRACE = ("nvtx", "osrt")
@@ -105,18 +121,87 @@ _RESERVED = {"output": "o", "force-overwrite": "f", "trace": "t"}
 _SHORT = {"sample": "s", "capture-range": "c"}
 _TRACE_RE = re.compile(r"^[a-z0-9_-]+$")
 
-Key = tuple[str, str, str]  # (op, phase, point)
-
-
 # --- the nsys command --------------------------------------------------------------------------
 
 
-def find_nsys(nsys_bin: str) -> str:
-    """The absolute path of ``nsys_bin`` (a name on the PATH or a path); UserError when absent."""
-    found = shutil.which(nsys_bin)
-    if found is None:
-        raise UserError(f"nsys not found (launcher.nsys_bin={nsys_bin!r}): {INSTALL_HINT}")
-    return os.path.abspath(found)
+@dataclass(frozen=True)
+class NsysBinary:
+    """The nsys a run uses: its absolute path and the line ``nsys --version`` printed."""
+
+    path: str
+    version: str
+
+    @property
+    def short_version(self) -> str:
+        """``2022.4.2.1-df9881f`` from ``NVIDIA Nsight Systems version 2022.4.2.1-df9881f``."""
+        match = re.search(r"version\s+(\S+)", self.version)
+        return match[1] if match else self.version
+
+
+def nsys_candidates(project_root: Path | None = None, system_root: Path | None = None) -> list[Path]:
+    """Where the default ``nsys_bin`` is looked for after the PATH, in order: the project's own install
+    (PROJECT_NSYS under ``project_root``), then SYSTEM_NSYS under ``system_root``, the matches of a
+    pattern newest version first. Only executable files; one path per file (``/usr/local/cuda`` is
+    usually a link to one of the ``/usr/local/cuda-*`` folders)."""
+    project_root = PROJECT_ROOT if project_root is None else project_root
+    system_root = SYSTEM_ROOT if system_root is None else system_root
+    found = [project_root / PROJECT_NSYS]
+    for pattern in SYSTEM_NSYS:
+        found += sorted(system_root.glob(pattern), key=_version_key, reverse=True)
+    unique: dict[str, Path] = {}
+    for path in found:
+        if path.is_file() and os.access(path, os.X_OK):
+            unique.setdefault(os.path.realpath(path), path)
+    return list(unique.values())
+
+
+def _version_key(nsys: Path) -> tuple[int, ...]:
+    """The numbers of the folder above ``bin/nsys`` (``2024.2``, ``cuda-12.4``), compared as numbers."""
+    return tuple(int(n) for n in re.findall(r"\d+", nsys.parent.parent.name))
+
+
+def nsys_version(nsys: str) -> str | None:
+    """The last line ``nsys --version`` prints; None when it does not answer."""
+    try:
+        proc = subprocess.run([nsys, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return lines[-1] if proc.returncode == 0 and lines else None
+
+
+def find_nsys(nsys_bin: str, project_root: Path | None = None, system_root: Path | None = None) -> NsysBinary:
+    """The nsys to run and its version; UserError (one line) when none answers ``nsys --version``.
+
+    A ``nsys_bin`` other than the default ``nsys`` (a path, or another name on the PATH) is used
+    alone. The default is looked for on the PATH, then in :func:`nsys_candidates` (the project's own
+    install, then the usual CUDA locations); the first that answers is used.
+    """
+    if nsys_bin != DEFAULT_NSYS:
+        found = shutil.which(nsys_bin)
+        if found is None:
+            raise UserError(f"nsys not found (launcher.nsys_bin={nsys_bin!r}): {INSTALL_HINT}")
+        version = nsys_version(found)
+        if version is None:
+            raise UserError(
+                f"launcher.nsys_bin={nsys_bin!r} ({os.path.abspath(found)}) does not answer --version: "
+                f"{INSTALL_HINT}"
+            )
+        return NsysBinary(os.path.abspath(found), version)
+    on_path = shutil.which(DEFAULT_NSYS)
+    silent = []
+    for path in ([Path(on_path)] if on_path else []) + nsys_candidates(project_root, system_root):
+        version = nsys_version(str(path))
+        if version is not None:
+            return NsysBinary(os.path.abspath(path), version)
+        silent.append(str(path))
+    project = (PROJECT_ROOT if project_root is None else project_root) / PROJECT_NSYS
+    system = ", ".join(str(Path("/", p).parent) for p in SYSTEM_NSYS)
+    mute = f"; {', '.join(silent)} did not answer --version" if silent else ""
+    raise UserError(
+        f"nsys not found (launcher.nsys_bin={nsys_bin!r}: looked on the PATH, at {project} and in {system}"
+        f"{mute}): {INSTALL_HINT}"
+    )
 
 
 def default_trace(device: torch.device) -> list[str]:
@@ -239,45 +324,49 @@ def _join_ranks() -> None:
     _WORKER_MASTER_PORT = port[0]
 
 
-def _wait_turn(run_dir: Path, timeout_s: float = 600) -> None:
+def _wait_turn(run_dir: Path, stop: StopSignals, timeout_s: float = 600) -> None:
     """Launch the ranks' ``nsys profile`` one after another: two nsys 2022.4 started at the same moment
     on one machine both lose the ``sem_open`` launch race (see lost_launch_race) far more often than one.
     Rank N waits until rank N-1's worker has started (its ``started`` file); the workers then wait for
-    each other in their process group's rendezvous."""
-    import time
-
+    each other in their process group's rendezvous. A stop signal ends the wait."""
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         return
     previous = run_dir / f"worker.rank{rank - 1}" / STARTED_FILE
     deadline = time.monotonic() + timeout_s
-    while not previous.exists():
+    while not previous.exists() and stop.signum is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"rank {rank - 1}'s nsys worker did not start within {timeout_s:.0f} s")
         time.sleep(0.2)
 
 
-def run_nsys(cmd: list[str], log_path: Path, tail_bytes: int = 16_384) -> NsysRun:
+def run_nsys(cmd: list[str], log_path: Path, stop: StopSignals, tail_bytes: int = 16_384) -> NsysRun:
     """Run ``cmd`` (no shell), copying its output to stderr and ``log_path``; keep the tail.
 
     The log is appended to, each run starting with its argument list as JSON: the exact command, for
-    a rerun by hand.
+    a rerun by hand. nsys leads a session of its own, and ``stop`` passes it a SIGTERM or SIGINT of
+    ours (see :class:`StopSignals`).
     """
     tail = b""
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_worker_env())
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True
+        )
     except OSError as exc:
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}: {INSTALL_HINT}") from exc
-    # As a context manager, Popen waits for nsys even when we are interrupted: a Ctrl-C reaches nsys too,
-    # and it needs the time to write what it recorded.
-    with proc, open(log_path, "ab") as log:
-        assert proc.stdout is not None
-        log.write(json.dumps(cmd).encode() + b"\n")
-        # Chunks, not lines: tqdm and nsys redraw progress bars with carriage returns.
-        while chunk := proc.stdout.read1(65_536):
-            log.write(chunk)
-            _echo(chunk)
-            tail = (tail + chunk)[-tail_bytes:]
+    stop.attach(proc)
+    try:
+        # As a context manager, Popen waits for nsys even after an exception here.
+        with proc, open(log_path, "ab") as log:
+            assert proc.stdout is not None
+            log.write(json.dumps(cmd).encode() + b"\n")
+            # Chunks, not lines: tqdm and nsys redraw progress bars with carriage returns.
+            while chunk := proc.stdout.read1(65_536):
+                log.write(chunk)
+                _echo(chunk)
+                tail = (tail + chunk)[-tail_bytes:]
+    finally:
+        stop.detach()
     return NsysRun(proc.returncode, _last_lines(tail.decode(errors="replace")))
 
 
@@ -322,166 +411,145 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-# --- from the report to rows -------------------------------------------------------------------
+# --- stopping: SIGTERM and SIGINT -----------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_GRACE_S = 300.0  # how long nsys may take, after a stop signal, to end and save its report
+REPEAT_S = 2.0  # a second stop signal sooner than this is the first one again (see StopSignals)
 
 
-def measured_ranges(
-    ranges: Iterable[NvtxRange], still_open: Iterable[OpenRange] = ()
-) -> dict[Key, list[NvtxRange]]:
-    """The ranges each row is made of: per ``measure`` window, the op's own ranges of that phase.
+class StopSignals:
+    """What the parent does with SIGTERM and SIGINT while it runs nsys (a context manager).
 
-    An op's name appears in many places (its two phases, nested in every op that contains it), all
-    with the same point and iteration; only the window tells them apart. A range belongs to the row
-    of the window it lies in (by time; a backward range may be on autograd's thread, while the window
-    is on the main thread, which waits for the backward) when its op, phase and point are the
-    window's. Warm-up ranges are left out. Windows never overlap: phases run one after the other.
+    nsys runs in a session of its own, and starts the worker in another, so a signal for this process
+    (``kill``, a Ctrl-C in the terminal, a batch system's SIGTERM) reaches neither unless passed on.
+    The handler passes it to nsys's process group and to the worker's (its pid is in the worker's
+    ``started`` file): the worker stops at once (see autotuner.launchers.nsys_worker), and nsys sees
+    it end and saves its report as after any death of the program. If nsys has not ended STOP_GRACE_S
+    later, or a second stop signal comes (at least REPEAT_S after the first, so that one stop sent twice,
+    to the process and to its group, is not taken for a second), both groups are killed (SIGKILL) and
+    :attr:`killed` says why. After nsys ended, :meth:`detach` kills whatever is left of either group,
+    so no process of the run outlives it. The launcher then reads what was saved, as for a worker that
+    died, and exits with :attr:`exit_code` (128 + the signal's number: 143 for SIGTERM, 130 for SIGINT).
 
-    A window left open (``still_open``) ends where the next window begins, or at the end: after a
-    SIGKILL the last NVTX event the process recorded can be lost, and when that is a window's pop the
-    iterations inside it were still recorded in full.
+    A signal that comes while nsys is not running is only recorded: the launcher starts no nsys after
+    it, and finishes writing what it has. What this cannot help: a SIGKILL of this process (torchrun's
+    agent sends one 30 s after its SIGTERM) leaves nsys, in its own session, to finish its report
+    alone, with no rows written. Outside the main thread nothing is installed (Python runs
+    signal handlers only there). The handler prints nothing: output written from a handler can
+    interrupt a write to the same stream (a RuntimeError); the launcher says what happened afterwards.
     """
-    ranges = list(ranges)
-    windows = [(key, r.start_ns, r.end_ns) for r in ranges if (key := parse_marker(r.name)) is not None]
-    starts = sorted(start for _, start, _ in windows)
-    for r in still_open:
-        key = parse_marker(r.name)
-        if key is not None:
-            later = [s for s in starts if s > r.start_ns]
-            windows.append((key, r.start_ns, later[0] if later else float("inf")))
-    by_key: dict[Key, list[NvtxRange]] = defaultdict(list)
-    for r in ranges:
-        if r.parsed is not None and not r.parsed.warmup:
-            by_key[(r.parsed.op, r.parsed.phase, r.parsed.point)].append(r)
-    out: dict[Key, list[NvtxRange]] = {}
-    for key, start, end in windows:
-        inside = [r for r in by_key.get(key, []) if start <= r.start_ns <= r.end_ns <= end]
-        out.setdefault(key, []).extend(inside)
-    return out
+
+    def __init__(self, worker_dir: Path, grace_s: float | None = None) -> None:
+        self.worker_dir = worker_dir
+        self.grace_s = STOP_GRACE_S if grace_s is None else grace_s
+        self.signum: int | None = None
+        self.killed: str | None = None
+        self._first_at = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._timer: threading.Timer | None = None
+        self._saved: dict[int, Any] = {}
+        self._worker: int | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._saved[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+        self._saved.clear()
+        self._cancel_timer()
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+    def attach(self, proc: subprocess.Popen[bytes]) -> None:
+        """nsys runs as ``proc``, leader of its own process group (a signal that came before it
+        started is passed on now)."""
+        self._proc = proc
+        if self.signum is not None:
+            self._pass_on(self.signum)
+
+    def detach(self) -> None:
+        """nsys has ended: after a stop signal, kill what is left of its group and the worker's."""
+        proc, self._proc = self._proc, None
+        self._cancel_timer()
+        if proc is not None and self.signum is not None:
+            self._worker_pid()
+            # Groups only: their leaders may be gone, and a lone pid may have been reused since.
+            for pgid in (proc.pid, self._worker):
+                if pgid is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pgid, signal.SIGKILL)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._first_at = signum, now
+            self._pass_on(signum)
+        elif now - self._first_at >= REPEAT_S:
+            self._kill(f"a second {signal.Signals(signum).name} came")
+
+    def _pass_on(self, signum: int) -> None:
+        if self._proc is None:
+            return
+        for pid in (self._proc.pid, self._worker_pid()):
+            if pid is not None:
+                _signal_group(pid, signum)
+        if self._timer is None:
+            self._timer = threading.Timer(
+                self.grace_s,
+                self._kill,
+                args=(f"nsys did not end within {self.grace_s:.0f} s of {self.name}",),
+            )
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _kill(self, why: str) -> None:
+        proc = self._proc
+        if proc is None or self.killed is not None:
+            return
+        self.killed = why
+        for pid in (proc.pid, self._worker_pid()):
+            if pid is not None:
+                _signal_group(pid, signal.SIGKILL)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _worker_pid(self) -> int | None:
+        """The worker's pid from its ``started`` file while it runs (checked: a pid can be reused); the
+        pid is kept, as its process group's id, for :meth:`detach`."""
+        try:
+            pid = int((self.worker_dir / STARTED_FILE).read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            return None
+        if b"autotuner.launchers.nsys_worker" not in cmdline:
+            return None
+        self._worker = pid
+        return pid
 
 
-def _top_kernels(stats: Sequence[KernelStats]) -> str:
-    """The five kernels with the most time over the iterations, as per-iteration averages."""
-    totals: dict[str, list[float]] = {}
-    for s in stats:
-        for k in s.top_kernels:
-            entry = totals.setdefault(k.name or k.demangled_name, [0.0, 0.0])
-            entry[0] += k.total_ns
-            entry[1] += k.count
-    n = len(stats)
-    top = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))[:5]
-    return "; ".join(f"{name} {total / n / 1e3:.1f}us x{count / n:g}" for name, (total, count) in top)
-
-
-def range_columns(ranges: Sequence[NvtxRange], kernels: dict[NvtxRange, KernelStats]) -> dict[str, Any]:
-    """The measured columns of one row from its ranges (and their kernels, when the report has any)."""
-    (summary,) = summarize(ranges)
-    row: dict[str, Any] = {
-        "samples": summary["count"],
-        "median_us": summary["median_ns"] / 1e3,
-        "iqr_us": summary["iqr_ns"] / 1e3,
-        "min_us": summary["min_ns"] / 1e3,
-        "mean_us": summary["mean_ns"] / 1e3,
-    }
-    stats = [kernels[r] for r in ranges if r in kernels]
-    if stats:
-        row["kernel_time_us"] = statistics.median(s.kernel_time_ns for s in stats) / 1e3
-        count = statistics.median(s.kernel_count for s in stats)
-        row["kernel_count"] = int(count) if float(count).is_integer() else count
-        row["top_kernels"] = _top_kernels(stats)
-    return row
-
-
-@dataclass
-class ReportData:
-    """What the report holds for the table: each row's ranges, their kernels (empty without CUDA data),
-    the names of ranges left open, or why it could not be read."""
-
-    measured: dict[Key, list[NvtxRange]] = field(default_factory=dict)
-    kernels: dict[NvtxRange, KernelStats] = field(default_factory=dict)
-    still_open: list[str] = field(default_factory=list)
-    error: str | None = None
-
-
-@dataclass
-class Outcome:
-    """What the parent knows after nsys returned: how it ended, what the worker got to, the report."""
-
-    nsys: NsysRun
-    worker_rows: dict[Key, dict[str, Any]]
-    in_flight: Key | None  # the phase the worker was running when it stopped
-    report: ReportData
-
-
-def read_sqlite(sqlite_path: Path) -> ReportData:
-    """Read an exported report (see :class:`ReportData`)."""
-    ranges = read_nvtx_ranges(sqlite_path)
-    still_open = read_open_ranges(sqlite_path)
-    measured = measured_ranges(ranges, still_open)
-    ours = [r for found in measured.values() for r in found]
-    kernels = attribute_kernels(sqlite_path, ours) if ours else {}
-    return ReportData(measured, kernels, [r.name for r in still_open])
-
-
-def build_rows(
-    spec: Any, plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
-) -> list[dict[str, Any]]:
-    """One row per planned (point, op, phase), in plan order: the worker's status, the report's times."""
-    rows = []
-    for point, op, phase in plan:
-        key = (op.name, phase, point.label)
-        worker = outcome.worker_rows.get(key)
-        row = {
-            "case": spec.case,
-            "op": op.name,
-            "phase": phase,
-            "point": point.label,
-            "seq_len": point.seq_len,
-            "micro_batch_size": point.micro_batch_size,
-            "dtype": spec.dtype,
-            "device": spec.device.type,
-            "launcher": "nsys",
-            "rank": int(os.environ.get("RANK", 0)),
-            "tensor_parallel": spec.tf_config.tensor_model_parallel_size,
-            "call_count": spec.call_counts.get((op.name, point.label)),
-        }
-        if worker is None:
-            row.update(status="failed", error=_missing_reason(key, outcome))
-        elif worker.get("status") != "ok":
-            row.update({k: worker.get(k) for k in ("status", "error", "num_threads")})
-        else:
-            row.update({k: worker.get(k) for k in ("weight_bytes", "stop_reason", "num_threads")})
-            found = outcome.report.measured.get(key, [])
-            if found:
-                row.update(status="ok", **range_columns(found, outcome.report.kernels))
-            else:
-                row.update(status="failed", error=_no_range_reason(key, outcome))
-        rows.append(row)
-    return rows
-
-
-def _missing_reason(key: Key, outcome: Outcome) -> str:
-    if outcome.nsys.returncode == 0:
-        return "the worker finished without measuring it"
-    how = describe_exit(outcome.nsys.returncode)
-    if outcome.in_flight is None and not outcome.worker_rows and outcome.report.error:
-        last = outcome.nsys.tail.splitlines()[-1] if outcome.nsys.tail else ""
-        return f"nsys profile failed ({how}) before the profiled process measured it: {last}"
-    if key == outcome.in_flight:
-        return f"the profiled process died while measuring it: {how}"
-    return f"the profiled process died before measuring it: {how}"
-
-
-def _no_range_reason(key: Key, outcome: Outcome) -> str:
-    op, phase, point = key
-    if outcome.report.error:
-        return f"no report to read: {outcome.report.error}"
-    if outcome.nsys.returncode != 0:
-        how = describe_exit(outcome.nsys.returncode)
-        return f"measured, but the profiled process died ({how}) before nsys saved its NVTX ranges"
-    return (
-        f"no measured NVTX range {op}.{phase} [{point}] in the report "
-        "(the nvtx package records under nsys 2022.4/2023.4 only at 0.2.10-0.2.11)"
-    )
+def _signal_group(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group that ``pid`` leads, or to ``pid`` alone if it leads none."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+    except PermissionError:
+        pass
 
 
 # --- the launcher ------------------------------------------------------------------------------
@@ -506,11 +574,20 @@ def _worker_config(cfg: DictConfig, run_dir: Path, worker_dir: Path) -> Path:
     return path
 
 
-def _profile(cmd: list[str], log_path: Path, worker_dir: Path, report: Path) -> NsysRun:
-    """Run nsys; again (up to LAUNCH_ATTEMPTS) only when it lost its launch race before the worker ran."""
+def _profile(cmd: list[str], log_path: Path, worker_dir: Path, report: Path, stop: StopSignals) -> NsysRun:
+    """Run nsys; again (up to LAUNCH_ATTEMPTS) only when it lost its launch race before the worker ran.
+    After a stop signal no nsys is started."""
     log_path.unlink(missing_ok=True)
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
-        result = run_nsys(cmd, log_path)
+        if stop.signum is not None:
+            return NsysRun(stop.exit_code, f"nsys not started: this process got {stop.name}")
+        result = run_nsys(cmd, log_path, stop)
+        if stop.signum is not None:
+            if result.returncode == 0:
+                # nsys 2022.4 signalled too can end with 0 although its program ended with 128 + N:
+                # the rows the program did not finish are to name the signal all the same.
+                result = NsysRun(stop.exit_code, result.tail)
+            break
         started = any(p.name != "config.yaml" for p in worker_dir.iterdir())
         if attempt == LAUNCH_ATTEMPTS or started or not lost_launch_race(result, report):
             break
@@ -556,17 +633,21 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     """Profile the plan under nsys, read the report, write and print the table.
 
     Exit code: 0 when every row is ok or skipped; 1 when a row failed or nsys exited non-zero; 2
-    (UserError) for bad launcher settings or a missing nsys.
+    (UserError) for bad launcher settings or a missing nsys; 128 + N after signal N (SIGTERM: 143,
+    SIGINT: 130; see :class:`StopSignals`), with what was measured before it written.
     """
     from autotuner.launchers.common import finish, start_writer
 
     _check_settings(cfg)
     launcher = cfg.launcher
-    nsys = find_nsys(str(launcher.nsys_bin))
+    found = find_nsys(str(launcher.nsys_bin))
+    nsys = found.path
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if rank == 0:
+        print(f"autotuner: nsys {found.short_version} at {nsys}", file=sys.stderr)
     run_dir = Path(run_dir).resolve()
     _join_ranks()
     worker_dir = worker_dir_of(run_dir)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # One report per rank: report-rank<N>.nsys-rep (a dot would read as the file's suffix).
     suffix = f"-rank{rank}" if world > 1 else ""
     report_base = run_dir / f"{REPORT_NAME}{suffix}"
@@ -583,17 +664,33 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     program = worker_command(run_dir, _worker_config(cfg, run_dir, worker_dir))
     cmd = nsys_command(nsys, launcher, spec.device, report_base, program)
 
-    writer = start_writer(cfg, spec, run_dir)
-    _wait_turn(run_dir)
-    result = _profile(cmd, log_path, worker_dir, report_base.with_suffix(".nsys-rep"))
-    outcome = Outcome(result, *_read_worker(worker_dir), _read_report(nsys, report_base, result))
+    writer = start_writer(cfg, spec, run_dir, tools={"nsys": (nsys, found.version)})
+    # From here a SIGTERM or SIGINT stops nsys and the worker, and the rows are still written.
+    with StopSignals(worker_dir) as stop:
+        _wait_turn(run_dir, stop)
+        result = _profile(cmd, log_path, worker_dir, report_base.with_suffix(".nsys-rep"), stop)
+        if stop.killed:
+            print(
+                f"autotuner: {stop.killed}: killed nsys and the worker (its report may be lost)",
+                file=sys.stderr,
+            )
+        outcome = Outcome(result, *_read_worker(worker_dir), _read_report(nsys, report_base, result))
 
-    # The runner's own plan, so the rows come in the order and number the worker ran them.
-    plan = Runner(spec, NsysObserver(spec.device, launcher.warmup, launcher.iterations), writer).plan()
-    writer.extend(build_rows(spec, plan, outcome))
-    code = finish(writer, spec)
+        # The runner's own plan, so the rows come in the order and number the worker ran them.
+        plan = Runner(spec, NsysObserver(spec.device, launcher.warmup, launcher.iterations), writer).plan()
+        writer.extend(build_rows(spec, plan, outcome))
+        code = finish(writer, spec)
     if outcome.report.error:
         print(f"autotuner: {outcome.report.error}", file=sys.stderr)
+    if stop.signum is not None:
+        ok = sum(r.get("status") == "ok" for r in writer.rows)
+        results = run_dir / "results.jsonl" if rank == 0 else writer.jsonl  # rank 0 merged every rank's
+        print(
+            f"autotuner: interrupted by {stop.name}; {ok} of {len(writer.rows)} rows were measured "
+            f"before it: {results} (and .csv)",
+            file=sys.stderr,
+        )
+        return stop.exit_code
     if result.returncode == 0:
         return code
     if outcome.report.still_open:

@@ -4,7 +4,8 @@ The report (``.nsys-rep``) is turned into SQLite with ``nsys export`` and read w
 ``sqlite3``; ``nsys stats`` is not used, since its report scripts need the ``nsysstats`` module on the
 path of the python that nsys starts and their names change between versions.
 
-What the SQLite export looks like (checked with nsys 2022.4; see ``shared/notes/nsys.md``):
+What the SQLite export looks like (checked with nsys 2022.4 on a CPU and 2023.4 on an H200; see
+``shared/notes/nsys.md``):
 
 - Tables are created lazily: a table exists only when it has rows. A run that recorded no NVTX range
   has no ``NVTX_EVENTS``; a CPU-only run has no ``CUPTI_ACTIVITY_KIND_*`` tables. Every reader here
@@ -161,18 +162,27 @@ class KernelTotal:
 class KernelStats:
     """The GPU kernels launched inside one NVTX range.
 
-    ``kernel_time_ns``, ``kernel_count`` and ``top_kernels`` are inclusive: they count every kernel
+    ``kernel_time_ns``, ``kernel_count`` and ``kernels`` are inclusive: they count every kernel
     launched (by a CUDA runtime call on the range's thread) inside the range, also those inside
     nested ranges, so a ``transformer_layer`` range sums its sub-ops. ``self_kernel_time_ns`` and
     ``self_kernel_count`` count only the kernels whose innermost range this is. Times are sums of
     kernel durations: kernels that overlap on several streams are each counted in full.
+
+    ``kernels`` holds every kernel, most time first, not only the top ones: a table over several
+    iterations must add up each kernel's time in all of them, and the five longest of one iteration
+    need not be those of another.
     """
 
     kernel_time_ns: int
     kernel_count: int
-    top_kernels: tuple[KernelTotal, ...]
+    kernels: tuple[KernelTotal, ...]
     self_kernel_time_ns: int
     self_kernel_count: int
+
+    @property
+    def top_kernels(self) -> tuple[KernelTotal, ...]:
+        """The TOP_KERNELS kernels with the most time in this range."""
+        return self.kernels[:TOP_KERNELS]
 
 
 def attribute_kernels(sqlite_path: Path, ranges: Sequence[NvtxRange]) -> dict[NvtxRange, KernelStats]:
@@ -234,26 +244,27 @@ def summarize(ranges: Iterable[NvtxRange]) -> list[dict[str, Any]]:
         if rng.parsed is None or rng.parsed.warmup:
             continue
         groups[(rng.parsed.op, rng.parsed.phase, rng.parsed.point)].append(rng.duration_ns)
-    rows = []
-    for (op, phase, point), durations in sorted(groups.items()):
-        if len(durations) >= 2:
-            q1, _, q3 = statistics.quantiles(durations, n=4, method="inclusive")
-            iqr: float = q3 - q1
-        else:
-            iqr = 0
-        rows.append(
-            {
-                "op": op,
-                "phase": phase,
-                "point": point,
-                "count": len(durations),
-                "median_ns": statistics.median(durations),
-                "min_ns": min(durations),
-                "mean_ns": statistics.fmean(durations),
-                "iqr_ns": iqr,
-            }
-        )
-    return rows
+    return [
+        {"op": op, "phase": phase, "point": point, **sample_stats(durations)}
+        for (op, phase, point), durations in sorted(groups.items())
+    ]
+
+
+def sample_stats(values: Sequence[float]) -> dict[str, Any]:
+    """``count``, ``median_ns``, ``min_ns``, ``mean_ns`` and ``iqr_ns`` of one sample per iteration (range
+    durations or per-range kernel times); the IQR as in :func:`summarize`. ``values`` must not be empty."""
+    if len(values) >= 2:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        iqr: float = q3 - q1
+    else:
+        iqr = 0
+    return {
+        "count": len(values),
+        "median_ns": statistics.median(values),
+        "min_ns": min(values),
+        "mean_ns": statistics.fmean(values),
+        "iqr_ns": iqr,
+    }
 
 
 # --- internals -------------------------------------------------------------------------------
@@ -390,9 +401,8 @@ class _Accumulator:
         return KernelStats(
             kernel_time_ns=self.time,
             kernel_count=self.count,
-            top_kernels=tuple(
-                KernelTotal(self.short_names[name], name, total, count)
-                for name, (total, count) in top[:TOP_KERNELS]
+            kernels=tuple(
+                KernelTotal(self.short_names[name], name, total, count) for name, (total, count) in top
             ),
             self_kernel_time_ns=self.self_time,
             self_kernel_count=self.self_count,

@@ -10,6 +10,10 @@ come from the report, read by the parent. What it writes, under ``<run_dir>/work
   status (ok, failed with the error, skipped). After a crash these rows say which ops completed.
 * ``measuring.txt``: the (op, phase, point) whose iterations are running, rewritten before each one;
   after a crash it names the op the process died in.
+* ``started``: the worker's pid, written first thing (the parent passes stop signals to it).
+
+A SIGTERM or SIGINT unwinds the worker (see :func:`_stop_on_signals`): the rows written so far stay, the
+op being run gets no row, and the exit code is 128 + the signal's number, which nsys passes on.
 
 Per phase, :meth:`NsysObserver.observe` runs::
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -158,12 +163,15 @@ def _load_config(path: Path) -> Any:
 
 def run_worker(run_dir: Path, config_path: Path) -> int:
     """Run the plan in this process under NVTX ranges; 0 once the plan is done (failed ops included)."""
+    from autotuner.atomic import atomic_write_text
     from autotuner.results import ResultsWriter
     from autotuner.runner import Runner
     from autotuner.spec import open_session, resolve_spec
 
     out = worker_dir(Path(run_dir))
-    (out / STARTED_FILE).touch()  # the next rank's parent may launch its nsys now (see nsys._wait_turn)
+    # The next rank's parent may launch its nsys now (see nsys._wait_turn); our parent reads the pid to
+    # pass a stop signal on (nsys.StopSignals), so the file must never be seen half-written.
+    atomic_write_text(out / STARTED_FILE, f"{os.getpid()}\n")
     cfg = _load_config(config_path)
     spec = resolve_spec(cfg)
     writer = ResultsWriter(out)  # a fresh record each run: the parent reads it to know what completed
@@ -179,18 +187,53 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     return 0
 
 
+class Stopped(KeyboardInterrupt):
+    """A SIGTERM or SIGINT, raised where the worker is, so ``finally`` blocks run on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    """Turn the first SIGTERM or SIGINT into :class:`Stopped`, and ignore any after it.
+
+    Python's default for SIGTERM ends the process at once, and nsys passes its own stop signal on to
+    this process too. Raised instead, the signal unwinds the op being run: the observer pops its
+    ``measure`` range (so the report's last window is closed), and a row being written is either on
+    disk whole or not at all (the writer replaces files atomically). A second signal during that
+    unwinding would stop it half-way, so it is ignored.
+    """
+
+    def stop(signum: int, frame: object) -> None:
+        for other in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(other, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0 once the plan is done, 2 for bad input, 128 + N when stopped by signal N."""
     from autotuner.errors import UserError
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print("usage: python -m autotuner.launchers.nsys_worker <run_dir> <config.yaml>", file=sys.stderr)
         return 2
+    from autotuner.atomic import adopt_user_umask
+
+    adopt_user_umask()  # nsys starts us with umask 0, which would make our files world-writable
     try:
+        _stop_on_signals()
         return run_worker(Path(args[0]), Path(args[1]))
     except UserError as exc:
         print(f"autotuner nsys worker: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Stopped as exc:
+        print(f"autotuner nsys worker: stopped by {exc}", file=sys.stderr)
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

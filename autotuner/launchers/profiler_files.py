@@ -1,11 +1,12 @@
 """What the torch_profiler launcher leaves on disk for one (op, shape point), each file written whole or
 not at all.
 
-Every file is first written under a hidden temporary name in its final folder (``.<name>.tmp``) and then
-renamed over the final name with ``os.replace``, which is atomic within one file system: a reader, or a
-run killed half-way through a 200 MB export, sees the previous file or the new one, never a truncated
-trace that a viewer rejects. Temporary names end in ``.tmp`` so that Holistic Trace Analysis, which
-loads every ``*.json``/``*.gz`` of a folder as one rank's trace, never picks one up.
+Every file is first written under a unique hidden temporary name in its final folder
+(``.<name>.<random>.tmp``, :func:`autotuner.atomic.atomic_path`) and then renamed over the final name,
+which is atomic within one file system: a reader, or a run killed half-way through a 200 MB export, sees
+the previous file or the new one, never a truncated trace that a viewer rejects. Temporary names end in
+``.tmp`` so that Holistic Trace Analysis, which loads every ``*.json``/``*.gz`` of a folder as one rank's
+trace, never picks one up.
 
 Files per folder ``<output_dir>/<point>/<op>/``, all named ``<op>.<point>.*`` so that a file copied out
 of the folder still says what it holds:
@@ -27,6 +28,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,18 +36,20 @@ from typing import Any
 
 import torch
 
+from autotuner.atomic import atomic_path
+
 TRACE_SUFFIX = ".pt.trace.json"
 
 
 @contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``final``; rename it over ``final`` only if the block succeeds."""
-    tmp = final.with_name(f".{final.name}.tmp")
+def _scratch(folder: Path, stem: str, kind: str) -> Iterator[Path]:
+    """A uniquely named hidden file in ``folder`` for an intermediate step, removed afterwards."""
+    fd, name = tempfile.mkstemp(prefix=f".{stem}.{kind}.", suffix=".tmp", dir=folder)
+    os.close(fd)
     try:
-        yield tmp
-        os.replace(tmp, final)
+        yield Path(name)
     finally:
-        tmp.unlink(missing_ok=True)
+        Path(name).unlink(missing_ok=True)
 
 
 def _write_with(final: Path, write: Callable[[str], Any]) -> Path:
@@ -84,15 +88,13 @@ def write_trace(prof: Any, folder: Path, stem: str, rank: int, compress_over_byt
     so that the folder holds exactly one trace (HTA reads every trace of a folder as one rank each).
     """
     plain, packed = folder / f"{stem}{TRACE_SUFFIX}", folder / f"{stem}{TRACE_SUFFIX}.gz"
-    raw = folder / f".{stem}.raw.tmp"
-    try:
+    with _scratch(folder, stem, "raw") as raw:
         prof.export_chrome_trace(str(raw))
         compress = raw.stat().st_size > compress_over_bytes
         final = packed if compress else plain
         with atomic_path(final) as tmp:
             if compress:
-                ranked = folder / f".{stem}.ranked.tmp"
-                try:
+                with _scratch(folder, stem, "ranked") as ranked:
                     _with_rank(raw, ranked, rank)
                     # mtime=0: the same trace gives the same bytes; level 6 is gzip's default trade-off
                     with (
@@ -100,12 +102,8 @@ def write_trace(prof: Any, folder: Path, stem: str, rank: int, compress_over_byt
                         gzip.GzipFile(tmp, "wb", compresslevel=6, mtime=0) as fout,
                     ):
                         shutil.copyfileobj(fin, fout, 1 << 20)
-                finally:
-                    ranked.unlink(missing_ok=True)
             else:
                 _with_rank(raw, tmp, rank)
-    finally:
-        raw.unlink(missing_ok=True)
     (plain if final == packed else packed).unlink(missing_ok=True)
     return final
 

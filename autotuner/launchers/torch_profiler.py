@@ -317,7 +317,9 @@ class TorchProfilerObserver:
 
         row: dict[str, Any] = {"weight_bytes": weight_bytes(fresh.parameters)}
         if fresh.name == "forward":
-            with SavedTensorsMeter(exclude=self.model_parameters) as saved:
+            # Also the op's own weights: a model too large to build whole gives each op its own parts,
+            # built after model_parameters was listed (autotuner.spec._PartsPerOp).
+            with SavedTensorsMeter(exclude=[*self.model_parameters, *fresh.parameters]) as saved:
                 out = fresh.run()
             del out
             row["activation_bytes"] = saved.bytes

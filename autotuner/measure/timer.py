@@ -17,6 +17,14 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   last-level cache (GPU L2, CPU LLC; autotuner.measure.cache) in the untimed step, so no sample reads the
   previous sample's data from cache; blocks are then one call. Without it, small inputs are rotated
   instead (autotuner.runner.Phase): each call reads a different copy.
+* The host's launch delay. After the untimed step's synchronisation the GPU is idle, so a sample's start
+  event runs at once and the GPU then waits for the host to launch the first kernel: for a backward, the
+  autograd engine's start and its hand-over to the device thread, hundreds of microseconds that no kernel
+  occupies and that a training step hides behind earlier work. With ``hide_launch`` (CUDA, the default
+  there) a spin kernel is queued before the start event, lasting longer than the host took to launch the
+  previous sample; the host queues the sample's kernels while the GPU spins, and the span between the
+  events is the GPU running them (with whatever gaps the host still leaves once they run: a launch-bound
+  op stays launch-bound). It also keeps the GPU busy, so its clocks do not drop between samples.
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
   run before any sample is kept.
 
@@ -33,6 +41,15 @@ always taken. "Precise enough" is one of two rules (``precision_rule``):
   bounds the spread of the times, not the uncertainty of their median: the spread is the op's and the
   machine's and does not shrink with more samples, so an op that spreads wider than the target stops only
   when a few samples happen to agree, or at the budget. The CI narrows as samples come in.
+
+Several ranks (tensor or expert parallelism under torchrun) call the op together: its collectives pair
+one rank's n-th call with every other rank's n-th call. So every decision that changes how often a rank
+calls the op is taken by the group, never by one rank (:class:`RankAgreement`): the calls per sample
+(the largest any rank's probe asks for), whether samples are checked one by one (any rank's first
+sample over a millisecond), and the stop (one small all-reduce per check: stop on precision only when
+every rank's rule holds, on budget when the slowest rank's budget is spent). All ranks therefore take
+the same samples and give the same ``stop_reason``. A rank that decided alone would leave the loop
+while its peers still wait in the op's collectives: a deadlock.
 """
 
 from __future__ import annotations
@@ -174,6 +191,30 @@ class Measurement:
         return asdict(self)
 
 
+class RankAgreement:
+    """Decisions all ranks of the default process group take together (a single process agrees with
+    itself, without communication). Each call is one all-reduce of a few numbers, so every rank must
+    reach every call: call it only from code all ranks run in step."""
+
+    def __init__(self, device: torch.device) -> None:
+        dist = torch.distributed
+        self.ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        # gloo reduces host tensors; NCCL only device ones (a "cpu:gloo,cuda:nccl" group takes both).
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+
+    def max(self, *values: float) -> list[float]:
+        """The largest of each value over the ranks."""
+        if self.ranks == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def all(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return self.max(0.0 if flag else 1.0)[0] == 0.0
+
+
 class DeviceTimer:
     """Times a single call (or a block of calls) on the device it runs on.
 
@@ -181,9 +222,12 @@ class DeviceTimer:
     enter the op together and no rank's time includes waiting for a late peer in the op's collectives.
     """
 
-    def __init__(self, device: torch.device, barrier: bool = False) -> None:
+    def __init__(self, device: torch.device, barrier: bool = False, hide_launch: bool = True) -> None:
         self.cuda = device.type == "cuda"
         self.barrier = barrier
+        self.hide_launch = hide_launch and self.cuda
+        self._launch_ns = SPIN_FLOOR_NS  # the host's launch time of the last timed call (hide_launch)
+        self._spin_cycles_per_ns: float | None = None
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -195,16 +239,42 @@ class DeviceTimer:
         """Total time of ``calls`` back-to-back calls of ``run``."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.hide_launch:
+                self._spin(SPIN_MARGIN * self._launch_ns)
+            launching = time.perf_counter_ns()
             start.record()
             for _ in range(calls):
                 run()
             end.record()
+            self._launch_ns = min(max(time.perf_counter_ns() - launching, SPIN_FLOOR_NS), SPIN_CEILING_NS)
             end.synchronize()
             return int(start.elapsed_time(end) * 1e6)
         begin = time.perf_counter_ns()
         for _ in range(calls):
             run()
         return time.perf_counter_ns() - begin
+
+    def _spin(self, ns: float) -> None:
+        """Queue a kernel that keeps the GPU busy for about ``ns`` (``torch.cuda._sleep`` counts clock
+        cycles; their rate is measured once with events)."""
+        if self._spin_cycles_per_ns is None:
+            cycles = 1_000_000
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)  # the first launch loads the kernel
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self._spin_cycles_per_ns = cycles / max(start.elapsed_time(end) * 1e6, 1.0)
+        torch.cuda._sleep(int(ns * self._spin_cycles_per_ns))
+
+
+# hide_launch: the spin before a sample lasts SPIN_MARGIN times the host's launch time of the last timed
+# call, at least SPIN_FLOOR_NS (the first kernel's launch latency) and at most SPIN_CEILING_NS (a host
+# that takes longer than that to launch a sample is launch-bound: the samples say so).
+SPIN_MARGIN = 1.5
+SPIN_FLOOR_NS = 50_000
+SPIN_CEILING_NS = 20_000_000
 
 
 @dataclass
@@ -241,14 +311,18 @@ def sample(
     policy: SamplingPolicy,
     prepare: Callable[[], Any] | None = None,
     flush: Callable[[], None] | None = None,
+    agreement: RankAgreement | None = None,
 ) -> Measurement:
     """Warm up, then take timed samples of ``run`` (each after an untimed ``prepare`` and ``flush``)
     until the median is precise enough, the budget is spent, or ``max_samples`` are taken.
 
     A forward sample (no ``prepare``/``flush``) is a block of calls lasting ``min_block_s``; the first
     timed call sizes it, and is kept as the first sample when the block is one call (it ran after the
-    warm-up exactly as a sample does; not under a barrier, where samples start after one).
+    warm-up exactly as a sample does; not under a barrier, where samples start after one). With several
+    ranks, ``agreement`` makes every decision that changes how often the op is called a group decision
+    (module docstring); every rank must then call ``sample`` with the same policy.
     """
+    agree = agreement or RankAgreement(torch.device("cpu"))
 
     def untimed() -> None:
         if prepare is not None:
@@ -259,12 +333,13 @@ def sample(
 
     for _ in range(policy.warmup):
         untimed()
-        run()
+        timer.time_ns(run)  # discarded; through the timer, so hide_launch learns the launch time
     times: list[float] = []
     calls = 1
     if prepare is None and flush is None:
         probe_ns = max(timer.time_ns(run), 1)
-        calls = max(1, min(1000, math.ceil(policy.min_block_s / (probe_ns * 1e-9))))
+        wanted = max(1, min(1000, math.ceil(policy.min_block_s / (probe_ns * 1e-9))))
+        calls = int(agree.max(wanted)[0])
         if calls == 1 and not timer.barrier:
             times.append(probe_ns)
     measurement = Measurement(
@@ -275,24 +350,26 @@ def sample(
         precision_rule=policy.precision_rule,
         target_rel_iqr=policy.target_rel_iqr,
     )
+    check_each: bool | None = None  # long samples are checked one by one: decided on the first sample
     started = time.perf_counter()
     while True:
         if measurement.samples < policy.max_samples:
             untimed()
             block_ns = timer.time_ns(run, calls)
             measurement.times_ns.append(block_ns / calls)
-        else:
-            block_ns = 0
+            if check_each is None:
+                check_each = agree.max(block_ns)[0] >= CHECK_EACH_SAMPLE_NS
         n = measurement.samples
-        due = n % policy.check_every == 0 or block_ns >= CHECK_EACH_SAMPLE_NS or n >= policy.max_samples
-        if not due:
+        if not (check_each or n % policy.check_every == 0 or n >= policy.max_samples):
             continue
         if n >= policy.min_samples:
             precision, target = measurement.precision, measurement.target
-            if precision is not None and target is not None and precision <= target:
+            precise = precision is not None and target is not None and precision <= target
+            not_precise, elapsed = agree.max(0.0 if precise else 1.0, time.perf_counter() - started)
+            if not_precise == 0.0:
                 measurement.stop_reason = "precision"
                 break
-            if time.perf_counter() - started >= policy.budget_s:
+            if elapsed >= policy.budget_s:
                 measurement.stop_reason = "budget"
                 break
         if n >= policy.max_samples:

@@ -8,9 +8,10 @@ of figure each), figures (draw them all, with captions), page (the HTML).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from autotuner.atomic import atomic_write_text
 
 REPORT_NAME = "report.html"
 
@@ -19,8 +20,9 @@ def build_report(
     run_dirs: Sequence[Path], out_dir: Path | None = None, calibration_file: Path | None = None
 ) -> Path:
     """Write ``report.html`` and the figures for one run (into its directory unless ``out_dir``) or for
-    several overlaid (into ``out_dir``, required then). Returns the page's path. Raises UserError for a
-    directory without results or an unreadable calibration."""
+    several overlaid (into ``out_dir``, required then). Returns the page's path. Raises UserError, before
+    anything is written, for a directory without usable results (autotuner.results.read_rows), an unreadable
+    calibration or an output folder that cannot be made."""
     from autotuner.errors import UserError
     from autotuner.report.data import load_calibration, load_run, unique_labels
 
@@ -31,6 +33,12 @@ def build_report(
         if len(run_dirs) > 1:
             raise UserError("comparing several runs needs an output directory (--out DIR)")
         out_dir = run_dirs[0]
+    elif Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(
+            f"--out {out_dir} is a file: give a folder (the report writes {REPORT_NAME} and its figures "
+            "into it)"
+        )
+    out_dir = Path(out_dir)
     calibration = load_calibration(calibration_file) if calibration_file else None
     labels = unique_labels(run_dirs)
     runs = [load_run(d, label, calibration) for d, label in zip(run_dirs, labels, strict=True)]
@@ -38,14 +46,16 @@ def build_report(
     from autotuner.report.figures import make_figures
     from autotuner.report.page import render_page
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a file among its parents, no permission
+        raise UserError(
+            f"cannot make the report folder {out_dir}: {exc.strerror or exc}: give --out a folder that is "
+            "not a file and can be written"
+        ) from exc
     figures = make_figures(runs, out_dir)
-    page = out_dir / REPORT_NAME
-    tmp = out_dir / f".{REPORT_NAME}.tmp"
-    tmp.write_text(render_page(runs, figures), encoding="utf-8")
-    os.replace(tmp, page)  # a reader never sees half a page
-    return page
+    # Atomic: a reader never sees half a page, and two reports into one folder never share a temporary.
+    return atomic_write_text(out_dir / REPORT_NAME, render_page(runs, figures))
 
 
 def write_report(run_dir: Path) -> Path:

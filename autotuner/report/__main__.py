@@ -2,8 +2,9 @@
 
 One run directory: (re)writes its ``report.html`` and figures in place. Several: one report with every
 figure overlaid per run and a speed-up table against the first, written to ``--out`` (default
-``runs/compare/<time>/``). Bad input (a directory without ``results.jsonl``, an unreadable calibration):
-one line on stderr, exit code 2.
+``runs/compare/<time>/``). Bad input (a directory without ``results.jsonl``, a line or value in it the
+report cannot use, an ``--out`` that is a file, an unreadable calibration): one line on stderr, exit code
+2, nothing written.
 """
 
 from __future__ import annotations

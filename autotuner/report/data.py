@@ -117,10 +117,7 @@ def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any
     results = run_dir / "results.jsonl"
     if not results.is_file():
         raise UserError(f"{run_dir} has no results.jsonl: give a run directory of python -m autotuner.main")
-    try:
-        rows = load_rows(results)
-    except ValueError as exc:
-        raise UserError(f"{results} is not valid JSON lines: {exc}") from exc
+    rows = load_rows(results)  # checked: a bad line or value is one UserError here, not a traceback later
     if calibration is None and (run_dir / "calibration.json").is_file():
         calibration = load_calibration(run_dir / "calibration.json")
     config = run_dir / ".hydra" / "config.yaml"

@@ -95,8 +95,13 @@ def _environment_section(runs: Sequence[Run]) -> str:
 
 
 def render_page(runs: Sequence[Run], figures: Sequence[FigureFile]) -> str:
-    cases = ", ".join(dict.fromkeys(str(r.get("case")) for run in runs for r in run.rows))
-    title = f"autotuner report: {cases}" + (f" ({len(runs)} runs compared)" if len(runs) > 1 else "")
+    # A table read from an nsys report alone (python -m autotuner.nsys_read) may not know its case.
+    cases = ", ".join(dict.fromkeys(str(r["case"]) for run in runs for r in run.rows if r.get("case")))
+    title = (
+        "autotuner report"
+        + (f": {cases}" if cases else "")
+        + (f" ({len(runs)} runs compared)" if len(runs) > 1 else "")
+    )
     contents = " · ".join(f'<a href="#{f.name}">{escape(f.title)}</a>' for f in figures)
     parts = [
         "<!DOCTYPE html>",

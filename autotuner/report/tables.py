@@ -20,6 +20,7 @@ from autotuner.report.data import (
     speedups,
 )
 from autotuner.report.style import human_bytes, human_si, human_time
+from autotuner.table import has_host_time
 
 
 def cell(text: Any, sort: Any = None, cls: str = "") -> str:
@@ -57,7 +58,7 @@ def runs_section(runs: Sequence[Run]) -> str:
             "<tr>"
             + cell(f"run {index}")
             + cell(run.label)
-            + cell(", ".join(sorted({str(r.get("case")) for r in run.rows})))
+            + cell(", ".join(sorted({str(r["case"]) for r in run.rows if r.get("case")})))
             + cell(launchers)
             + cell(f"{env.get('device_name', '')} ({env.get('device_type', device)})")
             + cell(run.dtype)
@@ -66,7 +67,20 @@ def runs_section(runs: Sequence[Run]) -> str:
             + "</tr>"
         )
     headers = ["", "run directory", "case", "launcher", "device", "dtype", "shape points", "rows"]
-    return "<h2>Runs</h2>" + table(headers, body)
+    return "<h2>Runs</h2>" + table(headers, body) + _time_note(runs)
+
+
+def _time_note(runs: Sequence[Run]) -> str:
+    """Which time the medians are, where a run has two (nsys on a GPU)."""
+    gpu = [f"run {index}" for index, run in enumerate(runs, 1) if has_host_time(run.rows)]
+    if not gpu:
+        return ""
+    which = "this run" if len(runs) == 1 else ", ".join(gpu)
+    return (
+        f"<p>Times of {escape(which)} (nsys on a GPU) are GPU times: every median in this report (figures, "
+        "tables, speed-ups) is the summed duration of the op's kernels per iteration. The host's time, the "
+        "op's NVTX range (issuing the kernels), is the <em>host median</em> column of All rows.</p>"
+    )
 
 
 def problems_section(runs: Sequence[Run]) -> str:
@@ -180,6 +194,7 @@ ROW_COLUMNS: list[tuple[str, str, Any, bool]] = [
     ("status", "status", str, False),
     ("median", "median_us", human_time, True),
     ("IQR", "iqr_us", human_time, True),
+    ("host median", "host_median_us", human_time, True),
     ("n", "samples", str, True),
     ("95% CI width", "rel_ci", _number(".1%"), True),
     ("stop", "stop_reason", str, False),
@@ -198,6 +213,7 @@ ROW_COLUMNS: list[tuple[str, str, Any, bool]] = [
     ("calls per step", "call_count", str, True),
 ]
 OPTIONAL = {
+    "host_median_us",
     "rel_ci",
     "bytes_moved",
     "gbps",
@@ -213,11 +229,21 @@ OPTIONAL = {
 def rows_section(runs: Sequence[Run]) -> str:
     many = len(runs) > 1
     rows = [(index, row) for index, run in enumerate(runs, 1) for row in run.rows]
+    host = has_host_time([row for _, row in rows])
+    # nsys on a GPU: the median is the kernels' time, so the kernel-time column (the same number) is
+    # left out, unless a row was written before host_median_us existed (its median was the range then).
+    # Without a GPU the NVTX range is the median itself, so no host column.
+    legacy = any(r.get("kernel_time_us") is not None and r.get("host_median_us") is None for _, r in rows)
+    hidden = {"host_median_us"} if not host else set() if legacy else {"kernel_time_us"}
+    # Renamed only when every run's medians are GPU times (a CPU run beside it keeps "median").
+    every = all(has_host_time(run.rows) for run in runs)
+    renamed = {"median_us": "gpu median", "iqr_us": "gpu IQR"} if every else {}
     columns = [
-        c
+        (renamed.get(c[1], c[0]), *c[1:])
         for c in ROW_COLUMNS
         if (c[1] not in OPTIONAL or any(row.get(c[1]) is not None for _, row in rows))
         and (c[1] != "rank" or multi_rank([row for _, row in rows]))
+        and c[1] not in hidden
     ]
     errors = any(row.get("error") for _, row in rows)  # the column only when some row has one
     body = []

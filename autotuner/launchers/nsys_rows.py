@@ -1,0 +1,278 @@
+"""From an nsys report to the launcher's rows: which ranges each row is made of, and its columns.
+
+Used by the nsys launcher (autotuner.launchers.nsys) after its run, and by ``python -m
+autotuner.nsys_read`` on a report alone. Reads only the SQLite export (autotuner.launchers.nsys_report);
+nothing here runs nsys or builds a model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotuner.launchers.nsys_report import (
+    TOP_KERNELS,
+    KernelStats,
+    NvtxRange,
+    OpenRange,
+    attribute_kernels,
+    read_nvtx_ranges,
+    read_open_ranges,
+    sample_stats,
+)
+from autotuner.launchers.nsys_worker import parse_marker
+
+if TYPE_CHECKING:
+    from autotuner.launchers.nsys import NsysRun
+    from autotuner.ops_test.base import OpTest, ShapePoint
+
+Key = tuple[str, str, str]  # (op, phase, point)
+
+
+def measured_ranges(
+    ranges: Iterable[NvtxRange], still_open: Iterable[OpenRange] = ()
+) -> dict[Key, list[NvtxRange]]:
+    """The ranges each row is made of: per ``measure`` window, the op's own ranges of that phase.
+
+    An op's name appears in many places (its two phases, nested in every op that contains it), all
+    with the same point and iteration; only the window tells them apart. A range belongs to the row
+    of the window it lies in (by time; a backward range may be on autograd's thread, while the window
+    is on the main thread, which waits for the backward) when its op, phase and point are the
+    window's. Warm-up ranges are left out. Windows never overlap: phases run one after the other.
+
+    A window left open (``still_open``) ends where the next window begins, or at the end: after a
+    SIGKILL the last NVTX event the process recorded can be lost, and when that is a window's pop the
+    iterations inside it were still recorded in full.
+    """
+    ranges = list(ranges)
+    windows = [(key, r.start_ns, r.end_ns) for r in ranges if (key := parse_marker(r.name)) is not None]
+    starts = sorted(start for _, start, _ in windows)
+    for r in still_open:
+        key = parse_marker(r.name)
+        if key is not None:
+            later = [s for s in starts if s > r.start_ns]
+            windows.append((key, r.start_ns, later[0] if later else float("inf")))
+    by_key: dict[Key, list[NvtxRange]] = defaultdict(list)
+    for r in ranges:
+        if r.parsed is not None and not r.parsed.warmup:
+            by_key[(r.parsed.op, r.parsed.phase, r.parsed.point)].append(r)
+    out: dict[Key, list[NvtxRange]] = {}
+    for key, start, end in windows:
+        inside = [r for r in by_key.get(key, []) if start <= r.start_ns <= r.end_ns <= end]
+        out.setdefault(key, []).extend(inside)
+    return out
+
+
+def _top_kernels(stats: Sequence[KernelStats]) -> str:
+    """The five kernels with the most time over the iterations, as per-iteration averages.
+
+    Kernels are told apart by their short name, the name shown: the instantiations of one template
+    (``elementwise_kernel`` for an add, a copy, a multiply) add up to one entry, so each name appears
+    once with all of its time. Every kernel of every iteration counts (see KernelStats.kernels).
+    """
+    totals: dict[str, list[float]] = {}
+    for s in stats:
+        for k in s.kernels:
+            entry = totals.setdefault(k.name or k.demangled_name, [0.0, 0.0])
+            entry[0] += k.total_ns
+            entry[1] += k.count
+    n = len(stats)
+    top = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))[:TOP_KERNELS]
+    return "; ".join(f"{name} {total / n / 1e3:.1f}us x{count / n:g}" for name, (total, count) in top)
+
+
+def range_columns(ranges: Sequence[NvtxRange], kernels: dict[NvtxRange, KernelStats]) -> dict[str, Any]:
+    """The measured columns of one row from its ranges (one per iteration) and, on a GPU, their kernels.
+
+    Which time leads: an NVTX range is host time. On a CPU that is the op's time, so ``median_us`` and
+    the other statistics are of the range durations. On a GPU the range only brackets the launches
+    (linear_qkv's forward of Llama-2-7B at s2048_b1 on an H200: a 110 us range, a 262 us GEMM), so the
+    statistics are of each iteration's summed kernel durations, the time the device spent on the op, as
+    the other launchers' GPU times are device times; ``host_median_us`` keeps the ranges' median there
+    (and equals ``median_us`` on a CPU). ``kernel_time_us`` is the GPU median again, under the name the
+    kernel columns share.
+    """
+    host = sample_stats([r.duration_ns for r in ranges])
+    row: dict[str, Any] = {"samples": host["count"], "host_median_us": host["median_ns"] / 1e3}
+    stats = [kernels[r] for r in ranges if r in kernels]
+    lead = sample_stats([s.kernel_time_ns for s in stats]) if stats else host
+    row.update(
+        median_us=lead["median_ns"] / 1e3,
+        iqr_us=lead["iqr_ns"] / 1e3,
+        min_us=lead["min_ns"] / 1e3,
+        mean_us=lead["mean_ns"] / 1e3,
+    )
+    if stats:
+        row["kernel_time_us"] = row["median_us"]
+        count = statistics.median(s.kernel_count for s in stats)
+        row["kernel_count"] = int(count) if float(count).is_integer() else count
+        row["top_kernels"] = _top_kernels(stats)
+        if count == 0:
+            # A GPU time of 0: either the op launches nothing (the backward of a residual add passes its
+            # gradient on) or its launches fell outside its ranges (another thread; shared/notes/nsys.md).
+            row["warnings"] = "no_kernels"
+    return row
+
+
+@dataclass
+class ReportData:
+    """What the report holds for the table: each row's ranges, their kernels (empty without CUDA data),
+    the names of ranges left open, or why it could not be read."""
+
+    measured: dict[Key, list[NvtxRange]] = field(default_factory=dict)
+    kernels: dict[NvtxRange, KernelStats] = field(default_factory=dict)
+    still_open: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    """What the parent knows after nsys returned: how it ended, what the worker got to, the report."""
+
+    nsys: NsysRun
+    worker_rows: dict[Key, dict[str, Any]]
+    in_flight: Key | None  # the phase the worker was running when it stopped
+    report: ReportData
+
+
+def read_sqlite(sqlite_path: Path) -> ReportData:
+    """Read an exported report (see :class:`ReportData`)."""
+    ranges = read_nvtx_ranges(sqlite_path)
+    still_open = read_open_ranges(sqlite_path)
+    measured = measured_ranges(ranges, still_open)
+    ours = [r for found in measured.values() for r in found]
+    kernels = attribute_kernels(sqlite_path, ours) if ours else {}
+    return ReportData(measured, kernels, [r.name for r in still_open])
+
+
+def build_rows(
+    spec: Any, plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
+) -> list[dict[str, Any]]:
+    """One row per planned (point, op, phase), in plan order: the worker's status, the report's times."""
+    rows = []
+    for point, op, phase in plan:
+        key = (op.name, phase, point.label)
+        worker = outcome.worker_rows.get(key)
+        row = {
+            "case": spec.case,
+            "op": op.name,
+            "phase": phase,
+            "point": point.label,
+            "seq_len": point.seq_len,
+            "micro_batch_size": point.micro_batch_size,
+            "dtype": spec.dtype,
+            "device": spec.device.type,
+            "launcher": "nsys",
+            "rank": int(os.environ.get("RANK", 0)),
+            "tensor_parallel": spec.tf_config.tensor_model_parallel_size,
+            "call_count": spec.call_counts.get((op.name, point.label)),
+        }
+        if worker is None:
+            row.update(status="failed", error=_missing_reason(key, outcome))
+        elif worker.get("status") != "ok":
+            row.update({k: worker.get(k) for k in ("status", "error", "num_threads")})
+        else:
+            row.update({k: worker.get(k) for k in ("weight_bytes", "stop_reason", "num_threads")})
+            found = outcome.report.measured.get(key, [])
+            if found:
+                row.update(status="ok", **range_columns(found, outcome.report.kernels))
+            else:
+                row.update(status="failed", error=_no_range_reason(key, outcome))
+        rows.append(row)
+    return rows
+
+
+_NO_RANGE = (
+    "no measured NVTX range {op}.{phase} [{point}] in the report "
+    "(the nvtx package records under nsys 2022.4/2023.4 only at 0.2.10-0.2.11)"
+)
+
+
+def _missing_reason(key: Key, outcome: Outcome) -> str:
+    from autotuner.launchers.nsys import describe_exit  # nsys imports this module at its top
+
+    if outcome.nsys.returncode == 0:
+        return "the worker finished without measuring it"
+    how = describe_exit(outcome.nsys.returncode)
+    if outcome.in_flight is None and not outcome.worker_rows and outcome.report.error:
+        last = outcome.nsys.tail.splitlines()[-1] if outcome.nsys.tail else ""
+        return f"nsys profile failed ({how}) before the profiled process measured it: {last}"
+    if key == outcome.in_flight:
+        return f"the profiled process died while measuring it: {how}"
+    return f"the profiled process died before measuring it: {how}"
+
+
+def _no_range_reason(key: Key, outcome: Outcome) -> str:
+    from autotuner.launchers.nsys import describe_exit  # nsys imports this module at its top
+
+    op, phase, point = key
+    if outcome.report.error:
+        return f"no report to read: {outcome.report.error}"
+    if outcome.nsys.returncode != 0:
+        how = describe_exit(outcome.nsys.returncode)
+        return f"measured, but the profiled process died ({how}) before nsys saved its NVTX ranges"
+    return _NO_RANGE.format(op=op, phase=phase, point=point)
+
+
+# --- rows from a report alone (python -m autotuner.nsys_read) ----------------------------------
+
+_POINT_RE = re.compile(r"^s(?P<seq_len>\d+)_b(?P<micro_batch_size>\d+)$")
+
+
+def point_dims(label: str) -> tuple[int | None, int | None]:
+    """(seq_len, micro_batch_size) of a shape point label ``s<seq>_b<mbs>``; Nones for another label."""
+    match = _POINT_RE.match(label)
+    return (None, None) if match is None else (int(match["seq_len"]), int(match["micro_batch_size"]))
+
+
+def report_rows(report: ReportData, context: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per ``measure`` window in the report, in the order measured, from the report alone.
+
+    Without the launcher's plan and worker record, what a row is made of comes from the range names:
+    op, phase and point from the window, seq_len and micro_batch_size from the point's label. The
+    number of measured iterations is taken as the most any window holds; a window with fewer (the op
+    raised, or the process ended inside it), or one left open, makes a ``failed`` row, as the launcher
+    would. ``context`` fills the columns a report cannot tell (case, dtype, device, ...); a column it
+    leaves out stays empty, except ``device``, which is ``cuda`` when the report holds kernels.
+    """
+    iterations = {
+        key: {r.parsed.iteration for r in found if r.parsed} for key, found in report.measured.items()
+    }
+    expected = max((len(found) for found in iterations.values()), default=0)
+    left_open = {key for name in report.still_open if (key := parse_marker(name)) is not None}
+    rows = []
+    for key, found in report.measured.items():
+        op, phase, point = key
+        seq_len, micro_batch_size = point_dims(point)
+        row: dict[str, Any] = {
+            "device": "cuda" if report.kernels else None,
+            **(context or {}),
+            "op": op,
+            "phase": phase,
+            "point": point,
+            "seq_len": seq_len,
+            "micro_batch_size": micro_batch_size,
+            "launcher": "nsys",
+            "stop_reason": "nsys",
+        }
+        done = len(iterations[key])
+        if key in left_open:
+            row.update(status="failed", error="the profiled process ended inside its measurement (left open)")
+        elif not found:
+            row.update(status="failed", error=_NO_RANGE.format(op=op, phase=phase, point=point))
+        elif done < expected:
+            row.update(
+                status="failed",
+                error=f"{done} of {expected} measured iterations in the report: the op raised or the "
+                "profiled process ended inside it (the run's worker/results.jsonl has the error)",
+            )
+        else:
+            row.update(status="ok", **range_columns(found, report.kernels))
+        rows.append(row)
+    return rows

@@ -1,0 +1,174 @@
+"""``python -m autotuner.nsys_read REPORT [--out DIR] [--nsys-bin NSYS]``: the per-op table from a report.
+
+For a report of launcher=nsys read somewhere else than where it was made (a cluster node's report on a
+laptop), or one the launcher could not read (the node's nsys had no working exporter). Everything a row
+needs is in the range names: op, phase and point (``measure linear_qkv.forward [s2048_b1]`` around the
+measured iterations ``linear_qkv.forward [s2048_b1] #<i>``), seq_len and micro_batch_size from the point
+label, so no model and no Hydra config is built. The rows are those of the launcher
+(autotuner.launchers.nsys_rows): on a GPU the times are the op's kernel time, ``host_median_us`` its
+NVTX range. What the report cannot tell (case, dtype, tensor_parallel) comes from an
+``environment.json`` beside the report when it sits in its run directory, else stays empty; the worker's
+columns (weight_bytes, num_threads, call_count) stay empty.
+
+* ``REPORT.sqlite`` (nsys's SQLite export) is read as it is; ``REPORT.nsys-rep`` is first exported with
+  nsys (``--nsys-bin``, looked up as the launcher looks up ``launcher.nsys_bin``), and the export is kept
+  in DIR as ``<REPORT stem>.sqlite``.
+* DIR (``--out``, default the report's folder) gets ``results.csv`` and ``results.jsonl``. Left to its
+  default, it must not hold results already (the launcher's, with the worker's columns, are kept).
+* Exit code 0 when every row is ok, 1 when one failed (a window left open or short of iterations), 2
+  with one line on stderr and nothing written for a file that is not a report, one with no ranges of
+  ours, or a missing nsys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sqlite3
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from autotuner.errors import UserError
+
+REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
+_RANK_RE = re.compile(r"-rank(\d+)$")  # report-rank<N>: one report per rank under torchrun
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m autotuner.nsys_read",
+        description="Build the per-op table (results.csv/.jsonl) from an nsys report of launcher=nsys.",
+    )
+    parser.add_argument("report", type=Path, metavar="REPORT", help="a .nsys-rep or its .sqlite export")
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="where to write (default: the report's folder)"
+    )
+    parser.add_argument(
+        "--nsys-bin",
+        metavar="NSYS",
+        help="the nsys that exports a .nsys-rep (default: launcher.nsys_bin's default)",
+    )
+    return parser.parse_args(argv)
+
+
+def context_of(report: Path) -> dict[str, Any]:
+    """The columns a report cannot tell, from the run directory it sits in (``environment.json``), and the
+    rank from its name."""
+    match = _RANK_RE.search(report.stem)
+    context: dict[str, Any] = {"rank": int(match[1]) if match else 0}
+    try:
+        record = json.loads((report.parent / "environment.json").read_text())
+    except (OSError, ValueError):
+        return context  # a report copied on its own: those columns stay empty
+    if not isinstance(record, dict):
+        return context
+    tf_config = record.get("transformer_config") or {}
+    context.update(
+        case=record.get("case"),
+        dtype=record.get("dtype"),
+        device=(record.get("environment") or {}).get("device_type"),
+        tensor_parallel=tf_config.get("tensor_model_parallel_size") if isinstance(tf_config, dict) else None,
+    )
+    return {k: v for k, v in context.items() if v is not None}
+
+
+def read_rows(sqlite_path: Path, shown: Path) -> list[dict[str, Any]]:
+    """The rows of an SQLite export; UserError (naming ``shown``) when it is not one or has none of ours."""
+    from autotuner.launchers.nsys_rows import read_sqlite, report_rows
+
+    try:
+        data = read_sqlite(sqlite_path)
+    except sqlite3.DatabaseError as exc:
+        raise UserError(
+            f"{shown} is not an nsys report ({exc}): give a .nsys-rep or the .sqlite that nsys export wrote"
+        ) from exc
+    if not data.measured:
+        raise UserError(
+            f"{shown} holds no ranges of ours (no 'measure <op>.<phase> [<point>]' NVTX range): "
+            "give a report made by python -m autotuner.main launcher=nsys"
+        )
+    return report_rows(data, context_of(shown))
+
+
+def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
+    """``report`` (.nsys-rep) exported to SQLite under ``tmp``."""
+    from autotuner.config import NsysLauncherConfig
+    from autotuner.launchers.nsys import find_nsys
+    from autotuner.launchers.nsys_report import export_sqlite
+
+    nsys = find_nsys(nsys_bin or NsysLauncherConfig.nsys_bin).path
+    try:
+        return export_sqlite(nsys, report, tmp / f"{report.stem}.sqlite")
+    except RuntimeError as exc:
+        lines = [line for line in str(exc).splitlines()[1:] if line.strip()]
+        why = lines[-1].strip() if lines else str(exc).splitlines()[0]
+        raise UserError(f"nsys could not export {report} ({why}): is it an Nsight Systems report?") from exc
+
+
+def _out_dir(report: Path, out: Path | None) -> Path:
+    if out is not None:
+        return out
+    taken = [name for name in ("results.jsonl", "results.csv") if (report.parent / name).exists()]
+    if taken:
+        raise UserError(
+            f"{report.parent} already holds {taken[0]}: pass --out DIR for the rows read from the report "
+            f"(--out {report.parent} replaces them)"
+        )
+    return report.parent
+
+
+def read_report(
+    report: Path, out: Path | None = None, nsys_bin: str | None = None
+) -> tuple[list[dict], Path]:
+    """Read ``report`` and write its rows to ``out`` (see the module's docstring); (rows, the folder).
+
+    Everything is checked and read before anything is written, so bad input leaves no file behind.
+    """
+    from autotuner.results import ResultsWriter
+
+    report = Path(report)
+    if not report.is_file():
+        raise UserError(f"no report at {report}: give the path of a .nsys-rep or .sqlite file")
+    if report.suffix == ".qdstrm":
+        raise UserError(
+            f"{report} is nsys's raw capture, not a report: turn it into a .nsys-rep with an nsys whose "
+            "importer works (scripts/install_nsys.sh) and read that"
+        )
+    if report.suffix not in REPORT_SUFFIXES:
+        raise UserError(f"{report} is not an nsys report: give a .nsys-rep or its .sqlite export")
+    out_dir = _out_dir(report, out)
+    with tempfile.TemporaryDirectory(prefix="nsys_read-") as tmp:
+        exported = _export(report, nsys_bin, Path(tmp)) if report.suffix == ".nsys-rep" else None
+        rows = read_rows(exported or report, report)
+        try:
+            ResultsWriter(out_dir).extend(rows)
+            if exported is not None:
+                shutil.move(exported, out_dir / exported.name)  # read it again without nsys
+        except OSError as exc:
+            raise UserError(
+                f"cannot write to {out_dir}: {exc.strerror or exc}: give --out a writable folder"
+            ) from exc
+    return rows, out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        rows, out_dir = read_report(args.report, args.out, args.nsys_bin)
+    except UserError as exc:
+        print(f"autotuner.nsys_read: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    from autotuner.table import render
+
+    print(render(rows))
+    failed = [r for r in rows if r.get("status") == "failed"]
+    print(f"\n{len(rows)} rows ({len(failed)} failed) in {out_dir}/results.csv and results.jsonl")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

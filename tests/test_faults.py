@@ -1,0 +1,619 @@
+"""Fault injection (issue 14): every bad input refused in one line, every fault survived.
+
+The promise the README makes, kept in one module so it stays tested as the code changes: bad input is one
+line on stderr naming the problem and the fix, exit code 2, no traceback and nothing written; a fault in
+one op is a failed row and the plan goes on; nothing already measured is lost (files written atomically,
+an interrupted run resumable, a second run refused from a live run's directory); no process outlives
+its run. Each test drives the real CLI or tool (in-process where one Megatron import can serve, in real
+subprocesses where the fault is between processes) and checks the files on disk, not only the exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autotuner.main import run
+from autotuner.results import ResultsWriter, load_rows
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- data lost or silently wrong: two runs into one directory, resumes of a changed configuration
+# or a damaged file, SIGTERM, file modes, a bad calibration ---------------------------------------
+
+
+TINY = [
+    "case=tiny",
+    "shapes.seq_len=[16]",
+    "shapes.micro_batch_size=[1]",
+    "timing.warmup=1",
+    "timing.min_samples=1",
+    "timing.max_samples=3",
+    "progress=false",
+    "report=false",
+]
+
+
+def _env() -> dict[str, str]:
+    # the children are single-process runs whatever environment pytest runs in
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotuner.main", *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory (the lock file aside) with its bytes."""
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and not p.name.endswith(".lock")
+    }
+
+
+def _errors(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def _reaped(*procs: subprocess.Popen) -> Iterator[None]:
+    """Leave no process behind when a test fails half-way (a stopped one is woken, then killed)."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.communicate()
+
+
+# --- 1. two runs into one run directory ---------------------------------------------------------------
+
+
+def test_a_second_run_into_a_live_run_directory_is_refused(tmp_path):
+    """Started together with the same hydra.run.dir and different ops: one run takes the directory,
+    the other ends with one line and exit code 2 before writing anything; no row of the first is lost.
+
+    Whichever process locks first is held (SIGSTOP) while it holds the lock, so the other one meets a
+    live run however the two startups interleave; it is let go once the other has answered."""
+    run_dir = tmp_path / "shared"
+    ops = {"a": "ops=[linear_qkv]", "b": "ops=[mlp]"}
+    procs = {name: _cli(*TINY, op, f"hydra.run.dir={run_dir}") for name, op in ops.items()}
+    by_pid = {p.pid: name for name, p in procs.items()}
+    lock = run_dir / ".results.lock"
+    holder = None
+    with _reaped(*procs.values()):
+        deadline = time.time() + 240
+        while holder is None and time.time() < deadline and any(p.poll() is None for p in procs.values()):
+            text = lock.read_text() if lock.is_file() else ""
+            if text.endswith("\n") and int(text) in by_pid:
+                holder = by_pid[int(text)]
+                os.kill(procs[holder].pid, signal.SIGSTOP)
+            time.sleep(0.01)
+        assert holder is not None, "no run took the directory's lock"
+        other = "b" if holder == "a" else "a"
+        _, err = procs[other].communicate(timeout=240)
+        os.kill(procs[holder].pid, signal.SIGCONT)
+        out, held_err = procs[holder].communicate(timeout=240)
+    assert procs[holder].returncode == 0, held_err[-2000:]
+    assert procs[other].returncode == 2, err[-2000:]
+    lines = _errors(err)
+    assert len(lines) == 1 and "another run" in lines[0] and str(procs[holder].pid) in lines[0], lines
+    assert "hydra.run.dir" in lines[0]
+    rows = load_rows(run_dir / "results.jsonl")
+    expected = ops[holder].split("[")[1].rstrip("]")
+    assert [(r["op"], r["phase"]) for r in rows] == [(expected, "forward"), (expected, "backward")]
+    assert "2 rows" in out
+    # the refused run wrote nothing, not even Hydra's record of its config
+    assert ops[other] not in (run_dir / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_writers_of_one_file_never_share_a_temporary_file(tmp_path):
+    """Two writers rewriting the same results files at once: each rename is of its own temporary file
+    (a fixed temporary name let one writer rename the other's away: FileNotFoundError)."""
+    failures: list[BaseException] = []
+
+    def write_many(tag: str) -> None:
+        writer = ResultsWriter(tmp_path)
+        try:
+            for i in range(150):
+                writer.write({"case": "tiny", "op": tag, "phase": "forward", "point": f"p{i}", "rank": 0})
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=write_many, args=(tag,)) for tag in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    rows = load_rows(tmp_path / "results.jsonl")
+    assert len(rows) == 150 and len({r["op"] for r in rows}) == 1  # one writer's last state, whole
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# --- 2. resume with a changed configuration ----------------------------------------------------------
+
+
+def test_resume_with_a_changed_configuration_is_refused_and_extending_is_not(tmp_path, capsys):
+    args = [*TINY, "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}"]
+    assert run(args) == 0
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+
+    changed = [*args, "resume=true", "hf.hidden_size=128", "hf.head_dim=32", "seed=7"]
+    assert run(changed) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and "cannot resume" in lines[0], lines
+    for field in ("seed 1234 -> 7", "tf.hidden_size 64 -> 128"):
+        assert field in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before  # environment.json, rows and Hydra's record untouched
+
+    assert run([*args, "resume=true", "timing.max_samples=5"]) == 2  # a sampler setting changes rows
+    assert "timing.max_samples 3 -> 5" in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before
+
+    # what does not change a measurement may differ: more ops extend the run, the old rows stay
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={tmp_path}", "resume=true"]) == 0
+    rows = load_rows(tmp_path / "results.jsonl")
+    assert [r["op"] for r in rows] == ["linear_qkv", "linear_qkv", "mlp", "mlp"]
+    old = load_rows(tmp_path / "results.jsonl")[:2]
+    assert json.loads(before["results.jsonl"].decode().splitlines()[0]) == old[0]
+
+
+# --- 8. resume on a damaged results file -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished")
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for path in src.rglob("*"):
+        if path.is_file() and not path.name.endswith(".lock"):
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    return dst
+
+
+def test_resume_drops_a_torn_last_line_with_a_warning(finished, tmp_path, capsys):
+    run_dir = _copy_run(finished, tmp_path / "torn")
+    results = run_dir / "results.jsonl"
+    lines = results.read_text().splitlines()
+    # the last row cut half-way, as a killed appending writer leaves it: no newline, not JSON
+    results.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:40])
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    warnings = [line for line in _errors(capsys.readouterr().err) if "torn" in line]
+    assert len(warnings) == 1 and "results.jsonl" in warnings[0], warnings
+    rows = load_rows(results)  # valid again, the lost row measured again, the others kept
+    assert [(r["op"], r["phase"]) for r in rows] == [
+        ("linear_qkv", "forward"),
+        ("linear_qkv", "backward"),
+        ("mlp", "forward"),
+        ("mlp", "backward"),
+    ]
+    assert rows[:3] == [json.loads(line) for line in lines[:3]]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [("garbage\n", "line 2 column 1 is not valid JSON"), ("[1, 2]\n", "line 2 is a list, not a row")],
+    ids=["garbage_line", "non_object_line"],
+)
+def test_resume_refuses_a_damaged_line_and_leaves_the_file(finished, tmp_path, capsys, bad, message):
+    run_dir = _copy_run(finished, tmp_path / "damaged")
+    results = run_dir / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text(lines[0] + bad + "".join(lines[1:]))
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 2
+    err = _errors(capsys.readouterr().err)
+    assert len(err) == 1 and message in err[0] and "results.jsonl" in err[0], err
+    assert _snapshot(run_dir) == before
+
+
+# --- smaller ------------------------------------------------------------------------------------------
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys):
+    run_dir = tmp_path / "new"
+    assert run([*TINY, "ops=[linear_qkv]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    notes = [line for line in _errors(capsys.readouterr().err) if "nothing to resume" in line]
+    assert notes == [f"note: resume=true but nothing to resume in {run_dir}; starting a new run"]
+    assert len(load_rows(run_dir / "results.jsonl")) == 2
+
+
+def test_sigterm_prints_the_command_that_finishes_the_run(tmp_path, capsys):
+    """SIGTERM (SLURM's time limit) ends the run as the signal does (status 143), with one line giving
+    the resume command; that command, run as printed, measures the rest."""
+    args = [*TINY, "ops=[linear_qkv,core_attention,mlp]", "timing.budget_s=0.5", "timing.max_samples=100000"]
+    args += ["timing.target_rel_ci=0", "timing.precision_rule=ci"]  # each phase runs for its budget
+    run_dir = tmp_path / "killed"
+    proc = _cli(*args, f"hydra.run.dir={run_dir}")
+    results = run_dir / "results.jsonl"
+    with _reaped(proc):
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if results.is_file() and results.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), err[-2000:]
+    hints = [line for line in _errors(err) if "resume=true" in line]
+    assert len(hints) == 1, err[-2000:]
+    command = shlex.split(hints[0].split("finish the run with: ", 1)[1])
+    assert command[:3] == ["python", "-m", "autotuner.main"]
+    assert command[3:-2] == args and command[-2:] == ["resume=true", f"hydra.run.dir={run_dir}"]
+    done = load_rows(results)
+    assert 1 <= len(done) < 6
+    assert run(command[3:]) == 0
+    rows = load_rows(results)
+    assert len(rows) == 6 and rows[: len(done)] == done
+
+
+def test_files_of_an_nsys_run_follow_the_umask(tmp_path, nsys_bin):
+    """nsys starts its program with umask 0; the worker's files must still get the user's mode."""
+    run_dir = tmp_path / "nsys"
+    mask = os.umask(0o022)
+    try:
+        code = run(
+            [
+                *TINY,
+                "launcher=nsys",
+                f"launcher.nsys_bin={nsys_bin}",
+                "ops=[linear_qkv]",
+                f"hydra.run.dir={run_dir}",
+            ]
+        )
+    finally:
+        os.umask(mask)
+    assert code == 0
+    writable = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.stat().st_mode & stat.S_IWOTH]
+    assert (run_dir / "worker" / "results.jsonl").is_file() and writable == []
+
+
+def test_a_bad_calibration_is_refused_before_anything_is_written(tmp_path, capsys):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"peak_flops": {"fp32": 1e11}}))  # no memory_bandwidth
+    run_dir = tmp_path / "run"
+    assert run([*TINY, "ops=[linear_qkv]", f"calibration={calibration}", f"hydra.run.dir={run_dir}"]) == 2
+    err = _errors(capsys.readouterr().err)
+    assert len(err) == 1 and "calibration" in err[0], err
+    assert not (run_dir / "environment.json").exists() and not (run_dir / "results.jsonl").exists()
+
+
+# --- bad input refused before any work; a model too large to build fails only the ops that do not fit
+
+
+FAST = [
+    "shapes.seq_len=[16]",
+    "shapes.micro_batch_size=[1]",
+    "timing.warmup=1",
+    "timing.min_samples=2",
+    "timing.max_samples=3",
+    "progress=false",
+    "report=false",
+]
+TINY_CASE_TEXT = (REPO / "cases" / "tiny.yaml").read_text()
+
+
+def _refused(capsys, run_dir: Path, overrides: list[str], *words: str) -> str:
+    """Run the CLI in-process; assert the one-line refusal holding ``words``; return the line."""
+    code = run(["case=tiny", f"hydra.run.dir={run_dir}", *FAST, *overrides])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 2, (code, captured.err[-2000:])
+    assert len(err) == 1 and err[0].startswith("autotuner: error: "), err
+    assert "Traceback" not in captured.err + captured.out
+    for word in words:
+        assert word in err[0], (word, err[0])
+    assert not run_dir.exists() or run_dir.is_file(), "nothing may be written for refused input"
+    return err[0]
+
+
+def test_zero_kv_heads_is_refused_not_run_as_multi_head(capsys, tmp_path):
+    # item 3: `or heads` turned a present 0 into plain multi-head attention
+    _refused(
+        capsys,
+        tmp_path / "run",
+        ["hf.num_key_value_heads=0"],
+        "num_key_value_heads=0",
+        "set hf.num_key_value_heads=",
+    )
+
+
+@pytest.mark.parametrize("name", ["../cases/tiny", "/tmp/tiny", "sub/tiny", ".tiny"])
+def test_a_path_as_case_name_is_refused(capsys, tmp_path, name):
+    # item 4: the case loaded through the traversal and runs/${case} left runs/
+    _refused(capsys, tmp_path / "run", [f"case={name}"], f"case={name!r}", "is not a case name", "case_dir=")
+
+
+@pytest.mark.parametrize(
+    "override, field, fix",
+    [
+        ("hf.intermediate_size=-5", "intermediate_size=-5", "set hf.intermediate_size="),
+        ("hf.head_dim=-16", "head_dim=-16", "set hf.head_dim="),
+        ("hf.vocab_size=-1", "vocab_size=-1", "set hf.vocab_size="),
+        ("hf.vocab_size=0", "vocab_size=0", "set hf.vocab_size="),
+        ("tf.attention_dropout=abc", "tf.attention_dropout='abc'", "set tf.attention_dropout to a number"),
+        ("tf.hidden_dropout=2.0", "tf.hidden_dropout=2.0", "set tf.hidden_dropout between 0 and 1"),
+    ],
+)
+def test_what_only_the_build_found_is_refused_before_any_work(capsys, tmp_path, override, field, fix):
+    # item 5: these were Megatron/torch tracebacks (or failed rows) after environment.json was written
+    _refused(capsys, tmp_path / "run", [override], field, fix)
+
+
+def test_a_model_too_large_to_build_fails_only_the_ops_that_do_not_fit(capsys, tmp_path):
+    # item 6: the MLP's first weight is 2 * 2**39 * 64 fp32 values (256 TiB), more than any address space
+    # holds, so its allocation fails at once on any machine (no memory is touched); linear_qkv fits.
+    before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    overrides = ["ops=[linear_qkv,mlp]", f"hf.intermediate_size={2**39}", f"hydra.run.dir={tmp_path}"]
+    code = run(["case=tiny", *FAST, *overrides])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err[-2000:]  # some op failed, the run finished
+    rows = {(r["op"], r["phase"]): r for r in load_rows(tmp_path / "results.jsonl")}
+    assert set(rows) == {(op, ph) for op in ("linear_qkv", "mlp") for ph in ("forward", "backward")}
+    assert rows[("linear_qkv", "forward")]["status"] == "ok"
+    assert rows[("linear_qkv", "backward")]["status"] == "ok"
+    for phase in ("forward", "backward"):
+        row = rows[("mlp", phase)]
+        assert row["status"] == "failed" and "mlp" in row["error"] and "allocate" in row["error"], row
+    # the op built alone is measured as in the whole model: its weights are not counted as activations
+    qkv = rows[("linear_qkv", "forward")]
+    assert qkv["activation_bytes"] < qkv["weight_bytes"], qkv
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib
+    assert grown_kib < 2 * 1024 * 1024, f"peak memory grew by {grown_kib} KiB"
+
+
+@pytest.mark.parametrize(
+    "files, words",
+    [
+        ({"bad.yaml": "hf_config: [1, 2, 3]\n"}, ("hf_config must be a mapping", "write it as")),
+        ({"bad.yaml": 'hf_config: "abc"\n'}, ("hf_config must be a mapping", "write it as")),
+        (
+            {"bad.yaml": "hf_config_dir: model\n", "model/config.json": '{"model_type": "llama",'},
+            ("config.json is not valid JSON", "fix the file"),
+        ),
+        (
+            {"bad.yaml": "hf_config_dir: model\n", "model/config.json": "[1, 2]"},
+            ("config.json must be a mapping", "write it as"),
+        ),
+    ],
+)
+def test_case_files_of_the_wrong_shape_are_refused(capsys, tmp_path, files, words):
+    # item 7: TypeError, ValueError, JSONDecodeError and AttributeError escaped the CLI
+    cases = tmp_path / "cases"
+    for name, text in files.items():
+        (cases / name).parent.mkdir(parents=True, exist_ok=True)
+        (cases / name).write_text(text)
+    _refused(capsys, tmp_path / "run", [f"case_dir={cases}", "case=bad"], *words)
+
+
+def test_more_threads_than_the_machine_has_is_refused(tmp_path):
+    # item 10: torch started 100000 threads and the process died of a segfault (exit 139); a real process,
+    # so a regression cannot take the test session down with it
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotuner.main",
+            "case=tiny",
+            "timing.threads=100000",
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        len(err) == 1 and "timing.threads=100000" in err[0] and "set timing.threads between 1 and" in err[0]
+    )
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_run_directory_that_cannot_be_a_folder_is_refused(capsys, tmp_path, where):
+    # item 11: Hydra's FileExistsError / NotADirectoryError traceback
+    blocker = tmp_path / "results"
+    blocker.write_text("keep me\n")
+    run_dir = blocker if where == "a file" else blocker / "run"
+    _refused(capsys, run_dir, [], f"hydra.run.dir={run_dir}", "choose a")
+    assert blocker.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_an_empty_op_list_is_refused(capsys, tmp_path):
+    # it ran every op
+    _refused(capsys, tmp_path / "run", ["ops=[]"], "ops=[]", "ops=[all]")
+
+
+def test_a_negative_size_in_a_case_file_names_the_fix(capsys, tmp_path):
+    # the message named the problem only
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    assert "hidden_size: 64\n" in TINY_CASE_TEXT
+    (cases / "negative.yaml").write_text(TINY_CASE_TEXT.replace("hidden_size: 64\n", "hidden_size: -64\n"))
+    _refused(
+        capsys,
+        tmp_path / "run",
+        [f"case_dir={cases}", "case=negative"],
+        "hidden_size=-64",
+        "set hf.hidden_size=",
+        "fix hidden_size in the case file",
+    )
+
+
+def test_fields_left_out_take_their_defaults(tmp_path):
+    # the other side of item 3: only a missing field takes the default (here multi-head attention)
+    from autotuner import cases
+    from autotuner.hf_to_megatron import map_hf_config
+
+    fields = {k: v for k, v in cases.load_case("tiny").hf_fields.items() if k != "num_key_value_heads"}
+    (tmp_path / "mha.yaml").write_text(yaml.safe_dump({"hf_config": fields}))
+    case = cases.load_case("mha", str(tmp_path))
+    args = map_hf_config(cases.build_hf_config(case.hf_fields, {}))
+    assert args.transformer["num_query_groups"] == args.transformer["num_attention_heads"] == 4
+
+
+# --- the tools around a run (compare, report, capture), each in its own process as the user runs it
+
+
+def _tool(*argv: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, argv)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes: equal before and after means nothing was written."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line(proc: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    """The single stderr line of a refused command, checked."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert proc.returncode == code, proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def _run_dir(folder: Path) -> Path:
+    """A run directory as get_data writes it: two ok rows of a tiny case."""
+    writer = ResultsWriter(folder)
+    for phase, median in (("forward", 10.0), ("backward", 20.0)):
+        writer.write(
+            {
+                "case": "tiny",
+                "op": "mlp",
+                "phase": phase,
+                "point": "s8_b1",
+                "seq_len": 8,
+                "micro_batch_size": 1,
+                "dtype": "fp32",
+                "device": "cpu",
+                "launcher": "get_data",
+                "rank": 0,
+                "status": "ok",
+                "median_us": median,
+                "iqr_us": 1.0,
+                "flops": 1000,
+                "peak_bytes": 64,
+            }
+        )
+    return folder
+
+
+def test_compare_on_a_corrupt_results_file_is_one_line(tmp_path: Path):
+    run = _run_dir(tmp_path / "run")
+    with open(run / "results.jsonl", "a") as handle:
+        handle.write('{"case": "tin\n')  # a line cut short, as a copy or an editor can leave it
+    before = _files(tmp_path)
+    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "oss.json")
+    _one_line(proc, 2, "results.jsonl line 3", "not valid JSON", "fix or delete that line")
+    assert proc.stdout == "" and _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("tool", ["autotuner.compare", "autotuner.report"])
+def test_rows_of_the_wrong_type_are_one_line(tmp_path: Path, tool: str):
+    run = _run_dir(tmp_path / "run")
+    lines = (run / "results.jsonl").read_text().splitlines()
+    row = json.loads(lines[1])
+    row["median_us"] = "fast"
+    lines[1] = json.dumps(row)
+    (run / "results.jsonl").write_text("\n".join(lines) + "\n")
+    before = _files(tmp_path)
+    proc = _tool(tool, run)
+    _one_line(proc, 2, "results.jsonl line 2", "'median_us'", '"fast"', "expected a number")
+    assert proc.stdout == "" and _files(tmp_path) == before
+
+
+def test_compare_oss_json_into_a_missing_folder_is_one_line(tmp_path: Path):
+    run = _run_dir(tmp_path / "run")
+    before = _files(tmp_path)
+    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "nowhere" / "oss.json")
+    _one_line(proc, 2, "nowhere", "does not exist", "create it")
+    # Refused before the table is printed: a half-done command would read as a success.
+    assert proc.stdout == "" and _files(tmp_path) == before and not (tmp_path / "nowhere").exists()
+
+
+def test_report_out_onto_an_existing_file_is_one_line(tmp_path: Path):
+    run = _run_dir(tmp_path / "run")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = _files(tmp_path)
+    proc = _tool("autotuner.report", run, "--out", tmp_path / "notes.txt")
+    _one_line(proc, 2, "notes.txt is a file", "give a folder")
+    assert _files(tmp_path) == before
+
+
+def test_capture_of_a_missing_script_is_one_line_and_exit_2(tmp_path: Path):
+    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "missing.py", cwd=tmp_path)
+    _one_line(proc, 2, "can't open file 'missing.py'", "give the path of the training script")
+    assert _files(tmp_path) == {}
+
+
+def test_capture_of_a_script_that_does_not_compile_writes_nothing(tmp_path: Path):
+    (tmp_path / "broken.py").write_text("def (\n")
+    before = _files(tmp_path)
+    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "broken.py", cwd=tmp_path)
+    # The script's own error, shown as Python shows it (exit code 1), then our one line.
+    assert "Traceback" not in proc.stderr and "SyntaxError: invalid syntax" in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1].startswith("autotuner.capture: nothing written")
+    assert _files(tmp_path) == before
+
+
+def test_capture_killed_child_keeps_an_earlier_file_and_says_so(tmp_path: Path):
+    (tmp_path / "dies.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
+    before = _files(tmp_path)
+    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "dies.py", cwd=tmp_path)
+    _one_line(proc, -signal.SIGKILL, "nothing written", "killed by SIGKILL", "from an earlier capture")
+    assert _files(tmp_path) == before
+
+
+def test_capture_out_onto_a_folder_is_refused_before_the_run(tmp_path: Path):
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    (tmp_path / "shapes").mkdir()
+    proc = _tool("autotuner.capture", "--out", "shapes", "--", "python", "train.py", cwd=tmp_path)
+    _one_line(proc, 2, "is a folder", "give a file name")
+    assert proc.stdout == "" and _files(tmp_path) == {"train.py": b"print('trained')\n"}
