@@ -29,9 +29,9 @@ import torch
 from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
+from autotuner.model.runtime import DTYPES, environment, resolve_device
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
-from autotuner.runtime import DTYPES, environment, resolve_device
 
 DEFAULT_DIR = Path("runs") / "calibration"
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without

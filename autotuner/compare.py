@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from autotuner.atomic import atomic_write_text
 from autotuner.errors import UserError
 from autotuner.results import load_rows
+from autotuner.results.atomic import atomic_write_text
 
 OSS_METRICS = ("median_us", "tflops", "peak_bytes", "activation_bytes")
 

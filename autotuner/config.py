@@ -3,7 +3,7 @@ composition, naming the key, before any work.
 
 ``configs/config.yaml`` is the root (it picks a launcher from ``configs/launcher/``); each launcher YAML
 extends its schema here. Cases are not a config group: ``case=<name>`` names a YAML file in ``cases/``
-or in ``case_dir`` (see autotuner.cases), loaded and validated by us.
+or in ``case_dir`` (see autotuner.model.cases), loaded and validated by us.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ _INFO_FLAGS = {
 
 
 def _register_resolvers() -> None:
-    from autotuner.cases import available_cases
+    from autotuner.model.cases import available_cases
 
     def ops() -> str:
         from autotuner.op_mapping import ordered_tests
@@ -331,7 +331,7 @@ def _claim_run_dir(argv: list[str]) -> None:
 
 class _Terminated(BaseException):
     """Raised by the SIGTERM handler: a BaseException, so the runner's per-op ``except Exception`` does
-    not record it as a failed row, and files being written are cleaned up (autotuner.atomic)."""
+    not record it as a failed row, and files being written are cleaned up (autotuner.results.atomic)."""
 
 
 def _resume_command(original: list[str]) -> str | None:
@@ -354,8 +354,8 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
     """Around Hydra's run: on SIGTERM (what SLURM sends at the time limit or on preemption) say how to
     finish the run, then end as the signal would have (exit status 143); pass the user's umask on to
     processes that reset it (nsys); release the run directory's locks when the run ends in-process."""
-    from autotuner.atomic import remember_user_umask
     from autotuner.launchers.common import release_run_dirs
+    from autotuner.results.atomic import remember_user_umask
 
     remember_user_umask()
     handled = threading.current_thread() is threading.main_thread()

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"autotuner.nsys_read: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    from autotuner.table import render
+    from autotuner.results.table import render
 
     print(render(rows))
     failed = [r for r in rows if r.get("status") == "failed"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autotuner.errors import UserError
-from autotuner.model import ModelParts
+from autotuner.model.build import ModelParts
 from autotuner.ops_test import functional_ops, layer_ops, model_ops  # noqa: F401  (registers the ops)
 from autotuner.ops_test.base import BLOCK, EMBEDDING, FUNCTIONAL, HEAD, LAYER, REGISTRY, OpTest
 from autotuner.ops_test.functional_ops import FUNCTIONAL_OPS
@@ -62,7 +62,7 @@ def ordered_tests() -> list[OpTest]:
 
 def _package_available(package: str) -> bool:
     if package == "transformer_engine":
-        from autotuner.model import transformer_engine_available
+        from autotuner.model.build import transformer_engine_available
 
         return transformer_engine_available()
     try:

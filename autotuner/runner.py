@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from autotuner.hf_to_megatron import MegatronModelArgs
+from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
 from autotuner.results import ResultsWriter

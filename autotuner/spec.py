@@ -16,21 +16,21 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from autotuner import cases
 from autotuner.errors import UserError
-from autotuner.hf_to_megatron import map_hf_config
 from autotuner.measure.timer import PRECISION_RULES
+from autotuner.model import cases
+from autotuner.model.hf_to_megatron import map_hf_config
+from autotuner.model.runtime import DTYPES, resolve_device, resolve_dtype
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
-from autotuner.runtime import DTYPES, resolve_device, resolve_dtype
 from autotuner.shapes import generate_points, merge
 
 
 def resolve_spec(cfg: DictConfig) -> RunSpec:
     """Validate the config and derive everything the run needs. Raises UserError on bad input."""
-    from autotuner import model as model_lib
+    from autotuner.model import build as model_lib
+    from autotuner.model.runtime import quiet_megatron_import
     from autotuner.op_mapping import resolve_ops
-    from autotuner.runtime import quiet_megatron_import
 
     case = cases.load_case(cfg.case, cfg.case_dir)
     hf_overrides = OmegaConf.to_container(cfg.hf, resolve=True) or {}
@@ -149,9 +149,9 @@ class _PartsPerOp:
         self.failed: dict[Any, str] = {}
 
     def context_for(self, op: OpTest) -> OpContext:
-        from autotuner.model import ModelBuildError, build_model
+        from autotuner.model.build import ModelBuildError, build_model
+        from autotuner.model.runtime import seed_everything
         from autotuner.op_mapping import model_parts
-        from autotuner.runtime import seed_everything
 
         spec = self.spec
         parts = model_parts([op], spec.block_layers, spec.model_args.tie_word_embeddings)
@@ -190,10 +190,10 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     comes up (see :class:`_PartsPerOp`; ``spec.ops`` is rebound to builds that do so). Any other error
     while building is a configuration the checks of :func:`resolve_spec` let through: one line, exit 2.
     """
-    from autotuner import cpu_bridges
-    from autotuner.model import build_model, is_out_of_memory
+    from autotuner.model import cpu_bridges
+    from autotuner.model.build import build_model, is_out_of_memory
+    from autotuner.model.runtime import init_parallel, seed_everything
     from autotuner.op_mapping import model_parts, needs_model
-    from autotuner.runtime import init_parallel, seed_everything
 
     if spec.threads:
         torch.set_num_threads(spec.threads)

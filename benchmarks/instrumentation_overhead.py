@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from autotuner.model import build_model
+from autotuner.model.build import build_model
+from autotuner.model.runtime import DTYPES
 from autotuner.op_mapping import model_parts
 from autotuner.ops import instrument
 from autotuner.ops_test.base import OpContext
-from autotuner.runtime import DTYPES
 from autotuner.spec import open_session
 from benchmarks._ops import POINT, spec_for
 

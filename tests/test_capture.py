@@ -119,7 +119,7 @@ def test_llama_capture_replays_with_get_data(llama_capture: Path, tmp_path: Path
 @pytest.fixture(scope="module")
 def megatron_capture(tiny_spec, tiny_session, tmp_path_factory) -> Path:
     """A GPTModel of case=tiny (its own, uninstrumented) trained 2 steps under the context manager."""
-    from autotuner.model import ModelParts, build_model
+    from autotuner.model.build import ModelParts, build_model
 
     spec = tiny_spec
     model = build_model(spec.model_args, spec.tf_config, ModelParts(2, True, True), spec.device, False, False)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from autotuner import cases
 from autotuner.errors import UserError
-from autotuner.hf_to_megatron import layer_parameter_count, map_hf_config, model_parameter_count
+from autotuner.model import cases
+from autotuner.model.hf_to_megatron import layer_parameter_count, map_hf_config, model_parameter_count
 
 # Totals published with each model's weights (the sum of the safetensors' tensor sizes).
 PUBLISHED_PARAMETERS = {
@@ -23,8 +23,8 @@ PUBLISHED_PARAMETERS = {
 
 @pytest.fixture(scope="module")
 def transformer_config_of():
-    from autotuner.model import build_transformer_config
-    from autotuner.runtime import quiet_megatron_import
+    from autotuner.model.build import build_transformer_config
+    from autotuner.model.runtime import quiet_megatron_import
 
     quiet_megatron_import()
     import torch

@@ -482,8 +482,8 @@ def test_a_negative_size_in_a_case_file_names_the_fix(capsys, tmp_path):
 
 def test_fields_left_out_take_their_defaults(tmp_path):
     # the other side of item 3: only a missing field takes the default (here multi-head attention)
-    from autotuner import cases
-    from autotuner.hf_to_megatron import map_hf_config
+    from autotuner.model import cases
+    from autotuner.model.hf_to_megatron import map_hf_config
 
     fields = {k: v for k, v in cases.load_case("tiny").hf_fields.items() if k != "num_key_value_heads"}
     (tmp_path / "mha.yaml").write_text(yaml.safe_dump({"hf_config": fields}))

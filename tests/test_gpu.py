@@ -138,11 +138,11 @@ def test_an_op_that_cannot_be_captured_is_timed_eagerly_and_leaves_the_device_us
 
 def test_dropout_under_megatrons_rng_tracker_is_captured():
     """Megatron draws attention dropout inside ``get_cuda_rng_tracker().fork()``. The tracker we install
-    on a GPU is the graph-safe one (autotuner.runtime.seed_everything), whose generators the graph
+    on a GPU is the graph-safe one (autotuner.model.runtime.seed_everything), whose generators the graph
     registers: each replay draws new numbers, as successive eager calls do."""
     from megatron.core import tensor_parallel
 
-    from autotuner.runtime import graph_rng_generators, init_parallel, seed_everything
+    from autotuner.model.runtime import graph_rng_generators, init_parallel, seed_everything
 
     init_parallel(CUDA)
     seed_everything(0, CUDA)

@@ -433,7 +433,7 @@ def test_rows_written_before_host_median_keep_plain_labels() -> None:
     differs from it, so neither the table nor the report may call that median the GPU's."""
     from autotuner.report.data import Run
     from autotuner.report.tables import rows_section
-    from autotuner.table import render
+    from autotuner.results.table import render
 
     with open(FIXTURES / "l7" / "results.csv", newline="") as handle:
         old = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(handle)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autotuner.errors import UserError
-from autotuner.hf_to_megatron import layer_parameter_count, model_parameter_count
+from autotuner.model.hf_to_megatron import layer_parameter_count, model_parameter_count
 from autotuner.op_mapping import OP_ORDER, model_parts, needs_model, resolve_ops
 from autotuner.ops_test.base import REGISTRY, ShapePoint
 

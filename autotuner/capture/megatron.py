@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotuner.capture.schema import CallRecord, Capture
-from autotuner.model import LAYER_MODULE_OPS, MODEL_MODULE_OPS
+from autotuner.model.build import LAYER_MODULE_OPS, MODEL_MODULE_OPS
 from autotuner.ops_test.base import ShapePoint
 
 LAYER_CLASS, MODEL_CLASS = "TransformerLayer", "GPTModel"

@@ -266,7 +266,7 @@ class Recorder:
         return sorted(found, key=lambda c: -c.count)
 
     def to_json(self, status: str = "complete", error: str | None = None) -> dict[str, Any]:
-        from autotuner.runtime import environment
+        from autotuner.model.runtime import environment
 
         calls = self.records()
         on_cuda = any("cuda" in a.get("tensor", {}).get("device", "") for c in calls for a in c.args)

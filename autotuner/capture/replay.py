@@ -35,9 +35,9 @@ from autotuner.capture.generic import (
 from autotuner.capture.schema import Capture, load
 from autotuner.capture.tensors import NotReplayable
 from autotuner.errors import UserError
+from autotuner.model.runtime import DTYPES
 from autotuner.ops_test.base import LAYER, REGISTRY, OpTest
 from autotuner.runner import RunSpec
-from autotuner.runtime import DTYPES
 
 CAPTURED = "captured"  # ops=[captured]: the capture's own calls, even from a Megatron model
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -92,7 +92,7 @@ def _megatron_spec(spec: RunSpec, capture: Capture, calls: list[megatron.Megatro
 
 
 def _module_ops() -> set[str]:
-    from autotuner.model import LAYER_MODULE_OPS
+    from autotuner.model.build import LAYER_MODULE_OPS
 
     return set(LAYER_MODULE_OPS.values())
 

@@ -7,7 +7,7 @@ A capture is one JSON object (never pickle: a capture can be read, diffed and sh
       "version": 1,                           # bumped whenever a field changes meaning
       "created": "2026-01-31T12:00:00+00:00", # when the file was written (UTC)
       "command": ["train.py", "--lr", "1e-3"],# the program's sys.argv when the file was written
-      "environment": {...},                   # versions, device, threads (autotuner.runtime.environment)
+      "environment": {...},                   # versions, device, threads (model.runtime.environment)
       "settings": {"steps": [1, 3] | null, "functions": [...], "methods": [...]},
       "steps": {"seen": 3, "captured": 2},    # optimizer steps the program made / made inside the window
       "status": "complete",                   # complete | exit | exception | interrupted | signal
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotuner.atomic import atomic_write_text
 from autotuner.errors import UserError
+from autotuner.results.atomic import atomic_write_text
 
 FORMAT = "autotuner-capture"
 VERSION = 1
@@ -119,9 +119,9 @@ class Capture:
 
 
 def dump(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (autotuner.atomic), so a reader (or a crash half-way)
-    never sees a half-written capture. Non-finite floats must already be encoded (``allow_nan=False``
-    refuses them rather than write non-standard JSON)."""
+    """Write ``data`` as JSON to ``path`` atomically (autotuner.results.atomic), so a reader (or a crash
+    half-way) never sees a half-written capture. Non-finite floats must already be encoded
+    (``allow_nan=False`` refuses them rather than write non-standard JSON)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target, json.dumps(data, indent=1, allow_nan=False) + "\n")

@@ -13,12 +13,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from autotuner.atomic import atomic_write_text
 from autotuner.errors import UserError
+from autotuner.model.runtime import _cpu_name as cpu_name
+from autotuner.model.runtime import environment
 from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
-from autotuner.runtime import _cpu_name as cpu_name
-from autotuner.runtime import environment
-from autotuner.table import render
+from autotuner.results.atomic import atomic_write_text
+from autotuner.results.table import render
 
 
 def process_rank() -> tuple[int, int]:
@@ -212,7 +212,7 @@ def start_writer(
     cfg: DictConfig, spec: Any, run_dir: Path, tools: dict[str, tuple[str, str]] | None = None
 ) -> ResultsWriter:
     """Lock the run directory, check a resume, then write ``environment.json`` (versions, device, the
-    derived model config, the ``tools`` the launcher runs: see :func:`autotuner.runtime.environment`;
+    derived model config, the ``tools`` the launcher runs: see :func:`autotuner.model.runtime.environment`;
     the :func:`fingerprint` a resume is checked against) and open the results.
 
     Every check comes before the first write, so a refused run leaves the directory as it was.

@@ -24,9 +24,9 @@ from autotuner.measure.flops import count_flops
 from autotuner.measure.graphs import NotReplayable, capture_phase
 from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
+from autotuner.model.runtime import graph_rng_generators
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
-from autotuner.runtime import graph_rng_generators
 
 
 def roofline(
@@ -218,7 +218,7 @@ def keep_calibration(data: dict[str, Any], run_dir: Any) -> None:
     import json
     from pathlib import Path
 
-    from autotuner.atomic import atomic_write_text
+    from autotuner.results.atomic import atomic_write_text
 
     atomic_write_text(Path(run_dir) / "calibration.json", json.dumps(data, indent=2) + "\n")
 

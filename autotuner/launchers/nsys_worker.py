@@ -163,8 +163,8 @@ def _load_config(path: Path) -> Any:
 
 def run_worker(run_dir: Path, config_path: Path) -> int:
     """Run the plan in this process under NVTX ranges; 0 once the plan is done (failed ops included)."""
-    from autotuner.atomic import atomic_write_text
     from autotuner.results import ResultsWriter
+    from autotuner.results.atomic import atomic_write_text
     from autotuner.runner import Runner
     from autotuner.spec import open_session, resolve_spec
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m autotuner.launchers.nsys_worker <run_dir> <config.yaml>", file=sys.stderr)
         return 2
-    from autotuner.atomic import adopt_user_umask
+    from autotuner.results.atomic import adopt_user_umask
 
     adopt_user_umask()  # nsys starts us with umask 0, which would make our files world-writable
     try:

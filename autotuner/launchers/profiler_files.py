@@ -2,7 +2,7 @@
 not at all.
 
 Every file is first written under a unique hidden temporary name in its final folder
-(``.<name>.<random>.tmp``, :func:`autotuner.atomic.atomic_path`) and then renamed over the final name,
+(``.<name>.<random>.tmp``, :func:`autotuner.results.atomic.atomic_path`) and then renamed over the final name,
 which is atomic within one file system: a reader, or a run killed half-way through a 200 MB export, sees
 the previous file or the new one, never a truncated trace that a viewer rejects. Temporary names end in
 ``.tmp`` so that Holistic Trace Analysis, which loads every ``*.json``/``*.gz`` of a folder as one rank's
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from autotuner.atomic import atomic_path
+from autotuner.results.atomic import atomic_path
 
 TRACE_SUFFIX = ".pt.trace.json"
 

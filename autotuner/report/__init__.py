@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from autotuner.atomic import atomic_write_text
+from autotuner.results.atomic import atomic_write_text
 
 REPORT_NAME = "report.html"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from autotuner import table
+from autotuner.results import table
 
 DPI = 100
 # Pixel sizes of the figures. Fixed, so the page lays out the same for every run (and the tests can check

@@ -20,7 +20,7 @@ from autotuner.report.data import (
     speedups,
 )
 from autotuner.report.style import human_bytes, human_si, human_time
-from autotuner.table import has_host_time
+from autotuner.results.table import has_host_time
 
 
 def cell(text: Any, sort: Any = None, cls: str = "") -> str:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from autotuner.errors import UserError
-from autotuner.hf_to_megatron import MegatronModelArgs
+from autotuner.model.hf_to_megatron import MegatronModelArgs
+from autotuner.model.runtime import DTYPES
 from autotuner.ops.instrument import instrument_module, instrumented_factory, instrumented_function
-from autotuner.runtime import DTYPES
 
 # Modules of a TransformerLayer, by attribute path, and the op each one is.
 LAYER_MODULE_OPS = {

@@ -66,8 +66,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from autotuner.atomic import atomic_write_text
 from autotuner.errors import UserError
+from autotuner.results.atomic import atomic_write_text
 
 COLUMNS = [
     "case",

@@ -14,7 +14,7 @@ tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
 3. The model-parallel RNG tracker: ``get_cuda_rng_tracker().fork()`` (used around attention dropout)
    raises without a CUDA RNG state. For a CPU run the inference tracker (whose fork is a no-op) is
    installed; dropout then draws from the CPU generator, which ``torch.manual_seed`` seeds. A CUDA run
-   re-creates the real tracker (autotuner.runtime.seed_everything).
+   re-creates the real tracker (autotuner.model.runtime.seed_everything).
 4. ``get_default_causal_mask`` builds its mask on "cuda" when the attention mask is None: not bridged,
    because our op inputs always pass an explicit boolean causal mask (True = masked).
 """

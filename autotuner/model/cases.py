@@ -18,7 +18,7 @@ import yaml
 
 from autotuner.errors import UserError
 
-BUILTIN_CASE_DIR = Path(__file__).resolve().parent.parent / "cases"
+BUILTIN_CASE_DIR = Path(__file__).resolve().parents[2] / "cases"
 # A case is named, never addressed by path: a name with a separator or a leading dot could load a file
 # outside the case folders and put the default run directory (runs/${case}/...) outside runs/.
 CASE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
@@ -175,7 +175,7 @@ def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any
         )
     fields.update(overrides)
     # transformers logs its own warnings about a bad field (a token id outside vocab_size=-1) before our
-    # checks in autotuner.hf_to_megatron refuse it in one line: keep them off stderr while building.
+    # checks in autotuner.model.hf_to_megatron refuse it in one line: keep them off stderr while building.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
