@@ -6,11 +6,11 @@ BIN := $(VENV)/bin
 # unpinned or newer torch pulls a CUDA build of several GB. The package itself asks only torch>=2.4.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test lint format tools clean
+.PHONY: setup demo test test-fast lint format tools clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -24,6 +24,10 @@ demo: setup
 
 test: setup tools
 	$(BIN)/python -m pytest
+
+# The development loop: no nsys, no SLURM, no torchrun, no GPU, nothing over ~10 s (README: Testing).
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow and not nsys and not slurm and not torchrun and not gpu"
 
 lint: setup
 	$(BIN)/ruff check autotuner tests benchmarks

@@ -12,13 +12,13 @@ The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops),
 peak. The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
 ``calibration`` config key, or that default file) to add each op's bound and the fraction of its ceiling
 it reaches. Calibrate once per machine; the file names the device and versions it was measured with.
+Where it is kept and how it is read back: autotuner.measure.calibration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,12 +28,13 @@ import torch
 
 from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes
+from autotuner.measure.calibration import default_path
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
 from autotuner.model.runtime import DTYPES, environment, resolve_device
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
+from autotuner.results.atomic import atomic_write_text
 
-DEFAULT_DIR = Path("runs") / "calibration"
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
 MATMUL_SIZE = {
@@ -43,14 +44,6 @@ MATMUL_SIZE = {
 
 # Host transfer sizes tried for the pageable ceilings (the best rate is kept).
 TRANSFER_SIZES = (16 * 2**20, 64 * 2**20, 256 * 2**20)
-
-
-def default_path(device: torch.device) -> Path:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = environment(device)["device_name"]
-    return DEFAULT_DIR / (re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{name}").strip("-").lower() + ".json")
 
 
 def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> float:
@@ -85,18 +78,6 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     return result
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Read a calibration file; a missing or malformed one is a UserError."""
-    try:
-        data = json.loads(Path(path).read_text())
-        data["peak_flops"], data["memory_bandwidth"]  # noqa: B018 - the keys every reader needs
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(
-            f"calibration file {path} is missing or invalid ({exc}): run python -m autotuner.calibrate"
-        ) from exc
-    return data
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0]
@@ -112,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = calibrate(device)
     out = Path(args.out) if args.out else default_path(device)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")  # a run reading it sees all or nothing
     for dtype, flops in result["peak_flops"].items():
         print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")
     print(f"copy          {result['memory_bandwidth'] / 1e9:10.2f} GB/s")

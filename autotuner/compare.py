@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.table import text_table
+from autotuner.results.units import MISSING, common_time_unit, significant
 
 OSS_METRICS = ("median_us", "tflops", "peak_bytes", "activation_bytes")
 
@@ -64,22 +65,6 @@ def check_output(path: Path) -> None:
         )
 
 
-def _significant(value: float, digits: int) -> str:
-    if value == 0 or not math.isfinite(value):
-        return f"{value:g}"
-    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
-    return f"{value:.{decimals}f}"
-
-
-def _unit(values: list[float]) -> tuple[str, float]:
-    """One time unit for a whole table, chosen by its smallest value (as Compare does)."""
-    smallest = min(values) if values else 1.0
-    for name, scale in (("s", 1e6), ("ms", 1e3)):
-        if smallest >= scale:
-            return name, scale
-    return "us", 1.0
-
-
 def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two rows' medians differ by less than the mean of their IQRs."""
     spread = ((a.get("iqr_us") or 0) + (b.get("iqr_us") or 0)) / 2
@@ -100,18 +85,18 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
         cells = [r["median_us"] for (_, o, _, _), r in index.items() if o == op]
         if not cells:
             continue
-        unit, scale = _unit(cells)
+        unit, scale = common_time_unit(cells, digits)
         header = [f"[ {op} ]  ({unit})", *points]
-        lines = [header]
+        lines = []
         for phase in ("forward", "backward"):
             for position, label in enumerate(labels):
                 line = [f"{phase:8} {label}"]
                 for point in points:
                     row = index.get((label, op, phase, point))
                     if row is None:
-                        line.append("-")
+                        line.append(MISSING)
                         continue
-                    text = _significant(row["median_us"] / scale, digits)
+                    text = significant(row["median_us"] / scale, digits)
                     base = index.get((labels[0], op, phase, point))
                     if position and base is not None:
                         speedup = base["median_us"] / row["median_us"]
@@ -120,16 +105,7 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
                         text += " !"
                     line.append(text)
                 lines.append(line)
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        blocks.append(
-            "\n".join(
-                "  ".join(
-                    c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(line, widths, strict=True))
-                )
-                for line in lines
-            )
-        )
+        blocks.append(text_table(header, lines, [False] + [True] * len(points), rule=False))
     legend = (
         f"baseline: {labels[0]}; (N.NNx) = speed-up over the baseline, ~ = within noise (IQR); "
         "! = the sampler warned (see results.csv)"

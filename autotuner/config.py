@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
+from autotuner import shipped_folder
+from autotuner.errors import UserError
 from autotuner.measure.timer import SamplingPolicy
+
+CONFIG_DIR = shipped_folder("configs")  # the repository's configs/, carried by the wheel too
 
 
 @dataclass
@@ -186,3 +190,47 @@ def register_configs() -> None:
     cs.store(group="launcher", name="get_data_schema", node=GetDataLauncherConfig)
     cs.store(group="launcher", name="nsys_schema", node=NsysLauncherConfig)
     cs.store(group="launcher", name="torch_profiler_schema", node=TorchProfilerLauncherConfig)
+
+
+def open_dict_overrides(argv: list[str]) -> list[str]:
+    """``hf.<field>=`` and ``tf.<field>=`` set fields the root schema cannot list (they depend on the
+    model); Hydra's ``++`` adds-or-sets them. Their names are validated against the real HF config and
+    TransformerConfig fields by autotuner.spec, so a typo is still an error."""
+    return [f"++{arg}" if arg.startswith(("hf.", "tf.")) and "=" in arg else arg for arg in argv]
+
+
+def short_error(exc: BaseException) -> str:
+    """Hydra's or OmegaConf's error in one line: its first lines, without their hints about debugging."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [
+        line
+        for line in lines
+        if not line.startswith(("Set the environment variable", "full_key", "object_type"))
+    ]
+    return "; ".join(lines[:3]) or type(exc).__name__
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose the config for one job's overrides without running it (the command line's checks, tests,
+    benchmarks). Raises UserError for an unknown launcher or a bad override."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    overrides = open_dict_overrides(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except MissingConfigException as exc:
+        if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in overrides):
+            raise UserError(
+                f"unknown launcher in {overrides}: use launcher=get_data, nsys or torch_profiler"
+            ) from exc
+        raise UserError(f"config not found: {short_error(exc)}") from exc
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UserError(f"bad override: {short_error(exc)}: see python -m autotuner.main --help") from exc
+    finally:
+        GlobalHydra.instance().clear()

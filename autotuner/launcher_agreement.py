@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +37,8 @@ from typing import Any, NoReturn
 
 from autotuner.errors import UserError
 from autotuner.results import load_rows
+from autotuner.results.atomic import atomic_write_text
+from autotuner.results.table import text_table
 
 LAUNCHERS = ("get_data", "torch_profiler", "nsys")
 Key = tuple[str, str, str]  # (op, phase, point)
@@ -249,7 +250,7 @@ def render(agreement: Agreement) -> str:
         n for n in ("get_data", "torch_profiler") if n in agreement.runs and n != agreement.reference
     ]
     header += [f"{n}/{agreement.reference}" for n in ratio_names] + ["verdict"]
-    lines = [header]
+    lines = []
     for row in agreement.rows:
         cells = [row.op, row.phase, row.point]
         for name in names:
@@ -260,14 +261,8 @@ def render(agreement: Agreement) -> str:
         cells += ["-" if row.ratios[n] is None else f"{row.ratios[n]:.3f}" for n in ratio_names]
         cells.append(row.verdict)
         lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     left = {0, 1, 2, len(header) - 1}  # names left-aligned, numbers right-aligned
-
-    def fmt(line: list[str]) -> str:
-        cells = zip(line, widths, strict=True)
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(cells)).rstrip()
-
-    text = "\n".join(fmt(line) for line in lines)
+    text = text_table(header, lines, [i not in left for i in range(len(header))], rule=False)
     legend = [
         f"reference: {_reference_name(agreement.reference, agreement.rows)}"
         + ("" if "nsys" in agreement.runs else " (no nsys run given)"),
@@ -302,10 +297,8 @@ def _floor(text: str) -> float:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Through a temporary file and a rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    """Whole or not at all (autotuner.results.atomic): a reader never sees half a file."""
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -24,10 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from autotuner.config import register_configs
+from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
 from autotuner.errors import UserError
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Hydra's own flags: those that take a value, and those that print instead of running.
 _FLAGS_WITH_VALUE = {
@@ -106,42 +104,6 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*choices)] or [[]]
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    lines = [
-        line
-        for line in lines
-        if not line.startswith(("Set the environment variable", "full_key", "object_type"))
-    ]
-    return "; ".join(lines[:3]) or type(exc).__name__
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """Compose the config for one job's overrides without running it (also for tests and benchmarks).
-    Raises UserError for an unknown launcher or a bad override."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    register_configs()
-    overrides = _open_dict_overrides(overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
-    except MissingConfigException as exc:
-        if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in overrides):
-            raise UserError(
-                f"unknown launcher in {overrides}: use launcher=get_data, nsys or torch_profiler"
-            ) from exc
-        raise UserError(f"config not found: {_one_line(exc)}") from exc
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise UserError(f"bad override: {_one_line(exc)}: see python -m autotuner.main --help") from exc
-    finally:
-        GlobalHydra.instance().clear()
-
-
 def preflight(argv: list[str]) -> None:
     """Compose and validate every job the command line asks for. Raises UserError."""
     from hydra.errors import HydraException
@@ -151,13 +113,52 @@ def preflight(argv: list[str]) -> None:
     overrides = _user_overrides(argv)
     if overrides is None:
         return
+    import autotuner.capture.replay  # noqa: F401  (registers capture=<file> with autotuner.spec)
+
     try:
         jobs = _expand_sweeps(overrides)
     except HydraException as exc:
-        raise UserError(f"cannot parse the overrides: {_one_line(exc)}") from exc
+        raise UserError(f"cannot parse the overrides: {short_error(exc)}") from exc
+    search = _search_path(argv)
     for job in jobs:
-        resolve_spec(compose_config(job))
-    _check_output_dir(argv, jobs[0])
+        resolve_spec(compose_config([*job, *search]))
+    _check_output_dir(argv, [*jobs[0], *search])
+
+
+def _search_path(argv: list[str]) -> list[str]:
+    """A user's own config folders as the one override the compose API understands: ``--config-dir DIR``
+    (a flag only Hydra's command line reads) joined to any ``hydra.searchpath=[...]``, in the order Hydra's
+    run searches them, after the shipped configs. So a launcher or config group option a user adds there
+    passes the checks here as it will pass Hydra's own composition. Raises UserError."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    paths: list[str] = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif not (flag == "--config-dir" and eq):
+            continue
+        folder = Path(os.path.abspath(value))  # as Hydra resolves it
+        if not folder.is_dir():
+            raise UserError(
+                f"--config-dir {value} is not a folder: point it at a folder of config YAML files"
+            )
+        paths.append(f"file://{folder}")
+    for arg in argv:
+        if arg.lstrip("+").split("=", 1)[0] == "hydra.searchpath":
+            try:
+                entries = OverridesParser.create().parse_override(arg).value()
+            except HydraException:
+                entries = None
+            if not isinstance(entries, list):
+                raise UserError(f"bad {arg}: give a list of folders, hydra.searchpath=[file:///abs/dir]")
+            paths += [str(p) for p in entries]
+    if not paths:
+        return []
+    quoted = ("'" + p.replace("'", "\\'") + "'" for p in paths)
+    return [f"hydra.searchpath=[{','.join(quoted)}]"]
 
 
 def _hydra_overrides(argv: list[str]) -> list[str]:
@@ -171,7 +172,8 @@ def _hydra_overrides(argv: list[str]) -> list[str]:
             skip = True
             continue
         key = arg.lstrip("+~").split("=", 1)[0]
-        if not arg.startswith("-") and (key.startswith(("hydra.", "hydra/")) or key == "hydra"):
+        hydra_key = key.startswith(("hydra.", "hydra/")) or key == "hydra"
+        if not arg.startswith("-") and hydra_key and key != "hydra.searchpath":  # that one: _search_path
             found.append(arg)
     return found
 
@@ -218,6 +220,7 @@ def _check_output_dir(argv: list[str], job: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def _app(cfg: DictConfig) -> None:
+    import autotuner.capture.replay  # noqa: F401  (registers capture=<file>; a sweep's job may start here)
     from autotuner.launchers import launch
     from autotuner.spec import resolve_spec
 
@@ -238,7 +241,7 @@ def _app(cfg: DictConfig) -> None:
             os._exit(1)
         raise
     # Also after failed ops (the report lists them); under torchrun only rank 0, which merged the rows.
-    if cfg.report and os.environ.get("RANK", "0") == "0" and (run_dir / "results.jsonl").exists():
+    if cfg.report and spec.rank == 0 and (run_dir / "results.jsonl").exists():
         _report(run_dir)
     if code and HydraConfig.get().mode == RunMode.MULTIRUN:
         # Hydra's sweep (and submitit) stop at a SystemExit: the other jobs still deserve their run.
@@ -257,13 +260,6 @@ def _report(run_dir: Path) -> None:
         print(f"report: {write_report(run_dir)}")
     except Exception as exc:  # noqa: BLE001 - the measurements are on disk whatever happens here
         print(f"autotuner: report not written: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
-
-
-def _open_dict_overrides(argv: list[str]) -> list[str]:
-    """``hf.<field>=`` and ``tf.<field>=`` set fields the root schema cannot list (they depend on the
-    model); Hydra's ``++`` adds-or-sets them. Their names are validated against the real HF config and
-    TransformerConfig fields by autotuner.spec, so a typo is still an error."""
-    return [f"++{arg}" if arg.startswith(("hf.", "tf.")) and "=" in arg else arg for arg in argv]
 
 
 def _shared_run_dir(argv: list[str]) -> list[str]:
@@ -310,12 +306,12 @@ def _claim_run_dir(argv: list[str]) -> None:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(
                 config_name="config",
-                overrides=[*overrides, f"hydra.run.dir={given[-1]}"],
+                overrides=[*overrides, *_search_path(argv), f"hydra.run.dir={given[-1]}"],
                 return_hydra_config=True,
             )
         run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
     except (HydraException, OmegaConfBaseException) as exc:
-        raise UserError(f"bad hydra.run.dir: {_one_line(exc)}: give a folder path") from exc
+        raise UserError(f"bad hydra.run.dir: {short_error(exc)}: give a folder path") from exc
     finally:
         GlobalHydra.instance().clear()
     with open_dict(cfg):
@@ -393,7 +389,7 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> None:
     """Validate the command line, then hand it to Hydra."""
     original = list(sys.argv[1:] if argv is None else argv)
-    argv = _open_dict_overrides(original)
+    argv = open_dict_overrides(original)
     register_configs()
     _register_resolvers()
     try:

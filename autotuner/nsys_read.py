@@ -56,8 +56,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def context_of(report: Path) -> dict[str, Any]:
-    """The columns a report cannot tell, from the run directory it sits in (``environment.json``), and the
-    rank from its name."""
+    """The identity columns (autotuner.plan.IDENTITY_COLUMNS) a report cannot tell: case, dtype, device and
+    tensor_parallel from the run directory it sits in (``environment.json``), the rank from its name.
+    With no spec, this is what :func:`autotuner.plan.named_identity` gets for the launcher's spec."""
     match = _RANK_RE.search(report.stem)
     context: dict[str, Any] = {"rank": int(match[1]) if match else 0}
     try:
@@ -97,7 +98,7 @@ def read_rows(sqlite_path: Path, shown: Path) -> list[dict[str, Any]]:
 def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
     """``report`` (.nsys-rep) exported to SQLite under ``tmp``."""
     from autotuner.config import NsysLauncherConfig
-    from autotuner.launchers.nsys import find_nsys
+    from autotuner.launchers.nsys_command import find_nsys
     from autotuner.launchers.nsys_report import export_sqlite
 
     nsys = find_nsys(nsys_bin or NsysLauncherConfig.nsys_bin).path

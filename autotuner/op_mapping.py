@@ -1,6 +1,8 @@
 """Op names to op tests: canonical names, the design card's aliases, selection and what to build.
 
-The canonical order is model order, so tables and timelines read top to bottom like the forward pass.
+The canonical order is model order, so tables and timelines read top to bottom like the forward pass. It,
+the layer's sub-ops and which half of the layer each lives in are derived from the places the ops declare
+(autotuner.ops_test.places); the names below are that derivation at import.
 """
 
 from __future__ import annotations
@@ -9,36 +11,27 @@ from collections.abc import Sequence
 
 from autotuner.errors import UserError
 from autotuner.model.build import ModelParts
-from autotuner.ops_test import functional_ops, layer_ops, model_ops  # noqa: F401  (registers the ops)
-from autotuner.ops_test.base import BLOCK, EMBEDDING, FUNCTIONAL, HEAD, LAYER, REGISTRY, OpTest
-from autotuner.ops_test.functional_ops import FUNCTIONAL_OPS
-
-OP_ORDER = (
-    "embedding",
-    "transformer_block",
-    "transformer_layer",
-    "input_layernorm",
-    "self_attention",
-    "linear_qkv",
-    "rope",
-    "core_attention",
-    "linear_proj",
-    "self_attn_bda",
-    "pre_mlp_layernorm",
-    "mlp",
-    "linear_fc1",
-    "activation",
-    "linear_fc2",
-    "mlp_bda",
-    "final_layernorm",
-    "output_layer",
+from autotuner.ops_test.base import (
+    ATTENTION,
+    BLOCK,
+    EMBEDDING,
+    FUNCTIONAL,
+    HEAD,
+    LAYER,
+    MLP,
+    REGISTRY,
+    OpTest,
 )
+from autotuner.ops_test.places import OpTree, op_tree
 
+_TREE = op_tree()
+# The ops of the model, in the order of its forward pass.
+OP_ORDER = _TREE.model_order
 # The sub-ops inside one TransformerLayer, in the order its forward runs them.
-LAYER_SUB_OPS = OP_ORDER[OP_ORDER.index("input_layernorm") : OP_ORDER.index("mlp_bda") + 1]
+LAYER_SUB_OPS = _TREE.layer_ops
 # Which half of the layer each sub-op lives in: a layer built with that half alone holds it.
-ATTENTION_OPS = frozenset(LAYER_SUB_OPS[: LAYER_SUB_OPS.index("self_attn_bda") + 1])
-MLP_OPS = frozenset(LAYER_SUB_OPS[LAYER_SUB_OPS.index("pre_mlp_layernorm") :])
+ATTENTION_OPS = _TREE.in_half(ATTENTION)
+MLP_OPS = _TREE.in_half(MLP)
 
 # Packages an op may need, and whether they import here (filled lazily; see available_ops).
 OPTIONAL_PACKAGES = {"transformer_engine": "transformer-engine[pytorch]"}
@@ -54,10 +47,9 @@ def _alias_table() -> dict[str, str]:
 
 
 def ordered_tests() -> list[OpTest]:
-    """Every registered op test, in model order, then the functional group (ops registered elsewhere come
-    last, by name)."""
-    rank = {name: i for i, name in enumerate((*OP_ORDER, *FUNCTIONAL_OPS))}
-    return sorted(REGISTRY.values(), key=lambda t: (rank.get(t.name, len(rank)), t.name))
+    """Every registered op test (those registered since import too): the model's in model order, then
+    the ones with no place in the model (the functional group), as registered."""
+    return [REGISTRY[name] for name in op_tree().order]
 
 
 def _package_available(package: str) -> bool:
@@ -116,22 +108,20 @@ def needs_model(tests: Sequence[OpTest]) -> bool:
     return any(FUNCTIONAL not in t.needs for t in tests)
 
 
-def _layer_halves(test: OpTest) -> tuple[bool, bool]:
-    """(attention, mlp): the halves of a layer ``test`` runs. An op of the layer this table does not know
-    (one registered elsewhere) gets both."""
+def _layer_halves(test: OpTest, tree: OpTree) -> tuple[bool, bool]:
+    """(attention, mlp): the halves of a layer ``test`` runs. An op of the layer in neither half (the
+    layer itself, or one with no place) gets both."""
     if not test.needs & {LAYER, BLOCK}:
         return False, False
-    if test.name in ATTENTION_OPS:
-        return True, False
-    if test.name in MLP_OPS:
-        return False, True
-    return True, True
+    half = tree.half(test.name) if test.name in tree.parents else None
+    return half != MLP, half != ATTENTION
 
 
 def model_parts(tests: Sequence[OpTest], block_layers: int, tied_embeddings: bool) -> ModelParts:
     """The smallest GPTModel that holds every selected op."""
     needs = set().union(*(t.needs for t in tests)) if tests else set()
-    halves = [_layer_halves(t) for t in tests]
+    tree = op_tree()
+    halves = [_layer_halves(t, tree) for t in tests]
     return ModelParts(
         num_layers=block_layers if BLOCK in needs else 1,
         pre_process=EMBEDDING in needs or (HEAD in needs and tied_embeddings),

@@ -8,7 +8,6 @@ making inputs, the forward/backward split, failure handling, incremental results
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -16,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from tqdm import tqdm
 
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
+from autotuner.plan import plan, row_identity
 from autotuner.results import ResultsWriter
 
 
@@ -40,6 +41,13 @@ class RunSpec:
     threads: int = 0
     phases: tuple[str, ...] = PHASES
     notes: list[str] = field(default_factory=list)
+    # This process's rank and the job's world size (torchrun's RANK and WORLD_SIZE; read once, in
+    # autotuner.spec.resolve_spec, by autotuner.model.runtime.process_rank).
+    rank: int = 0
+    world: int = 1
+    # How the session of a plan that builds no Megatron model is opened (a capture's generic plan sets it:
+    # autotuner.capture.replay); None: autotuner.spec.open_session builds the model.
+    session: Callable[[RunSpec], tuple[Any, Any]] | None = None
     # A capture's generic plan: (point, op, phase) triples, each op at its own point (None: every point
     # x op x phase), and (op, point label) -> calls in the captured run (autotuner.capture.replay).
     plan: list[tuple[ShapePoint, OpTest, str]] | None = None
@@ -231,42 +239,20 @@ class Runner:
         self.observer = observer
         self.writer = writer
         self.progress = progress
-        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-    def plan(self) -> list[tuple[ShapePoint, OpTest, str]]:
-        if self.spec.plan is not None:
-            return list(self.spec.plan)
-        return [
-            (p, op, ph)
-            for p in self.spec.points
-            for op in self.spec.ops
-            for ph in self.spec.phases
-            if ph in op.phases
-        ]
+        self.rank, self.world = spec.rank, spec.world
 
     def _base_row(self, op: OpTest, point: ShapePoint, phase: str) -> dict[str, Any]:
         return {
-            "case": self.spec.case,
-            "op": op.name,
-            "phase": phase,
-            "point": point.label,
-            "seq_len": point.seq_len,
-            "micro_batch_size": point.micro_batch_size,
-            "dtype": self.spec.dtype,
-            "device": self.spec.device.type,
-            "launcher": self.observer.name,
-            "rank": self.rank,
-            "tensor_parallel": self.spec.tf_config.tensor_model_parallel_size,
-            "num_threads": torch.get_num_threads(),
-            "call_count": self.spec.call_counts.get((op.name, point.label)),
+            **row_identity(self.spec, op, point, phase, self.observer.name),
+            "num_threads": torch.get_num_threads(),  # this process's, where the phase runs
         }
 
     def run(self, context: OpContext) -> list[dict[str, Any]]:
         """Run every (point, op, phase) not already done; return the rows written in this run."""
-        plan = self.plan()
+        planned = plan(self.spec)
         done = [
             self.writer.done((self.spec.case, op.name, phase, point.label, self.rank))
-            for point, op, phase in plan
+            for point, op, phase in planned
         ]
         if self.world > 1:
             # Ranks run an op together (its collectives): skip only what every rank has measured, or a
@@ -274,8 +260,8 @@ class Runner:
             flags = torch.tensor(done, dtype=torch.int32, device=self.spec.device)  # NCCL wants CUDA
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
             done = [bool(flag) for flag in flags.tolist()]
-        todo = [item for item, finished in zip(plan, done, strict=True) if not finished]
-        bar = _progress(len(plan), len(plan) - len(todo), self.progress)
+        todo = [item for item, finished in zip(planned, done, strict=True) if not finished]
+        bar = _progress(len(planned), len(planned) - len(todo), self.progress)
         written = []
         by_op: dict[tuple[ShapePoint, str], list[str]] = {}
         for point, op, phase in todo:
@@ -332,17 +318,15 @@ class Runner:
             return {"status": "failed", "error": _one_line(exc)}
 
 
-class _NoBar:
-    def update(self, n: int) -> None: ...
-
-    def set_description(self, text: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def _progress(total: int, done: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, unit="phase", file=sys.stderr, dynamic_ncols=True, leave=False)
+def _progress(total: int, done: int, enabled: bool) -> tqdm:
+    """The phases' progress bar on stderr; with ``progress=false`` a disabled bar, whose methods do
+    nothing. tqdm is imported at the top: torch imports it anyway, so a lazy import saves nothing."""
+    return tqdm(
+        total=total,
+        initial=done,
+        unit="phase",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=False,
+        disable=not enabled,
+    )

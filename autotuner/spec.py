@@ -20,10 +20,36 @@ from autotuner.errors import UserError
 from autotuner.measure.timer import PRECISION_RULES
 from autotuner.model import cases
 from autotuner.model.hf_to_megatron import map_hf_config
-from autotuner.model.runtime import DTYPES, resolve_device, resolve_dtype
+from autotuner.model.runtime import DTYPES, process_rank, resolve_device, resolve_dtype
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
 from autotuner.shapes import generate_points, merge
+
+# A feed turns the case's spec into the spec of what another source asks to profile: (spec, cfg) -> spec.
+Feed = Callable[[RunSpec, DictConfig], RunSpec]
+# Config keys that name a feed, and the feeds registered for them. A feed's module registers itself
+# when imported (``capture``: autotuner.capture.replay, imported by the entry points), so this module
+# need not import it: the feed sits above the spec, not below it.
+FEED_KEYS = ("capture",)
+_FEEDS: dict[str, Feed] = {}
+
+
+def register_feed(key: str, feed: Feed) -> None:
+    """Have ``feed`` turn the spec whenever the config key ``key`` (one of :data:`FEED_KEYS`) is set."""
+    if key not in FEED_KEYS:
+        raise ValueError(f"no config key {key!r} names a feed (FEED_KEYS: {', '.join(FEED_KEYS)})")
+    _FEEDS[key] = feed
+
+
+def _fed(spec: RunSpec, cfg: DictConfig) -> RunSpec:
+    for key in FEED_KEYS:
+        if not cfg.get(key):
+            continue
+        if key not in _FEEDS:
+            # A programming error, not bad input: the entry point forgot the import that registers it.
+            raise RuntimeError(f"{key}= is set but no feed is registered for it: import its module first")
+        spec = _FEEDS[key](spec, cfg)
+    return spec
 
 
 def resolve_spec(cfg: DictConfig) -> RunSpec:
@@ -82,7 +108,7 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             "drop tf.sequence_parallel or run on GPUs"
         )
     tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = process_rank()  # once per run: below, the spec carries them
     if tp < 1 or world % tp:
         raise UserError(
             f"tensor_model_parallel_size={tp} needs a multiple of {tp} processes, this job has {world}: "
@@ -110,12 +136,10 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         use_transformer_engine=use_te,
         threads=int(timing.threads),
         notes=list(args.notes),
+        rank=rank,
+        world=world,
     )
-    if cfg.capture:
-        from autotuner.capture.replay import case_from_capture
-
-        spec = case_from_capture(spec, cfg.capture, op_names, None if cfg.dtype == "auto" else dtype)
-    return spec
+    return _fed(spec, cfg)
 
 
 def usable_cpus() -> int:
@@ -197,10 +221,8 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    if spec.ops and not any(op.needs for op in spec.ops):  # a capture's generic plan: no Megatron model
-        from autotuner.capture.replay import open_generic_session
-
-        return open_generic_session(spec)
+    if spec.session is not None:  # a plan that opens its own session (a capture's generic plan)
+        return spec.session(spec)
     cpu_bridges.apply(spec.device)
     init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)
     seed_everything(spec.seed, spec.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autotuner.main import compose_config
+from autotuner.config import compose_config
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
 from autotuner.spec import open_session, resolve_spec

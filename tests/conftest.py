@@ -1,14 +1,38 @@
-"""Shared pytest fixtures."""
-
-# --- nsys: a real Nsight Systems for the tests (see scripts/install_nsys.sh) ------------------
+"""Shared pytest fixtures, and the markers' rules (the markers are registered in pyproject.toml)."""
 
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# --- markers: `make test-fast` deselects them, so each must be on every test that needs it ------
+
+# A fixture that installs or starts something, and the marker a test using it must carry: an unmarked
+# test would make `make test-fast` install nsys or start SLURM.
+_FIXTURE_MARKERS = {"nsys_bin": "nsys", "slurm_env": "slurm"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [
+        f"{item.nodeid} uses the {fixture} fixture: mark it @pytest.mark.{marker}"
+        for item in items
+        for fixture, marker in _FIXTURE_MARKERS.items()
+        if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("\n".join(unmarked))
+    # gpu tests stay in a run without CUDA (CI's), reported as skipped rather than silently deselected
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not torch.cuda.is_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+# --- nsys: a real Nsight Systems for the tests (see scripts/install_nsys.sh) ------------------
 
 
 def _nsys_answers(nsys: str) -> bool:
@@ -53,7 +77,7 @@ def nsys_bin() -> str:
 @pytest.fixture(scope="session")
 def tiny_spec():
     """The validated RunSpec of case=tiny with every op (CPU, fp32)."""
-    from autotuner.main import compose_config
+    from autotuner.config import compose_config
     from autotuner.spec import resolve_spec
 
     return resolve_spec(compose_config(["case=tiny", "device=cpu"]))

@@ -163,7 +163,8 @@ def test_megatron_capture_replays_at_exactly_its_points(megatron_capture: Path, 
 
 
 def test_capture_of_another_model_is_refused(megatron_capture: Path):
-    from autotuner.main import compose_config
+    import autotuner.capture.replay  # noqa: F401  (registers capture=, as the entry points do)
+    from autotuner.config import compose_config
     from autotuner.spec import resolve_spec
 
     overrides = [

@@ -37,6 +37,7 @@ def tiny_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_tiny_run_has_every_op_phase_and_point(tiny_run: Path):
     rows = _check_files(tiny_run)
     keys = {(r["op"], r["phase"], r["point"]) for r in rows}
@@ -55,6 +56,7 @@ def test_tiny_run_has_every_op_phase_and_point(tiny_run: Path):
     assert all(r["flops"] > 0 and r["tflops"] > 0 for r in gemm)
 
 
+@pytest.mark.slow
 def test_run_directory_records_how_to_reproduce(tiny_run: Path):
     record = json.loads((tiny_run / "environment.json").read_text())
     env = record["environment"]
@@ -150,6 +152,7 @@ def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
     assert llama[0]["weight_bytes"] == 202_383_360 * 4  # one Llama-2-7B layer in fp32
 
 
+@pytest.mark.slow
 def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
     args = [
         "case=tiny",

@@ -284,6 +284,7 @@ def test_sigterm_prints_the_command_that_finishes_the_run(tmp_path, capsys):
     assert len(rows) == 6 and rows[: len(done)] == done
 
 
+@pytest.mark.nsys
 def test_files_of_an_nsys_run_follow_the_umask(tmp_path, nsys_bin):
     """nsys starts its program with umask 0; the worker's files must still get the user's mode."""
     run_dir = tmp_path / "nsys"

@@ -21,7 +21,7 @@ from autotuner.ops_test.base import OpCall, ShapePoint
 from autotuner.results import load_rows
 from autotuner.runner import Phase
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 CUDA = torch.device("cuda")
 N, IN, OUT = 96, 128, 320

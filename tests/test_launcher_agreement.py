@@ -73,6 +73,7 @@ def _three(runs: dict[str, Path]) -> list[Path]:
     return [runs["get_data"], runs["torch_profiler"], runs["nsys"]]
 
 
+@pytest.mark.nsys
 def test_table_has_every_op_and_phase_with_numeric_ratios(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
     # A tolerance no ratio can miss: on a loaded 2-core machine the tiny ops' medians were seen 900x apart.
@@ -104,6 +105,7 @@ def test_table_has_every_op_and_phase_with_numeric_ratios(runs: dict[str, Path],
     assert lines[-1].startswith("agreement: ") and lines[-1].endswith("PASS")
 
 
+@pytest.mark.nsys
 def test_a_tolerance_no_launcher_meets_fails_every_row(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
     code, stdout, _ = _agree(*_three(runs), "--tolerance", "1e-9", "--floor-us", "0", "--json", out)
@@ -115,6 +117,7 @@ def test_a_tolerance_no_launcher_meets_fails_every_row(runs: dict[str, Path], tm
     assert f"not within ({len(OPS) * 2})" in summary
 
 
+@pytest.mark.nsys
 def test_rows_under_the_floor_are_not_judged(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
     code, _, _ = _agree(*_three(runs), "--tolerance", "1e-9", "--floor-us", "1e12", "--json", out)
@@ -122,6 +125,7 @@ def test_rows_under_the_floor_are_not_judged(runs: dict[str, Path], tmp_path: Pa
     assert {r["verdict"] for r in json.loads(out.read_text())["rows"]} == {"below floor"}
 
 
+@pytest.mark.nsys
 def test_without_nsys_torch_profiler_is_the_reference(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
     code, stdout, _ = _agree(runs["get_data"], runs["torch_profiler"], "--tolerance", "10%", "--json", out)
@@ -141,6 +145,7 @@ def _write_rows(run_dir: Path, rows: list[dict]) -> Path:
     return run_dir
 
 
+@pytest.mark.nsys
 @pytest.mark.parametrize(
     "case", ["no_results", "no_common_rows", "wrong_order", "other_case", "bad_json", "bad_tolerance"]
 )

@@ -202,7 +202,8 @@ def test_rows_are_the_launchers_rows(fixture: Fixture) -> None:
             int(theirs["micro_batch_size"]),
         )
         assert ours["samples"] == int(theirs["samples"]) == len(fixture.sql[_key(ours)]) == 5
-        assert not ours.get("warnings"), ours
+        # A Measurement's warnings, as get_data's (5 iterations are few); every op launched kernels.
+        assert ours["warnings"] == "few_samples(5)", ours
 
 
 def test_gpu_time_leads_host_time_beside_it(fixture: Fixture) -> None:
@@ -335,7 +336,8 @@ def test_nsys_read_table_files_and_report(tmp_path: Path, capsys: pytest.Capture
     assert header[:7] == ["point", "op", "phase", "gpu", "median", "gpu", "IQR"]
     assert header[7:9] == ["host", "median"]
     (qkv,) = [line for line in printed if re.match(r"s2048_b1\s+linear_qkv\s+forward", line)]
-    assert qkv.split()[3:9] == ["262.0", "us", "0.3", "us", "110.3", "us"]  # GPU first, host after
+    # GPU first, host after, each to 3 significant figures (autotuner.results.units); "!" marks warnings
+    assert [cell for cell in qkv.split() if cell != "!"][3:9] == ["262", "us", "0.256", "us", "110", "us"]
     assert any(
         line.startswith("gpu median, gpu IQR: each iteration's summed kernel time") for line in printed
     )
@@ -349,7 +351,7 @@ def test_nsys_read_table_files_and_report(tmp_path: Path, capsys: pytest.Capture
 
     assert report_main([str(out)]) == 0
     page = (out / "report.html").read_text()
-    headers = re.findall(r"<th>([^<]*)</th>", page[page.index("<h2>All rows</h2>") :])
+    headers = re.findall(r"<th[^>]*>([^<]*)</th>", page[page.index("<h2>All rows</h2>") :])
     assert headers.index("gpu median") < headers.index("gpu IQR") < headers.index("host median")
     assert "median" not in headers and "kernel time" not in headers  # the same number as gpu median
     assert "are GPU times: every median in this report" in page
@@ -439,6 +441,6 @@ def test_rows_written_before_host_median_keep_plain_labels() -> None:
         old = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(handle)]
     header = render(old).splitlines()[0].split()
     assert header[3:5] == ["median", "IQR"] and "host" not in header and "gpu" not in header
-    headers = re.findall(r"<th>([^<]*)</th>", rows_section([Run(Path("l7"), "l7", old)]))
+    headers = re.findall(r"<th[^>]*>([^<]*)</th>", rows_section([Run(Path("l7"), "l7", old)]))
     assert "median" in headers and "kernel time" in headers
     assert "gpu median" not in headers and "host median" not in headers

@@ -28,9 +28,12 @@ from omegaconf import OmegaConf
 
 from autotuner.config import NsysLauncherConfig
 from autotuner.errors import UserError
-from autotuner.launchers import nsys as nsys_launcher
-from autotuner.launchers.nsys import NsysRun, Outcome, build_rows, measured_ranges, nsys_command, read_sqlite
+from autotuner.launchers import nsys_command as nsys_lookup
+from autotuner.launchers import nsys_process
+from autotuner.launchers.nsys_command import nsys_command
+from autotuner.launchers.nsys_process import NsysRun
 from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_ranges
+from autotuner.launchers.nsys_rows import Outcome, build_rows, measured_ranges, read_sqlite
 from autotuner.launchers.nsys_worker import marker_name
 from autotuner.main import run
 from autotuner.op_mapping import LAYER_SUB_OPS, OP_ORDER
@@ -109,6 +112,7 @@ def _window(ranges: list[NvtxRange], op: str, phase: str) -> NvtxRange:
 # --- the full run ------------------------------------------------------------------------------
 
 
+@pytest.mark.nsys
 def test_tiny_run_writes_report_sqlite_and_table(tiny: Launch) -> None:
     assert tiny.code == 0, tiny.stderr[-3000:]
     for name in ("report.nsys-rep", "report.sqlite", "results.csv", "results.jsonl", "nsys.log"):
@@ -131,6 +135,7 @@ def test_tiny_run_writes_report_sqlite_and_table(tiny: Launch) -> None:
     assert "linear_qkv" in tiny.stdout and f"{len(rows)} rows (0 failed)" in tiny.stdout
 
 
+@pytest.mark.nsys
 def test_report_holds_every_op_phase_and_iteration(tiny: Launch, tiny_ranges: list[NvtxRange]) -> None:
     names = {r.name for r in tiny_ranges}
     for op in OP_ORDER:
@@ -141,6 +146,7 @@ def test_report_holds_every_op_phase_and_iteration(tiny: Launch, tiny_ranges: li
             assert marker_name(op, phase, POINT) in names
 
 
+@pytest.mark.nsys
 def test_rows_are_the_ops_own_ranges_in_their_window(tiny: Launch, tiny_ranges: list[NvtxRange]) -> None:
     """linear_qkv's forward name also appears nested in every op that contains it and in its backward
     phase (the forward before each backward); the row is made of the ranges in its own window only."""
@@ -186,6 +192,7 @@ def _dedupe(ops: list[str]) -> list[str]:
     return [op for i, op in enumerate(ops) if i == 0 or ops[i - 1] != op]
 
 
+@pytest.mark.nsys
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_layer_sub_op_ranges_nest_in_model_order(tiny_ranges: list[NvtxRange], phase: str) -> None:
     window = _window(tiny_ranges, "transformer_layer", phase)
@@ -219,6 +226,7 @@ def test_layer_sub_op_ranges_nest_in_model_order(tiny_ranges: list[NvtxRange], p
         assert stray == []
 
 
+@pytest.mark.nsys
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_block_holds_its_layers(tiny_ranges: list[NvtxRange], phase: str) -> None:
     window = _window(tiny_ranges, "transformer_block", phase)
@@ -246,6 +254,7 @@ def test_missing_nsys_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "scripts/install_nsys.sh" in lines[0] and "launcher.nsys_bin" in lines[0]
 
 
+@pytest.mark.nsys
 def test_nsys_failure_prints_its_tail_and_no_shell_runs(
     nsys_bin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -300,6 +309,7 @@ def _kill_worker_after(run_dir: Path, rows: int, done: threading.Event, killed: 
         time.sleep(0.002)
 
 
+@pytest.mark.nsys
 def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
     """SIGKILL the worker once two rows are done: what nsys saved is read, the rest is named."""
     run_dir = tmp_path / "run"
@@ -362,13 +372,14 @@ def _fake_nsys(path: Path, version: str, answers: bool = True) -> Path:
     return path
 
 
+@pytest.mark.nsys
 def test_default_nsys_bin_finds_the_project_install(
     nsys_bin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The design card's command, as written: no launcher.nsys_bin and no nsys on the PATH; the nsys of
     ``make tools`` (.tools/nsys) is found, named first on stderr and in environment.json."""
     monkeypatch.setenv("PATH", _path_without_nsys())
-    project = nsys_launcher.PROJECT_ROOT / nsys_launcher.PROJECT_NSYS
+    project = nsys_lookup.PROJECT_ROOT / nsys_lookup.PROJECT_NSYS
     assert project.is_file(), "make tools / scripts/install_nsys.sh installs nsys here"
     result = _launch(None, tmp_path / "run", "case=tiny", "ops=[linear_qkv]", *SMALL)
     assert result.code == 0, result.stderr[-3000:]
@@ -398,7 +409,7 @@ def test_search_order_path_project_then_newest_cuda_install(
     (root / "usr/local/cuda").symlink_to("cuda-12.4")  # the usual link: tried first, and only once
     monkeypatch.setenv("PATH", _path_without_nsys())
 
-    candidates = nsys_launcher.nsys_candidates(project, root)
+    candidates = nsys_lookup.nsys_candidates(project, root)
     assert candidates == [
         root / "usr/local/cuda/bin/nsys",
         opt / "2025.1/bin/nsys",
@@ -408,31 +419,31 @@ def test_search_order_path_project_then_newest_cuda_install(
         cuda_12_10,  # 12.10 is newer than 12.4, which the cuda link already named
     ]
     assert cuda_12_4.resolve() == candidates[0].resolve()
-    found = nsys_launcher.find_nsys("nsys", project, root)
+    found = nsys_lookup.find_nsys("nsys", project, root)
     assert found.path == str(root / "usr/local/cuda/bin/nsys") and found.short_version == "2023.4.4"
     (root / "usr/local/cuda").unlink()
-    found = nsys_launcher.find_nsys("nsys", project, root)
+    found = nsys_lookup.find_nsys("nsys", project, root)
     assert (found.path, found.version) == (str(newest), "NVIDIA Nsight Systems version 2024.2.3")
 
     # The project's own install comes before the system's, and the PATH before both.
-    own = _fake_nsys(project / nsys_launcher.PROJECT_NSYS, "2022.4.2")
-    assert nsys_launcher.find_nsys("nsys", project, root).path == str(own)
+    own = _fake_nsys(project / nsys_lookup.PROJECT_NSYS, "2022.4.2")
+    assert nsys_lookup.find_nsys("nsys", project, root).path == str(own)
     on_path = _fake_nsys(tmp_path / "bin/nsys", "2023.2.1")
     monkeypatch.setenv("PATH", os.pathsep.join([str(on_path.parent), _path_without_nsys()]))
-    assert nsys_launcher.find_nsys("nsys", project, root).path == str(on_path)
+    assert nsys_lookup.find_nsys("nsys", project, root).path == str(on_path)
 
     # An explicit launcher.nsys_bin is used alone: found, or an error (never another nsys instead).
-    assert nsys_launcher.find_nsys(str(cuda_12_4), project, root).path == str(cuda_12_4)
+    assert nsys_lookup.find_nsys(str(cuda_12_4), project, root).path == str(cuda_12_4)
     with pytest.raises(UserError, match="launcher.nsys_bin=.*does not answer --version"):
-        nsys_launcher.find_nsys(str(opt / "2025.1/bin/nsys"), project, root)
+        nsys_lookup.find_nsys(str(opt / "2025.1/bin/nsys"), project, root)
     with pytest.raises(UserError, match="nsys not found"):
-        nsys_launcher.find_nsys(str(tmp_path / "elsewhere/nsys"), project, root)
+        nsys_lookup.find_nsys(str(tmp_path / "elsewhere/nsys"), project, root)
 
 
 def test_no_nsys_anywhere_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", _path_without_nsys())
-    monkeypatch.setattr(nsys_launcher, "PROJECT_ROOT", tmp_path / "checkout")
-    monkeypatch.setattr(nsys_launcher, "SYSTEM_ROOT", tmp_path / "root")
+    monkeypatch.setattr(nsys_lookup, "PROJECT_ROOT", tmp_path / "checkout")
+    monkeypatch.setattr(nsys_lookup, "SYSTEM_ROOT", tmp_path / "root")
     result = _launch(None, tmp_path / "run", "case=tiny", *SMALL)
     assert result.code == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -460,6 +471,8 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.nsys
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
     nsys_bin: str, tmp_path: Path, signum: signal.Signals
@@ -540,12 +553,12 @@ def test_a_program_that_ignores_the_stop_signal_is_killed_after_the_grace(tmp_pa
         str(tmp_path),  # names the run's processes, for the check below
     ]
     before = signal.getsignal(signal.SIGTERM)
-    stop = nsys_launcher.StopSignals(tmp_path, grace_s=1.0)
+    stop = nsys_process.StopSignals(tmp_path, grace_s=1.0)
     sender = threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM))
     started = time.monotonic()
     with stop:
         sender.start()
-        result = nsys_launcher.run_nsys(program, tmp_path / "nsys.log", stop)
+        result = nsys_process.run_nsys(program, tmp_path / "nsys.log", stop)
     elapsed = time.monotonic() - started
     sender.join()
     assert stop.signum == signal.SIGTERM and stop.exit_code == 143
@@ -559,6 +572,9 @@ def test_a_program_that_ignores_the_stop_signal_is_killed_after_the_grace(tmp_pa
 # --- under torchrun ----------------------------------------------------------------------------
 
 
+@pytest.mark.nsys
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_torchrun_tensor_parallel_with_default_settings(nsys_bin: str, tmp_path: Path) -> None:
     """TP=2 under torchrun with nothing pinned (default iterations, default nsys lookup): it ends, well
     inside the watchdog, with both ranks' rows and the cross-rank max."""
@@ -703,6 +719,7 @@ def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
         device=torch.device("cuda"),
         tf_config=SimpleNamespace(tensor_model_parallel_size=1),
         call_counts={},
+        rank=0,
     )
     worker = {
         ("linear_qkv", ph, POINT): {"status": "ok", "weight_bytes": 64, "stop_reason": "nsys"}
@@ -722,7 +739,10 @@ def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
 
     assert backward["status"] == "ok" and backward["samples"] == 1 and backward["host_median_us"] == 0.2
     assert (backward["kernel_time_us"], backward["kernel_count"]) == (0, 0)  # a GPU report, no kernels here
-    assert backward["median_us"] == 0 and backward["warnings"] == "no_kernels"
+    # The statistics are a Measurement's, as get_data's: its warnings (one sample is few), then nsys's own.
+    assert backward["median_us"] == 0 and backward["warnings"] == "few_samples(1);no_kernels"
+    assert forward["warnings"] == "few_samples(2)" and forward["rel_ci"] is None  # a CI needs 6 samples
+    assert forward["stop_reason"] == "nsys" and forward["precision_rule"] is None
 
 
 def test_window_left_open_by_a_kill_still_counts() -> None:

@@ -1,4 +1,4 @@
-"""Tests of autotuner.launchers.nsys_report: a hand-built GPU report, statistics, and real nsys."""
+"""Tests of autotuner.launchers.nsys_report: a hand-built GPU report, a row's statistics, and real nsys."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,10 @@ from autotuner.launchers.nsys_report import (
     process_id,
     read_nvtx_ranges,
     read_open_ranges,
-    summarize,
     thread_id,
 )
+from autotuner.launchers.nsys_rows import range_columns
+from autotuner.measure.timer import Measurement
 from autotuner.ops.naming import format_range, parse_range
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -327,48 +329,26 @@ def _range(name: str, duration: int, start: int = 0) -> NvtxRange:
     return NvtxRange(name, start, start + duration, MAIN, parse_range(name))
 
 
-def test_summarize_known_numbers() -> None:
-    ranges = [_range(_name("linear_qkv", "forward", i), d) for i, d in enumerate([40, 10, 100, 30, 20])]
-    ranges += [_range(_name("linear_qkv", "forward", 0, warmup=True), 10_000)]
-    ranges += [
-        _range(format_range("linear_qkv", "forward", "s512_b1", i), d) for i, d in enumerate([10, 20, 30, 40])
-    ]
-    ranges += [_range(_name("linear_qkv", "backward", 0), 7), _range("not ours", 5)]
+def test_row_statistics_are_a_measurement_of_the_iterations() -> None:
+    """A row's statistics (nsys_rows.range_columns) are those of autotuner.measure.timer.Measurement over
+    one time per measured iteration, as get_data's are: the same numbers, rel_ci and warnings."""
+    durations = [40, 10, 100, 30, 20]
+    ranges = [_range(_name("linear_qkv", "forward", i), d) for i, d in enumerate(durations)]
+    row = range_columns(ranges, {})  # a CPU report: the ranges' durations are the op's time
+    # 10 20 30 40 100: median 30, inclusive quartiles at 20 and 40.
+    assert (row["samples"], row["median_us"], row["min_us"], row["mean_us"], row["iqr_us"]) == pytest.approx(
+        (5, 0.030, 0.010, 0.040, 0.020)
+    )
+    assert row["host_median_us"] == row["median_us"]
+    assert row["warnings"] == "few_samples(5);noisy(iqr=67%)" and row["rel_ci"] is None  # a CI needs 6
+    assert (row["stop_reason"], row["precision_rule"]) == ("nsys", None)  # a fixed count: no target
+    same = Measurement(durations, stop_reason="nsys").columns()
+    assert {k: row[k] for k in same} == same
 
-    rows = summarize(ranges)
-    assert [(r["op"], r["phase"], r["point"]) for r in rows] == [
-        ("linear_qkv", "backward", POINT),
-        ("linear_qkv", "forward", POINT),
-        ("linear_qkv", "forward", "s512_b1"),
-    ]
-    backward, odd, even = rows
-    assert backward == {
-        "op": "linear_qkv",
-        "phase": "backward",
-        "point": POINT,
-        "count": 1,
-        "median_ns": 7,
-        "min_ns": 7,
-        "mean_ns": 7.0,
-        "iqr_ns": 0,
-    }
-    # 10 20 30 40 100: inclusive quartiles at 20 and 40.
-    assert (odd["count"], odd["median_ns"], odd["min_ns"], odd["mean_ns"], odd["iqr_ns"]) == (
-        5,
-        30,
-        10,
-        40.0,
-        20,
-    )
-    # 10 20 30 40: quartiles 17.5 and 32.5.
-    assert (even["count"], even["median_ns"], even["min_ns"], even["mean_ns"], even["iqr_ns"]) == (
-        4,
-        25,
-        10,
-        25.0,
-        15,
-    )
-    assert summarize([]) == []
+    steady = [_range(_name("linear_qkv", "backward", i), 7_000 + i % 2) for i in range(12)]
+    row = range_columns(steady, {})
+    assert row["samples"] == 12 and row["median_us"] == pytest.approx(7.0005)
+    assert row["rel_ci"] == pytest.approx(1 / 7_000.5) and row["warnings"] == ""
 
 
 # --- end to end with real nsys ---------------------------------------------------------------
@@ -429,6 +409,7 @@ PROFILED = textwrap.dedent(
 )
 
 
+@pytest.mark.nsys
 def test_real_nsys_report(nsys_bin: str, tmp_path: Path) -> None:
     script = tmp_path / "profiled.py"
     script.write_text(PROFILED)
@@ -508,8 +489,9 @@ def test_real_nsys_report(nsys_bin: str, tmp_path: Path) -> None:
     assert still_open.parsed is not None and still_open.parsed.op == "linear_proj"
 
     assert attribute_kernels(sqlite_path, ranges) == {}  # a CPU report has no CUPTI tables
-    rows = {(r["op"], r["phase"]): r["count"] for r in summarize(ranges)}
-    assert rows == {
+    ours = [r.parsed for r in ranges if r.parsed is not None and not r.parsed.warmup]
+    assert {(p.op, p.phase, p.point) for p in ours} == {(p.op, p.phase, POINT) for p in ours}
+    assert Counter((p.op, p.phase) for p in ours) == {
         ("core_attention", "forward"): 2,
         ("linear_qkv", "backward"): 1,
         ("linear_qkv", "forward"): 2,
@@ -518,6 +500,7 @@ def test_real_nsys_report(nsys_bin: str, tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.nsys
 def test_export_sqlite_failure_names_the_cause(nsys_bin: str, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="File not found"):
         export_sqlite(nsys_bin, tmp_path / "missing.nsys-rep", tmp_path / "missing.sqlite")
@@ -556,11 +539,12 @@ WINDOWED = textwrap.dedent(
 )
 
 
+@pytest.mark.nsys
 def test_nsys_read_exports_a_real_report(
     nsys_bin: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     from autotuner import nsys_read
-    from autotuner.launchers.nsys import NsysRun, lost_launch_race
+    from autotuner.launchers.nsys_process import NsysRun, lost_launch_race
     from autotuner.results import load_rows
 
     script = tmp_path / "windowed.py"

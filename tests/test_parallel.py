@@ -24,6 +24,8 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_sharded_ops_match_the_unsharded_ones(tmp_path):
     """TP=2 outputs (column-parallel ones gathered) equal TP=1 outputs on the same inputs and weights."""
     script = str(REPO / "tests" / "tp_reference.py")
@@ -67,10 +69,14 @@ def _assert_ranks_sampled_alike(rows: list[dict]) -> None:
         assert len(decided) == 1, (key, decided)
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_tensor_parallel_ranks_agree_on_sampling_with_the_default_timing(tp_run):
     _assert_ranks_sampled_alike(load_rows(tp_run / "results.jsonl"))
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_a_noisy_rank_does_not_deadlock_the_default_sampler(tmp_path):
     """Rank 1 shares its interpreter with a spinning thread (tests/noisy_rank.py), so alone it would stop
     sampling on another rule or count than rank 0: the issue's command, default timing, with a watchdog."""
@@ -84,6 +90,8 @@ def test_a_noisy_rank_does_not_deadlock_the_default_sampler(tmp_path):
     _assert_ranks_sampled_alike(rows)
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_torch_profiler_under_torchrun_with_its_defaults(tmp_path):
     args = [*TP_ARGS, "launcher=torch_profiler", f"hydra.run.dir={tmp_path}", *SMALL]
     cmd = [*TORCHRUN, str(REPO / "tests" / "noisy_rank.py"), *args]
@@ -101,6 +109,8 @@ def test_torch_profiler_under_torchrun_with_its_defaults(tmp_path):
     assert len(list(tmp_path.glob("profiles/*/linear_qkv/*.rank1.pt.trace.json*"))) == 1
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_torchrun_results_hold_every_rank_and_the_cross_rank_max(tp_run):
     tmp_path = tp_run
     rows = load_rows(tmp_path / "results.jsonl")
@@ -123,6 +133,7 @@ def test_torchrun_results_hold_every_rank_and_the_cross_rank_max(tp_run):
     assert (tmp_path / "results.rank0.jsonl").exists() and (tmp_path / "results.rank1.jsonl").exists()
 
 
+@pytest.mark.torchrun
 def test_a_failing_rank_fails_the_job_with_its_error_not_a_hang(tmp_path):
     (tmp_path / "results.rank1.jsonl").mkdir()  # rank 1 cannot write its results: a real fault on one rank
     args = [
@@ -158,6 +169,8 @@ def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, m
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_resume_with_ranks_cut_at_different_rows(tp_run, tmp_path):
     """Rank 1 lost its last rows (killed a row after rank 0): a resumed job measures them on both ranks
     together instead of leaving the ranks in different ops."""

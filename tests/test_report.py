@@ -111,6 +111,7 @@ def run_b(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_run_writes_a_self_contained_report(run_a: Path):
     rows = load_rows(run_a / "results.jsonl")
     page = check_report(run_a, {r["op"] for r in rows})
@@ -123,6 +124,7 @@ def test_report_false_writes_no_report(run_b: Path):
     assert not (run_b / "report.html").exists() and not list(run_b.glob("*.png"))
 
 
+@pytest.mark.slow
 def test_cli_remakes_a_report_in_place(run_a: Path, capsys):
     (run_a / "report.html").unlink()
     assert report_main([str(run_a)]) == 0
@@ -130,6 +132,7 @@ def test_cli_remakes_a_report_in_place(run_a: Path, capsys):
     check_report(run_a, {r["op"] for r in load_rows(run_a / "results.jsonl")})
 
 
+@pytest.mark.slow
 def test_compare_two_runs(run_a: Path, run_b: Path, tmp_path: Path):
     out = tmp_path / "compare"
     assert report_main([str(run_a), str(run_b), "--out", str(out)]) == 0
@@ -144,6 +147,7 @@ def test_compare_two_runs(run_a: Path, run_b: Path, tmp_path: Path):
     assert "s32_b2" not in speedup and "linear_qkv" not in speedup
 
 
+@pytest.mark.slow
 def test_failed_rows_are_listed_and_calibration_draws_the_roof(run_a: Path, tmp_path: Path):
     copy = tmp_path / "copy"
     copy.mkdir()

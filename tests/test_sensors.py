@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterable, Iterator
+from itertools import count, cycle, repeat
 
 import pytest
 import torch
@@ -82,87 +84,139 @@ def test_flop_counter_on_a_matmul():
     assert count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
 
 
-def _sleep(seconds: float):
-    return lambda: time.sleep(seconds)
+class ScriptedClock:
+    """A host clock that moves only when the op runs, by the next scripted duration (ns), so the sampler's
+    stop rules, warnings and budget are checked on exact times instead of sleeps on a busy machine.
+    ``prepare`` moves it too (an untimed step still spends the budget's time)."""
+
+    def __init__(self, durations_ns: Iterable[int]) -> None:
+        self.now_ns = 0
+        self.durations_ns = iter(durations_ns)
+        self.ran: list[int] = []  # every call's duration, warm-up and probe included
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def op(self) -> None:
+        self.ran.append(next(self.durations_ns))
+        self.now_ns += self.ran[-1]
+
+    def wait(self, ns: int) -> Callable[[], None]:
+        def untimed_step() -> None:
+            self.now_ns += ns
+
+        return untimed_step
+
+
+def _scripted(durations_ns: Iterable[int], policy: SamplingPolicy) -> tuple[Measurement, ScriptedClock]:
+    clock = ScriptedClock(durations_ns)
+    return sample(DeviceTimer(CPU, clock_ns=clock), clock.op, policy), clock
+
+
+MS = 1_000_000
+
+
+def _jittered(ns: int) -> Iterator[int]:
+    """``ns``, then ``ns`` + 1%, and so on: an op whose spread no precision target of 0 accepts."""
+    return cycle([ns, ns + ns // 100])
+
+
+def test_the_default_clock_is_the_hosts_and_a_sleep_never_reads_short():
+    assert DeviceTimer(CPU).clock_ns is time.perf_counter_ns
+    assert DeviceTimer(CPU).time_ns(lambda: time.sleep(0.002), calls=2) >= 4 * MS
 
 
 def test_sampler_stops_on_precision_for_a_steady_op():
+    """A sample over a millisecond is checked at once; the CI needs 6 samples: the sixth stops it."""
     policy = SamplingPolicy(warmup=1, min_samples=5, budget_s=10, target_rel_ci=0.05)
-    measurement = sample(DeviceTimer(CPU), _sleep(0.002), policy)
-    assert measurement.stop_reason == "precision"
-    assert measurement.rel_ci <= 0.05 and measurement.samples >= 6
-    assert 2.0e6 <= measurement.median_ns < 2.0e6 * 3  # a sleep never returns early
-    assert "ci_target_missed" not in measurement.warnings
+    durations = [2 * MS, 2 * MS + 20_000, 2 * MS - 20_000] * 10
+    measurement, clock = _scripted(durations, policy)
+    assert measurement.stop_reason == "precision" and measurement.samples == 6
+    assert measurement.times_ns == durations[1:7]  # the probe after the warm-up is the first sample
+    assert measurement.median_ns == 2 * MS and measurement.rel_ci == pytest.approx(0.02)
+    assert len(clock.ran) == 7 and measurement.warnings == ["few_samples(6)"]
+
+
+def test_samples_under_a_millisecond_are_checked_every_check_every():
+    """Short samples are checked in blocks of check_every: at 5 samples the CI cannot exist yet, at 10
+    it holds."""
+    policy = SamplingPolicy(warmup=0, min_samples=5, budget_s=10, target_rel_ci=0.05, check_every=5)
+    measurement, _ = _scripted([MS // 2] * 100, policy)
+    assert measurement.stop_reason == "precision" and measurement.samples == 10
 
 
 def test_sampler_stops_on_budget_when_the_target_is_out_of_reach():
     policy = SamplingPolicy(warmup=0, min_samples=5, budget_s=0.05, target_rel_ci=0.0)
-    measurement = sample(DeviceTimer(CPU), _sleep(0.004), policy)
-    assert measurement.stop_reason == "budget" and 5 <= measurement.samples < 40
-    assert "ci_target_missed" in measurement.warnings
+    measurement, clock = _scripted(_jittered(4 * MS), policy)
+    assert measurement.stop_reason == "budget" and measurement.samples == 14
+    # The budget counts from the first sample after the probe, and the first check past it stops.
+    spent = measurement.times_ns[1:]
+    assert sum(spent[:-1]) < 0.05e9 <= sum(spent) and clock.ran == measurement.times_ns
+    assert measurement.warnings == ["ci_target_missed"]
+
+
+def test_the_budget_counts_the_untimed_steps():
+    """prepare's time is not in any sample but is in the budget: what the user waits for."""
+    policy = SamplingPolicy(warmup=0, min_samples=5, budget_s=0.05, target_rel_ci=0.0)
+    clock = ScriptedClock(_jittered(MS))
+    measurement = sample(DeviceTimer(CPU, clock_ns=clock), clock.op, policy, prepare=clock.wait(9 * MS))
+    assert measurement.stop_reason == "budget" and measurement.samples == 5
+    assert measurement.median_ns <= 1.01 * MS
 
 
 def test_sampler_stops_at_max_samples_and_honours_min_samples():
-    capped = sample(
-        DeviceTimer(CPU),
-        _sleep(0.0005),
-        SamplingPolicy(warmup=0, max_samples=7, budget_s=60, target_rel_ci=0),
+    capped, _ = _scripted(
+        _jittered(MS // 2), SamplingPolicy(warmup=0, max_samples=7, budget_s=60, target_rel_ci=0)
     )
     assert capped.stop_reason == "max_samples" and capped.samples == 7
-    floor = sample(
-        DeviceTimer(CPU), _sleep(0.0005), SamplingPolicy(warmup=0, min_samples=12, target_rel_ci=10)
-    )
-    assert floor.stop_reason == "precision" and floor.samples >= 12
+    # min_samples=12 with checks every 5 samples: the first check that may stop is at 15
+    floor, _ = _scripted([MS // 2] * 100, SamplingPolicy(warmup=0, min_samples=12, target_rel_ci=10))
+    assert floor.stop_reason == "precision" and floor.samples == 15
 
 
 def test_iqr_rule_stops_on_four_agreeing_samples_and_reports_a_miss():
     """The iqr rule (adaptive_autorange's) may stop at 4 samples, where the CI rule needs 6 at least."""
     policy = SamplingPolicy(warmup=1, min_samples=4, budget_s=10, precision_rule="iqr", target_rel_iqr=0.5)
-    quick = sample(DeviceTimer(CPU), _sleep(0.002), policy)
-    assert quick.stop_reason == "precision" and quick.samples == 4 and quick.rel_iqr <= 0.5
-    assert quick.rel_ci is None and "few_samples(4)" in quick.warnings
-    assert not any(w.endswith("_target_missed") for w in quick.warnings)
+    quick, _ = _scripted([2 * MS, 2 * MS, 2 * MS + 100_000, 2 * MS, 2 * MS, 2 * MS] * 2, policy)
+    assert quick.stop_reason == "precision" and quick.samples == 4
+    assert quick.rel_iqr == pytest.approx(0.0125) and quick.rel_ci is None
+    assert quick.warnings == ["few_samples(4)"]
     assert quick.columns()["precision_rule"] == "iqr"
     strict = dataclasses.replace(policy, target_rel_iqr=0.0, budget_s=0.05)
-    missed = sample(DeviceTimer(CPU), _sleep(0.004), strict)
+    missed, _ = _scripted([4 * MS, 4 * MS, 5 * MS] * 10, strict)
     assert missed.stop_reason == "budget" and "iqr_target_missed" in missed.warnings
     assert "ci_target_missed" not in missed.warnings
 
 
 def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
-    x = torch.randn(16)
-    blocked = sample(
-        DeviceTimer(CPU), lambda: x + 1, SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001)
+    # A 10 us call and a 1 ms block: the probe asks for 100 calls a sample, and is not kept.
+    blocked, clock = _scripted(
+        repeat(10_000), SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001, target_rel_ci=0)
     )
-    assert blocked.calls_per_sample > 1 and blocked.median_ns < 1e6
+    assert blocked.calls_per_sample == 100 and blocked.times_ns == [10_000.0] * blocked.samples
+    assert len(clock.ran) == 1 + 1 + blocked.samples * 100  # warm-up, probe, the samples' calls
+    # No block under a microsecond op's 1000-call ceiling.
+    capped, _ = _scripted(repeat(1), SamplingPolicy(warmup=0, max_samples=5, min_block_s=1.0))
+    assert capped.calls_per_sample == 1000
+    clock = ScriptedClock(repeat(MS))
     prepared = sample(
-        DeviceTimer(CPU),
-        lambda: None,
+        DeviceTimer(CPU, clock_ns=clock),
+        clock.op,
         SamplingPolicy(warmup=0, max_samples=3, budget_s=60),
-        prepare=_sleep(0.01),
+        prepare=clock.wait(10 * MS),
     )
-    assert prepared.calls_per_sample == 1 and prepared.median_ns < 5e6  # the 10 ms prepare is not timed
+    assert prepared.calls_per_sample == 1 and prepared.times_ns == [MS] * 3  # the 10 ms prepare is not timed
 
 
 def test_warnings_flag_a_noisy_op_and_a_drifting_op():
-    calls = []
-
-    def noisy():
-        calls.append(1)
-        time.sleep(0.001 if len(calls) % 2 else 0.004)
-
     policy = SamplingPolicy(warmup=0, min_samples=20, max_samples=20, budget_s=60, target_rel_ci=0)
-    noisy_warnings = sample(DeviceTimer(CPU), noisy, policy).warnings
-    assert any(w.startswith("noisy") for w in noisy_warnings)
-
-    delay = [0.001]
-
-    def drifting():
-        delay[0] *= 1.06  # 20 calls: the last third is about 2.5x slower than the first
-        time.sleep(delay[0])
-
-    drift_warnings = sample(DeviceTimer(CPU), drifting, policy).warnings
-    assert any(w.startswith("drift(+") for w in drift_warnings)
+    noisy, _ = _scripted(cycle([1 * MS, 4 * MS]), policy)
+    assert noisy.warnings == ["noisy(iqr=120%)", "ci_target_missed"]
+    # each call 6% slower than the last: over 20 calls the last third is about 2.5x the first
+    drifting, _ = _scripted((int(MS * 1.06**k) for k in count()), policy)
+    assert drifting.stop_reason == "max_samples"
+    assert [w for w in drifting.warnings if w.startswith("drift(")] == [f"drift({drifting.drift:+.0%})"]
+    assert drifting.drift > 0.5
     steady = Measurement(times_ns=[100.0] * 30, stop_reason="precision", target_rel_ci=0.02)
     assert steady.warnings == [] and Measurement(times_ns=[1.0] * 4).warnings[0] == "few_samples(4)"
 

@@ -37,6 +37,8 @@ SMALL = [
 CPU_JOB = ["--gpus-per-node=0"]
 JOB_TIMEOUT_S = 240
 
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # each job imports Megatron: 10-15 s a test
+
 
 @pytest.fixture(scope="session")
 def slurm_env() -> Iterator[dict[str, str]]:
@@ -88,6 +90,7 @@ def _own_run_dir(path: Path, since: float, request) -> Path:
     return path
 
 
+@pytest.mark.torchrun
 def test_profile_case_runs_tensor_parallel_under_torchrun(slurm_env, tmp_path, request):
     since = time.time() - 1
     ops = ("linear_qkv", "linear_proj", "transformer_layer")

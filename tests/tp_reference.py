@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from autotuner.main import compose_config
+from autotuner.config import compose_config
 from autotuner.ops_test.base import ShapePoint
 from autotuner.spec import open_session, resolve_spec
 

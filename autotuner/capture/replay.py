@@ -7,11 +7,15 @@ spec to run:
   exactly the captured shape points instead of the case's lists. The captured sizes (hidden size, heads,
   KV groups, head size, FFN size) must be the case's, so the profiled model is the one that trained.
 * **Generic plan** (no Megatron layers, or ``ops=[captured]``): every distinct captured call is an op of its
-  own (autotuner.capture.generic); no Megatron model is built (autotuner.spec.open_session hands the
-  session to :func:`open_generic_session` when no op needs a model part).
+  own (autotuner.capture.generic); no Megatron model is built (the spec's ``session`` is
+  :func:`open_generic_session`, which autotuner.spec.open_session calls instead).
 
 Either way each row gets ``call_count``: how often the op ran at that point in the captured steps, so
 median time x call_count ranks what matters in the real run.
+
+Importing this module registers :func:`feed` for the ``capture`` config key (autotuner.spec.register_feed):
+the entry points that resolve specs (autotuner.main, the nsys worker) import it, so autotuner.spec never
+imports capture code.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from autotuner.capture import megatron
@@ -38,9 +43,16 @@ from autotuner.errors import UserError
 from autotuner.model.runtime import DTYPES
 from autotuner.ops_test.base import LAYER, REGISTRY, OpTest
 from autotuner.runner import RunSpec
+from autotuner.spec import register_feed
 
 CAPTURED = "captured"  # ops=[captured]: the capture's own calls, even from a Megatron model
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def feed(spec: RunSpec, cfg: DictConfig) -> RunSpec:
+    """``capture=<file>``: the spec that profiles the capture (see :func:`case_from_capture`), with the
+    ops and the explicit dtype of the command line."""
+    return case_from_capture(spec, cfg.capture, list(cfg.ops), None if cfg.dtype == "auto" else spec.dtype)
 
 
 def case_from_capture(spec: RunSpec, path: str, ops: list[str], dtype: str | None) -> RunSpec:
@@ -157,6 +169,7 @@ def _generic_spec(spec: RunSpec, capture: Capture, dtype: str | None) -> RunSpec
         ops=ops,
         points=list(dict.fromkeys(p for p, _, _ in plan)),
         plan=plan,
+        session=open_generic_session,
         call_counts=counts,
         notes=notes,  # the case's own notes are about a model this plan does not build
     )
@@ -191,3 +204,6 @@ def open_generic_session(spec: RunSpec) -> tuple[Any, GenericContext]:
         {op.name: op.build.make_weights(spec.seed) for op in spec.ops if isinstance(op.build, GenericOp)}
     )
     return weights, GenericContext(weights, spec.device, spec.seed)
+
+
+register_feed("capture", feed)

@@ -47,9 +47,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from autotuner.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from autotuner.errors import UserError, schema_problem
 from autotuner.results.atomic import atomic_write_text
 
 FORMAT = "autotuner-capture"
@@ -127,37 +129,60 @@ def dump(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
     atomic_write_text(target, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
+class _CallFile(BaseModel):
+    """The schema of one CALL. Strict: JSON types as :class:`Recorder` writes them, nothing coerced (a
+    count of "3" or true is a damaged file, not a count)."""
+
+    model_config = ConfigDict(strict=True)
+
+    kind: Literal[KINDS]  # type: ignore[valid-type]
+    callee: str
+    path: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    count: Annotated[int, Field(ge=1)]
+    grad_enabled: bool = True
+    base: str | None = None
+    attrs: dict[str, Any] | None = None
+    training: bool | None = None
+
+
+class _StepsFile(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    seen: Annotated[int, Field(ge=0)] = 0
+    captured: Annotated[int, Field(ge=0)] = 0
+
+
+class _SettingsFile(BaseModel):
+    # The recording's other settings (functions, methods) are kept as written.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    steps: Annotated[list[int], Field(min_length=2, max_length=2)] | None = None
+
+
+class _CaptureFile(BaseModel):
+    """The schema of the file's body, once ``format`` and ``version`` (checked first, with messages of
+    their own) say which schema applies."""
+
+    model_config = ConfigDict(strict=True)
+
+    calls: list[_CallFile]
+    steps: _StepsFile = _StepsFile()
+    settings: _SettingsFile = _SettingsFile()
+    status: Literal[STATUSES] = "complete"  # type: ignore[valid-type]
+    error: str | None = None
+    command: list[str] = []
+    environment: dict[str, Any] = {}
+
+
 def _bad(path: Path, problem: str) -> UserError:
     return UserError(f"capture file {path}: {problem}: capture it again with python -m autotuner.capture")
 
 
-def _call(path: Path, index: int, raw: Any) -> CallRecord:
-    if not isinstance(raw, dict):
-        raise _bad(path, f"calls[{index}] is not an object")
-    for key, kind in (("kind", str), ("callee", str), ("path", str), ("args", list), ("kwargs", dict)):
-        if not isinstance(raw.get(key), kind):
-            raise _bad(path, f"calls[{index}] lacks {key!r} ({kind.__name__})")
-    count = raw.get("count")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise _bad(path, f"calls[{index}] has no positive integer 'count'")
-    if raw["kind"] not in KINDS:
-        raise _bad(path, f"calls[{index}] has unknown kind {raw['kind']!r}")
-    return CallRecord(
-        kind=raw["kind"],
-        callee=raw["callee"],
-        path=raw["path"],
-        args=raw["args"],
-        kwargs=raw["kwargs"],
-        count=count,
-        grad_enabled=bool(raw.get("grad_enabled", True)),
-        base=raw.get("base"),
-        attrs=raw.get("attrs") or {},
-        training=raw.get("training"),
-    )
-
-
 def load(path: str | os.PathLike[str]) -> Capture:
-    """Read and validate a capture file. Anything wrong is a one-line UserError naming the file."""
+    """Read and validate a capture file. Anything wrong is a one-line UserError naming the file, the
+    field (``calls[3].count``) and the problem."""
     source = Path(path)
     try:
         text = source.read_text(encoding="utf-8")
@@ -182,21 +207,21 @@ def load(path: str | os.PathLike[str]) -> Capture:
             f"capture file {source} has version {version!r}, this autotuner reads version {VERSION}: "
             "capture it again with this autotuner, or use the autotuner that wrote it"
         )
-    calls = data.get("calls")
-    if not isinstance(calls, list):
-        raise _bad(source, "'calls' is not a list")
-    steps = data.get("steps") if isinstance(data.get("steps"), dict) else {}
-    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
-    window = settings.get("steps")
+    try:
+        body = _CaptureFile.model_validate(data)
+    except ValidationError as exc:
+        raise _bad(source, schema_problem(exc)) from None
+    calls = [CallRecord(**call.model_dump(exclude={"attrs"}), attrs=call.attrs or {}) for call in body.calls]
+    window = body.settings.steps
     return Capture(
         path=source,
-        calls=[_call(source, i, raw) for i, raw in enumerate(calls)],
-        steps_seen=int(steps.get("seen") or 0),
-        steps_captured=int(steps.get("captured") or 0),
-        window=tuple(window) if isinstance(window, list) and len(window) == 2 else None,
-        status=str(data.get("status", "complete")),
-        error=data.get("error"),
-        command=list(data.get("command") or []),
-        environment=dict(data.get("environment") or {}),
-        settings=settings,
+        calls=calls,
+        steps_seen=body.steps.seen,
+        steps_captured=body.steps.captured,
+        window=(window[0], window[1]) if window is not None else None,
+        status=body.status,
+        error=body.error,
+        command=body.command,
+        environment=body.environment,
+        settings=body.settings.model_dump(),
     )

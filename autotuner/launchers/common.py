@@ -15,15 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
 from autotuner.model.runtime import _cpu_name as cpu_name
-from autotuner.model.runtime import environment
+from autotuner.model.runtime import environment, process_rank
 from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.table import render
-
-
-def process_rank() -> tuple[int, int]:
-    """(rank, world size) from the launcher's environment (torchrun sets RANK and WORLD_SIZE)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def results_stem(rank: int, world: int) -> str:
@@ -48,7 +43,7 @@ def claim_run_dir(run_dir: Path) -> None:
     interleave its rows with the first one's and each rewrite the other's files, is refused instead.
     """
     run_dir = Path(run_dir).resolve()
-    rank, world = process_rank()
+    rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
     stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +137,7 @@ def fingerprint(cfg: DictConfig, spec: Any) -> dict[str, Any]:
         device=spec.device.type,
         device_name=_device_name(spec.device),
         transformer_engine_spec=spec.use_transformer_engine,
-        world_size=process_rank()[1],
+        world_size=spec.world,
     )
     for package in _VERSIONED:
         try:
@@ -169,7 +164,7 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     run_dir = Path(run_dir).resolve()
     if run_dir in _RESUME_CHECKED:
         return
-    rank, world = process_rank()
+    rank, world = spec.rank, spec.world
     results = run_dir / f"{results_stem(rank, world)}.jsonl"
     try:
         rows = read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
@@ -223,7 +218,7 @@ def start_writer(
     claim_run_dir(run_dir)
     if cfg.resume:
         check_resume(cfg, spec, run_dir)
-    rank, world = process_rank()
+    rank, world = spec.rank, spec.world
     record = None
     if rank == 0:
         record = {
@@ -264,7 +259,7 @@ def finish(writer: ResultsWriter, spec: Any) -> int:
     With several ranks: wait for all, then rank 0 merges every rank's rows (plus the cross-rank
     ``max`` rows) into ``results.{jsonl,csv}`` and prints the table of those; other ranks print nothing.
     """
-    rank, world = process_rank()
+    rank, world = spec.rank, spec.world
     if world > 1:
         import torch.distributed as dist
 

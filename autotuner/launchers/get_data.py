@@ -5,8 +5,10 @@ Per phase, in this order, each pass separate so no sensor disturbs another's num
 2. activation bytes (forward only): one forward under autograd's saved-tensor hooks;
 3. peak bytes: one run under the device's memory sensor;
 4. FLOPs: one run under torch's FLOP counter.
-Bytes moved (a counted minimum, see Phase.bytes_moved) give GB/s; with a device calibration
-(python -m autotuner.calibrate) each row also gets its bound and the fraction of that ceiling it reaches.
+Steps 2-4 and the columns computed from the row are the metric registry's (autotuner.measure.metrics):
+bytes moved (a counted minimum, see Phase.bytes_moved) give GB/s and the arithmetic intensity; with a
+device calibration (python -m autotuner.calibrate) each row also gets its bound and the fraction of that
+ceiling it reaches.
 """
 
 from __future__ import annotations
@@ -20,49 +22,12 @@ from typing import Any
 import torch
 
 from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
-from autotuner.measure.flops import count_flops
 from autotuner.measure.graphs import NotReplayable, capture_phase
-from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
+from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import graph_rng_generators
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
-
-
-def roofline(
-    flops: int,
-    bytes_moved: int,
-    seconds: float,
-    calibration: dict[str, Any] | None,
-    dtype: str,
-    ceiling: str | None = None,
-) -> dict[str, Any]:
-    """The op's bound and the fraction of that ceiling it reaches, from the device's calibration.
-
-    The ridge point is the calibrated FLOP/s over the calibrated bandwidth: an op whose FLOPs per byte
-    moved lie above it is compute-bound (judged against the matmul FLOP/s of its dtype), below it
-    memory-bound (judged against the copy bandwidth). An op that names its ``ceiling`` (a calibration
-    key: a host transfer's "h2d_pinned", ...) is judged by bytes against that one. Without a calibration
-    the columns stay empty.
-    """
-    if not calibration or not seconds or not bytes_moved:
-        return {}
-    if ceiling is not None:
-        limit = calibration.get(ceiling)
-        if not limit:
-            return {}
-        bound = "memory" if ceiling == "memory_bandwidth" else ceiling
-        return {"bound": bound, "ceiling_fraction": bytes_moved / seconds / limit}
-    peak = calibration["peak_flops"].get(dtype)
-    bandwidth = calibration["memory_bandwidth"]
-    if not peak or not bandwidth:
-        return {}
-    compute_bound = flops / bytes_moved > peak / bandwidth
-    achieved = flops / seconds if compute_bound else bytes_moved / seconds
-    return {
-        "bound": "compute" if compute_bound else "memory",
-        "ceiling_fraction": achieved / (peak if compute_bound else bandwidth),
-    }
 
 
 def _first_line(exc: BaseException) -> str:
@@ -99,11 +64,6 @@ class GetDataObserver:
         self.flush = CacheFlusher(device) if flush_cache else None
         self.rotate_inputs = rotate_inputs and not flush_cache
         self.cache_bytes = last_level_cache_bytes(device)
-
-    def _once(self, phase: Phase, meter: Any) -> Any:
-        if phase.prepare is not None:
-            phase.prepare()
-        return meter(phase.run)
 
     def _input_sets(self, phase: Phase) -> int:
         """Enough copies of inputs that fit in the cache that cycling through them overflows it."""
@@ -171,32 +131,22 @@ class GetDataObserver:
             "cache_flush": self.flush is not None,
             "cuda_graph": graphed,
             "launch_hidden": self.timer.hide_launch,
-            "weight_bytes": weight_bytes(phase.parameters),
         }
         if graphed and replay_empty:
             graph_warning = "cuda_graph_empty"
         if graph_warning:
             row["warnings"] = ";".join(w for w in (row["warnings"], graph_warning) if w)
         phase.rotate(1)  # the memory and FLOP passes need one set only
-        if phase.name == "forward":
-            # Also the op's own weights: a model too large to build whole gives each op its own parts,
-            # built after model_parameters was listed (autotuner.spec._PartsPerOp).
-            with SavedTensorsMeter(exclude=[*self.model_parameters, *phase.parameters]) as saved:
-                out = phase.run()
-            del out
-            row["activation_bytes"] = saved.bytes
-        row["peak_bytes"] = self._once(phase, lambda run: peak_bytes(run, self.device))
-        row["flops"] = self._once(phase, count_flops)
-        seconds = measurement.median_ns * 1e-9
-        row["tflops"] = row["flops"] / seconds / 1e12 if seconds else None
-        row["bytes_moved"] = phase.bytes_moved()
-        row["gbps"] = row["bytes_moved"] / seconds / 1e9 if seconds else None
-        row.update(
-            roofline(
-                row["flops"], row["bytes_moved"], seconds, self.calibration, self.dtype, phase.call.ceiling
-            )
+        # The sensors (each its own pass, after the timing pass) and the columns computed from the row.
+        seen = Observed(
+            self.name,
+            phase=phase,
+            device=self.device,
+            model_parameters=self.model_parameters,
+            calibration=self.calibration,
+            dtype=self.dtype,
         )
-        return row
+        return fill(row, seen)
 
 
 def load_calibration(cfg: Any, spec: Any) -> dict[str, Any] | None:
@@ -205,12 +155,12 @@ def load_calibration(cfg: Any, spec: Any) -> dict[str, Any] | None:
     run is written, and keeps a copy in the run directory afterwards (:func:`keep_calibration`)."""
     from pathlib import Path
 
-    from autotuner import calibrate
+    from autotuner.measure import calibration
 
-    path = cfg.calibration or calibrate.default_path(spec.device)
+    path = cfg.calibration or calibration.default_path(spec.device)
     if not cfg.calibration and not Path(path).is_file():
         return None
-    return calibrate.load(path)
+    return calibration.load(path)
 
 
 def keep_calibration(data: dict[str, Any], run_dir: Any) -> None:

@@ -1,4 +1,4 @@
-"""Read an Nsight Systems report through its SQLite export: NVTX ranges, their kernels, statistics.
+"""Read an Nsight Systems report through its SQLite export: NVTX ranges and their kernels.
 
 The report (``.nsys-rep``) is turned into SQLite with ``nsys export`` and read with Python's
 ``sqlite3``; ``nsys stats`` is not used, since its report scripts need the ``nsysstats`` module on the
@@ -27,14 +27,12 @@ What the SQLite export looks like (checked with nsys 2022.4 on a CPU and 2023.4 
 from __future__ import annotations
 
 import sqlite3
-import statistics
 import subprocess
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from autotuner.ops.naming import RangeName, parse_range
 
@@ -229,42 +227,6 @@ def attribute_kernels(sqlite_path: Path, ranges: Sequence[NvtxRange]) -> dict[Nv
             if containing:
                 accumulators[containing[-1]].add_self(duration)
     return {rng: acc.stats() for rng, acc in accumulators.items()}
-
-
-def summarize(ranges: Iterable[NvtxRange]) -> list[dict[str, Any]]:
-    """Duration statistics of our measured ranges, one row per (op, phase, point), sorted by them.
-
-    Ranges that are not ours (``parsed`` is None) and warm-up iterations are left out. Each row has
-    ``op``, ``phase``, ``point``, ``count``, ``median_ns``, ``min_ns``, ``mean_ns`` and ``iqr_ns``
-    (third minus first quartile, ``statistics.quantiles`` with ``method="inclusive"``; 0 for a
-    single sample).
-    """
-    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-    for rng in ranges:
-        if rng.parsed is None or rng.parsed.warmup:
-            continue
-        groups[(rng.parsed.op, rng.parsed.phase, rng.parsed.point)].append(rng.duration_ns)
-    return [
-        {"op": op, "phase": phase, "point": point, **sample_stats(durations)}
-        for (op, phase, point), durations in sorted(groups.items())
-    ]
-
-
-def sample_stats(values: Sequence[float]) -> dict[str, Any]:
-    """``count``, ``median_ns``, ``min_ns``, ``mean_ns`` and ``iqr_ns`` of one sample per iteration (range
-    durations or per-range kernel times); the IQR as in :func:`summarize`. ``values`` must not be empty."""
-    if len(values) >= 2:
-        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-        iqr: float = q3 - q1
-    else:
-        iqr = 0
-    return {
-        "count": len(values),
-        "median_ns": statistics.median(values),
-        "min_ns": min(values),
-        "mean_ns": statistics.fmean(values),
-        "iqr_ns": iqr,
-    }
 
 
 # --- internals -------------------------------------------------------------------------------

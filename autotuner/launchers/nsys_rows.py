@@ -1,14 +1,15 @@
 """From an nsys report to the launcher's rows: which ranges each row is made of, and its columns.
 
 Used by the nsys launcher (autotuner.launchers.nsys) after its run, and by ``python -m
-autotuner.nsys_read`` on a report alone. Reads only the SQLite export (autotuner.launchers.nsys_report);
-nothing here runs nsys or builds a model.
+autotuner.nsys_read`` on a report alone. Reads the worker's record and the report (exported to SQLite
+with ``nsys export``, then read by autotuner.launchers.nsys_report); nothing here profiles or builds a
+model. A row's statistics are a :class:`autotuner.measure.timer.Measurement` of one time per iteration,
+as get_data's are, so its ``rel_ci`` and ``warnings`` mean what they mean there; its identity is
+:func:`autotuner.plan.row_identity` (:func:`autotuner.plan.named_identity` for a report alone).
 """
 
 from __future__ import annotations
 
-import os
-import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -16,20 +17,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotuner.launchers.nsys_process import NsysRun, describe_exit
 from autotuner.launchers.nsys_report import (
     TOP_KERNELS,
     KernelStats,
     NvtxRange,
     OpenRange,
     attribute_kernels,
+    export_sqlite,
     read_nvtx_ranges,
     read_open_ranges,
-    sample_stats,
 )
-from autotuner.launchers.nsys_worker import parse_marker
+from autotuner.launchers.nsys_worker import MEASURING_FILE, parse_marker
+from autotuner.measure.metrics import Observed, fill, register_metric
+from autotuner.measure.timer import Measurement
+from autotuner.plan import named_identity, row_identity
+from autotuner.results import load_rows
 
 if TYPE_CHECKING:
-    from autotuner.launchers.nsys import NsysRun
     from autotuner.ops_test.base import OpTest, ShapePoint
 
 Key = tuple[str, str, str]  # (op, phase, point)
@@ -98,26 +103,35 @@ def range_columns(ranges: Sequence[NvtxRange], kernels: dict[NvtxRange, KernelSt
     (and equals ``median_us`` on a CPU). ``kernel_time_us`` is the GPU median again, under the name the
     kernel columns share.
     """
-    host = sample_stats([r.duration_ns for r in ranges])
-    row: dict[str, Any] = {"samples": host["count"], "host_median_us": host["median_ns"] / 1e3}
+    host = Measurement(times_ns=[r.duration_ns for r in ranges], stop_reason="nsys")
     stats = [kernels[r] for r in ranges if r in kernels]
-    lead = sample_stats([s.kernel_time_ns for s in stats]) if stats else host
-    row.update(
-        median_us=lead["median_ns"] / 1e3,
-        iqr_us=lead["iqr_ns"] / 1e3,
-        min_us=lead["min_ns"] / 1e3,
-        mean_us=lead["mean_ns"] / 1e3,
-    )
-    if stats:
-        row["kernel_time_us"] = row["median_us"]
-        count = statistics.median(s.kernel_count for s in stats)
-        row["kernel_count"] = int(count) if float(count).is_integer() else count
-        row["top_kernels"] = _top_kernels(stats)
-        if count == 0:
-            # A GPU time of 0: either the op launches nothing (the backward of a residual add passes its
-            # gradient on) or its launches fell outside its ranges (another thread; shared/notes/nsys.md).
-            row["warnings"] = "no_kernels"
+    lead = Measurement(times_ns=[s.kernel_time_ns for s in stats], stop_reason="nsys") if stats else host
+    row: dict[str, Any] = {**lead.columns(), "host_median_us": host.median_ns / 1e3}
+    fill(row, Observed("nsys", kernels=stats or None))  # the kernel columns below, on a GPU
+    if stats and row["kernel_count"] == 0:
+        # A GPU time of 0: either the op launches nothing (the backward of a residual add passes its
+        # gradient on) or its launches fell outside its ranges (another thread; shared/notes/nsys.md).
+        row["warnings"] = ";".join(w for w in (row["warnings"], "no_kernels") if w)
     return row
+
+
+# The kernel columns: metrics of nsys alone (autotuner.measure.metrics), from each iteration's KernelStats.
+
+
+@register_metric("kernel_time_us", needs=("median_us", "kernels"), launchers=("nsys",))
+def _kernel_time_us(row: dict[str, Any], seen: Observed) -> float:
+    return row["median_us"]  # the statistics' lead time on a GPU is the kernels' (see range_columns)
+
+
+@register_metric("kernel_count", needs=("kernels",), launchers=("nsys",))
+def _kernel_count(row: dict[str, Any], seen: Observed) -> float:
+    count = statistics.median(s.kernel_count for s in seen.kernels or ())
+    return int(count) if float(count).is_integer() else count
+
+
+@register_metric("top_kernels", needs=("kernels",), launchers=("nsys",))
+def _top_kernels_column(row: dict[str, Any], seen: Observed) -> str:
+    return _top_kernels(seen.kernels or ())
 
 
 @dataclass
@@ -151,6 +165,37 @@ def read_sqlite(sqlite_path: Path) -> ReportData:
     return ReportData(measured, kernels, [r.name for r in still_open])
 
 
+def read_worker(worker_dir: Path) -> tuple[dict[Key, dict[str, Any]], Key | None]:
+    """The worker's rows by (op, phase, point), and the phase it was in when it stopped."""
+    rows_path = worker_dir / "results.jsonl"
+    rows = load_rows(rows_path) if rows_path.is_file() else []
+    by_key = {(r["op"], r["phase"], r["point"]): r for r in rows}
+    in_flight = None
+    measuring = worker_dir / MEASURING_FILE
+    if measuring.is_file():
+        fields = measuring.read_text().strip().split("\t")
+        if len(fields) == 3:
+            in_flight = (fields[0], fields[1], fields[2])
+    return by_key, in_flight
+
+
+def read_report(nsys: str, report_base: Path, result: NsysRun) -> ReportData:
+    """Export and read whatever report nsys saved (after a crash too)."""
+    report = report_base.with_suffix(".nsys-rep")
+    if not report.is_file():
+        if report_base.with_suffix(".qdstrm").is_file():
+            return ReportData(
+                error=f"nsys wrote only {report_base.name}.qdstrm, no .nsys-rep: its report importer is "
+                "missing (see scripts/install_nsys.sh)"
+            )
+        last = result.tail.splitlines()[-1] if result.tail else ""
+        return ReportData(error=f"nsys wrote no report ({describe_exit(result.returncode)}: {last})")
+    try:
+        return read_sqlite(export_sqlite(nsys, report, report_base.with_suffix(".sqlite")))
+    except (RuntimeError, OSError) as exc:
+        return ReportData(error=(str(exc).splitlines() or [type(exc).__name__])[0])
+
+
 def build_rows(
     spec: Any, plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
 ) -> list[dict[str, Any]]:
@@ -159,20 +204,7 @@ def build_rows(
     for point, op, phase in plan:
         key = (op.name, phase, point.label)
         worker = outcome.worker_rows.get(key)
-        row = {
-            "case": spec.case,
-            "op": op.name,
-            "phase": phase,
-            "point": point.label,
-            "seq_len": point.seq_len,
-            "micro_batch_size": point.micro_batch_size,
-            "dtype": spec.dtype,
-            "device": spec.device.type,
-            "launcher": "nsys",
-            "rank": int(os.environ.get("RANK", 0)),
-            "tensor_parallel": spec.tf_config.tensor_model_parallel_size,
-            "call_count": spec.call_counts.get((op.name, point.label)),
-        }
+        row = row_identity(spec, op, point, phase, "nsys")
         if worker is None:
             row.update(status="failed", error=_missing_reason(key, outcome))
         elif worker.get("status") != "ok":
@@ -195,8 +227,6 @@ _NO_RANGE = (
 
 
 def _missing_reason(key: Key, outcome: Outcome) -> str:
-    from autotuner.launchers.nsys import describe_exit  # nsys imports this module at its top
-
     if outcome.nsys.returncode == 0:
         return "the worker finished without measuring it"
     how = describe_exit(outcome.nsys.returncode)
@@ -209,8 +239,6 @@ def _missing_reason(key: Key, outcome: Outcome) -> str:
 
 
 def _no_range_reason(key: Key, outcome: Outcome) -> str:
-    from autotuner.launchers.nsys import describe_exit  # nsys imports this module at its top
-
     op, phase, point = key
     if outcome.report.error:
         return f"no report to read: {outcome.report.error}"
@@ -222,20 +250,13 @@ def _no_range_reason(key: Key, outcome: Outcome) -> str:
 
 # --- rows from a report alone (python -m autotuner.nsys_read) ----------------------------------
 
-_POINT_RE = re.compile(r"^s(?P<seq_len>\d+)_b(?P<micro_batch_size>\d+)$")
-
-
-def point_dims(label: str) -> tuple[int | None, int | None]:
-    """(seq_len, micro_batch_size) of a shape point label ``s<seq>_b<mbs>``; Nones for another label."""
-    match = _POINT_RE.match(label)
-    return (None, None) if match is None else (int(match["seq_len"]), int(match["micro_batch_size"]))
-
 
 def report_rows(report: ReportData, context: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per ``measure`` window in the report, in the order measured, from the report alone.
 
     Without the launcher's plan and worker record, what a row is made of comes from the range names:
-    op, phase and point from the window, seq_len and micro_batch_size from the point's label. The
+    op, phase and point from the window, seq_len and micro_batch_size from the point's label
+    (:func:`autotuner.plan.named_identity`). The
     number of measured iterations is taken as the most any window holds; a window with fewer (the op
     raised, or the process ended inside it), or one left open, makes a ``failed`` row, as the launcher
     would. ``context`` fills the columns a report cannot tell (case, dtype, device, ...); a column it
@@ -249,18 +270,8 @@ def report_rows(report: ReportData, context: dict[str, Any] | None = None) -> li
     rows = []
     for key, found in report.measured.items():
         op, phase, point = key
-        seq_len, micro_batch_size = point_dims(point)
-        row: dict[str, Any] = {
-            "device": "cuda" if report.kernels else None,
-            **(context or {}),
-            "op": op,
-            "phase": phase,
-            "point": point,
-            "seq_len": seq_len,
-            "micro_batch_size": micro_batch_size,
-            "launcher": "nsys",
-            "stop_reason": "nsys",
-        }
+        known = {"device": "cuda" if report.kernels else None, **(context or {})}
+        row = {**named_identity(op, phase, point, "nsys", known), "stop_reason": "nsys"}
         done = len(iterations[key])
         if key in left_open:
             row.update(status="failed", error="the profiled process ended inside its measurement (left open)")

@@ -19,7 +19,7 @@ Per phase, :meth:`NsysObserver.observe` runs::
 
     for i in range(warmup):      ranges "<op>.<phase> [<point>] #w<i>"
         run iteration i
-    cudaProfilerStart()          (CUDA only; see autotuner.launchers.nsys for the capture range)
+    cudaProfilerStart()          (CUDA only; see autotuner.launchers.nsys_command for the capture range)
     push "measure <op>.<phase> [<point>]"
     for i in range(iterations):  ranges "<op>.<phase> [<point>] #<i>"
         run iteration i; synchronize the device
@@ -30,7 +30,7 @@ too: they are that iteration's forward) then ``run()`` (the backward alone). So 
 appears in both of its phases, and, nested, inside every op that contains it (a ``linear_qkv`` range
 inside each ``self_attention``, ``transformer_layer`` and ``transformer_block`` iteration), all with the
 same name. The ``measure`` range says which ranges a row is made of: those of its op and phase inside
-its window (see :func:`autotuner.launchers.nsys.measured_ranges`). Its name does not parse as one of
+its window (see :func:`autotuner.launchers.nsys_rows.measured_ranges`). Its name does not parse as one of
 ours (:func:`autotuner.ops.naming.parse_range` gives None), so no statistic ever counts it.
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from autotuner.measure.memory import weight_bytes
+from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
@@ -53,9 +53,9 @@ from autotuner.runner import Phase
 WORKER_DIR = "worker"
 
 
-def worker_dir(run_dir: Path) -> Path:
-    """Where the worker records its rows: ``worker``, or ``worker.rank<N>`` for each rank under torchrun."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+def worker_dir(run_dir: Path, rank: int, world: int) -> Path:
+    """Where rank ``rank``'s worker records its rows: ``worker``, or ``worker.rank<N>`` for each rank of a
+    job of several processes (``world``)."""
     return Path(run_dir) / (f"{WORKER_DIR}.rank{rank}" if world > 1 else WORKER_DIR)
 
 
@@ -123,11 +123,8 @@ class NsysObserver:
                 # Popped even when the op fails, so the ranges of the next ops do not nest inside it.
                 self.annotator.pop()
                 self._capture(start=False)
-        return {
-            "samples": self.iterations,
-            "stop_reason": "nsys",
-            "weight_bytes": weight_bytes(phase.parameters),
-        }
+        # The registry's columns nsys can supply from the phase itself: weight_bytes.
+        return fill({"samples": self.iterations, "stop_reason": "nsys"}, Observed(self.name, phase=phase))
 
     def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
         # Set before prepare(): the backward ranges are named when the forward builds the graph.
@@ -138,7 +135,8 @@ class NsysObserver:
         del out  # a forward's graph is freed here, not during the next iteration
         if self.device.type == "cuda":
             # Kernels run asynchronously: without this, one iteration's kernels would still be running
-            # inside the next iteration's ranges. (An NVTX range itself is host time; see nsys.py.)
+            # inside the next iteration's ranges. (An NVTX range itself is host time: see
+            # nsys_rows.range_columns.)
             torch.cuda.synchronize(self.device)
 
     def _capture(self, start: bool) -> None:
@@ -163,14 +161,18 @@ def _load_config(path: Path) -> Any:
 
 def run_worker(run_dir: Path, config_path: Path) -> int:
     """Run the plan in this process under NVTX ranges; 0 once the plan is done (failed ops included)."""
+    import autotuner.capture.replay  # noqa: F401  (registers capture=<file>, as autotuner.main does)
+    from autotuner.model.runtime import process_rank
     from autotuner.results import ResultsWriter
     from autotuner.results.atomic import atomic_write_text
     from autotuner.runner import Runner
     from autotuner.spec import open_session, resolve_spec
 
-    out = worker_dir(Path(run_dir))
-    # The next rank's parent may launch its nsys now (see nsys._wait_turn); our parent reads the pid to
-    # pass a stop signal on (nsys.StopSignals), so the file must never be seen half-written.
+    # From the environment: the started file comes first, before there is a spec (the parent passes the
+    # same rank on, as torchrun's RANK and WORLD_SIZE are in the environment it gives us).
+    out = worker_dir(Path(run_dir), *process_rank())
+    # The next rank's parent may launch its nsys now (see nsys_process.wait_turn); our parent reads the pid
+    # to pass a stop signal on (nsys_process.StopSignals), so the file must never be seen half-written.
     atomic_write_text(out / STARTED_FILE, f"{os.getpid()}\n")
     cfg = _load_config(config_path)
     spec = resolve_spec(cfg)

@@ -65,8 +65,8 @@ from torch.autograd import DeviceType
 
 from autotuner.errors import UserError
 from autotuner.launchers import profiler_files
-from autotuner.measure.flops import count_flops
-from autotuner.measure.memory import SavedTensorsMeter, _kineto_quiet, peak_bytes, weight_bytes
+from autotuner.measure.memory import _kineto_quiet
+from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import Measurement
 from autotuner.ops.annotate import RecordFunctionAnnotator, annotating, set_range_context
 from autotuner.ops.naming import parse_range
@@ -206,11 +206,7 @@ class TorchProfilerObserver:
             measurement = measured[phase.name]
             later = [p for p in measured if p != phase.name]
             self._pending = ((op.name, point.label, later[0]), measured[later[0]]) if later else None
-        row = {**self._columns(measurement), **self._sensors(phase)}
-        row["tflops"] = (
-            row["flops"] / (measurement.median_ns * 1e-9) / 1e12 if measurement.median_ns else None
-        )
-        return row
+        return self._sensors(phase, self._columns(measurement))
 
     def _profiler(self, detailed: bool) -> torch.profiler.profile:
         o = self.options
@@ -304,29 +300,15 @@ class TorchProfilerObserver:
     def _columns(self, m: Measurement) -> dict[str, Any]:
         return m.columns()
 
-    def _sensors(self, phase: Phase) -> dict[str, Any]:
-        """weight/activation bytes and FLOPs as get_data measures them (outside the profiler), and peak
-        bytes on a GPU (the allocator's statistics). Peak bytes on CPU are left empty: there they take a
-        profiler session of their own per row, as long as this launcher's own; get_data measures them."""
+    def _sensors(self, phase: Phase, row: dict[str, Any]) -> dict[str, Any]:
+        """``row`` with the metric registry's columns for this launcher (autotuner.measure.metrics):
+        weight/activation bytes and FLOPs as get_data measures them (outside the profiler), FLOP/s from
+        the profiler's median, and peak bytes on a GPU (the allocator's statistics). Peak bytes on CPU
+        are left empty: there they take a profiler session of their own per row, as long as this
+        launcher's own; get_data measures them."""
         fresh = Phase(phase.name, phase.call, phase.seed)  # its own outputs and gradients
-
-        def once(meter: Any) -> Any:
-            if fresh.prepare is not None:
-                fresh.prepare()
-            return meter(fresh.run)
-
-        row: dict[str, Any] = {"weight_bytes": weight_bytes(fresh.parameters)}
-        if fresh.name == "forward":
-            # Also the op's own weights: a model too large to build whole gives each op its own parts,
-            # built after model_parameters was listed (autotuner.spec._PartsPerOp).
-            with SavedTensorsMeter(exclude=[*self.model_parameters, *fresh.parameters]) as saved:
-                out = fresh.run()
-            del out
-            row["activation_bytes"] = saved.bytes
-        if self.cuda:
-            row["peak_bytes"] = once(lambda run: peak_bytes(run, self.device))
-        row["flops"] = once(count_flops)
-        return row
+        seen = Observed(self.name, phase=fresh, device=self.device, model_parameters=self.model_parameters)
+        return fill(row, seen, leave_out=() if self.cuda else ("peak_bytes",))
 
 
 def launch(cfg: Any, spec: Any, run_dir: Any) -> int:

@@ -220,10 +220,20 @@ class DeviceTimer:
 
     With ``barrier`` (several tensor-parallel ranks) every sample starts after a barrier, so all ranks
     enter the op together and no rank's time includes waiting for a late peer in the op's collectives.
+    ``clock_ns`` is the host's clock: it times CPU calls and the host's launches, and :func:`sample`
+    reads its time budget from it. A test passes a clock that the timed call itself advances, so the
+    sampler's rules can be checked on exact, scripted times instead of sleeps on a busy machine.
     """
 
-    def __init__(self, device: torch.device, barrier: bool = False, hide_launch: bool = True) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        barrier: bool = False,
+        hide_launch: bool = True,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
         self.cuda = device.type == "cuda"
+        self.clock_ns = clock_ns
         self.barrier = barrier
         self.hide_launch = hide_launch and self.cuda
         self._launch_ns = SPIN_FLOOR_NS  # the host's launch time of the last timed call (hide_launch)
@@ -241,18 +251,18 @@ class DeviceTimer:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if self.hide_launch:
                 self._spin(SPIN_MARGIN * self._launch_ns)
-            launching = time.perf_counter_ns()
+            launching = self.clock_ns()
             start.record()
             for _ in range(calls):
                 run()
             end.record()
-            self._launch_ns = min(max(time.perf_counter_ns() - launching, SPIN_FLOOR_NS), SPIN_CEILING_NS)
+            self._launch_ns = min(max(self.clock_ns() - launching, SPIN_FLOOR_NS), SPIN_CEILING_NS)
             end.synchronize()
             return int(start.elapsed_time(end) * 1e6)
-        begin = time.perf_counter_ns()
+        begin = self.clock_ns()
         for _ in range(calls):
             run()
-        return time.perf_counter_ns() - begin
+        return self.clock_ns() - begin
 
     def _spin(self, ns: float) -> None:
         """Queue a kernel that keeps the GPU busy for about ``ns`` (``torch.cuda._sleep`` counts clock
@@ -320,7 +330,8 @@ def sample(
     timed call sizes it, and is kept as the first sample when the block is one call (it ran after the
     warm-up exactly as a sample does; not under a barrier, where samples start after one). With several
     ranks, ``agreement`` makes every decision that changes how often the op is called a group decision
-    (module docstring); every rank must then call ``sample`` with the same policy.
+    (module docstring); every rank must then call ``sample`` with the same policy. The budget is counted
+    on ``timer.clock_ns``.
     """
     agree = agreement or RankAgreement(torch.device("cpu"))
 
@@ -351,7 +362,7 @@ def sample(
         target_rel_iqr=policy.target_rel_iqr,
     )
     check_each: bool | None = None  # long samples are checked one by one: decided on the first sample
-    started = time.perf_counter()
+    started = timer.clock_ns()
     while True:
         if measurement.samples < policy.max_samples:
             untimed()
@@ -365,7 +376,7 @@ def sample(
         if n >= policy.min_samples:
             precision, target = measurement.precision, measurement.target
             precise = precision is not None and target is not None and precision <= target
-            not_precise, elapsed = agree.max(0.0 if precise else 1.0, time.perf_counter() - started)
+            not_precise, elapsed = agree.max(0.0 if precise else 1.0, (timer.clock_ns() - started) * 1e-9)
             if not_precise == 0.0:
                 measurement.stop_reason = "precision"
                 break

@@ -21,30 +21,18 @@ import torch
 from autotuner.errors import UserError
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.runtime import DTYPES
-from autotuner.ops.instrument import instrument_module, instrumented_factory, instrumented_function
+from autotuner.ops.instrument import instrument_module, instrumented_factory
+from autotuner.ops_test.base import FACTORY, FUNCTION, LAYER, MODEL, MODULE
+from autotuner.ops_test.places import LAYERS, op_for, op_tree
 
-# Modules of a TransformerLayer, by attribute path, and the op each one is.
-LAYER_MODULE_OPS = {
-    "": "transformer_layer",
-    "input_layernorm": "input_layernorm",
-    "self_attention": "self_attention",
-    "self_attention.linear_qkv": "linear_qkv",
-    "self_attention.core_attention": "core_attention",
-    "self_attention.linear_proj": "linear_proj",
-    "pre_mlp_layernorm": "pre_mlp_layernorm",
-    "mlp": "mlp",
-    "mlp.linear_fc1": "linear_fc1",
-    "mlp.linear_fc2": "linear_fc2",
-}
+# What the instrumentation wraps, by attribute path, from the places the ops declare (as registered at
+# import; instrument_gpt itself reads the registry as it stands). Modules of a TransformerLayer and the op
+# each one is:
+LAYER_MODULE_OPS = op_tree().paths(LAYER, MODULE)
 # Functions a TransformerLayer holds as attributes (bias-dropout-add factories).
-LAYER_FACTORY_OPS = {"self_attn_bda": "self_attn_bda", "mlp_bda": "mlp_bda"}
+LAYER_FACTORY_OPS = op_tree().paths(LAYER, FACTORY)
 # Modules of the GPTModel around the layers.
-MODEL_MODULE_OPS = {
-    "embedding": "embedding",
-    "decoder": "transformer_block",
-    "decoder.final_layernorm": "final_layernorm",
-    "output_layer": "output_layer",
-}
+MODEL_MODULE_OPS = op_tree().paths(MODEL, MODULE)
 
 
 def transformer_engine_available() -> bool:
@@ -278,24 +266,25 @@ def _get(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
 
 
 def instrument_gpt(model: Any) -> None:
-    """Give every op of the model its range (see autotuner.ops.instrument), in place."""
-    from megatron.core.transformer import attention
-
-    for path, op in MODEL_MODULE_OPS.items():
-        module = _get(model, path)
-        if module is not None:
-            instrument_module(module, op)
-    for layer in model.decoder.layers:
-        for path, op in LAYER_MODULE_OPS.items():
-            module = _get(layer, path)
-            if module is not None:
-                instrument_module(module, op)
-        for attr, op in LAYER_FACTORY_OPS.items():
-            setattr(layer, attr, instrumented_factory(getattr(layer, attr), op))
-    # RoPE and the activation are functions Megatron calls by name: the rotary function in the attention
-    # module's namespace, the activation from the config the MLP reads it from. Fused variants (TE/apex
-    # kernels selected by *_fusion flags) bypass these names and then carry no range of their own.
-    attention.apply_rotary_pos_emb = instrumented_function(attention.apply_rotary_pos_emb, "rope")
-    config = model.config
-    if not config.bias_activation_fusion:
-        config.activation_func = instrumented_function(config.activation_func, "activation")
+    """Give every op of the model its range (see autotuner.ops.instrument), in place: each op where it
+    declared it sits (autotuner.ops_test.places), in the GPTModel and in every TransformerLayer."""
+    tree = op_tree()
+    containers = [(MODEL, model)] + [(LAYER, layer) for layer in _get(model, LAYERS) or ()]
+    for container, owner in containers:
+        for path, tests in tree.placed(container, MODULE).items():
+            module = _get(owner, path)
+            test = op_for(tests, module) if module is not None else None
+            if test is not None:
+                instrument_module(module, test.name)
+        for path, tests in tree.placed(container, FACTORY).items():
+            holder_path, _, attr = path.rpartition(".")
+            holder = _get(owner, holder_path)
+            factory = getattr(holder, attr, None) if holder is not None else None
+            test = op_for(tests, factory) if factory is not None else None
+            if test is not None:
+                setattr(holder, attr, instrumented_factory(factory, test.name))
+    # Functions Megatron calls by name (RoPE, the activation): each op wraps its own where it is looked up.
+    for name in tree.model_order:
+        test = tree.tests[name]
+        if test.kind == FUNCTION:
+            test.instrument(model, name)

@@ -12,13 +12,15 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, TypeAdapter, ValidationError, model_validator
 
-from autotuner.errors import UserError
+from autotuner import shipped_folder
+from autotuner.errors import UserError, schema_problem
 
-BUILTIN_CASE_DIR = Path(__file__).resolve().parents[2] / "cases"
+BUILTIN_CASE_DIR = shipped_folder("cases")  # the repository's cases/, carried by the wheel too
 # A case is named, never addressed by path: a name with a separator or a leading dot could load a file
 # outside the case folders and put the default run directory (runs/${case}/...) outside runs/.
 CASE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
@@ -75,6 +77,52 @@ def load_case(name: str, case_dir: str | None = None) -> Case:
     )
 
 
+class CaseFile(BaseModel):
+    """The schema of a case YAML file. Exactly one of ``hf_config`` and ``hf_config_dir`` says where the
+    HF config fields are; ``shapes`` seeds the ``shapes.*`` settings; ``notes`` is for people."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    description: Annotated[str, Field(coerce_numbers_to_str=True)] = ""  # "description: 2" reads "2"
+    hf_config: dict[StrictStr, Any] | None = None
+    hf_config_dir: Annotated[str, Field(strict=True, min_length=1)] | None = None
+    shapes: dict[str, Any] | None = None
+    notes: Any = None
+
+    @model_validator(mode="after")
+    def _one_config_source(self) -> CaseFile:
+        if (self.hf_config is None) == (self.hf_config_dir is None):
+            raise ValueError(
+                "give exactly one of hf_config (inline) or hf_config_dir (a folder with config.json)"
+            )
+        return self
+
+
+# The fix for a problem in each field of a case file, the last part of its one-line refusal.
+_FIXES = {
+    "hf_config": "write it as model_type: llama, hidden_size: 4096, ...",
+    "hf_config_dir": "point it at a folder holding config.json",
+    "shapes": "write it as seq_len: [...], micro_batch_size: [...] (generator, ... as in cases/tiny.yaml)",
+    "description": "write it as one line of text",
+}
+HF_FIELDS = TypeAdapter(dict[StrictStr, Any])
+
+
+def _refusal(subject: str, error: ValidationError) -> UserError:
+    """One line: the file, the field and its problem, and the fix (the whole file's problem, "give
+    exactly one of ...", says its fix itself)."""
+    problems = error.errors(include_url=False)
+    unknown = [str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"]
+    if unknown:
+        return UserError(
+            f"{subject}: unknown key(s) {', '.join(unknown)}: "
+            f"allowed keys are {', '.join(CaseFile.model_fields)}"
+        )
+    field = str(problems[0]["loc"][0]) if problems[0]["loc"] else ""
+    fix = f": {_FIXES[field]}" if field in _FIXES else ""
+    return UserError(f"{subject}: {schema_problem(error)}{fix}")
+
+
 def _parse_case(name: str, path: Path) -> Case:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -87,51 +135,26 @@ def _parse_case(name: str, path: Path) -> Case:
             f"case file {path} must be a mapping, not {type(data).__name__}: "
             "write it as hf_config: {...} (or hf_config_dir: <folder>) and shapes: {...}"
         )
-    known = {"description", "hf_config", "hf_config_dir", "shapes", "notes"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise UserError(f"case file {path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    if ("hf_config" in data) == ("hf_config_dir" in data):
-        raise UserError(
-            f"case file {path}: give exactly one of hf_config (inline) "
-            "or hf_config_dir (a folder with config.json)"
-        )
-    if "hf_config" in data:
-        hf_fields, where = data["hf_config"], f"case file {path}: hf_config"
+    try:
+        case = CaseFile.model_validate(data)
+    except ValidationError as exc:
+        raise _refusal(f"case file {path}", exc) from None
+    if case.hf_config is not None:
+        hf_fields = case.hf_config
     else:
-        hf_fields, config_json = _read_config_json(path, data["hf_config_dir"])
-        where = str(config_json)
-    if not isinstance(hf_fields, dict) or not all(isinstance(key, str) for key in hf_fields):
-        raise UserError(
-            f"{where} must be a mapping of HF config fields, not {type(hf_fields).__name__} "
-            f"{_short(hf_fields)}: write it as model_type: llama, hidden_size: 4096, ..."
-        )
-    shapes = data.get("shapes") or {}
-    if not isinstance(shapes, dict):
-        raise UserError(
-            f"case file {path}: shapes must be a mapping (seq_len, micro_batch_size, generator, ...)"
-        )
+        assert case.hf_config_dir is not None  # the schema wants exactly one of the two
+        hf_fields = _read_config_json(path, case.hf_config_dir)
     return Case(
         name=name,
         hf_fields=hf_fields,
-        shapes=shapes,
+        shapes=case.shapes or {},
         path=path,
-        description=str(data.get("description", "")),
+        description=case.description,
     )
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _read_config_json(case_path: Path, folder: Any) -> tuple[Any, Path]:
-    """The parsed config.json of ``hf_config_dir`` (relative to the case file) and its path for messages."""
-    if not isinstance(folder, str) or not folder:
-        raise UserError(
-            f"case file {case_path}: hf_config_dir must be a folder path, not {_short(folder)}: "
-            "point it at a folder holding config.json"
-        )
+def _read_config_json(case_path: Path, folder: str) -> dict[str, Any]:
+    """The HF config fields in ``hf_config_dir``'s config.json (the folder relative to the case file)."""
     config_json = (case_path.parent / folder).resolve() / "config.json"
     if not config_json.is_file():
         raise UserError(
@@ -139,12 +162,16 @@ def _read_config_json(case_path: Path, folder: Any) -> tuple[Any, Path]:
             "point hf_config_dir at a folder holding config.json"
         )
     try:
-        return json.loads(config_json.read_text()), config_json
+        data = json.loads(config_json.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(
             f"{config_json} is not valid JSON ({str(exc).splitlines()[0]}): fix the file or point "
             "hf_config_dir at a folder holding a model's config.json"
         ) from exc
+    try:
+        return HF_FIELDS.validate_python(data)
+    except ValidationError as exc:
+        raise UserError(f"{config_json} {schema_problem(exc)}: {_FIXES['hf_config']}") from None
 
 
 def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any:

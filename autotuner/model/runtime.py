@@ -50,6 +50,13 @@ def quiet_megatron_import() -> None:
         import megatron.core.models.gpt  # noqa: F401
 
 
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of this process, from the environment its launcher set (torchrun sets RANK and
+    WORLD_SIZE; (0, 1) alone). Read once per run, into the RunSpec (autotuner.spec.resolve_spec): code
+    that has a spec reads ``spec.rank``/``spec.world``; this is for code that runs before there is one."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,16 +1,29 @@
 """The ops inside one TransformerLayer, each called as the layer calls it (Megatron-Core layout [s, b, h]).
 
-A test chains these in model order, each fed what the previous returned, and matches ``layer(x)``.
+A test chains these in model order, each fed what the previous returned, and matches ``layer(x)``. They
+are registered in the order the layer's forward runs them: that is their model order among siblings
+(autotuner.ops_test.places). The layer's direct parts say which half of it they are in; the ops inside
+``self_attention`` and ``mlp`` inherit it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from autotuner.ops_test.base import (
+    ATTENTION,
+    FACTORY,
+    FUNCTION,
+    MLP,
+    OpCall,
+    OpContext,
+    OpNotApplicable,
+    ShapePoint,
+    register_op,
+)
 
-from autotuner.ops.instrument import instrumented_function
-from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, ShapePoint, register_op
+if TYPE_CHECKING:
+    import torch
 
 
 def _check_present(module: Any, op: str, fused_into: str) -> None:
@@ -39,7 +52,7 @@ def split_mixed_qkv(
     per_group = attention.num_attention_heads_per_partition // groups
     d = attention.hidden_size_per_attention_head
     mixed = mixed_qkv.view(*mixed_qkv.shape[:-1], groups, (per_group + 2) * d)
-    query, key, value = torch.split(mixed, [per_group * d, d, d], dim=3)
+    query, key, value = mixed.split([per_group * d, d, d], dim=3)
     query = query.reshape(query.size(0), query.size(1), -1, d)
     return query, key, value
 
@@ -47,6 +60,8 @@ def split_mixed_qkv(
 def rope_call(ctx: OpContext, point: ShapePoint) -> Any:
     """RoPE on q and k, through the same (instrumented) function SelfAttention calls."""
     from megatron.core.transformer import attention
+
+    from autotuner.ops.instrument import instrumented_function
 
     freqs = ctx.rotary(point)
     config = ctx.config
@@ -62,6 +77,8 @@ def rope_call(ctx: OpContext, point: ShapePoint) -> Any:
 
 def activation_call(ctx: OpContext) -> Any:
     """The MLP's activation including the GLU gating, as ``MLP.forward`` computes it unfused."""
+    from autotuner.ops.instrument import instrumented_function
+
     config = ctx.config
     mlp = ctx.layer.mlp
     bias = mlp.linear_fc1.bias if getattr(mlp.linear_fc1, "skip_bias_add", False) else None
@@ -70,7 +87,7 @@ def activation_call(ctx: OpContext) -> Any:
         if bias is not None:
             intermediate = intermediate + bias
         if config.gated_linear_unit:
-            gate, linear = torch.chunk(intermediate, 2, dim=-1)
+            gate, linear = intermediate.chunk(2, dim=-1)
             return config.activation_func(gate) * (linear + getattr(config, "glu_linear_offset", 0.0))
         return mlp.activation_func(intermediate)
 
@@ -92,15 +109,28 @@ def _linear_bias(linear: Any) -> torch.Tensor | None:
     return linear.bias if getattr(linear, "skip_bias_add", False) else None
 
 
-@register_op("transformer_layer", aliases=("TransformerLayer",))
-def transformer_layer(ctx: OpContext, point: ShapePoint) -> OpCall:
-    """One whole TransformerLayer: attention block and MLP block with their residuals."""
-    layer = ctx.layer
-    mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
-    return OpCall(lambda x: layer(x, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), layer)
+def instrument_rope(model: Any, op: str) -> None:
+    """RoPE is a function SelfAttention calls by name from its module's namespace: wrap it there. The
+    fused variant (a TE/apex kernel chosen by ``apply_rope_fusion``) bypasses the name and carries no
+    range of its own."""
+    from megatron.core.transformer import attention
+
+    from autotuner.ops.instrument import instrumented_function
+
+    attention.apply_rotary_pos_emb = instrumented_function(attention.apply_rotary_pos_emb, op)
 
 
-@register_op("input_layernorm", aliases=("pre_layernorm",))
+def instrument_activation(model: Any, op: str) -> None:
+    """The activation is the function the MLP reads from the config: wrap it there, unless a fused
+    bias-activation kernel (``bias_activation_fusion``) runs instead and carries no range of its own."""
+    from autotuner.ops.instrument import instrumented_function
+
+    config = model.config
+    if not config.bias_activation_fusion:
+        config.activation_func = instrumented_function(config.activation_func, op)
+
+
+@register_op("input_layernorm", aliases=("pre_layernorm",), where="input_layernorm", half=ATTENTION)
 def input_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The norm before self-attention (RMSNorm or LayerNorm)."""
     norm = ctx.layer.input_layernorm
@@ -108,7 +138,7 @@ def input_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(norm, (ctx.hidden(point),), norm)
 
 
-@register_op("self_attention", aliases=("self_attn",))
+@register_op("self_attention", aliases=("self_attn",), where="self_attention", half=ATTENTION)
 def self_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     """SelfAttention: linear_qkv, RoPE, core attention and linear_proj."""
     attention = ctx.layer.self_attention
@@ -118,7 +148,7 @@ def self_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     )
 
 
-@register_op("linear_qkv", aliases=("qkv",))
+@register_op("linear_qkv", aliases=("qkv",), where="self_attention.linear_qkv")
 def linear_qkv(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The fused q/k/v projection (column-parallel)."""
     linear = ctx.layer.self_attention.linear_qkv
@@ -131,7 +161,13 @@ def _qkv_shapes(ctx: OpContext, point: ShapePoint) -> tuple[tuple[int, ...], tup
     return (s, b, nq, d), (s, b, nkv, d)
 
 
-@register_op("rope", aliases=("rotary_pos_emb",))
+@register_op(
+    "rope",
+    aliases=("rotary_pos_emb",),
+    where="self_attention.rope",
+    kind=FUNCTION,
+    instrument=instrument_rope,
+)
 def rope(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Rotary position embedding applied to q and k."""
     q_shape, kv_shape = _qkv_shapes(ctx, point)
@@ -139,7 +175,11 @@ def rope(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(rope_call(ctx, point), inputs)
 
 
-@register_op("core_attention", aliases=("TEDotProductAttention", "DotProductAttention"))
+@register_op(
+    "core_attention",
+    aliases=("TEDotProductAttention", "DotProductAttention"),
+    where="self_attention.core_attention",
+)
 def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Scaled dot-product attention with the causal mask (softmax(QK^T)V)."""
     from megatron.core.transformer.enums import AttnMaskType
@@ -157,7 +197,7 @@ def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(call, inputs, module)
 
 
-@register_op("linear_proj")
+@register_op("linear_proj", where="self_attention.linear_proj")
 def linear_proj(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The attention output projection (row-parallel)."""
     linear = ctx.layer.self_attention.linear_proj
@@ -165,7 +205,7 @@ def linear_proj(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(linear, (ctx.randn((point.seq_len, point.micro_batch_size, nq * d), "context"),), linear)
 
 
-@register_op("self_attn_bda")
+@register_op("self_attn_bda", where="self_attn_bda", kind=FACTORY, half=ATTENTION)
 def self_attn_bda(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Bias-dropout-add after attention: residual + dropout(out + bias)."""
     layer = ctx.layer
@@ -173,7 +213,7 @@ def self_attn_bda(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(call, (ctx.hidden(point, "attention_out"), ctx.hidden(point, "residual")))
 
 
-@register_op("pre_mlp_layernorm", aliases=("Norm",))
+@register_op("pre_mlp_layernorm", aliases=("Norm",), where="pre_mlp_layernorm", half=MLP)
 def pre_mlp_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The norm before the MLP."""
     norm = ctx.layer.pre_mlp_layernorm
@@ -181,14 +221,14 @@ def pre_mlp_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(norm, (ctx.hidden(point),), norm)
 
 
-@register_op("mlp", aliases=("MLP",))
+@register_op("mlp", aliases=("MLP",), where="mlp", half=MLP)
 def mlp(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The MLP: linear_fc1, activation (with GLU gating), linear_fc2."""
     module = ctx.layer.mlp
     return OpCall(module, (ctx.hidden(point),), module)
 
 
-@register_op("linear_fc1", aliases=("fc1_op",))
+@register_op("linear_fc1", aliases=("fc1_op",), where="mlp.linear_fc1")
 def linear_fc1(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The MLP up (and gate) projection (column-parallel)."""
     linear = ctx.layer.mlp.linear_fc1
@@ -201,14 +241,20 @@ def _fc1_width(ctx: OpContext) -> int:
     return 2 * width if ctx.config.gated_linear_unit else width
 
 
-@register_op("activation", aliases=("activation_op",))
+@register_op(
+    "activation",
+    aliases=("activation_op",),
+    where="mlp.activation",
+    kind=FUNCTION,
+    instrument=instrument_activation,
+)
 def activation(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The activation function including the GLU gating (SwiGLU: silu(gate) * up)."""
     shape = (point.seq_len, point.micro_batch_size, _fc1_width(ctx))
     return OpCall(activation_call(ctx), (ctx.randn(shape, "fc1_out"),))
 
 
-@register_op("linear_fc2", aliases=("fc2_op",))
+@register_op("linear_fc2", aliases=("fc2_op",), where="mlp.linear_fc2")
 def linear_fc2(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The MLP down projection (row-parallel)."""
     linear = ctx.layer.mlp.linear_fc2
@@ -218,7 +264,7 @@ def linear_fc2(ctx: OpContext, point: ShapePoint) -> OpCall:
     )
 
 
-@register_op("mlp_bda")
+@register_op("mlp_bda", where="mlp_bda", kind=FACTORY, half=MLP)
 def mlp_bda(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Bias-dropout-add after the MLP."""
     layer = ctx.layer

@@ -1,14 +1,21 @@
-"""The ops around the layers: embedding, the transformer block, final norm and output layer with loss."""
+"""The GPTModel's own parts, in forward order: the embedding, the transformer block, one whole layer (the
+container of autotuner.ops_test.layer_ops), the final norm and the output layer with the loss.
+
+Their paths are the GPTModel's attributes; the layer's is ``""`` in each TransformerLayer, which sit at
+``decoder.layers`` (autotuner.ops_test.places). Registered here in forward order, they are model order.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from autotuner.ops.instrument import instrumented_function
-from autotuner.ops_test.base import BLOCK, EMBEDDING, HEAD, OpCall, OpContext, ShapePoint, register_op
+from autotuner.ops_test.base import BLOCK, EMBEDDING, HEAD, LAYER, OpCall, OpContext, ShapePoint, register_op
+
+if TYPE_CHECKING:
+    import torch
 
 
-@register_op("embedding", needs=EMBEDDING)
+@register_op("embedding", needs=EMBEDDING, where="embedding")
 def embedding(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Token embedding lookup (vocab-parallel) for [b, s] token ids, output [s, b, h]."""
     module = ctx.model.embedding
@@ -25,7 +32,9 @@ def embedding(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(module, (ids, positions), module, bytes_moved=moved)
 
 
-@register_op("transformer_block", aliases=("TransformerBlock",), needs=(BLOCK, EMBEDDING, HEAD))
+@register_op(
+    "transformer_block", aliases=("TransformerBlock",), needs=(BLOCK, EMBEDDING, HEAD), where="decoder"
+)
 def transformer_block(ctx: OpContext, point: ShapePoint) -> OpCall:
     """A TransformerBlock of ``transformer_block_layers`` layers plus the final norm (as in the last
     pipeline stage)."""
@@ -38,16 +47,26 @@ def transformer_block(ctx: OpContext, point: ShapePoint) -> OpCall:
     )
 
 
-@register_op("final_layernorm", needs=HEAD)
+@register_op("transformer_layer", aliases=("TransformerLayer",), needs=LAYER, where="")
+def transformer_layer(ctx: OpContext, point: ShapePoint) -> OpCall:
+    """One whole TransformerLayer: attention block and MLP block with their residuals."""
+    layer = ctx.layer
+    mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
+    return OpCall(lambda x: layer(x, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), layer)
+
+
+@register_op("final_layernorm", needs=HEAD, where="decoder.final_layernorm")
 def final_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The norm after the last layer."""
     norm = ctx.model.decoder.final_layernorm
     return OpCall(norm, (ctx.hidden(point),), norm)
 
 
-@register_op("output_layer", aliases=("post_process",), needs=HEAD)
+@register_op("output_layer", aliases=("post_process",), needs=HEAD, where="output_layer")
 def output_layer(ctx: OpContext, point: ShapePoint) -> OpCall:
     """The output projection to the vocabulary and the cross-entropy loss per token, [b, s]."""
+    from autotuner.ops.instrument import instrumented_function
+
     model = ctx.model
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
 

@@ -17,7 +17,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from autotuner.report.data import LAYER, LAYER_PARTS, PHASES, SUBLAYER_PARTS, Breakdown, Run, breakdown
-from autotuner.report.style import EXCESS_COLOUR, REMAINDER_COLOUR, new_figure, time_unit
+from autotuner.report.style import EXCESS_COLOUR, REMAINDER_COLOUR, new_figure
+from autotuner.results.units import time_unit
 
 
 def _bars(runs: Sequence[Run], whole: str, parts: tuple[str, ...], phase: str) -> list[tuple[str, Breakdown]]:

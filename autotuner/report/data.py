@@ -16,19 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.measure.calibration import load as load_calibration  # the launcher's reader, its checks
+from autotuner.ops_test.places import op_tree
 from autotuner.results import load_rows
 
 PHASES = ("forward", "backward")
 
 # The transformer layer's direct sub-ops: they do not overlap and run one after the other, so their
 # medians sum to the layer's median minus the glue between them (residual bookkeeping, Python calls).
+# Derived from the places the ops declare (autotuner.ops_test.places, which imports no torch).
 LAYER = "transformer_layer"
-LAYER_PARTS = ("input_layernorm", "self_attention", "self_attn_bda", "pre_mlp_layernorm", "mlp", "mlp_bda")
+_OPS = op_tree()
+LAYER_PARTS = _OPS.children(LAYER)
 # The parts of the two sub-layers that have parts of their own.
-SUBLAYER_PARTS = {
-    "self_attention": ("linear_qkv", "rope", "core_attention", "linear_proj"),
-    "mlp": ("linear_fc1", "activation", "linear_fc2"),
-}
+SUBLAYER_PARTS = {part: _OPS.children(part) for part in LAYER_PARTS if _OPS.children(part)}
 
 
 @dataclass
@@ -94,21 +95,6 @@ def _read_overrides(run_dir: Path) -> list[str]:
         return []
     # Hydra writes a YAML list of strings ("- key=value"); reading it by line keeps yaml out of the report.
     return [line[2:].strip() for line in path.read_text().splitlines() if line.startswith("- ")]
-
-
-def load_calibration(path: Path) -> dict[str, Any]:
-    """A calibration file: ``{"peak_flops": {dtype: flop/s}, "memory_bandwidth": bytes/s}``.
-
-    ``peak_flops`` may also be one number (the same ceiling for every dtype). Raises UserError when the
-    file cannot be read or has neither key.
-    """
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the calibration file {path}: {exc}") from exc
-    if not isinstance(data, dict) or not ({"peak_flops", "memory_bandwidth"} & set(data)):
-        raise UserError(f"{path} is not a calibration: expected keys peak_flops and/or memory_bandwidth")
-    return data
 
 
 def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any] | None = None) -> Run:

@@ -21,7 +21,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, NullFormatter
 
 from autotuner.report.data import Run, intensity
-from autotuner.report.style import MARKERS, human_si, new_figure
+from autotuner.report.style import MARKERS, new_figure
+from autotuner.results.units import human_si
 
 
 def points(run: Run) -> tuple[list[tuple[dict[str, Any], float]], bool]:

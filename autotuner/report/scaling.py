@@ -20,7 +20,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, NullFormatter
 
 from autotuner.report.data import Run, geometric
-from autotuner.report.style import LINESTYLES, human_bytes, new_figure
+from autotuner.report.style import LINESTYLES, new_figure
+from autotuner.results.units import human_bytes
 
 DIMS = {"seq_len": "sequence length", "micro_batch_size": "micro-batch size"}
 

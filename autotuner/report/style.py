@@ -1,5 +1,6 @@
 """What every figure shares: fixed pixel sizes, one colour per op, one marker and line style per run,
-units, and the one way figures are written to PNG (matplotlib's Agg canvas, no pyplot)."""
+and the one way figures are written to PNG (matplotlib's Agg canvas, no pyplot, written atomically).
+Numbers are formatted by autotuner.results.units, as in every other table."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from autotuner.results import table
+from autotuner.results.atomic import atomic_path
 
 DPI = 100
 # Pixel sizes of the figures. Fixed, so the page lays out the same for every run (and the tests can check
@@ -37,7 +38,10 @@ def new_figure(name: str) -> Figure:
 
 
 def save(figure: Figure, path: Path) -> None:
-    figure.savefig(path, dpi=DPI, format="png", metadata={"Software": None})
+    """Write ``figure`` to ``path`` whole or not at all: a report page open in a browser, or a run killed
+    half-way, never shows a truncated PNG. ``format`` is given because the temporary name ends in .tmp."""
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, dpi=DPI, format="png", metadata={"Software": None})
 
 
 def op_colours(ops: Sequence[str]) -> dict[str, tuple[float, ...]]:
@@ -52,34 +56,3 @@ def op_colours(ops: Sequence[str]) -> dict[str, tuple[float, ...]]:
     light = [c for i, c in enumerate(tab20) if i % 2 == 1 and i not in reserved]
     palette = strong + light + list(matplotlib.colormaps["Dark2"].colors)
     return {op: palette[i % len(palette)] for i, op in enumerate(ops)}
-
-
-def time_unit(max_us: float) -> tuple[str, float]:
-    """(unit, divisor from microseconds) so the largest value reads between 1 and 1000."""
-    if max_us >= 1e6:
-        return "s", 1e6
-    if max_us >= 1e3:
-        return "ms", 1e3
-    return "µs", 1.0
-
-
-def human_bytes(value: float | None) -> str:
-    return "" if value is None else table.human_bytes(value)
-
-
-def human_si(value: float | None, unit: str = "") -> str:
-    """12800000 -> "12.8 M" (FLOPs and FLOP/s span too many decades for one fixed unit)."""
-    if value is None:
-        return ""
-    value = float(value)
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".rstrip()
-
-
-def human_time(us: float | None) -> str:
-    if us is None:
-        return ""
-    unit, divisor = time_unit(abs(float(us)))
-    return f"{float(us) / divisor:.3g} {unit}"

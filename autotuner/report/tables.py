@@ -19,8 +19,9 @@ from autotuner.report.data import (
     multi_rank,
     speedups,
 )
-from autotuner.report.style import human_bytes, human_si, human_time
+from autotuner.results import column
 from autotuner.results.table import has_host_time
+from autotuner.results.units import human_bytes, human_si, human_time, significant
 
 
 def cell(text: Any, sort: Any = None, cls: str = "") -> str:
@@ -30,8 +31,15 @@ def cell(text: Any, sort: Any = None, cls: str = "") -> str:
     return f"<td{attrs}>{escape('' if text is None else str(text))}</td>"
 
 
-def table(headers: Sequence[str], body: Sequence[str], sortable: bool = False) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+def table(
+    headers: Sequence[str], body: Sequence[str], sortable: bool = False, titles: Sequence[str] = ()
+) -> str:
+    """An HTML table; ``titles``, if given, are the headers' tooltips (a column's meaning and unit)."""
+    tips = list(titles) or [""] * len(headers)
+    head = "".join(
+        (f'<th title="{escape(tip)}">' if tip else "<th>") + f"{escape(h)}</th>"
+        for h, tip in zip(headers, tips, strict=True)
+    )
     cls = ' class="sortable"' if sortable else ""
     return f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -184,46 +192,36 @@ def _number(fmt: str) -> Any:
     return lambda v: format(v, fmt) if isinstance(v, (int, float)) else v
 
 
-# The rows table: (header, column, formatter, numeric). Optional columns (written by some launchers or
-# only with a calibration) appear when some row has them.
-ROW_COLUMNS: list[tuple[str, str, Any, bool]] = [
-    ("rank", "rank", str, False),
-    ("point", "point", str, False),
-    ("op", "op", str, False),
-    ("phase", "phase", str, False),
-    ("status", "status", str, False),
-    ("median", "median_us", human_time, True),
-    ("IQR", "iqr_us", human_time, True),
-    ("host median", "host_median_us", human_time, True),
-    ("n", "samples", str, True),
-    ("95% CI width", "rel_ci", _number(".1%"), True),
-    ("stop", "stop_reason", str, False),
-    ("weights", "weight_bytes", human_bytes, True),
-    ("activations", "activation_bytes", human_bytes, True),
-    ("peak", "peak_bytes", human_bytes, True),
-    ("FLOPs", "flops", human_si, True),
-    ("FLOP/s", "tflops", lambda v: human_si(v * 1e12), True),
-    ("bytes moved", "bytes_moved", human_bytes, True),
-    ("GB/s", "gbps", _number(".3g"), True),
-    ("bound", "bound", str, False),
-    ("of ceiling", "ceiling_fraction", _number(".1%"), True),
-    ("kernel time", "kernel_time_us", human_time, True),
-    ("kernels", "kernel_count", str, True),
-    ("top kernels", "top_kernels", str, False),
-    ("calls per step", "call_count", str, True),
+# The rows table: (column, formatter). The header, its tooltip (meaning and unit) and whether the cell
+# sorts as a number come from the column in autotuner.results.Row; Row's optional columns (written by some
+# launchers or only with a calibration) appear when some row has them.
+ROW_COLUMNS: list[tuple[str, Any]] = [
+    ("rank", str),
+    ("point", str),
+    ("op", str),
+    ("phase", str),
+    ("status", str),
+    ("median_us", human_time),
+    ("iqr_us", human_time),
+    ("host_median_us", human_time),
+    ("samples", str),
+    ("rel_ci", _number(".1%")),
+    ("stop_reason", str),
+    ("weight_bytes", human_bytes),
+    ("activation_bytes", human_bytes),
+    ("peak_bytes", human_bytes),
+    ("flops", human_si),
+    ("tflops", significant),
+    ("bytes_moved", human_bytes),
+    ("gbps", _number(".3g")),
+    ("arithmetic_intensity", significant),
+    ("bound", str),
+    ("ceiling_fraction", _number(".1%")),
+    ("kernel_time_us", human_time),
+    ("kernel_count", str),
+    ("top_kernels", str),
+    ("call_count", str),
 ]
-OPTIONAL = {
-    "host_median_us",
-    "rel_ci",
-    "bytes_moved",
-    "gbps",
-    "bound",
-    "ceiling_fraction",
-    "kernel_time_us",
-    "kernel_count",
-    "top_kernels",
-    "call_count",
-}
 
 
 def rows_section(runs: Sequence[Run]) -> str:
@@ -237,13 +235,13 @@ def rows_section(runs: Sequence[Run]) -> str:
     hidden = {"host_median_us"} if not host else set() if legacy else {"kernel_time_us"}
     # Renamed only when every run's medians are GPU times (a CPU run beside it keeps "median").
     every = all(has_host_time(run.rows) for run in runs)
-    renamed = {"median_us": "gpu median", "iqr_us": "gpu IQR"} if every else {}
+    gpu = {"median_us", "iqr_us"} if every else set()
     columns = [
-        (renamed.get(c[1], c[0]), *c[1:])
-        for c in ROW_COLUMNS
-        if (c[1] not in OPTIONAL or any(row.get(c[1]) is not None for _, row in rows))
-        and (c[1] != "rank" or multi_rank([row for _, row in rows]))
-        and c[1] not in hidden
+        (("gpu " if key in gpu else "") + column(key).label, key, fmt, column(key).number)
+        for key, fmt in ROW_COLUMNS
+        if (not column(key).optional or any(row.get(key) is not None for _, row in rows))
+        and (key != "rank" or multi_rank([row for _, row in rows]))
+        and key not in hidden
     ]
     errors = any(row.get("error") for _, row in rows)  # the column only when some row has one
     body = []
@@ -259,8 +257,13 @@ def rows_section(runs: Sequence[Run]) -> str:
     headers = (
         (["run"] if many else []) + [c[0] for c in columns] + ["warnings"] + (["error"] if errors else [])
     )
-    note = "<p>Every row of results.jsonl (results.csv has every column); click a column header to sort.</p>"
-    return (
-        # The widest table: it may use the whole window, not only the figures' column.
-        "<h2>All rows</h2>" + note + '<div class="wide">' + table(headers, body, sortable=True) + "</div>"
+    titles = (
+        ([""] if many else [])
+        + [column(c[1]).describe() for c in columns]
+        + [column("warnings").describe()]
+        + ([column("error").describe()] if errors else [])
     )
+    note = "<p>Every row of results.jsonl (results.csv has every column); click a column header to sort.</p>"
+    rows_table = table(headers, body, sortable=True, titles=titles)
+    # The widest table: it may use the whole window, not only the figures' column.
+    return "<h2>All rows</h2>" + note + '<div class="wide">' + rows_table + "</div>"

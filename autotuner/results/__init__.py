@@ -7,54 +7,11 @@ complete, valid files (never a half-written line):
 * ``results.jsonl``: one JSON object per row (the source of truth; numbers are numbers).
 * ``results.csv``: the same rows and columns, for spreadsheets and pandas.
 
-Columns (units in the name; empty where a value does not apply or was not measured):
+:class:`Row` is the one definition of the columns: their order (the CSV header, the JSONL keys), each
+one's meaning, unit and table label. Rows travel as plain dicts (they round-trip through JSON); the
+writer refuses a key that :class:`Row` does not define. The columns, as :func:`describe_columns` lists
+them (units in the name; empty where a value does not apply or was not measured):
 
-=====================  ===============================================================================
-case, op, phase        the model case, the canonical op name, ``forward`` or ``backward``
-point, seq_len,        the shape point (label ``s<seq>_b<mbs>``) and its dimensions
-micro_batch_size
-dtype, device          compute dtype (fp32/bf16/fp16) and device type (cpu/cuda)
-launcher               get_data, nsys or torch_profiler: who measured the times
-rank, tensor_parallel  the process's rank and the TP size; with several ranks, ``rank`` is ``max`` on the
-                       merged row that carries the cross-rank figure (the slowest rank's statistics)
-status, error          ``ok``; ``failed`` with the error's one-line text; ``skipped`` with the reason
-samples                number of timed samples behind the statistics
-median_us, iqr_us,     statistics of the per-sample times, microseconds: the op's time as its launcher
-min_us, mean_us        measures it (on a GPU the device's time; nsys on a GPU: each iteration's summed
-                       kernel durations, as kernel_time_us)
-host_median_us         nsys: median duration of the op's NVTX ranges, the host's time to issue the op (its
-                       launches, plus any synchronisation inside it); on a CPU the same as median_us
-stop_reason            why sampling stopped: precision (the precision rule's target was reached), budget,
-                       max_samples; the launcher's name for profiler launchers
-precision_rule         get_data's stopping rule: ci (the median's 95% CI under timing.target_rel_ci of it)
-                       or iqr (IQR under timing.target_rel_iqr of the median); empty for profiler launchers
-rel_ci                 width of the median's 95% confidence interval over the median
-warnings               ``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..),
-                       drift(+..%), ci_target_missed / iqr_target_missed, cuda_graph_failed(..),
-                       cuda_graph_off(..), no_kernels (nsys on a GPU: no kernel launched inside the ranges)
-calls_per_sample       back-to-back calls per timed sample (forward of short ops; 1 otherwise)
-input_sets             copies of the inputs the samples cycled through (cache-resident inputs)
-cache_flush            whether the last-level cache was flushed before every sample
-launch_hidden          get_data on CUDA: a spin kernel was queued before every sample, so the host's delay
-                       before the first kernel is not in the sample (timing.hide_launch; measure.timer)
-weight_bytes           the op's parameters (each storage once)
-activation_bytes       forward rows: bytes autograd saved for backward, excluding parameters
-peak_bytes             peak bytes in use during the phase above those in use when it began
-flops                  floating-point operations of the phase (torch.utils.flop_counter)
-tflops                 flops / median time, in 10^12 per second
-bytes_moved            counted minimum of bytes read and written (runner.Phase.bytes_moved)
-gbps                   bytes_moved / median time, in 10^9 per second (a lower bound of the traffic)
-bound, ceiling_fraction  with a calibration: compute or memory (which side of the ridge point the op's
-                       FLOPs per byte lie) and the achieved fraction of that calibrated ceiling
-num_threads            torch intra-op threads the phase ran with
-kernel_time_us,        nsys on a GPU: per iteration (median), the summed durations of the CUDA kernels
-kernel_count,          launched inside the op's range (nested ranges included; kernels overlapping on
-top_kernels            several streams each count in full; equal to median_us) and their number; the five
-                       kernels with the most time, ``name <us>us x<count>`` joined by ``;``
-                       (autotuner.launchers.nsys_rows)
-call_count             with ``capture=``: how often the op ran at this point in the captured training
-                       steps (autotuner.capture.replay); median x call_count ranks what matters there
-=====================  ===============================================================================
 """
 
 from __future__ import annotations
@@ -62,57 +19,233 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.results.atomic import atomic_write_text
 
-COLUMNS = [
-    "case",
-    "op",
-    "phase",
-    "point",
-    "seq_len",
-    "micro_batch_size",
-    "dtype",
-    "device",
-    "launcher",
-    "rank",
-    "tensor_parallel",
-    "status",
-    "error",
-    "samples",
-    "median_us",
-    "iqr_us",
-    "min_us",
-    "mean_us",
-    "host_median_us",
-    "stop_reason",
-    "precision_rule",
-    "rel_ci",
-    "warnings",
-    "calls_per_sample",
-    "input_sets",
-    "cache_flush",
-    "launch_hidden",
-    "cuda_graph",
-    "weight_bytes",
-    "activation_bytes",
-    "peak_bytes",
-    "flops",
-    "tflops",
-    "bytes_moved",
-    "gbps",
-    "bound",
-    "ceiling_fraction",
-    "num_threads",
-    "kernel_time_us",
-    "kernel_count",
-    "top_kernels",
-    "call_count",
-]
+
+def _column(
+    doc: str, unit: str | None = None, label: str | None = None, number: bool = False, optional: bool = False
+) -> Any:
+    """A :class:`Row` field's metadata: ``doc`` its meaning, ``unit`` what its numbers count, ``label``
+    its header in the tables (default: the name), ``number`` whether the tools read it as a number (and
+    reject anything else in a rows file), ``optional`` whether only some launchers or set-ups write it
+    (the report shows it only when some row has a value)."""
+    meta = {"doc": doc, "unit": unit, "label": label, "number": number, "optional": optional}
+    return field(default=None, metadata=meta)
+
+
+def _number(doc: str, unit: str | None = None, label: str | None = None, optional: bool = False) -> Any:
+    return _column(doc, unit, label, number=True, optional=optional)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One result row. The field order is the column order of both files; each field's metadata says
+    what the column means (see :class:`Column`). A new column is a new field here, nowhere else: the
+    files, the rows-file checks and the report's tooltips follow; a metric that fills it is one function
+    in autotuner.measure.metrics."""
+
+    case: str | None = _column("the model case")
+    op: str | None = _column("the canonical op name")
+    phase: str | None = _column("``forward`` or ``backward``")
+    point: str | None = _column("the shape point, ``s<seq>_b<mbs>``")
+    seq_len: int | None = _number("the shape point's sequence length", "tokens")
+    micro_batch_size: int | None = _number("the shape point's micro-batch size", "sequences")
+    dtype: str | None = _column("compute dtype (fp32/bf16/fp16)")
+    device: str | None = _column("device type (cpu/cuda)")
+    launcher: str | None = _column("get_data, nsys or torch_profiler: who measured the times")
+    rank: int | str | None = _column(
+        "the process's rank; with several ranks, ``max`` on the merged row that carries the cross-rank "
+        "figure (the slowest rank's statistics)"
+    )
+    tensor_parallel: int | None = _number("the tensor-parallel size")
+    status: str | None = _column("``ok``; ``failed`` (see error); ``skipped`` (error: the reason)")
+    error: str | None = _column("a failed row's one-line error, a skipped row's reason")
+    samples: int | None = _number("number of timed samples behind the statistics", label="n")
+    median_us: float | None = _number(
+        "median of the per-sample times: the op's time as its launcher measures it (on a GPU the device's "
+        "time; nsys on a GPU: each iteration's summed kernel durations, as kernel_time_us)",
+        "us",
+        "median",
+    )
+    iqr_us: float | None = _number("interquartile range of the per-sample times", "us", "IQR")
+    min_us: float | None = _number("fastest sample", "us", "min")
+    mean_us: float | None = _number("mean of the per-sample times", "us", "mean")
+    host_median_us: float | None = _number(
+        "nsys: median duration of the op's NVTX ranges, the host's time to issue the op (its launches, "
+        "plus any synchronisation inside it); on a CPU the same as median_us",
+        "us",
+        "host median",
+        optional=True,
+    )
+    stop_reason: str | None = _column(
+        "why sampling stopped: precision (the precision rule's target was reached), budget, max_samples; "
+        "the launcher's name for profiler launchers",
+        label="stop",
+    )
+    precision_rule: str | None = _column(
+        "get_data's stopping rule: ci (the median's 95% CI under timing.target_rel_ci of it) or iqr (IQR "
+        "under timing.target_rel_iqr of the median); empty for profiler launchers"
+    )
+    rel_ci: float | None = _number(
+        "width of the median's 95% confidence interval over the median", "fraction", "95% CI width", True
+    )
+    warnings: str | None = _column(
+        "``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..), drift(+..%), "
+        "ci_target_missed / iqr_target_missed, cuda_graph_failed(..), cuda_graph_off(..), no_kernels (nsys "
+        "on a GPU: no kernel launched inside the ranges)"
+    )
+    calls_per_sample: int | None = _number(
+        "back-to-back calls per timed sample (forward of short ops; 1 otherwise)"
+    )
+    input_sets: int | None = _number(
+        "copies of the inputs the samples cycled through (cache-resident inputs)"
+    )
+    cache_flush: bool | None = _column("whether the last-level cache was flushed before every sample")
+    launch_hidden: bool | None = _column(
+        "get_data on CUDA: a spin kernel was queued before every sample, so the host's delay before the "
+        "first kernel is not in the sample (timing.hide_launch; autotuner.measure.timer)"
+    )
+    cuda_graph: bool | None = _column(
+        "get_data on CUDA: the samples replayed a CUDA graph of the phase (timing.cuda_graph; "
+        "autotuner.measure.graphs)"
+    )
+    weight_bytes: int | None = _number("the op's parameters (each storage once)", "B", "weights")
+    activation_bytes: int | None = _number(
+        "forward rows: bytes autograd saved for backward, excluding parameters", "B", "activations"
+    )
+    peak_bytes: int | None = _number(
+        "peak bytes in use during the phase above those in use when it began", "B", "peak"
+    )
+    flops: int | None = _number(
+        "floating-point operations of the phase (torch.utils.flop_counter)", "FLOP", "FLOPs"
+    )
+    tflops: float | None = _number("flops / median time", "TFLOP/s", "TFLOP/s")
+    bytes_moved: int | None = _number(
+        "counted minimum of bytes read and written (runner.Phase.bytes_moved)", "B", "bytes moved", True
+    )
+    gbps: float | None = _number(
+        "bytes_moved / median time (a lower bound of the traffic)", "GB/s", "GB/s", optional=True
+    )
+    arithmetic_intensity: float | None = _number(
+        "flops / bytes_moved: the op's place on a roofline (above the device's ridge point: compute-bound)",
+        "FLOP/B",
+        "FLOP/B",
+        optional=True,
+    )
+    bound: str | None = _column(
+        "with a calibration: compute or memory (which side of the ridge point the op's FLOPs per byte lie), "
+        "or the calibration key of the ceiling an op names (a host transfer's h2d_pinned)",
+        optional=True,
+    )
+    ceiling_fraction: float | None = _number(
+        "with a calibration: the achieved fraction of the bound's calibrated ceiling",
+        "fraction",
+        "of ceiling",
+        optional=True,
+    )
+    num_threads: int | None = _number("torch intra-op threads the phase ran with")
+    kernel_time_us: float | None = _number(
+        "nsys on a GPU: per iteration (median), the summed durations of the CUDA kernels launched inside "
+        "the op's range (nested ranges included; kernels overlapping on several streams each count in "
+        "full; equal to median_us) (autotuner.launchers.nsys_rows)",
+        "us",
+        "kernel time",
+        optional=True,
+    )
+    kernel_count: float | None = _number(
+        "nsys on a GPU: the number of those kernels per iteration (median)", label="kernels", optional=True
+    )
+    top_kernels: str | None = _column(
+        "nsys on a GPU: the five kernels with the most time, ``name <us>us x<count>`` joined by ``;``",
+        label="top kernels",
+        optional=True,
+    )
+    call_count: int | None = _number(
+        "with ``capture=``: how often the op ran at this point in the captured training steps "
+        "(autotuner.capture.replay); median x call_count ranks what matters there",
+        label="calls per step",
+        optional=True,
+    )
+
+
+@dataclass(frozen=True)
+class Column:
+    """What :class:`Row` says about one column."""
+
+    name: str
+    doc: str
+    unit: str | None
+    label: str
+    number: bool
+    optional: bool
+
+    def describe(self) -> str:
+        """The meaning with the unit, as a tooltip shows it."""
+        return f"{self.doc} [{self.unit}]" if self.unit else self.doc
+
+
+SCHEMA: dict[str, Column] = {
+    f.name: Column(
+        f.name,
+        f.metadata["doc"],
+        f.metadata["unit"],
+        f.metadata["label"] or f.name.replace("_", " "),
+        f.metadata["number"],
+        f.metadata["optional"],
+    )
+    for f in fields(Row)
+}
+COLUMNS = list(SCHEMA)
+
+
+def column(name: str) -> Column:
+    """The :class:`Column` of ``name``; KeyError names a column that :class:`Row` does not define."""
+    try:
+        return SCHEMA[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a column of autotuner.results.Row") from None
+
+
+def label(name: str) -> str:
+    """The column's header in the tables (KeyError for a name that is not a column)."""
+    return column(name).label
+
+
+def describe_columns() -> str:
+    """The columns as a reStructuredText table: name, unit, meaning (this module's docstring ends with it)."""
+    width = max(len(name) for name in COLUMNS)
+    unit_width = max(len(c.unit or "") for c in SCHEMA.values())
+    rule = f"{'=' * width}  {'=' * unit_width}  {'=' * 60}"
+    lines = [rule, f"{'column':{width}}  {'unit':{unit_width}}  meaning", rule]
+    lines += [f"{c.name:{width}}  {c.unit or '':{unit_width}}  {c.doc}" for c in SCHEMA.values()]
+    return "\n".join([*lines, rule])
+
+
+__doc__ = (__doc__ or "") + describe_columns() + "\n"
+
+
+class UnknownColumnError(ValueError):
+    """A row handed to the writer with a key that :class:`Row` does not define: a bug in the code that made
+    the row (add the column to Row, or fix the name)."""
+
+
+def as_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """``row`` with every column of :class:`Row`, in order (None where it has no value);
+    :class:`UnknownColumnError` for a key that is not a column."""
+    unknown = [key for key in row if key not in SCHEMA]
+    if unknown:
+        raise UnknownColumnError(
+            f"row {row.get('op')}.{row.get('phase')} has keys that are not columns of autotuner.results.Row: "
+            f"{', '.join(map(str, unknown))}: add them to Row or fix their names"
+        )
+    return {c: row.get(c) for c in COLUMNS}
+
 
 KEY = ("case", "op", "phase", "point", "rank")
 
@@ -147,13 +280,13 @@ class ResultsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         """Add (or replace, by key) a row and persist every file before returning."""
-        full = {c: row.get(c) for c in COLUMNS}
+        full = as_row(row)
         self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
         self._flush()
 
     def extend(self, rows: Iterable[dict[str, Any]]) -> None:
         for row in rows:
-            full = {c: row.get(c) for c in COLUMNS}
+            full = as_row(row)
             self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
         self._flush()
 
@@ -175,24 +308,9 @@ class RowsFileError(UserError, ValueError):
 
 # The columns every view groups rows by: a missing or non-string value cannot be a table's row or column.
 KEY_TEXT = ("op", "phase", "point")
-# Columns the tools do arithmetic on or compare in size; names ending in NUMERIC_SUFFIXES are numeric
-# too, so a time or size column added later is checked without editing this list.
-NUMERIC = frozenset(
-    {
-        "seq_len",
-        "micro_batch_size",
-        "tensor_parallel",
-        "samples",
-        "rel_ci",
-        "calls_per_sample",
-        "input_sets",
-        "flops",
-        "tflops",
-        "gbps",
-        "ceiling_fraction",
-        "num_threads",
-    }
-)
+# Columns the tools do arithmetic on or compare in size (Row's numbers); in a rows file, names ending in
+# NUMERIC_SUFFIXES are numeric too, so a time or size column of another version is checked as well.
+NUMERIC = frozenset(c.name for c in SCHEMA.values() if c.number)
 NUMERIC_SUFFIXES = ("_us", "_bytes", "_count", "_moved")
 _FIX = "fix or delete that line, or measure the run again"
 
@@ -275,7 +393,8 @@ def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Every rank's rows, then per (case, op, phase, point) one row with ``rank="max"``: the statistics
     of the rank whose median is the slowest (a TP op is as slow as its slowest rank, as Megatron's timers
     report the max over ranks), status ``failed`` if any rank failed."""
-    merged = [row for rows in rank_rows for row in rows]
+    # Rows read back from files may hold a column of another version: the merged file has this one's.
+    merged = [{c: row.get(c) for c in COLUMNS} for rows in rank_rows for row in rows]
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in merged:
         groups.setdefault(row_key(row)[:-1], []).append(row)

@@ -5,32 +5,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tabulate import tabulate
 
-def human_bytes(value: Any) -> str:
-    """1536 -> "1.5 KiB" (binary units); "-" for a missing value."""
-    if value is None or value == "":
-        return "-"
-    value = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return "-"
+from autotuner.results import label
+from autotuner.results.units import MISSING, human_bytes, human_time, significant
 
 
-def _time(us: Any) -> str:
-    if us is None or us == "":
-        return "-"
-    us = float(us)
-    if us >= 1e6:
-        return f"{us / 1e6:.3f} s"
-    if us >= 1e3:
-        return f"{us / 1e3:.3f} ms"
-    return f"{us:.1f} us"
-
-
-def _num(value: Any, fmt: str) -> str:
-    return "-" if value is None or value == "" else format(float(value), fmt)
+def text_table(
+    headers: Sequence[str], lines: Sequence[Sequence[str]], right: Sequence[bool], rule: bool = True
+) -> str:
+    """The one fixed-width printer of the terminal tables (this run summary, ``autotuner.compare``,
+    ``autotuner.launcher_agreement``): columns two spaces apart, each left- or right-aligned as ``right``
+    says, a dashed rule under the headers when ``rule``. Cells arrive formatted (autotuner.results.units):
+    tabulate must not parse them as numbers, which would realign "6.17 (2.00x)" apart from "12.3" or drop
+    a trailing zero."""
+    return tabulate(
+        lines,
+        headers=list(headers),
+        tablefmt="simple" if rule else "plain",
+        colalign=["right" if flag else "left" for flag in right],
+        disable_numparse=True,
+    )
 
 
 def _status(row: dict[str, Any]) -> str:
@@ -54,45 +49,38 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     op's NVTX range (``host median``); other rows have one time, ``median``.
     """
     host = has_host_time(rows)
+    gpu = "gpu " if host else ""
+
+    def host_time(row: dict[str, Any]) -> str:
+        return human_time(row.get("host_median_us"))
+
     ok_only = True  # the cell reads "-" unless the row is ok
-    # (header, cell, ok_only, right-aligned)
+    # (header: the column's label in autotuner.results.Row, cell, ok_only, right-aligned)
     columns: list[tuple[str, Any, bool, bool]] = [
-        ("point", lambda r: str(r.get("point", "")), False, False),
-        ("op", lambda r: str(r.get("op", "")), False, False),
-        ("phase", lambda r: str(r.get("phase", "")), False, False),
+        (label("point"), lambda r: str(r.get("point", "")), False, False),
+        (label("op"), lambda r: str(r.get("op", "")), False, False),
+        (label("phase"), lambda r: str(r.get("phase", "")), False, False),
         (
-            "gpu median" if host else "median",
-            lambda r: _time(r.get("median_us")) + (" !" if r.get("warnings") else ""),
+            gpu + label("median_us"),
+            lambda r: human_time(r.get("median_us")) + (" !" if r.get("warnings") else ""),
             ok_only,
             True,
         ),
-        ("gpu IQR" if host else "IQR", lambda r: _time(r.get("iqr_us")), ok_only, True),
-        *([("host median", lambda r: _time(r.get("host_median_us")), ok_only, True)] if host else []),
-        ("n", lambda r: str(r.get("samples") or "-"), False, True),
-        ("TFLOP/s", lambda r: _num(r.get("tflops"), ".3f"), ok_only, True),
-        ("GB/s", lambda r: _num(r.get("gbps"), ".1f"), ok_only, True),
-        ("weights", lambda r: human_bytes(r.get("weight_bytes")), False, True),
-        ("activations", lambda r: human_bytes(r.get("activation_bytes")), False, True),
-        ("peak", lambda r: human_bytes(r.get("peak_bytes")), False, True),
-        ("status", _status, False, False),
+        (gpu + label("iqr_us"), lambda r: human_time(r.get("iqr_us")), ok_only, True),
+        *([(label("host_median_us"), host_time, ok_only, True)] if host else []),
+        (label("samples"), lambda r: str(r.get("samples") or MISSING), False, True),
+        (label("tflops"), lambda r: significant(r.get("tflops")), ok_only, True),
+        (label("gbps"), lambda r: significant(r.get("gbps")), ok_only, True),
+        (label("weight_bytes"), lambda r: human_bytes(r.get("weight_bytes")), False, True),
+        (label("activation_bytes"), lambda r: human_bytes(r.get("activation_bytes")), False, True),
+        (label("peak_bytes"), lambda r: human_bytes(r.get("peak_bytes")), False, True),
+        (label("status"), _status, False, False),
     ]
-    headers = [header for header, *_ in columns]
     lines = [
-        ["-" if only_ok and row.get("status") != "ok" else cell(row) for _, cell, only_ok, _ in columns]
+        [MISSING if only_ok and row.get("status") != "ok" else cell(row) for _, cell, only_ok, _ in columns]
         for row in rows
     ]
-    widths = [
-        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)
-    ]
-    right = [flag for *_, flag in columns]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if flag else c.ljust(w) for c, w, flag in zip(cells, widths, right, strict=True)
-        ).rstrip()
-
-    out = [fmt(headers), fmt(["-" * w for w in widths])]
-    out.extend(fmt(line) for line in lines)
+    out = [text_table([header for header, *_ in columns], lines, [right for *_, right in columns])]
     if host:
         out.append(
             "gpu median, gpu IQR: each iteration's summed kernel time (results.csv: median_us, iqr_us); "

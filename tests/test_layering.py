@@ -1,0 +1,179 @@
+"""The import layering of autotuner/, read from the source with ``ast`` (nothing is imported).
+
+* Nothing below the entry points imports one: an entry point is a command line (``python -m ...``), and
+  library code that imports it depends on a CLI's arguments, exit codes and side effects.
+* The results side (autotuner/results, autotuner/report) imports nothing of Megatron or torch.nn, also
+  through what it imports: a report or a comparison is made on a machine without the model stack.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[1]
+
+# The command lines; they may import anything, nothing else may import them.
+ENTRY_POINTS = {
+    "autotuner.main",
+    "autotuner.calibrate",
+    "autotuner.compare",
+    "autotuner.report.__main__",
+    "autotuner.capture.__main__",
+    "autotuner.nsys_read",
+    "autotuner.launcher_agreement",
+}
+RESULTS_SIDE = ("autotuner.results", "autotuner.report")
+MODEL_STACK = ("megatron", "torch.nn")
+
+
+@dataclass(frozen=True)
+class Import:
+    name: str  # a module, or a module's attribute (``autotuner.results.load_rows``)
+    line: int
+    top_level: bool  # runs when the module is imported (not inside a function)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(path: Path, root: Path) -> list[Import]:
+    """Every import the module can run, lazy ones included; ``if TYPE_CHECKING:`` blocks left out (they
+    never run). ``from a import b`` gives both ``a`` and ``a.b`` (b may be a submodule)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[Import] = []
+
+    def walk(node: ast.AST, top_level: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for other in child.orelse:
+                    walk(other, top_level)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend(Import(alias.name, child.lineno, top_level) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                found.append(Import(base, child.lineno, top_level))
+                found.extend(Import(f"{base}.{alias.name}", child.lineno, top_level) for alias in child.names)
+            inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            walk(child, top_level and not inner)
+
+    walk(ast.parse(path.read_text(), filename=str(path)), True)
+    return found
+
+
+def modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted((root / "autotuner").rglob("*.py"))}
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def entry_point_imports(root: Path, entry_points: set[str]) -> list[str]:
+    """``module:line imports entry`` for each import of an entry point by a module that is not one."""
+    found = []
+    for name, path in modules(root).items():
+        if name in entry_points:
+            continue
+        for imp in imports_of(path, root):
+            if imp.name in entry_points:
+                found.append(f"{name}:{imp.line} imports {imp.name}")
+    return found
+
+
+def model_stack_imports(root: Path) -> list[str]:
+    """``module -> ... -> import`` for each way a results-side module reaches Megatron or torch.nn: its own
+    imports (lazy ones too: a call runs them), then what importing those modules runs, transitively."""
+    known = modules(root)
+    found = []
+    for start in (name for name in known if _within(name, RESULTS_SIDE)):
+        chains = {start: [start]}
+        queue = [(start, imp) for imp in imports_of(known[start], root)]
+        while queue:
+            holder, imp = queue.pop()
+            if _within(imp.name, MODEL_STACK):
+                found.append(" -> ".join([*chains[holder], f"{imp.name} (line {imp.line})"]))
+                continue
+            # importing a.b.c runs a, a.b and a.b.c: each of ours that is a module
+            parts = imp.name.split(".")
+            for depth in range(1, len(parts) + 1):
+                target = ".".join(parts[:depth])
+                if target in known and target not in chains:
+                    chains[target] = [*chains[holder], target]
+                    queue += [(target, i) for i in imports_of(known[target], root) if i.top_level]
+    return found
+
+
+def test_nothing_below_the_entry_points_imports_them() -> None:
+    assert ENTRY_POINTS <= set(modules(SOURCE)), "an entry point was renamed: update ENTRY_POINTS"
+    assert entry_point_imports(SOURCE, ENTRY_POINTS) == []
+
+
+def test_the_results_side_imports_nothing_of_megatron_or_torch_nn() -> None:
+    assert model_stack_imports(SOURCE) == []
+
+
+# --- the checks find what they look for (a made-up tree) ------------------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / "autotuner" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+@pytest.fixture
+def bad_tree(tmp_path: Path) -> Path:
+    return _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "main.py": "import autotuner.lib\n",
+            "lib.py": "def load():\n    from autotuner import main\n",
+            "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import autotuner.main\n",
+            "model.py": "import megatron.core\n",
+            "lazy.py": "def build():\n    from torch import nn\n",
+            "results/__init__.py": "from . import rows\n",
+            "results/rows.py": "from autotuner import model\n",
+            "report/__init__.py": "from autotuner.lazy import build\n",
+        },
+    )
+
+
+def test_the_checks_find_what_they_look_for(bad_tree: Path) -> None:
+    assert entry_point_imports(bad_tree, {"autotuner.main"}) == ["autotuner.lib:2 imports autotuner.main"]
+    found = model_stack_imports(bad_tree)
+    assert "autotuner.results.rows -> autotuner.model -> megatron.core (line 1)" in found
+    # a lazy import of a module the report imports does not run on import: not followed
+    assert not any("torch.nn" in chain for chain in found), found
+
+
+def _all_imports(tree: Path) -> Iterator[Import]:
+    for path in modules(tree).values():
+        yield from imports_of(path, tree)
+
+
+def test_relative_imports_resolve_against_their_package(bad_tree: Path) -> None:
+    names = {imp.name for imp in _all_imports(bad_tree)}
+    assert "autotuner.results.rows" in names and "autotuner.main" not in {
+        imp.name for imp in imports_of(bad_tree / "autotuner" / "typed.py", bad_tree)
+    }
