@@ -12,7 +12,7 @@ The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops),
 peak. The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
 ``calibration`` config key, or that default file) to add each op's bound and the fraction of its ceiling
 it reaches. Calibrate once per machine; the file names the device and versions it was measured with.
-Where it is kept and how it is read back: autotuner.measure.calibration.
+Where it is kept and how it is read back: autotuner.results.calibration.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import torch
 
 from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes
-from autotuner.measure.calibration import default_path
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
-from autotuner.model.runtime import DTYPES, environment, resolve_device
+from autotuner.model.runtime import DTYPES, device_name, environment, resolve_device
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.calibration import default_path
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
         return 2
     result = calibrate(device)
-    out = Path(args.out) if args.out else default_path(device)
+    out = Path(args.out) if args.out else default_path(device.type, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")  # a run reading it sees all or nothing
     for dtype, flops in result["peak_flops"].items():

@@ -65,8 +65,8 @@ class FuzzShapes:
 
 @dataclass
 class ShapesConfig:
-    """The shape sweep (autotuner.shapes). Every key left unset (None) takes the case's value; the case's
-    ``shapes:`` block has the same keys. ``generator``: explicit (default), pow2, sweep or fuzz."""
+    """The shape sweep (autotuner.runner.shapes). Every key left unset (None) takes the case's value; the
+    case's ``shapes:`` block has the same keys. ``generator``: explicit (default), pow2, sweep or fuzz."""
 
     generator: str | None = None
     seq_len: list[int] | None = None
@@ -195,7 +195,7 @@ def register_configs() -> None:
 def open_dict_overrides(argv: list[str]) -> list[str]:
     """``hf.<field>=`` and ``tf.<field>=`` set fields the root schema cannot list (they depend on the
     model); Hydra's ``++`` adds-or-sets them. Their names are validated against the real HF config and
-    TransformerConfig fields by autotuner.spec, so a typo is still an error."""
+    TransformerConfig fields by autotuner.runner.spec, so a typo is still an error."""
     return [f"++{arg}" if arg.startswith(("hf.", "tf.")) and "=" in arg else arg for arg in argv]
 
 

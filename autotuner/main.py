@@ -108,12 +108,12 @@ def preflight(argv: list[str]) -> None:
     """Compose and validate every job the command line asks for. Raises UserError."""
     from hydra.errors import HydraException
 
-    from autotuner.spec import resolve_spec
+    from autotuner.runner.spec import resolve_spec
 
     overrides = _user_overrides(argv)
     if overrides is None:
         return
-    import autotuner.capture.replay  # noqa: F401  (registers capture=<file> with autotuner.spec)
+    import autotuner.capture.replay  # noqa: F401  (registers capture=<file> with autotuner.runner.spec)
 
     try:
         jobs = _expand_sweeps(overrides)
@@ -222,7 +222,7 @@ def _check_output_dir(argv: list[str], job: list[str]) -> None:
 def _app(cfg: DictConfig) -> None:
     import autotuner.capture.replay  # noqa: F401  (registers capture=<file>; a sweep's job may start here)
     from autotuner.launchers import launch
-    from autotuner.spec import resolve_spec
+    from autotuner.runner.spec import resolve_spec
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -295,7 +295,7 @@ def _claim_run_dir(argv: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from autotuner.launchers.common import check_resume, claim_run_dir, release_run_dirs
-    from autotuner.spec import resolve_spec
+    from autotuner.runner.spec import resolve_spec
 
     overrides = _user_overrides(argv)
     given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]

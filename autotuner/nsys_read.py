@@ -56,9 +56,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def context_of(report: Path) -> dict[str, Any]:
-    """The identity columns (autotuner.plan.IDENTITY_COLUMNS) a report cannot tell: case, dtype, device and
-    tensor_parallel from the run directory it sits in (``environment.json``), the rank from its name.
-    With no spec, this is what :func:`autotuner.plan.named_identity` gets for the launcher's spec."""
+    """The identity columns (autotuner.runner.plan.IDENTITY_COLUMNS) a report cannot tell: case, dtype,
+    device and tensor_parallel from the run directory it sits in (``environment.json``), the rank from its
+    name. With no spec, this is what :func:`autotuner.runner.plan.named_identity` gets for the launcher's
+    spec."""
     match = _RANK_RE.search(report.stem)
     context: dict[str, Any] = {"rank": int(match[1]) if match else 0}
     try:

@@ -8,6 +8,7 @@ the layer's sub-ops and which half of the layer each lives in are derived from t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.model.build import ModelParts
@@ -15,14 +16,18 @@ from autotuner.ops_test.base import (
     ATTENTION,
     BLOCK,
     EMBEDDING,
+    FACTORY,
+    FUNCTION,
     FUNCTIONAL,
     HEAD,
     LAYER,
     MLP,
+    MODEL,
+    MODULE,
     REGISTRY,
     OpTest,
 )
-from autotuner.ops_test.places import OpTree, op_tree
+from autotuner.ops_test.places import LAYERS, OpTree, op_for, op_tree
 
 _TREE = op_tree()
 # The ops of the model, in the order of its forward pass.
@@ -129,3 +134,49 @@ def model_parts(tests: Sequence[OpTest], block_layers: int, tied_embeddings: boo
         attention=any(attention for attention, _ in halves),
         mlp=any(mlp for _, mlp in halves),
     )
+
+
+# What the instrumentation wraps, by attribute path, from the places the ops declare (as registered at
+# import; instrument_gpt itself reads the registry as it stands). Modules of a TransformerLayer and the op
+# each one is:
+LAYER_MODULE_OPS = op_tree().paths(LAYER, MODULE)
+# Functions a TransformerLayer holds as attributes (bias-dropout-add factories).
+LAYER_FACTORY_OPS = op_tree().paths(LAYER, FACTORY)
+# Modules of the GPTModel around the layers.
+MODEL_MODULE_OPS = op_tree().paths(MODEL, MODULE)
+
+
+def _get(module: Any, path: str) -> Any:
+    for name in filter(None, path.split(".")):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def instrument_gpt(model: Any) -> None:
+    """Give every op of the model its range (see autotuner.ops.instrument), in place, after
+    autotuner.model.build.build_model: each op where it
+    declared it sits (autotuner.ops_test.places), in the GPTModel and in every TransformerLayer."""
+    from autotuner.ops.instrument import instrument_module, instrumented_factory
+
+    tree = op_tree()
+    containers = [(MODEL, model)] + [(LAYER, layer) for layer in _get(model, LAYERS) or ()]
+    for container, owner in containers:
+        for path, tests in tree.placed(container, MODULE).items():
+            module = _get(owner, path)
+            test = op_for(tests, module) if module is not None else None
+            if test is not None:
+                instrument_module(module, test.name)
+        for path, tests in tree.placed(container, FACTORY).items():
+            holder_path, _, attr = path.rpartition(".")
+            holder = _get(owner, holder_path)
+            factory = getattr(holder, attr, None) if holder is not None else None
+            test = op_for(tests, factory) if factory is not None else None
+            if test is not None:
+                setattr(holder, attr, instrumented_factory(factory, test.name))
+    # Functions Megatron calls by name (RoPE, the activation): each op wraps its own where it is looked up.
+    for name in tree.model_order:
+        test = tree.tests[name]
+        if test.kind == FUNCTION:
+            test.instrument(model, name)

@@ -8,7 +8,7 @@ from typing import Any
 from autotuner.config import compose_config
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
-from autotuner.spec import open_session, resolve_spec
+from autotuner.runner.spec import open_session, resolve_spec
 
 # A model a bit wider than case=tiny so ops take 0.1-10 ms on a laptop CPU.
 OVERRIDES = ["case=tiny", "device=cpu", "hf.hidden_size=256", "hf.head_dim=64", "hf.intermediate_size=704"]

@@ -32,7 +32,7 @@ from autotuner.model.runtime import DTYPES
 from autotuner.op_mapping import model_parts
 from autotuner.ops import instrument
 from autotuner.ops_test.base import OpContext
-from autotuner.spec import open_session
+from autotuner.runner.spec import open_session
 from benchmarks._ops import POINT, spec_for
 
 ITERATIONS = 20
@@ -105,7 +105,7 @@ def main() -> None:
     parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
     stocks = []
     for _ in range(2):
-        stock = build_model(spec.model_args, spec.tf_config, parts, spec.device, False, instrument=False)
+        stock = build_model(spec.model_args, spec.tf_config, parts, spec.device, False)
         stock.load_state_dict(instrumented.state_dict())
         stocks.append(stock)
     ctx = OpContext(stocks[0], spec.device, DTYPES[spec.dtype], spec.seed)

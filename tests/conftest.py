@@ -78,7 +78,7 @@ def nsys_bin() -> str:
 def tiny_spec():
     """The validated RunSpec of case=tiny with every op (CPU, fp32)."""
     from autotuner.config import compose_config
-    from autotuner.spec import resolve_spec
+    from autotuner.runner.spec import resolve_spec
 
     return resolve_spec(compose_config(["case=tiny", "device=cpu"]))
 
@@ -86,6 +86,6 @@ def tiny_spec():
 @pytest.fixture(scope="session")
 def tiny_session(tiny_spec):
     """(model, OpContext) for case=tiny with every part built (embedding, 2 layers, head)."""
-    from autotuner.spec import open_session
+    from autotuner.runner.spec import open_session
 
     return open_session(tiny_spec)

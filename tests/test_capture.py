@@ -122,7 +122,7 @@ def megatron_capture(tiny_spec, tiny_session, tmp_path_factory) -> Path:
     from autotuner.model.build import ModelParts, build_model
 
     spec = tiny_spec
-    model = build_model(spec.model_args, spec.tf_config, ModelParts(2, True, True), spec.device, False, False)
+    model = build_model(spec.model_args, spec.tf_config, ModelParts(2, True, True), spec.device, False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     s, b = 48, 2  # not one of the case's own points, so replayed points come from the capture
     ids = torch.randint(0, spec.model_args.vocab_size, (b, s))
@@ -165,7 +165,7 @@ def test_megatron_capture_replays_at_exactly_its_points(megatron_capture: Path, 
 def test_capture_of_another_model_is_refused(megatron_capture: Path):
     import autotuner.capture.replay  # noqa: F401  (registers capture=, as the entry points do)
     from autotuner.config import compose_config
-    from autotuner.spec import resolve_spec
+    from autotuner.runner.spec import resolve_spec
 
     overrides = [
         "case=tiny",

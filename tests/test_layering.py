@@ -4,6 +4,8 @@
   library code that imports it depends on a CLI's arguments, exit codes and side effects.
 * The results side (autotuner/results, autotuner/report) imports nothing of Megatron or torch.nn, also
   through what it imports: a report or a comparison is made on a machine without the model stack.
+* Each part imports only the parts below it (:data:`PARTS`, the README's Layout section): a change to
+  the model set-up cannot need a change to the runner, an op cannot reach into a launcher.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ ENTRY_POINTS = {
     "autotuner.launcher_agreement",
 }
 RESULTS_SIDE = ("autotuner.results", "autotuner.report")
+# The parts, top to bottom (a module is in the first part one of whose prefixes it is under): a part may
+# import its own modules and those of the parts after it. The structured config knows the launchers' and
+# the sampler's settings, so it sits beside the launchers. The results side is used by the parts above
+# the ops and may import only the base, and the op tree (ops_test.places: names and places, no torch),
+# which tells the report which ops make up a layer.
+PARTS = (
+    ("entry", tuple(sorted(ENTRY_POINTS))),
+    ("launchers", ("autotuner.launchers", "autotuner.config")),
+    ("capture", ("autotuner.capture",)),
+    ("runner", ("autotuner.runner", "autotuner.measure")),
+    ("ops", ("autotuner.ops", "autotuner.ops_test", "autotuner.op_mapping")),
+    ("model", ("autotuner.model",)),
+    ("base", ("autotuner.errors", "autotuner")),
+)
+RESULTS_USERS = ("entry", "launchers", "capture", "runner")
+RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places")
 MODEL_STACK = ("megatron", "torch.nn")
 
 
@@ -121,6 +139,40 @@ def model_stack_imports(root: Path) -> list[str]:
     return found
 
 
+def part_of(name: str) -> str | None:
+    if _within(name, RESULTS_SIDE) and name not in ENTRY_POINTS:
+        return "results"
+    for part, prefixes in PARTS:
+        if name in prefixes if part in ("entry", "base") else _within(name, prefixes):
+            return part
+    return None  # not ours
+
+
+def upward_imports(root: Path) -> list[str]:
+    """``module:line imports other`` for each import of a part above the importer's (:data:`PARTS`)."""
+    order = [part for part, _ in PARTS]
+    found = []
+    for name, path in modules(root).items():
+        mine = part_of(name)
+        for imp in imports_of(path, root):
+            theirs = part_of(imp.name)
+            if theirs is None or theirs == mine:
+                continue
+            if mine == "results":
+                allowed = imp.name == "autotuner" or _within(imp.name, RESULTS_MAY_IMPORT)
+            elif theirs == "results":
+                allowed = mine in RESULTS_USERS
+            else:
+                allowed = order.index(theirs) > order.index(mine)
+            if not allowed:
+                found.append(f"{name}:{imp.line} imports {imp.name}")
+    return found
+
+
+def test_each_part_imports_only_the_parts_below_it() -> None:
+    assert upward_imports(SOURCE) == []
+
+
 def test_nothing_below_the_entry_points_imports_them() -> None:
     assert ENTRY_POINTS <= set(modules(SOURCE)), "an entry point was renamed: update ENTRY_POINTS"
     assert entry_point_imports(SOURCE, ENTRY_POINTS) == []
@@ -157,6 +209,25 @@ def bad_tree(tmp_path: Path) -> Path:
             "report/__init__.py": "from autotuner.lazy import build\n",
         },
     )
+
+
+def test_an_upward_import_is_found(tmp_path: Path) -> None:
+    tree = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "errors.py": "",
+            "model/build.py": "from autotuner.ops.instrument import wrap\nfrom autotuner.errors import E\n",
+            "ops/instrument.py": "from autotuner.model import build\n",
+            "results/__init__.py": "import autotuner.runner\nfrom autotuner.ops_test.places import t\n",
+            "runner/__init__.py": "from autotuner.results import load_rows\n",
+        },
+    )
+    assert upward_imports(tree) == [
+        "autotuner.model.build:1 imports autotuner.ops.instrument",
+        "autotuner.model.build:1 imports autotuner.ops.instrument.wrap",
+        "autotuner.results:1 imports autotuner.runner",
+    ]
 
 
 def test_the_checks_find_what_they_look_for(bad_tree: Path) -> None:

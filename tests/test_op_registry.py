@@ -110,9 +110,9 @@ def test_the_derived_tables_are_the_ones_once_written():
     assert op_mapping.ATTENTION_OPS == frozenset(layer[: layer.index("self_attn_bda") + 1])
     assert op_mapping.MLP_OPS == frozenset(layer[layer.index("pre_mlp_layernorm") :])
     # order matters to the instrumentation only in that every path is there; keep it anyway (model order)
-    assert list(build.LAYER_MODULE_OPS.items()) == list(WRITTEN_LAYER_MODULE_OPS.items())
-    assert list(build.LAYER_FACTORY_OPS.items()) == list(WRITTEN_LAYER_FACTORY_OPS.items())
-    assert list(build.MODEL_MODULE_OPS.items()) == list(WRITTEN_MODEL_MODULE_OPS.items())
+    assert list(op_mapping.LAYER_MODULE_OPS.items()) == list(WRITTEN_LAYER_MODULE_OPS.items())
+    assert list(op_mapping.LAYER_FACTORY_OPS.items()) == list(WRITTEN_LAYER_FACTORY_OPS.items())
+    assert list(op_mapping.MODEL_MODULE_OPS.items()) == list(WRITTEN_MODEL_MODULE_OPS.items())
     assert data.LAYER_PARTS == WRITTEN_LAYER_PARTS
     assert list(data.SUBLAYER_PARTS.items()) == list(WRITTEN_SUBLAYER_PARTS.items())
     names = [t.name for t in op_mapping.ordered_tests()]
@@ -198,6 +198,7 @@ def test_a_new_op_finds_its_place_with_no_other_edit(scratch_registry, tiny_sess
     # the instrumentation finds it too (a model of its own: the session's must stay as it is)
     spec = tiny_spec
     model = build.build_model(spec.model_args, spec.tf_config, build.ModelParts(), spec.device, False)
+    op_mapping.instrument_gpt(model)
     assert type(model.decoder.layers[0].self_attention.q_layernorm).autotuner_op == "q_layernorm"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from autotuner.errors import UserError
 from autotuner.ops_test.base import ShapePoint
-from autotuner.shapes import generate_points, merge
+from autotuner.runner.shapes import generate_points, merge
 
 CASE = {"seq_len": [128, 256], "micro_batch_size": [1]}
 
@@ -69,7 +69,7 @@ def test_fuzzer_is_deterministic_bounded_and_seed_dependent():
 def test_fuzzer_gives_the_same_points_in_a_fresh_interpreter():
     """Same seed, same points, whatever else the process did before (no global RNG involved)."""
     code = (
-        "from autotuner.shapes import generate_points;"
+        "from autotuner.runner.shapes import generate_points;"
         "print([p.label for p in generate_points({'generator': 'fuzz', 'fuzz': {'n': 5, 'seed': 3,"
         "'seq_len': {'min': 16, 'max': 4096}, 'micro_batch_size': {'min': 1, 'max': 4}}})])"
     )

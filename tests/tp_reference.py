@@ -13,7 +13,7 @@ import torch
 
 from autotuner.config import compose_config
 from autotuner.ops_test.base import ShapePoint
-from autotuner.spec import open_session, resolve_spec
+from autotuner.runner.spec import open_session, resolve_spec
 
 OPS = ["linear_qkv", "self_attention", "mlp", "transformer_layer"]
 GATHERED = {"linear_qkv"}  # column-parallel: each rank holds a slice of the last dimension

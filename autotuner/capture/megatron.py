@@ -3,7 +3,7 @@
 A module is recognised by the nearest Megatron-Core class in its class hierarchy (the capture's
 ``base``), so subclasses, ours included, count. Every ``TransformerLayer`` and ``GPTModel`` found anchors
 the module paths below it: a module at ``<layer path>.<suffix>`` is the op that
-``autotuner.model.LAYER_MODULE_OPS`` gives ``suffix`` (``self_attention.linear_qkv`` -> ``linear_qkv``),
+``autotuner.op_mapping.LAYER_MODULE_OPS`` gives ``suffix`` (``self_attention.linear_qkv`` -> ``linear_qkv``),
 one at ``<model path>.<suffix>`` the op of ``MODEL_MODULE_OPS``. Both tables are the ones the profiler
 instruments, so a captured call and a profiled op are the same module by construction.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotuner.capture.schema import CallRecord, Capture
-from autotuner.model.build import LAYER_MODULE_OPS, MODEL_MODULE_OPS
+from autotuner.op_mapping import LAYER_MODULE_OPS, MODEL_MODULE_OPS
 from autotuner.ops_test.base import ShapePoint
 
 LAYER_CLASS, MODEL_CLASS = "TransformerLayer", "GPTModel"

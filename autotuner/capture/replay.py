@@ -8,14 +8,14 @@ spec to run:
   KV groups, head size, FFN size) must be the case's, so the profiled model is the one that trained.
 * **Generic plan** (no Megatron layers, or ``ops=[captured]``): every distinct captured call is an op of its
   own (autotuner.capture.generic); no Megatron model is built (the spec's ``session`` is
-  :func:`open_generic_session`, which autotuner.spec.open_session calls instead).
+  :func:`open_generic_session`, which autotuner.runner.spec.open_session calls instead).
 
 Either way each row gets ``call_count``: how often the op ran at that point in the captured steps, so
 median time x call_count ranks what matters in the real run.
 
-Importing this module registers :func:`feed` for the ``capture`` config key (autotuner.spec.register_feed):
-the entry points that resolve specs (autotuner.main, the nsys worker) import it, so autotuner.spec never
-imports capture code.
+Importing this module registers :func:`feed` for the ``capture`` config key
+(autotuner.runner.spec.register_feed): the entry points that resolve specs (autotuner.main, the nsys
+worker) import it, so autotuner.runner.spec never imports capture code.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from autotuner.errors import UserError
 from autotuner.model.runtime import DTYPES
 from autotuner.ops_test.base import LAYER, REGISTRY, OpTest
 from autotuner.runner import RunSpec
-from autotuner.spec import register_feed
+from autotuner.runner.spec import register_feed
 
 CAPTURED = "captured"  # ops=[captured]: the capture's own calls, even from a Megatron model
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -104,7 +104,7 @@ def _megatron_spec(spec: RunSpec, capture: Capture, calls: list[megatron.Megatro
 
 
 def _module_ops() -> set[str]:
-    from autotuner.model.build import LAYER_MODULE_OPS
+    from autotuner.op_mapping import LAYER_MODULE_OPS
 
     return set(LAYER_MODULE_OPS.values())
 

@@ -14,8 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
-from autotuner.model.runtime import _cpu_name as cpu_name
-from autotuner.model.runtime import environment, process_rank
+from autotuner.model.runtime import device_name, environment, process_rank
 from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.table import render
@@ -109,15 +108,6 @@ def _flat(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _device_name(device: Any) -> str:
-    if device.type == "cuda":
-        import torch
-
-        # this rank's GPU by index: a bare "cuda" would be GPU 0 before the session sets the device
-        return torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)))
-    return cpu_name()
-
-
 def fingerprint(cfg: DictConfig, spec: Any) -> dict[str, Any]:
     """Everything that changes a measurement, as flat ``key: value`` pairs (recorded in environment.json
     and compared by :func:`check_resume`): every config key but :data:`_RESUMABLE_KEYS` (so a key added
@@ -135,7 +125,7 @@ def fingerprint(cfg: DictConfig, spec: Any) -> dict[str, Any]:
     out.update(
         dtype=spec.dtype,
         device=spec.device.type,
-        device_name=_device_name(spec.device),
+        device_name=device_name(spec.device),
         transformer_engine_spec=spec.use_transformer_engine,
         world_size=spec.world,
     )

@@ -155,9 +155,10 @@ def load_calibration(cfg: Any, spec: Any) -> dict[str, Any] | None:
     run is written, and keeps a copy in the run directory afterwards (:func:`keep_calibration`)."""
     from pathlib import Path
 
-    from autotuner.measure import calibration
+    from autotuner.model.runtime import device_name
+    from autotuner.results import calibration
 
-    path = cfg.calibration or calibration.default_path(spec.device)
+    path = cfg.calibration or calibration.default_path(spec.device.type, device_name(spec.device))
     if not cfg.calibration and not Path(path).is_file():
         return None
     return calibration.load(path)
@@ -177,7 +178,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
     """Run the plan with this observer; print the summary table; exit code 1 if any op failed."""
     from autotuner.launchers.common import finish, start_writer
     from autotuner.runner import Runner
-    from autotuner.spec import open_session
+    from autotuner.runner.spec import open_session
 
     calibration = load_calibration(cfg, spec)  # validated before start_writer writes anything
     writer = start_writer(cfg, spec, run_dir)

@@ -9,7 +9,7 @@ The parent (this module, inside ``python -m autotuner.main``) does not build a m
    (``nsys.log`` in the run directory holds all of it);
 3. exports ``report.nsys-rep`` to ``report.sqlite`` and reads it (autotuner.launchers.nsys_rows);
 4. writes ``results.csv``/``results.jsonl`` with one row per planned (op, phase, point)
-   (:func:`autotuner.plan.plan`, the plan the worker's Runner ran) and prints the table.
+   (:func:`autotuner.runner.plan.plan`, the plan the worker's Runner ran) and prints the table.
 
 The options nsys gets, and where nsys is looked for: autotuner.launchers.nsys_command.
 
@@ -59,7 +59,7 @@ from autotuner.launchers.nsys_command import find_nsys, nsys_command, worker_com
 from autotuner.launchers.nsys_process import StopSignals, describe_exit, join_ranks, profile, wait_turn
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
 from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
-from autotuner.plan import plan
+from autotuner.runner.plan import plan
 
 REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
 LOG_NAME = "nsys.log"

@@ -5,7 +5,7 @@ autotuner.nsys_read`` on a report alone. Reads the worker's record and the repor
 with ``nsys export``, then read by autotuner.launchers.nsys_report); nothing here profiles or builds a
 model. A row's statistics are a :class:`autotuner.measure.timer.Measurement` of one time per iteration,
 as get_data's are, so its ``rel_ci`` and ``warnings`` mean what they mean there; its identity is
-:func:`autotuner.plan.row_identity` (:func:`autotuner.plan.named_identity` for a report alone).
+:func:`autotuner.runner.plan.row_identity` (:func:`autotuner.runner.plan.named_identity` for a report alone).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from autotuner.launchers.nsys_report import (
 from autotuner.launchers.nsys_worker import MEASURING_FILE, parse_marker
 from autotuner.measure.metrics import Observed, fill, register_metric
 from autotuner.measure.timer import Measurement
-from autotuner.plan import named_identity, row_identity
 from autotuner.results import load_rows
+from autotuner.runner.plan import named_identity, row_identity
 
 if TYPE_CHECKING:
     from autotuner.ops_test.base import OpTest, ShapePoint
@@ -256,7 +256,7 @@ def report_rows(report: ReportData, context: dict[str, Any] | None = None) -> li
 
     Without the launcher's plan and worker record, what a row is made of comes from the range names:
     op, phase and point from the window, seq_len and micro_batch_size from the point's label
-    (:func:`autotuner.plan.named_identity`). The
+    (:func:`autotuner.runner.plan.named_identity`). The
     number of measured iterations is taken as the most any window holds; a window with fewer (the op
     raised, or the process ended inside it), or one left open, makes a ``failed`` row, as the launcher
     would. ``context`` fills the columns a report cannot tell (case, dtype, device, ...); a column it

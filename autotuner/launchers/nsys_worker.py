@@ -2,8 +2,8 @@
 
 Started by autotuner.launchers.nsys as ``python -m autotuner.launchers.nsys_worker <run_dir> <config>``,
 where ``<config>`` is the config the parent validated (Hydra's ``<run_dir>/.hydra/config.yaml``). The
-worker resolves it with the same :func:`autotuner.spec.resolve_spec`, builds the same model and runs the
-same :class:`autotuner.runner.Runner` with :class:`NsysObserver`. It measures nothing itself: the times
+worker resolves it with the same :func:`autotuner.runner.spec.resolve_spec`, builds the same model and runs
+the same :class:`autotuner.runner.Runner` with :class:`NsysObserver`. It measures nothing itself: the times
 come from the report, read by the parent. What it writes, under ``<run_dir>/worker/``:
 
 * ``results.jsonl``/``results.csv``: one row per (op, phase, point) as the runner finishes it, with the
@@ -166,7 +166,7 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     from autotuner.results import ResultsWriter
     from autotuner.results.atomic import atomic_write_text
     from autotuner.runner import Runner
-    from autotuner.spec import open_session, resolve_spec
+    from autotuner.runner.spec import open_session, resolve_spec
 
     # From the environment: the started file comes first, before there is a spec (the parent passes the
     # same rank on, as torchrun's RANK and WORLD_SIZE are in the environment it gives us).

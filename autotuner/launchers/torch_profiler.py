@@ -315,7 +315,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
     """Validate the launcher config, run the plan under the profiler, print the summary table."""
     from autotuner.launchers.common import finish, start_writer
     from autotuner.runner import Runner
-    from autotuner.spec import open_session
+    from autotuner.runner.spec import open_session
 
     # Before any work: bad input ends with one line and exit code 2 (autotuner.main).
     options = resolve_options(cfg.launcher, spec.device, Path(run_dir))

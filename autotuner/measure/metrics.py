@@ -184,7 +184,7 @@ def _weight_bytes(row: dict[str, Any], seen: Observed) -> int:
 def _activation_bytes(row: dict[str, Any], seen: Observed) -> int:
     assert seen.phase is not None
     # Also the op's own weights: a model too large to build whole gives each op its own parts, built
-    # after model_parameters was listed (autotuner.spec._PartsPerOp).
+    # after model_parameters was listed (autotuner.runner.spec._PartsPerOp).
     with SavedTensorsMeter(exclude=[*seen.model_parameters, *seen.phase.parameters]) as saved:
         out = seen.phase.run()
     del out

@@ -1,4 +1,4 @@
-"""Build the Megatron-Core model the ops come from, exactly as training builds it, and instrument it.
+"""Build the Megatron-Core model the ops come from, exactly as training builds it.
 
 One ``GPTModel`` built by Megatron's own constructor from the layer spec supplies every op: its embedding,
 the layers of its decoder (a ``TransformerBlock``), the block's final norm and the output layer. Only the
@@ -21,18 +21,6 @@ import torch
 from autotuner.errors import UserError
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.runtime import DTYPES
-from autotuner.ops.instrument import instrument_module, instrumented_factory
-from autotuner.ops_test.base import FACTORY, FUNCTION, LAYER, MODEL, MODULE
-from autotuner.ops_test.places import LAYERS, op_for, op_tree
-
-# What the instrumentation wraps, by attribute path, from the places the ops declare (as registered at
-# import; instrument_gpt itself reads the registry as it stands). Modules of a TransformerLayer and the op
-# each one is:
-LAYER_MODULE_OPS = op_tree().paths(LAYER, MODULE)
-# Functions a TransformerLayer holds as attributes (bias-dropout-add factories).
-LAYER_FACTORY_OPS = op_tree().paths(LAYER, FACTORY)
-# Modules of the GPTModel around the layers.
-MODEL_MODULE_OPS = op_tree().paths(MODEL, MODULE)
 
 
 def transformer_engine_available() -> bool:
@@ -207,7 +195,7 @@ def layer_spec(tf_config: Any, use_transformer_engine: bool, parts: ModelParts |
 
 class ModelBuildError(RuntimeError):
     """The parts of the model an op needs could not be built (out of memory): that op fails, the plan
-    goes on (autotuner.spec)."""
+    goes on (autotuner.runner.spec)."""
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -226,10 +214,9 @@ def build_model(
     parts: ModelParts,
     device: torch.device,
     use_transformer_engine: bool,
-    instrument: bool = True,
 ) -> Any:
-    """Build the GPTModel with only the requested parts, on ``device``, instrumented unless told not to
-    (the instrumentation-overhead benchmark compares the two)."""
+    """Build the GPTModel with only the requested parts, on ``device``, as training builds it; the ops'
+    ranges are added by autotuner.op_mapping.instrument_gpt (the model part knows nothing of ops)."""
     from megatron.core.models.gpt import GPTModel
 
     config = dataclasses.replace(tf_config, num_layers=parts.num_layers)
@@ -252,39 +239,4 @@ def build_model(
         model.bfloat16()
     elif config.fp16:
         model.half()
-    if instrument:
-        instrument_gpt(model)
     return model
-
-
-def _get(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
-    for name in filter(None, path.split(".")):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module
-
-
-def instrument_gpt(model: Any) -> None:
-    """Give every op of the model its range (see autotuner.ops.instrument), in place: each op where it
-    declared it sits (autotuner.ops_test.places), in the GPTModel and in every TransformerLayer."""
-    tree = op_tree()
-    containers = [(MODEL, model)] + [(LAYER, layer) for layer in _get(model, LAYERS) or ()]
-    for container, owner in containers:
-        for path, tests in tree.placed(container, MODULE).items():
-            module = _get(owner, path)
-            test = op_for(tests, module) if module is not None else None
-            if test is not None:
-                instrument_module(module, test.name)
-        for path, tests in tree.placed(container, FACTORY).items():
-            holder_path, _, attr = path.rpartition(".")
-            holder = _get(owner, holder_path)
-            factory = getattr(holder, attr, None) if holder is not None else None
-            test = op_for(tests, factory) if factory is not None else None
-            if test is not None:
-                setattr(holder, attr, instrumented_factory(factory, test.name))
-    # Functions Megatron calls by name (RoPE, the activation): each op wraps its own where it is looked up.
-    for name in tree.model_order:
-        test = tree.tests[name]
-        if test.kind == FUNCTION:
-            test.instrument(model, name)

@@ -52,7 +52,7 @@ def quiet_megatron_import() -> None:
 
 def process_rank() -> tuple[int, int]:
     """(rank, world size) of this process, from the environment its launcher set (torchrun sets RANK and
-    WORLD_SIZE; (0, 1) alone). Read once per run, into the RunSpec (autotuner.spec.resolve_spec): code
+    WORLD_SIZE; (0, 1) alone). Read once per run, into the RunSpec (autotuner.runner.spec.resolve_spec): code
     that has a spec reads ``spec.rank``/``spec.world``; this is for code that runs before there is one."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -157,14 +157,21 @@ def environment(device: torch.device, tools: dict[str, tuple[str, str]] | None =
         "device_type": device.type,
         "num_threads": torch.get_num_threads(),
     }
+    info["device_name"] = device_name(device)
     if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
         info["device_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    else:
-        info["device_name"] = _cpu_name()
     for name, (path, version) in (tools or {}).items():
         info[f"{name}_path"], info[f"{name}_version"] = path, version
     return info
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name (a GPU's, or the CPU's from /proc/cpuinfo). A bare ``cuda`` is this rank's
+    GPU (``LOCAL_RANK``): before the session sets the device it would otherwise be GPU 0."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
+        return torch.cuda.get_device_name(index)
+    return _cpu_name()
 
 
 def _cpu_name() -> str:

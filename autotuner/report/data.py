@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.measure.calibration import load as load_calibration  # the launcher's reader, its checks
 from autotuner.ops_test.places import op_tree
 from autotuner.results import load_rows
+from autotuner.results.calibration import load as load_calibration  # the launcher's reader, its checks
 
 PHASES = ("forward", "backward")
 

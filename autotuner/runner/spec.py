@@ -23,7 +23,7 @@ from autotuner.model.hf_to_megatron import map_hf_config
 from autotuner.model.runtime import DTYPES, process_rank, resolve_device, resolve_dtype
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
-from autotuner.shapes import generate_points, merge
+from autotuner.runner.shapes import generate_points, merge
 
 # A feed turns the case's spec into the spec of what another source asks to profile: (spec, cfg) -> spec.
 Feed = Callable[[RunSpec, DictConfig], RunSpec]
@@ -175,7 +175,7 @@ class _PartsPerOp:
     def context_for(self, op: OpTest) -> OpContext:
         from autotuner.model.build import ModelBuildError, build_model
         from autotuner.model.runtime import seed_everything
-        from autotuner.op_mapping import model_parts
+        from autotuner.op_mapping import instrument_gpt, model_parts
 
         spec = self.spec
         parts = model_parts([op], spec.block_layers, spec.model_args.tie_word_embeddings)
@@ -191,6 +191,7 @@ class _PartsPerOp:
             model = build_model(
                 spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine
             )
+            instrument_gpt(model)
         except Exception as exc:  # noqa: BLE001 - this op's rows record it; the plan goes on
             error = f"cannot build the model parts {op.name} needs: {_first_line(exc)}"
         if error is not None:
@@ -217,7 +218,7 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     from autotuner.model import cpu_bridges
     from autotuner.model.build import build_model, is_out_of_memory
     from autotuner.model.runtime import init_parallel, seed_everything
-    from autotuner.op_mapping import model_parts, needs_model
+    from autotuner.op_mapping import instrument_gpt, model_parts, needs_model
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
@@ -233,6 +234,7 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     too_large = None
     try:
         model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
+        instrument_gpt(model)
         return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
     except Exception as exc:
         if not is_out_of_memory(exc):

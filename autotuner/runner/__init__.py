@@ -20,13 +20,13 @@ from tqdm import tqdm
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
-from autotuner.plan import plan, row_identity
 from autotuner.results import ResultsWriter
+from autotuner.runner.plan import plan, row_identity
 
 
 @dataclass
 class RunSpec:
-    """Everything a run needs, validated (see autotuner.spec.resolve_spec)."""
+    """Everything a run needs, validated (see autotuner.runner.spec.resolve_spec)."""
 
     case: str
     model_args: MegatronModelArgs
@@ -42,11 +42,11 @@ class RunSpec:
     phases: tuple[str, ...] = PHASES
     notes: list[str] = field(default_factory=list)
     # This process's rank and the job's world size (torchrun's RANK and WORLD_SIZE; read once, in
-    # autotuner.spec.resolve_spec, by autotuner.model.runtime.process_rank).
+    # autotuner.runner.spec.resolve_spec, by autotuner.model.runtime.process_rank).
     rank: int = 0
     world: int = 1
     # How the session of a plan that builds no Megatron model is opened (a capture's generic plan sets it:
-    # autotuner.capture.replay); None: autotuner.spec.open_session builds the model.
+    # autotuner.capture.replay); None: autotuner.runner.spec.open_session builds the model.
     session: Callable[[RunSpec], tuple[Any, Any]] | None = None
     # A capture's generic plan: (point, op, phase) triples, each op at its own point (None: every point
     # x op x phase), and (op, point label) -> calls in the captured run (autotuner.capture.replay).

@@ -18,12 +18,9 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autotuner.errors import UserError
-
-if TYPE_CHECKING:
-    import torch
 
 DEFAULT_DIR = Path("runs") / "calibration"
 # Host-transfer ceilings a calibration of a GPU holds (an op names the one it is judged against).
@@ -31,17 +28,11 @@ TRANSFER_CEILINGS = ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned")
 _FIX = "run python -m autotuner.calibrate to write one"
 
 
-def default_path(device: torch.device) -> Path:
-    """``runs/calibration/<device type>-<device name>.json``: where a calibration of ``device`` is kept."""
-    if device.type == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(device)
-    else:
-        from autotuner.model.runtime import environment
-
-        name = environment(device)["device_name"]
-    return DEFAULT_DIR / (re.sub(r"[^A-Za-z0-9]+", "-", f"{device.type}-{name}").strip("-").lower() + ".json")
+def default_path(device_type: str, device_name: str) -> Path:
+    """``runs/calibration/<device type>-<device name>.json``: where a calibration of a device is kept
+    (the name as autotuner.model.runtime.device_name gives it)."""
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", f"{device_type}-{device_name}").strip("-").lower()
+    return DEFAULT_DIR / f"{stem}.json"
 
 
 def _rate(value: Any) -> bool:
