@@ -16,7 +16,7 @@ from autotuner import results
 from autotuner.launchers import LAUNCHERS
 from autotuner.launchers.get_data import GetDataObserver
 from autotuner.main import run
-from autotuner.measure.metrics import REGISTRY, Observed, fill, metrics_for, register_metric, roofline
+from autotuner.measure.metrics import REGISTRY, Observed, fill, metrics_for, register_metric
 from autotuner.measure.timer import SamplingPolicy
 from autotuner.ops_test.base import OpCall, ShapePoint
 from autotuner.report.data import Run
@@ -30,6 +30,7 @@ from autotuner.results import (
     describe_columns,
     load_rows,
 )
+from autotuner.results.calibration import roofline
 from autotuner.runner import Phase
 
 CPU = torch.device("cpu")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from autotuner.measure.flops import count_flops
 from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
 from autotuner.results import SCHEMA
+from autotuner.results.calibration import roofline
 
 if TYPE_CHECKING:
     import torch
@@ -225,42 +226,6 @@ def _gbps(row: dict[str, Any], seen: Observed) -> float | None:
 @register_metric("arithmetic_intensity", needs=("flops", "bytes_moved"), unit="FLOP/B")
 def _arithmetic_intensity(row: dict[str, Any], seen: Observed) -> float | None:
     return row["flops"] / row["bytes_moved"] if row["bytes_moved"] else None
-
-
-def roofline(
-    flops: int,
-    bytes_moved: int,
-    seconds: float,
-    calibration: Mapping[str, Any] | None,
-    dtype: str | None,
-    ceiling: str | None = None,
-) -> dict[str, Any]:
-    """The op's bound and the fraction of that ceiling it reaches, from the device's calibration.
-
-    The ridge point is the calibrated FLOP/s over the calibrated bandwidth: an op whose FLOPs per byte
-    moved lie above it is compute-bound (judged against the matmul FLOP/s of its dtype), below it
-    memory-bound (judged against the copy bandwidth). An op that names its ``ceiling`` (a calibration
-    key: a host transfer's "h2d_pinned", ...) is judged by bytes against that one. Without a calibration
-    the columns stay empty.
-    """
-    if not calibration or not seconds or not bytes_moved:
-        return {}
-    if ceiling is not None:
-        limit = calibration.get(ceiling)
-        if not limit:
-            return {}
-        bound = "memory" if ceiling == "memory_bandwidth" else ceiling
-        return {"bound": bound, "ceiling_fraction": bytes_moved / seconds / limit}
-    peak = calibration["peak_flops"].get(dtype)
-    bandwidth = calibration["memory_bandwidth"]
-    if not peak or not bandwidth:
-        return {}
-    compute_bound = flops / bytes_moved > peak / bandwidth
-    achieved = flops / seconds if compute_bound else bytes_moved / seconds
-    return {
-        "bound": "compute" if compute_bound else "memory",
-        "ceiling_fraction": achieved / (peak if compute_bound else bandwidth),
-    }
 
 
 def _roofline(row: Mapping[str, Any], seen: Observed) -> dict[str, Any]:

@@ -214,8 +214,10 @@ def intensity(row: dict[str, Any]) -> tuple[float | None, bool]:
     flops = row.get("flops") or 0
     if flops <= 0:
         return None, False
+    if row.get("arithmetic_intensity"):  # the launcher's own figure (autotuner.measure.metrics)
+        return float(row["arithmetic_intensity"]), True
     moved = row.get("bytes_moved")
-    if moved:
+    if moved:  # rows written before that column existed
         return flops / float(moved), True
     approx = (row.get("weight_bytes") or 0) + (row.get("peak_bytes") or 0)
     return (flops / approx, False) if approx > 0 else (None, False)

@@ -42,7 +42,7 @@ def _captions(runs: Sequence[Run]) -> dict[str, tuple[str, str, str]]:
     dims = scaling.swept(runs)
     fixed = [scaling.DIMS[d] for d in scaling.DIMS if d not in dims]
     exact = all(roofline.points(run)[1] for run in runs)
-    calibrated = any(any(roofline.ceilings(run)) for run in runs)
+    calibrated = any(any(roofline.run_ceilings(run)) for run in runs)
     no_flops = sorted({r["op"] for run in runs for r in run.ok if not r.get("flops")})
 
     def unmeasured(names: list[str]) -> str:

@@ -22,6 +22,7 @@ from matplotlib.ticker import EngFormatter, FuncFormatter, NullFormatter
 
 from autotuner.report.data import Run, intensity
 from autotuner.report.style import MARKERS, new_figure
+from autotuner.results.calibration import ceilings
 from autotuner.results.units import human_si
 
 
@@ -36,14 +37,10 @@ def points(run: Run) -> tuple[list[tuple[dict[str, Any], float]], bool]:
     return found, exact
 
 
-def ceilings(run: Run) -> tuple[float | None, float | None]:
-    """(peak FLOP/s for the run's dtype, memory bandwidth in bytes/s) from its calibration, if any."""
-    calibration = run.calibration or {}
-    peak = calibration.get("peak_flops")
-    if isinstance(peak, dict):
-        peak = peak.get(run.dtype)
-    bandwidth = calibration.get("memory_bandwidth")
-    return (float(peak) if peak else None, float(bandwidth) if bandwidth else None)
+def run_ceilings(run: Run) -> tuple[float | None, float | None]:
+    """(peak FLOP/s for the run's dtype, memory bandwidth in bytes/s) from its calibration, if any: the
+    ceilings the rows' ``bound`` and ``ceiling_fraction`` were judged against."""
+    return ceilings(run.calibration, run.dtype)
 
 
 def roofline_figure(runs: Sequence[Run], colours: dict[str, Any]) -> Figure | None:
@@ -72,7 +69,7 @@ def roofline_figure(runs: Sequence[Run], colours: dict[str, Any]) -> Figure | No
             xs.append(x)
             ops.append(row["op"])
     # Show the ridge points too (peak / bandwidth), so the sloped, memory-bound part of each roof is seen.
-    ridges = [p / b for p, b in map(ceilings, runs) if p and b]
+    ridges = [p / b for p, b in map(run_ceilings, runs) if p and b]
     lo, hi = min(xs + ridges) / 4, max(xs + ridges) * 4
     roofs = _draw_ceilings(ax, runs, lo, hi)
     ax.set_xscale("log")
@@ -114,7 +111,7 @@ def _draw_ceilings(ax: Any, runs: Sequence[Run], lo: float, hi: float) -> list[L
     handles, seen = [], set()
     x = np.logspace(np.log10(lo), np.log10(hi), 200)
     for run in runs:
-        peak, bandwidth = ceilings(run)
+        peak, bandwidth = run_ceilings(run)
         if (peak, bandwidth) in seen or (peak is None and bandwidth is None):
             continue
         seen.add((peak, bandwidth))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,49 @@ def load(path: str | Path) -> dict[str, Any]:
             f"calibration file {path} needs {', '.join(wrong)} as a positive number of bytes/s: {_FIX}"
         )
     return data
+
+
+def ceilings(calibration: Mapping[str, Any] | None, dtype: str | None) -> tuple[float | None, float | None]:
+    """(the matmul FLOP/s of ``dtype``, the copy bandwidth in bytes/s) of a calibration (None: absent)."""
+    if not calibration:
+        return None, None
+    peak = calibration.get("peak_flops")
+    peak = peak.get(dtype) if isinstance(peak, Mapping) else None
+    bandwidth = calibration.get("memory_bandwidth")
+    return (float(peak) if peak else None, float(bandwidth) if bandwidth else None)
+
+
+def roofline(
+    flops: int,
+    bytes_moved: int,
+    seconds: float,
+    calibration: Mapping[str, Any] | None,
+    dtype: str | None,
+    ceiling: str | None = None,
+) -> dict[str, Any]:
+    """The op's bound and the fraction of that ceiling it reaches, from the device's calibration (the
+    get_data rows' ``bound`` and ``ceiling_fraction``; the report draws the same ceilings).
+
+    The ridge point is the calibrated FLOP/s over the calibrated bandwidth: an op whose FLOPs per byte
+    moved lie above it is compute-bound (judged against the matmul FLOP/s of its dtype), below it
+    memory-bound (judged against the copy bandwidth). An op that names its ``ceiling`` (a calibration
+    key: a host transfer's "h2d_pinned", ...) is judged by bytes against that one. Without a calibration
+    the columns stay empty.
+    """
+    if not calibration or not seconds or not bytes_moved:
+        return {}
+    if ceiling is not None:
+        limit = calibration.get(ceiling)
+        if not limit:
+            return {}
+        bound = "memory" if ceiling == "memory_bandwidth" else ceiling
+        return {"bound": bound, "ceiling_fraction": bytes_moved / seconds / limit}
+    peak, bandwidth = ceilings(calibration, dtype)
+    if not peak or not bandwidth:
+        return {}
+    compute_bound = flops / bytes_moved > peak / bandwidth
+    achieved = flops / seconds if compute_bound else bytes_moved / seconds
+    return {
+        "bound": "compute" if compute_bound else "memory",
+        "ceiling_fraction": achieved / (peak if compute_bound else bandwidth),
+    }
