@@ -294,7 +294,8 @@ def _claim_run_dir(argv: list[str]) -> None:
     from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from autotuner.launchers.common import check_resume, claim_run_dir, release_run_dirs
+    from autotuner.launchers.common import check_fresh, check_resume, claim_run_dir, release_run_dirs
+    from autotuner.model.runtime import process_rank
     from autotuner.runner.spec import resolve_spec
 
     overrides = _user_overrides(argv)
@@ -320,6 +321,8 @@ def _claim_run_dir(argv: list[str]) -> None:
         claim_run_dir(run_dir)
         if cfg.resume and cfg.launcher.name != "nsys":  # nsys refuses resume=true itself
             check_resume(cfg, resolve_spec(cfg), run_dir)
+        elif not cfg.resume:
+            check_fresh(run_dir, *process_rank())
     except UserError:
         release_run_dirs()
         raise

@@ -246,6 +246,18 @@ def test_resume_refuses_a_damaged_line_and_leaves_the_file(finished, tmp_path, c
 # --- smaller ------------------------------------------------------------------------------------------
 
 
+def test_a_new_run_into_a_finished_runs_directory_is_refused(finished, tmp_path, capsys):
+    """Without resume=true a new run would replace the earlier results: refused in one line, every file
+    as it was (Hydra's .hydra/ included), and the fix named."""
+    run_dir = _copy_run(finished, tmp_path / "earlier")
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_fc1]", f"hydra.run.dir={run_dir}"]) == 2
+    err = _errors(capsys.readouterr().err)
+    assert len(err) == 1 and "holds an earlier run's results" in err[0] and "resume=true" in err[0], err
+    assert _snapshot(run_dir) == before
+
+
 def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys):
     run_dir = tmp_path / "new"
     assert run([*TINY, "ops=[linear_qkv]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0

@@ -340,7 +340,10 @@ def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
     assert len(rows) == 8
     statuses = [r["status"] for r in rows]
     first_failed = statuses.index("failed")
-    assert first_failed >= 2 and statuses[:first_failed] == ["ok"] * first_failed
+    # The rows done well before the kill are read from the report. The last one done may not be: the
+    # NVTX events wait in the process's buffer before nsys collects them, and a SIGKILL drops what was
+    # not sent (seen once in a clean-clone run under load): it is then failed with that reason below.
+    assert first_failed >= 1 and statuses[:first_failed] == ["ok"] * first_failed
     assert set(statuses[first_failed:]) == {"failed"}
     for row in rows[:first_failed]:  # read from the report nsys saved after the kill
         assert 1 <= row["samples"] <= 3 and row["median_us"] > 0

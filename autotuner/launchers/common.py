@@ -142,6 +142,20 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def check_fresh(run_dir: Path, rank: int, world: int) -> None:
+    """Without ``resume=true``, before anything is written: a directory that holds an earlier run's
+    results is refused (one line), since a new run would replace them: finished rows are never lost.
+    Each rank checks the file it would write (``results.rank<N>.jsonl`` under torchrun; a peer may
+    already be writing its own), rank 0 also the merged ``results.jsonl``."""
+    names = {f"{results_stem(rank, world)}.jsonl"} | ({"results.jsonl"} if rank == 0 else set())
+    earlier = sorted(n for n in names if (Path(run_dir) / n).is_file() and (Path(run_dir) / n).stat().st_size)
+    if earlier:
+        raise UserError(
+            f"{run_dir} holds an earlier run's results ({earlier[0]}), which a new run would replace: add "
+            "resume=true to finish or extend that run, or choose another hydra.run.dir"
+        )
+
+
 def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     """With ``resume=true``, before anything is written: is there a run to resume, are its rows readable,
     and was it measured with this configuration? Raises UserError (one line, files untouched) if not.
@@ -208,6 +222,8 @@ def start_writer(
     claim_run_dir(run_dir)
     if cfg.resume:
         check_resume(cfg, spec, run_dir)
+    else:
+        check_fresh(run_dir, spec.rank, spec.world)
     rank, world = spec.rank, spec.world
     record = None
     if rank == 0:
