@@ -87,5 +87,5 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             "host median: the op's NVTX range on the CPU (host_median_us)"
         )
     if any(row.get("warnings") for row in rows):
-        out.append("! the sampler raised warnings for this row (see the warnings column of results.csv)")
+        out.append("! this row has warnings: reasons to distrust it (the warnings column of results.csv)")
     return "\n".join(out)
