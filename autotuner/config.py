@@ -182,6 +182,9 @@ class AutotunerConfig:
     progress: bool = True
     report: bool = True  # write report.html and its figures into the run directory (autotuner.report)
     capture: str | None = None  # a python -m autotuner.capture file: profile its calls (capture/replay.py)
+    dry_run: bool = (
+        False  # print the plan, parameter counts, FLOPs, bytes and memory; run nothing (runner/dry_run.py)
+    )
 
 
 def register_configs() -> None:

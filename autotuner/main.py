@@ -328,6 +328,23 @@ def _claim_run_dir(argv: list[str]) -> None:
         raise
 
 
+def _dry_run(argv: list[str]) -> bool:
+    """With ``dry_run=true``, print each job's preview (autotuner.runner.dry_run) and say so; nothing is
+    measured and no run directory is made, so this runs before Hydra's run (which creates one). The
+    launcher plays no part in it. Raises UserError."""
+    overrides = _user_overrides(argv)
+    if overrides is None:
+        return False
+    jobs = [compose_config([*job, *_search_path(argv)]) for job in _expand_sweeps(overrides)]
+    if not any(cfg.dry_run for cfg in jobs):
+        return False
+    from autotuner.runner.dry_run import dry_run
+
+    for cfg in jobs:
+        print(dry_run(cfg))
+    return True
+
+
 class _Terminated(BaseException):
     """Raised by the SIGTERM handler: a BaseException, so the runner's per-op ``except Exception`` does
     not record it as a failed row, and files being written are cleaned up (autotuner.results.atomic)."""
@@ -398,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         argv = _shared_run_dir(argv)
         preflight(argv)
+        if _dry_run(argv):
+            return
         _claim_run_dir(argv)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)

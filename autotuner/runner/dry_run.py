@@ -1,0 +1,310 @@
+"""``dry_run=true``: the plan of a run, what each op holds and costs, before any weight is allocated.
+
+The model is Megatron's own GPTModel built on the ``meta`` device (shapes and dtypes, no storage), so the
+parameter counts are those of the model a run builds, not a formula beside it. Each planned op is built by
+its own op builder (autotuner.ops_test) on that model, with meta inputs, and its phases run on meta
+tensors: torch's FlopCounterMode counts their FLOPs as the ``flops`` metric counts a measured phase, and
+:meth:`autotuner.runner.Phase.bytes_moved` counts their bytes from the tensors' shapes. Nothing is timed,
+nothing is written. The layer spec is the local one (Transformer-Engine's fuses the norms into the next
+linear on a GPU: per-op parameters move, the totals do not).
+
+Active parameters are those one token's forward pass uses (the embedding and output matrices whole, the
+convention of published figures): every parameter of a dense model. A Mixture-of-Experts layer uses its
+router's top-k experts of its routed ones: :func:`active_parameters` counts that where it finds such a
+layer (:func:`_routed_experts` says which modules those are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
+from autotuner.results.units import human_bytes, human_si
+from autotuner.runner import Phase, RunSpec
+from autotuner.runner.plan import plan
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """One planned (point, op, phase): its op's weights, FLOPs and bytes moved (None where the phase
+    could not run on meta tensors; ``error`` says why)."""
+
+    op: str
+    phase: str
+    point: str
+    parameters: int
+    weight_bytes: int
+    flops: int | None
+    bytes_moved: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What ``dry_run=true`` prints (see :func:`render`)."""
+
+    case: str
+    dtype: str
+    total_parameters: int
+    active_parameters: int
+    parts_bytes: int  # the parameters of the model parts the run builds
+    gradient_bytes: int  # their gradients, where a backward phase is planned
+    peak_tensor_bytes: int  # the largest phase's tensors other than weights (see preview)
+    parts: str  # the model parts the run builds, in words
+    costs: list[PhaseCost]
+
+    @property
+    def expected_memory(self) -> int:
+        return self.parts_bytes + self.gradient_bytes + self.peak_tensor_bytes
+
+
+def _unique_parameters(module: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+    """The module's parameters, a tied one once (``parameters()`` already removes duplicates)."""
+    return [] if module is None else list(module.parameters())
+
+
+def _numel(params: list[torch.nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _routed_experts(module: torch.nn.Module) -> tuple[torch.nn.Module, int, int] | None:
+    """(the routed experts, how many, how many a token uses) of an MoE layer; None for any other module.
+
+    This is the one place that knows what a token skips: Megatron-Core's ``MoELayer`` holds its routed
+    experts in ``experts`` (``num_local_experts`` of them) and its router's ``topk``; shared experts and the
+    router run for every token, so they count whole."""
+    experts, router = getattr(module, "experts", None), getattr(module, "router", None)
+    if experts is None or router is None or not hasattr(experts, "num_local_experts"):
+        return None
+    return experts, int(experts.num_local_experts), int(router.topk)
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token's forward pass uses: all of them, less the routed experts it is not sent to
+    (each expert of an MoE layer the same size, top-k of them used)."""
+    total = _numel(_unique_parameters(model))
+    for module in model.modules():
+        routed = _routed_experts(module)
+        if routed is None:
+            continue
+        experts, count, topk = routed
+        per_expert = _numel(_unique_parameters(experts)) // count
+        total -= per_expert * (count - topk)
+    return total
+
+
+class MetaContext(OpContext):
+    """The op builders' inputs as meta tensors of the shapes and dtypes a run makes (no data drawn)."""
+
+    def randn(self, shape: tuple[int, ...], salt: str, requires_grad: bool = True) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=META).requires_grad_(requires_grad)
+
+    def causal_mask(self, point: ShapePoint) -> torch.Tensor:
+        return torch.empty((1, 1, point.seq_len, point.seq_len), dtype=torch.bool, device=META)
+
+    def token_ids(self, point: ShapePoint) -> torch.Tensor:
+        return torch.empty((point.micro_batch_size, point.seq_len), dtype=torch.long, device=META)
+
+    def rotary(self, point: ShapePoint) -> torch.Tensor:
+        # Megatron makes the rotary table's frequencies on the host whatever the default device: a small
+        # table ([s, 1, 1, d]), moved to meta like the rest.
+        return super().rotary(point).to(META)
+
+
+class _MetaPhase(Phase):
+    """A Phase whose output gradients are meta tensors (a real run draws them seeded on the host)."""
+
+    def _output_grads(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._grads is None:
+            self._grads = [torch.empty_like(t, device=META) for t in outputs]
+        return self._grads
+
+
+@contextlib.contextmanager
+def _meta_session() -> Iterator[None]:
+    """What Megatron's forward needs on meta tensors, undone afterwards: its parallel state (a one-process
+    group, as a CPU run has), the no-op RNG tracker, and a scratch buffer (core attention's) that hands out
+    meta tensors. The buffer is a fresh one, put back afterwards: the cached one would keep the meta
+    tensors, and a later real run in this process would be handed them."""
+    from megatron.core import parallel_state
+    from megatron.core import utils as mcore_utils
+
+    from autotuner.model import cpu_bridges
+    from autotuner.model.runtime import init_parallel
+
+    class MetaBuffer(mcore_utils.GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, *args: Any, **kw: Any) -> Any:
+            return torch.empty(tuple(tensor_shape), dtype=dtype, device=META)
+
+    cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
+    init_parallel(torch.device("cpu"))
+    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = MetaBuffer()
+    try:
+        yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
+
+
+def build_meta_model(spec: RunSpec, parts: Any) -> Any:
+    """The GPTModel of ``parts`` on the meta device, built by autotuner.model.build.build_model."""
+    from autotuner.model.build import build_model
+
+    config = dataclasses.replace(spec.tf_config, use_cpu_initialization=True, perform_initialization=False)
+    with torch.device(META):
+        return build_model(spec.model_args, config, parts, META, use_transformer_engine=False)
+
+
+def model_parameters(spec: RunSpec) -> tuple[int, int]:
+    """(total, active) parameters of the whole model: every layer, the embedding and the output layer."""
+    from autotuner.model.build import ModelParts
+
+    whole = ModelParts(num_layers=spec.tf_config.num_layers, pre_process=True, post_process=True)
+    with _meta_session():
+        full = build_meta_model(spec, whole)
+    return _numel(_unique_parameters(full)), active_parameters(full)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception) -> PhaseCost:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    base = {"op": op.name, "phase": phase, "point": point.label}
+    if isinstance(call, Exception):  # the op could not be built (not in this layer spec, ...)
+        return PhaseCost(
+            **base, parameters=0, weight_bytes=0, flops=None, bytes_moved=None, error=_one_line(call)
+        )
+    params = _unique_parameters(call.module)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    base["parameters"] = _numel(params)
+    try:
+        moved = _MetaPhase(phase, call, 0).bytes_moved()
+        counted = _MetaPhase(phase, call, 0)
+        if counted.prepare is not None:
+            counted.prepare()
+        with FlopCounterMode(display=False) as counter:
+            counted.run()
+        flops = int(counter.get_total_flops())
+    except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
+        return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=_one_line(exc))
+    return PhaseCost(**base, weight_bytes=weights, flops=flops, bytes_moved=moved)
+
+
+def preview(spec: RunSpec) -> Preview:
+    """Count the whole model's parameters and cost every planned (point, op, phase) on meta tensors.
+
+    Expected memory: the parameters of the parts the run builds (autotuner.op_mapping.model_parts), their
+    gradients when a backward is planned, and the largest planned phase's other tensors (its bytes moved
+    less its weights and weight gradients: inputs, outputs and their gradients). Activations an op saves
+    inside itself and allocator overhead are not in it, so it is a lower bound of the run's peak."""
+    from autotuner.op_mapping import model_parts, needs_model
+
+    args = spec.model_args
+    total, active = model_parameters(spec)
+    with _meta_session():
+        parts = model_parts(spec.ops, spec.block_layers, args.tie_word_embeddings)
+        model = build_meta_model(spec, parts) if needs_model(spec.ops) else None
+        context = MetaContext(model, META, spec.tf_config.params_dtype, spec.seed, config=spec.tf_config)
+        costs: list[PhaseCost] = []
+        calls: dict[tuple[ShapePoint, str], OpCall | Exception] = {}
+        for point, op, phase in plan(spec):
+            key = (point, op.name)
+            if key not in calls:
+                try:
+                    calls[key] = op.build(context, point)
+                except Exception as exc:  # noqa: BLE001 - as a run records it: this op's rows say why
+                    calls[key] = exc
+            costs.append(_phase_cost(op, point, phase, calls[key]))
+    parts_bytes = sum(p.numel() * p.element_size() for p in _unique_parameters(model))
+    backward = any(c.phase == "backward" for c in costs)
+    peak = max(
+        (
+            c.bytes_moved - c.weight_bytes * (2 if c.phase == "backward" else 1)
+            for c in costs
+            if c.bytes_moved is not None
+        ),
+        default=0,
+    )
+    return Preview(
+        case=spec.case,
+        dtype=spec.dtype,
+        total_parameters=total,
+        active_parameters=active,
+        parts_bytes=parts_bytes,
+        gradient_bytes=parts_bytes if backward else 0,
+        peak_tensor_bytes=max(peak, 0),
+        parts=_describe_parts(parts) if model is not None else "none: no op of the model",
+        costs=costs,
+    )
+
+
+def _describe_parts(parts: Any) -> str:
+    words = [f"{parts.num_layers} layer{'s' if parts.num_layers > 1 else ''}"]
+    if not (parts.attention and parts.mlp):
+        words[0] += " with " + ("attention" if parts.attention else "MLP") + " only"
+    words += [
+        name for name, built in (("embedding", parts.pre_process), ("head", parts.post_process)) if built
+    ]
+    return ", ".join(words)
+
+
+def render(result: Preview) -> str:
+    """The preview as text: the counts, one line per planned phase, the expected memory."""
+    from tabulate import tabulate
+
+    rows = [
+        [
+            c.op,
+            c.phase,
+            c.point,
+            c.parameters,
+            human_bytes(c.weight_bytes),
+            human_si(c.flops, "FLOP") if c.flops is not None else f"n/a ({c.error})",
+            human_bytes(c.bytes_moved),
+        ]
+        for c in result.costs
+    ]
+    table = tabulate(
+        rows,
+        headers=["op", "phase", "point", "parameters", "weights", "flops", "bytes_moved"],
+        disable_numparse=True,
+    )
+    lines = [
+        f"dry run of case={result.case} ({result.dtype}): nothing built on a device, nothing measured",
+        f"parameters: total {result.total_parameters}, active {result.active_parameters}",
+        "",
+        table,
+        "",
+        f"expected memory: {human_bytes(result.expected_memory)}, of which",
+        f"  {human_bytes(result.parts_bytes):>10}  parameters of the parts the run builds ({result.parts})",
+        f"  {human_bytes(result.gradient_bytes):>10}  their gradients (when a backward phase is planned)",
+        f"  {human_bytes(result.peak_tensor_bytes):>10}  the largest phase's inputs, outputs, gradients",
+        "  a lower bound: activations an op saves inside itself and allocator overhead are not counted",
+    ]
+    return "\n".join(lines)
+
+
+def dry_run(cfg: Any) -> str:
+    """The preview of one composed config, as text. Raises UserError for what it cannot preview."""
+    from autotuner.errors import UserError
+    from autotuner.runner.spec import resolve_spec
+
+    spec = resolve_spec(cfg)
+    if spec.session is not None:  # a capture's generic plan: no Megatron model to build on meta
+        raise UserError(
+            "dry_run=true previews plans of the Megatron model, not a capture's generic calls: "
+            "drop capture= or dry_run=true"
+        )
+    return render(preview(spec))
