@@ -409,39 +409,34 @@ PROFILED = textwrap.dedent(
 )
 
 
+def _profile(
+    nsys_bin: str, folder: Path, name: str, program: list[str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """``nsys profile`` (CPU trace) of ``python PROGRAM`` in ``folder``, writing ``<name>.nsys-rep``; run
+    again when nsys 2022.4 lost its launch race on a loaded machine (see lost_launch_race)."""
+    from autotuner.launchers.nsys_process import NsysRun, lost_launch_race
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    cmd = [nsys_bin, "profile", "-t", "nvtx,osrt", "-s", "none", "--cpuctxsw=none", "-o", name, "-f", "true"]
+    report = folder / f"{name}.nsys-rep"
+    for _ in range(3):
+        proc = subprocess.run(
+            [*cmd, sys.executable, *program], capture_output=True, text=True, timeout=300, env=env, cwd=folder
+        )
+        if not lost_launch_race(NsysRun(proc.returncode, proc.stdout + proc.stderr), report):
+            break
+    return report, proc
+
+
 @pytest.mark.nsys
 def test_real_nsys_report(nsys_bin: str, tmp_path: Path) -> None:
     script = tmp_path / "profiled.py"
     script.write_text(PROFILED)
     ids_file = tmp_path / "ids.txt"
-    out = tmp_path / "run"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    cmd = [
-        nsys_bin,
-        "profile",
-        "-t",
-        "nvtx,osrt",
-        "-s",
-        "none",
-        "--cpuctxsw=none",
-        "-o",
-        str(out),
-        "-f",
-        "true",
-    ]
-    proc = subprocess.run(
-        [*cmd, sys.executable, str(script), str(ids_file)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
-    report = tmp_path / "run.nsys-rep"
+    report, proc = _profile(nsys_bin, tmp_path, "run", [str(script), str(ids_file)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report.is_file(), f"no .nsys-rep (only .qdstrm?): {sorted(p.name for p in tmp_path.iterdir())}"
 
@@ -544,40 +539,11 @@ def test_nsys_read_exports_a_real_report(
     nsys_bin: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     from autotuner import nsys_read
-    from autotuner.launchers.nsys_process import NsysRun, lost_launch_race
     from autotuner.results import load_rows
 
     script = tmp_path / "windowed.py"
     script.write_text(WINDOWED)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    cmd = [
-        nsys_bin,
-        "profile",
-        "-t",
-        "nvtx,osrt",
-        "-s",
-        "none",
-        "--cpuctxsw=none",
-        "-o",
-        "cpu-rank1",
-        "-f",
-        "true",
-    ]
-    report = tmp_path / "cpu-rank1.nsys-rep"
-    for _ in range(3):  # nsys 2022.4 can lose its launch race on a loaded machine (see lost_launch_race)
-        proc = subprocess.run(
-            [*cmd, sys.executable, str(script)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd=tmp_path,
-        )
-        if not lost_launch_race(NsysRun(proc.returncode, proc.stdout + proc.stderr), report):
-            break
+    report, proc = _profile(nsys_bin, tmp_path, "cpu-rank1", [str(script)])
     assert proc.returncode == 0 and report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
 
     out = tmp_path / "read"
