@@ -99,6 +99,16 @@ class TimingConfig(SamplingPolicy):
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-Experts settings (autotuner.model.routing). ``routing``: where the router output of the
+    MoE ops comes from: learned (the model's seeded router), uniform, balanced or zipf (forced);
+    ``zipf_s``: the zipf mode's exponent (expert i drawn with weight 1 / (i + 1) ** zipf_s, above 0)."""
+
+    routing: str = "learned"
+    zipf_s: float = 1.2
+
+
+@dataclass
 class LauncherConfig:
     name: str = MISSING
 
@@ -177,6 +187,7 @@ class AutotunerConfig:
     seed: int = 1234
     transformer_block_layers: int = 2
     timing: TimingConfig = field(default_factory=TimingConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     resume: bool = False
     calibration: str | None = None
     progress: bool = True

@@ -73,8 +73,9 @@ def _package_available(package: str) -> bool:
 GROUPS = ("all", FUNCTIONAL)
 
 
-def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
-    """The op tests for ``ops=[...]`` in model order. None or ["all"]: every available op of the model;
+def resolve_ops(names: Sequence[str] | None, config: Any = None) -> list[OpTest]:
+    """The op tests for ``ops=[...]`` in model order. None or ["all"]: every available op of the model
+    (given the model's TransformerConfig ``config``, not the ops it lacks: OpTest.missing_from);
     "functional": the device's base capabilities (autotuner.ops_test.functional_ops); both combine with
     op names.
 
@@ -92,7 +93,12 @@ def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
     for name in names:
         if str(name).lower() in GROUPS:
             functional = str(name).lower() == FUNCTIONAL
-            chosen.update(t.name for t in available if (FUNCTIONAL in t.needs) == functional)
+            # a group holds the ops of this model only (with config): no MLA rows for a dense model
+            chosen.update(
+                t.name
+                for t in available
+                if (FUNCTIONAL in t.needs) == functional and t.absent_reason(config) is None
+            )
             continue
         canonical = table.get(str(name).lower())
         if canonical is None:
@@ -106,6 +112,12 @@ def resolve_ops(names: Sequence[str] | None) -> list[OpTest]:
             )
         chosen.add(canonical)
     return [t for t in available if t.name in chosen]
+
+
+def ops_in_model(config: Any) -> tuple[str, ...]:
+    """The ops a model of ``config`` (its TransformerConfig) has, in model order: OP_ORDER less the ops
+    it lacks (OpTest.missing_from: no MLA projection in a dense model, no dense MLP in Mixtral)."""
+    return tuple(name for name in op_tree().model_order if REGISTRY[name].absent_reason(config) is None)
 
 
 def needs_model(tests: Sequence[OpTest]) -> bool:
@@ -122,13 +134,38 @@ def _layer_halves(test: OpTest, tree: OpTree) -> tuple[bool, bool]:
     return half != MLP, half != ATTENTION
 
 
-def model_parts(tests: Sequence[OpTest], block_layers: int, tied_embeddings: bool) -> ModelParts:
-    """The smallest GPTModel that holds every selected op."""
+def _in_subtree(tree: OpTree, op: str, root: str) -> bool:
+    name: str | None = op
+    while name is not None:
+        if name == root:
+            return True
+        name = tree.parents.get(name)
+    return False
+
+
+def _layers_for_kinds(tests: Sequence[OpTest], tree: OpTree, moe_pattern: Sequence[bool]) -> int:
+    """How many of the model's first layers hold a layer of each kind the ops need: a dense MLP for the
+    ``mlp`` op and the ops inside it, an MoE layer for the other layer ops where the model has one
+    (OpContext.layer, OpContext.dense_layer). 1 for a model whose layers are all alike."""
+    if len(set(moe_pattern)) < 2:
+        return 1
+    layer_ops = [t.name for t in tests if LAYER in t.needs and t.name in tree.parents]
+    dense = any(_in_subtree(tree, name, "mlp") for name in layer_ops)
+    moe = any(not _in_subtree(tree, name, "mlp") for name in layer_ops)
+    needed = [moe_pattern.index(False) + 1 if dense else 1, moe_pattern.index(True) + 1 if moe else 1]
+    return max(needed)
+
+
+def model_parts(
+    tests: Sequence[OpTest], block_layers: int, tied_embeddings: bool, moe_pattern: Sequence[bool] = ()
+) -> ModelParts:
+    """The smallest GPTModel that holds every selected op. ``moe_pattern``: which of the model's layers
+    are MoE layers (autotuner.model.build.moe_layer_pattern), where it mixes them with dense ones."""
     needs = set().union(*(t.needs for t in tests)) if tests else set()
     tree = op_tree()
     halves = [_layer_halves(t, tree) for t in tests]
     return ModelParts(
-        num_layers=block_layers if BLOCK in needs else 1,
+        num_layers=max(block_layers if BLOCK in needs else 1, _layers_for_kinds(tests, tree, moe_pattern)),
         pre_process=EMBEDDING in needs or (HEAD in needs and tied_embeddings),
         post_process=HEAD in needs,
         attention=any(attention for attention, _ in halves),

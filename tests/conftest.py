@@ -1,5 +1,6 @@
 """Shared pytest fixtures, and the markers' rules (the markers are registered in pyproject.toml)."""
 
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -89,3 +90,14 @@ def tiny_session(tiny_spec):
     from autotuner.runner.spec import open_session
 
     return open_session(tiny_spec)
+
+
+@functools.cache
+def dense_model_ops() -> tuple[str, ...]:
+    """The ops of the dense tiny model in model order: OP_ORDER less the MLA and MoE ops it has not
+    (what ``ops=[all]`` runs on case=tiny)."""
+    from autotuner.config import compose_config
+    from autotuner.op_mapping import ops_in_model
+    from autotuner.runner.spec import resolve_spec
+
+    return ops_in_model(resolve_spec(compose_config(["case=tiny", "device=cpu"])).tf_config)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from autotuner.main import run
-from autotuner.op_mapping import OP_ORDER
 from autotuner.results import COLUMNS, load_rows
+from tests.conftest import dense_model_ops
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3", "progress=false"]
@@ -43,7 +43,7 @@ def test_tiny_run_has_every_op_phase_and_point(tiny_run: Path):
     keys = {(r["op"], r["phase"], r["point"]) for r in rows}
     expected = {
         (op, phase, point)
-        for op in OP_ORDER
+        for op in dense_model_ops()
         for phase in ("forward", "backward")
         for point in ("s32_b2", "s64_b2")
     }
@@ -177,12 +177,12 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
     os.kill(proc.pid, signal.SIGTERM)  # what SLURM sends on preemption or at the time limit
     proc.wait()
     before = _check_files(tmp_path)
-    assert 4 <= len(before) < 2 * len(OP_ORDER) * 2
+    assert 4 <= len(before) < 2 * len(dense_model_ops()) * 2
 
     # the same settings: a resume that changes the sampler is refused (tests/test_faults_data.py)
     assert run([*args, "resume=true"]) == 0
     after = _check_files(tmp_path)
-    assert len(after) == len(OP_ORDER) * 2 * 2 and len(
+    assert len(after) == len(dense_model_ops()) * 2 * 2 and len(
         {(r["op"], r["phase"], r["point"]) for r in after}
     ) == len(after)
     kept = {(r["op"], r["phase"], r["point"]): r["median_us"] for r in after}

@@ -12,7 +12,11 @@ from autotuner.ops.naming import parse_range
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
 
-LAYER_FORWARD_ORDER = list(LAYER_SUB_OPS)
+# The sub-ops of tiny's dense layer (Multi-Latent Attention's projections are not in its attention).
+MLA_PROJECTIONS = ("q_down_proj", "kv_down_proj", "kv_layernorm", "mla_q_proj", "q_up_proj", "kv_up_proj")
+# Nor the Mixture-of-Experts ops in its dense MLP (tests/test_moe_ops.py nests them in an MoE layer).
+MOE_OPS = ("moe_layer", "shared_experts", "router", "token_dispatch", "experts", "token_combine")
+LAYER_FORWARD_ORDER = [op for op in LAYER_SUB_OPS if op not in MLA_PROJECTIONS + MOE_OPS]
 
 
 def _ranges(events, phase):

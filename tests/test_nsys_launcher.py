@@ -36,10 +36,11 @@ from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_rang
 from autotuner.launchers.nsys_rows import Outcome, build_rows, measured_ranges, read_sqlite
 from autotuner.launchers.nsys_worker import marker_name
 from autotuner.main import run
-from autotuner.op_mapping import LAYER_SUB_OPS, OP_ORDER
+from autotuner.op_mapping import LAYER_SUB_OPS
 from autotuner.ops.naming import format_range, parse_range
 from autotuner.ops_test.base import ShapePoint
 from autotuner.results import COLUMNS, load_rows
+from tests.conftest import dense_model_ops
 
 REPO = Path(__file__).resolve().parents[1]
 POINT = "s16_b1"
@@ -52,7 +53,7 @@ SMALL = [
     "progress=false",
 ]
 # The sub-ops of a TransformerLayer in model order (Megatron calls RoPE twice: on q, then on k).
-LAYER_OPS = list(LAYER_SUB_OPS)
+LAYER_OPS = [op for op in LAYER_SUB_OPS if op in dense_model_ops()]  # case=tiny: no MLA, no MoE
 # Their backward ranges open in reverse model order, each container (mlp, self_attention) as soon as
 # its output gradient is ready, i.e. before the sub-ops inside it.
 LAYER_OPS_BACKWARD = [
@@ -122,7 +123,7 @@ def test_tiny_run_writes_report_sqlite_and_table(tiny: Launch) -> None:
         table = list(csv.DictReader(handle))
     assert list(table[0]) == COLUMNS and len(table) == len(rows)
     assert [(r["op"], r["phase"]) for r in rows] == [
-        (op, ph) for op in OP_ORDER for ph in ("forward", "backward")
+        (op, ph) for op in dense_model_ops() for ph in ("forward", "backward")
     ]
     for row in rows:
         assert row["status"] == "ok", row
@@ -138,7 +139,7 @@ def test_tiny_run_writes_report_sqlite_and_table(tiny: Launch) -> None:
 @pytest.mark.nsys
 def test_report_holds_every_op_phase_and_iteration(tiny: Launch, tiny_ranges: list[NvtxRange]) -> None:
     names = {r.name for r in tiny_ranges}
-    for op in OP_ORDER:
+    for op in dense_model_ops():
         for phase in ("forward", "backward"):
             for i in range(ITERATIONS):
                 assert format_range(op, phase, POINT, i) in names
@@ -522,7 +523,7 @@ def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
 
     rows = load_rows(run_dir / "results.jsonl")
     with open(run_dir / "results.csv", newline="") as handle:
-        assert len(list(csv.DictReader(handle))) == len(rows) == len(OP_ORDER) * 2 * 2
+        assert len(list(csv.DictReader(handle))) == len(rows) == len(dense_model_ops()) * 2 * 2
     statuses = [r["status"] for r in rows]
     assert "failed" in statuses, "the plan finished before the signal"
     first_failed = statuses.index("failed")

@@ -31,6 +31,27 @@ from autotuner.report import data
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Multi-Latent Attention's sub-ops (and the q norm, which the dense attention has too), in its forward order.
+MLA_OPS = (
+    "q_down_proj",
+    "kv_down_proj",
+    "q_layernorm",
+    "kv_layernorm",
+    "mla_q_proj",
+    "q_up_proj",
+    "kv_up_proj",
+)
+MLA_PATHS = {
+    "linear_q_down_proj": "q_down_proj",
+    "linear_kv_down_proj": "kv_down_proj",
+    "q_layernorm": "q_layernorm",
+    "kv_layernorm": "kv_layernorm",
+    "linear_q_proj": "mla_q_proj",
+    "linear_q_up_proj": "q_up_proj",
+    "linear_kv_up_proj": "kv_up_proj",
+}
+# The Mixture-of-Experts ops, in the order MoELayer.forward runs them (tests/test_moe_ops.py runs them).
+MOE_OPS = ("moe_layer", "shared_experts", "router", "token_dispatch", "experts", "token_combine")
 # The tables as they were written by hand before the ops declared their places: the regression check.
 WRITTEN_OP_ORDER = (
     "embedding",
@@ -39,6 +60,7 @@ WRITTEN_OP_ORDER = (
     "input_layernorm",
     "self_attention",
     "linear_qkv",
+    *MLA_OPS,
     "rope",
     "core_attention",
     "linear_proj",
@@ -48,6 +70,7 @@ WRITTEN_OP_ORDER = (
     "linear_fc1",
     "activation",
     "linear_fc2",
+    *MOE_OPS,
     "mlp_bda",
     "final_layernorm",
     "output_layer",
@@ -58,12 +81,16 @@ WRITTEN_LAYER_MODULE_OPS = {
     "input_layernorm": "input_layernorm",
     "self_attention": "self_attention",
     "self_attention.linear_qkv": "linear_qkv",
+    **{f"self_attention.{path}": op for path, op in MLA_PATHS.items()},
     "self_attention.core_attention": "core_attention",
     "self_attention.linear_proj": "linear_proj",
     "pre_mlp_layernorm": "pre_mlp_layernorm",
     "mlp": "mlp",
     "mlp.linear_fc1": "linear_fc1",
     "mlp.linear_fc2": "linear_fc2",
+    "mlp.shared_experts": "shared_experts",
+    "mlp.router": "router",
+    "mlp.experts": "experts",
 }
 WRITTEN_LAYER_FACTORY_OPS = {"self_attn_bda": "self_attn_bda", "mlp_bda": "mlp_bda"}
 WRITTEN_MODEL_MODULE_OPS = {
@@ -78,11 +105,13 @@ WRITTEN_LAYER_PARTS = (
     "self_attn_bda",
     "pre_mlp_layernorm",
     "mlp",
+    "moe_layer",
     "mlp_bda",
 )
 WRITTEN_SUBLAYER_PARTS = {
-    "self_attention": ("linear_qkv", "rope", "core_attention", "linear_proj"),
+    "self_attention": ("linear_qkv", *MLA_OPS, "rope", "core_attention", "linear_proj"),
     "mlp": ("linear_fc1", "activation", "linear_fc2"),
+    "moe_layer": MOE_OPS[1:],
 }
 
 
@@ -145,6 +174,10 @@ def test_every_place_is_in_the_built_model_and_instrumented_there(tiny_session):
     model, ctx = tiny_session
     tree = op_tree()
     for name in tree.model_order:
+        if name in MLA_OPS and name != "q_layernorm":  # not in a dense attention: tests/test_mla_ops.py
+            continue
+        if name in MOE_OPS:  # not in a dense layer: tests/test_moe_ops.py
+            continue
         test = tree.tests[name]
         owner = ctx.layer if test.container == LAYER else model
         path = test.where if test.kind != FUNCTION else test.where.rpartition(".")[0]
@@ -178,31 +211,37 @@ def test_each_op_runs_inside_the_range_of_its_parent(tiny_session, tiny_spec):
         else:
             stack.pop()
     tree = op_tree()
-    inside_block = {n for n in tree.model_order if n not in ("embedding", "output_layer")}
+    # (the MoE ops are not in a dense layer: tests/test_moe_ops.py checks them in an MoE one; nor MLA's
+    # projections in a dense attention: tests/test_mla_ops.py)
+    absent = ("embedding", "output_layer", *MOE_OPS, *(op for op in MLA_OPS if op != "q_layernorm"))
+    inside_block = {n for n in tree.model_order if n not in absent}
     assert set(enclosing) == inside_block
     assert enclosing == {op: {tree.parents[op]} for op in inside_block}
 
 
 def test_a_new_op_finds_its_place_with_no_other_edit(scratch_registry, tiny_session, tiny_spec):
-    register_op("q_layernorm", where="self_attention.q_layernorm")(_build)
+    register_op("k_layernorm", where="self_attention.k_layernorm")(_build)
     tree = op_tree()
     order = [t.name for t in op_mapping.ordered_tests()]
     # after its parent and the siblings registered before it, before the next part of the layer
-    assert order.index("linear_proj") + 1 == order.index("q_layernorm") == order.index("self_attn_bda") - 1
+    assert order.index("linear_proj") + 1 == order.index("k_layernorm") == order.index("self_attn_bda") - 1
     assert [t.name for t in op_mapping.resolve_ops(["all"])] == order[: len(WRITTEN_OP_ORDER) + 1]
-    assert tree.parents["q_layernorm"] == "self_attention" and tree.half("q_layernorm") == ATTENTION
-    assert "q_layernorm" in tree.in_half(ATTENTION) and "q_layernorm" in tree.layer_ops
-    assert tree.children("self_attention")[-1] == "q_layernorm"
-    parts = op_mapping.model_parts(op_mapping.resolve_ops(["q_layernorm"]), 2, False)
+    assert tree.parents["k_layernorm"] == "self_attention" and tree.half("k_layernorm") == ATTENTION
+    assert "k_layernorm" in tree.in_half(ATTENTION) and "k_layernorm" in tree.layer_ops
+    assert tree.children("self_attention")[-1] == "k_layernorm"
+    parts = op_mapping.model_parts(op_mapping.resolve_ops(["k_layernorm"]), 2, False)
     assert (parts.attention, parts.mlp) == (True, False)
     # the instrumentation finds it too (a model of its own: the session's must stay as it is)
     spec = tiny_spec
     model = build.build_model(spec.model_args, spec.tf_config, build.ModelParts(), spec.device, False)
     op_mapping.instrument_gpt(model)
-    assert type(model.decoder.layers[0].self_attention.q_layernorm).autotuner_op == "q_layernorm"
+    assert type(model.decoder.layers[0].self_attention.k_layernorm).autotuner_op == "k_layernorm"
 
 
 def test_alternatives_at_one_path_are_told_apart_by_class(scratch_registry):
+    for name in MOE_OPS:  # registered here again, alone
+        del scratch_registry[name]
+
     class MoELayer:  # stands for Megatron's: only the class name counts
         pass
 

@@ -234,6 +234,7 @@ def start_writer(
             "points": [p.label for p in spec.points],
             "ops": [op.name for op in spec.ops],
             "transformer_engine_spec": spec.use_transformer_engine,
+            "routing": {"mode": spec.routing.mode, "zipf_s": spec.routing.zipf_s},  # moe.*: MoE ops' input
             "transformer_config": {
                 k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
                 for k, v in vars(spec.tf_config).items()

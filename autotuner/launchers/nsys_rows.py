@@ -31,7 +31,7 @@ from autotuner.launchers.nsys_report import (
 from autotuner.launchers.nsys_worker import MEASURING_FILE, parse_marker
 from autotuner.measure.metrics import Observed, fill, register_metric
 from autotuner.measure.timer import Measurement
-from autotuner.results import load_rows
+from autotuner.results import CALL_COLUMNS, load_rows
 from autotuner.runner.plan import named_identity, row_identity
 
 if TYPE_CHECKING:
@@ -205,6 +205,10 @@ def build_rows(
         key = (op.name, phase, point.label)
         worker = outcome.worker_rows.get(key)
         row = row_identity(spec, op, point, phase, "nsys")
+        if (
+            worker is not None
+        ):  # what the op stated about its call (OpCall.row_fields), as the worker wrote it
+            row.update({k: worker[k] for k in CALL_COLUMNS if worker.get(k) is not None})
         if worker is None:
             row.update(status="failed", error=_missing_reason(key, outcome))
         elif worker.get("status") != "ok":

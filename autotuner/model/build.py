@@ -34,16 +34,18 @@ def transformer_engine_available() -> bool:
 
 
 def transformer_config_fields() -> set[str]:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """Every field ``tf.`` may set: TransformerConfig's, and the Multi-Latent Attention ones of its
+    subclass MLATransformerConfig (used for an MLA model)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    return {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {f.name for f in dataclasses.fields(MLATransformerConfig)}
 
 
 @functools.cache
 def _transformer_config_types() -> dict[str, Any]:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    return typing.get_type_hints(TransformerConfig)
+    return typing.get_type_hints(MLATransformerConfig)
 
 
 def _accepts(expected: Any, value: Any) -> bool:
@@ -129,7 +131,7 @@ def build_transformer_config(
     """The TransformerConfig of the whole model: the HF mapping, then device settings, then ``tf.``
     overrides."""
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_tf_overrides(tf_overrides)
     kwargs = dict(args.transformer)
@@ -141,6 +143,8 @@ def build_transformer_config(
         use_cpu_initialization=device.type == "cpu",
         tensor_model_parallel_size=tensor_parallel,
     )
+    if kwargs.get("num_moe_experts"):
+        kwargs.update(moe_implementation(device))
     kwargs.update(tf_overrides)
     tp = kwargs["tensor_model_parallel_size"]
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
@@ -149,11 +153,27 @@ def build_transformer_config(
                 f"tensor_model_parallel_size={tp} does not divide {name}={kwargs[name]}: "
                 "choose a TP size that divides it"
             )
+    experts, ep = kwargs.get("num_moe_experts"), kwargs.get("expert_model_parallel_size", 1)
+    if experts and experts % ep:
+        raise UserError(
+            f"expert_model_parallel_size={ep} does not divide the {experts} experts: "
+            "choose an EP size that divides num_moe_experts"
+        )
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     try:
-        return TransformerConfig(**kwargs)
+        return config_class(**kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         raise UserError(f"invalid TransformerConfig: {message}: fix the hf./tf. overrides") from exc
+
+
+def moe_implementation(device: torch.device) -> dict[str, Any]:
+    """How an MoE layer runs on ``device`` (``tf.`` overrides win): on a GPU the all-to-all dispatcher,
+    with grouped GEMM experts where Transformer-Engine imports; on a CPU the all-gather dispatcher (the
+    all-to-all one creates CUDA streams when built) and ``SequentialMLP`` experts (one MLP per expert)."""
+    if device.type == "cuda":
+        return dict(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=transformer_engine_available())
+    return dict(moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
 
 
 @dataclass(frozen=True)
@@ -169,17 +189,74 @@ class ModelParts:
     mlp: bool = True
 
 
-def layer_spec(tf_config: Any, use_transformer_engine: bool, parts: ModelParts | None = None) -> Any:
+def moe_layer_pattern(tf_config: Any) -> list[bool]:
+    """For each layer of the model, whether it is an MoE layer (Megatron's ``moe_layer_freq``: 1 every
+    layer, N every N-th, or a 0/1 list)."""
+    layers = tf_config.num_layers
+    if not tf_config.num_moe_experts:
+        return [False] * layers
+    freq = tf_config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(layers)]
+    return [bool(flag) for flag in freq]
+
+
+@functools.cache
+def _local_mla_core_attention() -> type:
+    """Megatron-Core's local DotProductAttention for Multi-Latent Attention.
+
+    MLA builds its core attention with ``k_channels`` (q and k head width, 192 for DeepSeek-V2) and
+    ``v_channels`` (v head width, 128), which Transformer-Engine's attention takes and 0.16's local
+    DotProductAttention does not (a TypeError at construction). The local one already computes with any
+    q/k width (it reshapes q and k by their own last dimension) and sizes its output by ``kv_channels``,
+    which the MLA mapping sets to the v head width: this subclass accepts the two arguments, checks the v
+    width, and is otherwise that class (MLA's softmax scale is passed in as it is to TE)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(
+            self, config: Any, *args: Any, k_channels: Any = None, v_channels: Any = None, **kw: Any
+        ):
+            if v_channels is not None and v_channels != config.kv_channels:
+                raise ValueError(f"MLA v head width {v_channels} != kv_channels {config.kv_channels}")
+            super().__init__(config, *args, **kw)
+
+    return MLADotProductAttention
+
+
+def layer_spec(
+    tf_config: Any, use_transformer_engine: bool, parts: ModelParts | None = None, moe: bool | None = None
+) -> Any:
     """The layer spec training uses: Transformer-Engine's on a GPU where it imports, else the local one;
-    without the halves ``parts`` leaves out."""
+    an MoE layer's (``moe``; default: whether the model has experts) or a dense one's; without the halves
+    ``parts`` leaves out."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityOp
 
+    moe = bool(tf_config.num_moe_experts) if moe is None else moe
+    experts = tf_config.num_moe_experts if moe else None
+    mla = bool(getattr(tf_config, "multi_latent_attention", False))
     if use_transformer_engine:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tf_config.qk_layernorm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts,
+            moe_grouped_gemm=tf_config.moe_grouped_gemm,
+            qk_layernorm=tf_config.qk_layernorm,
+            multi_latent_attention=mla,
+        )
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            qk_layernorm=tf_config.qk_layernorm, normalization=tf_config.normalization
+            num_experts=experts,
+            moe_grouped_gemm=tf_config.moe_grouped_gemm,
+            qk_layernorm=tf_config.qk_layernorm,
+            multi_latent_attention=mla,
+            normalization=tf_config.normalization,
+        )
+    if mla and not use_transformer_engine:
+        attention = spec.submodules.self_attention
+        local = dataclasses.replace(attention.submodules, core_attention=_local_mla_core_attention())
+        attention = dataclasses.replace(attention, submodules=local)
+        spec = dataclasses.replace(
+            spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention)
         )
     left_out: dict[str, Any] = {}
     if parts is not None and not parts.attention:
@@ -219,10 +296,10 @@ def build_model(
     ranges are added by autotuner.op_mapping.instrument_gpt (the model part knows nothing of ops)."""
     from megatron.core.models.gpt import GPTModel
 
-    config = dataclasses.replace(tf_config, num_layers=parts.num_layers)
+    config, spec = _decoder(tf_config, parts, use_transformer_engine)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, use_transformer_engine, parts),
+        transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
         pre_process=parts.pre_process,
@@ -240,3 +317,26 @@ def build_model(
     elif config.fp16:
         model.half()
     return model
+
+
+def _decoder(tf_config: Any, parts: ModelParts, use_transformer_engine: bool) -> tuple[Any, Any]:
+    """The config and the layer (or block) spec of a model of ``parts.num_layers`` layers.
+
+    A model whose layers are all alike gets one layer spec. One that mixes dense and MoE layers
+    (DeepSeek's first dense layer) gets a block spec of one spec per layer. A model of fewer layers than
+    the whole holds the model's first layers, as the first pipeline stage does (autotuner.op_mapping.
+    model_parts asks for enough of them to hold a layer of each kind its ops need)."""
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    pattern = moe_layer_pattern(tf_config)[: parts.num_layers]
+    replace: dict[str, Any] = {"num_layers": parts.num_layers}
+    if tf_config.num_moe_experts:
+        replace["moe_layer_freq"] = 1 if all(pattern) else [int(flag) for flag in pattern]
+    config = dataclasses.replace(tf_config, **replace)
+    if len(set(pattern)) == 1:
+        return config, layer_spec(config, use_transformer_engine, parts, moe=pattern[0])
+    specs = {moe: layer_spec(config, use_transformer_engine, parts, moe=moe) for moe in set(pattern)}
+    norm = LayerNormImpl
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    return config, TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in pattern], layer_norm=norm)

@@ -23,7 +23,43 @@ max_position_embeddings         GPTModel max_sequence_length
 rope theta                      GPTModel rotary_base (position_embedding_type="rope")
 partial_rotary_factor           GPTModel rotary_percent
 tie_word_embeddings             GPTModel share_embeddings_and_output_weights
+model_type qwen3/qwen3_moe      qk_layernorm=True (RMSNorm on each head's q and k)
 ==============================  =====================================================
+
+Mixture-of-Experts fields (see :func:`_moe_fields`):
+
+======================================  ==============================================================
+HF config                               Megatron-Core
+======================================  ==============================================================
+num_local_experts / num_experts /       num_moe_experts
+n_routed_experts
+num_experts_per_tok                     moe_router_topk
+moe_intermediate_size (else             moe_ffn_hidden_size (each routed expert's width)
+intermediate_size, as Mixtral)
+n_shared_experts x moe_intermediate     moe_shared_expert_intermediate_size (DeepSeek: one MLP as wide
+_size; shared_expert_intermediate_size  as all shared experts); Qwen2-MoE's also moe_shared_expert_gate
+first_k_dense_replace; decoder_sparse_  moe_layer_freq, a 0/1 list (0: a dense layer of width
+step, mlp_only_layers                   intermediate_size)
+norm_topk_prob, scoring (softmax)       moe_router_pre_softmax: softmax over all experts before top-k
+                                        (DeepSeek, and Qwen3-MoE without norm_topk_prob); with the
+                                        renormalisation, softmax over the top-k logits (Megatron's default)
+routed_scaling_factor                   moe_router_topk_scaling_factor
+router_aux_loss_coef / aux_loss_alpha   moe_aux_loss_coeff (load-balancing loss, "aux_loss")
+======================================  ==============================================================
+
+Multi-Latent Attention fields (DeepSeek-V2/V3; built with an ``MLATransformerConfig``):
+
+======================================  ==============================================================
+kv_lora_rank, q_lora_rank (null: no     kv_lora_rank, q_lora_rank (None: one q projection)
+q LoRA)
+qk_nope_head_dim, qk_rope_head_dim,     qk_head_dim, qk_pos_emb_head_dim, v_head_dim
+v_head_dim
+rope_scaling / rope_parameters yarn     rope_type="yarn", rotary_scaling_factor, original_max_position_
+                                        embeddings, beta_fast, beta_slow, mscale, mscale_all_dim
+======================================  ==============================================================
+
+What the token dispatcher and the experts' implementation are depends on the device, not the model:
+autotuner.model.build chooses them.
 
 ``hf.<field>=`` overrides are applied to the HF config before this mapping, ``tf.<field>=`` overrides to
 the TransformerConfig arguments after it.
@@ -36,10 +72,22 @@ from typing import Any
 
 from autotuner.errors import UserError
 
-_RMSNORM_MODELS = {"llama", "mistral", "mixtral", "qwen2", "qwen3"}
+_RMSNORM_MODELS = {
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+}
+_QK_NORM_MODELS = {"qwen3", "qwen3_moe"}
+_MLA_MODELS = {"deepseek_v2", "deepseek_v3"}
 _GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu"}
 # Llama-family attention puts attention_bias on q, k, v and o; Qwen2 on q, k, v only.
-_QKV_ONLY_BIAS_MODELS = {"qwen2"}
+_QKV_ONLY_BIAS_MODELS = {"qwen2", "qwen2_moe"}
 
 
 @dataclass
@@ -178,6 +226,7 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
             f"identical to the model's for sequences up to {window} tokens"
         )
     transformer = dict(
+        qk_layernorm=model_type in _QK_NORM_MODELS or model_type in _MLA_MODELS,
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=ffn,
@@ -192,6 +241,9 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
         attention_dropout=_float_field(hf, "attention_dropout", 0.0, 0.0, 1.0, low_open=False),
         hidden_dropout=0.0,
     )
+    transformer.update(_moe_fields(hf, layers, notes))
+    if model_type in _MLA_MODELS:
+        transformer.update(_mla_fields(hf, notes))
     return MegatronModelArgs(
         transformer=transformer,
         activation=_GATED_ACTIVATIONS[act],
@@ -202,6 +254,115 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
         tie_word_embeddings=_bool_field(hf, "tie_word_embeddings"),
         notes=notes,
     )
+
+
+def _moe_layer_pattern(hf: Any, layers: int) -> list[int] | int:
+    """Which layers are MoE (1) and which dense (0): DeepSeek's first ``first_k_dense_replace`` layers are
+    dense; Qwen-MoE's layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers. 1 (Megatron's "every layer") when all are."""
+    first_dense = getattr(hf, "first_k_dense_replace", None) or 0
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or not 0 <= first_dense < layers:
+        raise UserError(
+            f"HF config field first_k_dense_replace={first_dense!r} must be an integer in [0, {layers}): "
+            f"{_fix('first_k_dense_replace')}"
+        )
+    step = getattr(hf, "decoder_sparse_step", None) or 1
+    dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
+    pattern = [int(i >= first_dense and (i + 1) % step == 0 and i not in dense_only) for i in range(layers)]
+    if not any(pattern):
+        raise UserError(
+            "the case's HF config makes no layer an MoE layer (first_k_dense_replace, decoder_sparse_step, "
+            "mlp_only_layers): fix those fields, or drop the expert fields for a dense model"
+        )
+    return 1 if all(pattern) else pattern
+
+
+def _moe_fields(hf: Any, layers: int, notes: list[str]) -> dict[str, Any]:
+    """The TransformerConfig fields of a Mixture-of-Experts model; {} for a dense one."""
+    experts = _int_field(hf, "num_experts", " (the routed experts per layer)", required=False)
+    if experts is None:
+        return {}
+    topk = _int_field(hf, "num_experts_per_tok", f" (experts per token, at most {experts})")
+    if topk > experts:
+        raise UserError(
+            f"num_experts_per_tok ({topk}) exceeds the {experts} experts: "
+            f"set hf.num_experts_per_tok <= {experts}"
+        )
+    expert_ffn = _int_field(hf, "moe_intermediate_size", " (one expert's MLP width)", required=False)
+    expert_ffn = expert_ffn or _int_field(hf, "intermediate_size")  # Mixtral: every expert as wide as the MLP
+    fields: dict[str, Any] = dict(
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=expert_ffn,
+        moe_layer_freq=_moe_layer_pattern(hf, layers),
+        moe_router_load_balancing_type="aux_loss",
+    )
+    shared = _int_field(hf, "n_shared_experts", required=False)
+    if shared:  # DeepSeek: the shared experts are one MLP as wide as all of them
+        fields["moe_shared_expert_intermediate_size"] = shared * expert_ffn
+    shared_width = _int_field(hf, "shared_expert_intermediate_size", required=False)
+    if shared_width:  # Qwen2-MoE: one shared expert, its output scaled by a sigmoid gate
+        fields.update(moe_shared_expert_intermediate_size=shared_width, moe_shared_expert_gate=True)
+    # Softmax over every expert before the top-k (DeepSeek; Qwen-MoE without norm_topk_prob), or over the
+    # chosen k logits (Mixtral; Qwen-MoE's renormalised top-k is the same numbers): Megatron's default.
+    renormalised = hf.model_type == "mixtral" or _bool_field(hf, "norm_topk_prob")
+    fields["moe_router_pre_softmax"] = not renormalised
+    scaling = _float_field(hf, "routed_scaling_factor", 1.0, 0.0, 1e6, low_open=True)
+    if scaling != 1.0:
+        fields["moe_router_topk_scaling_factor"] = scaling
+    for name in ("router_aux_loss_coef", "aux_loss_alpha"):
+        if getattr(hf, name, None) is not None:
+            fields["moe_aux_loss_coeff"] = _float_field(hf, name, 0.0, 0.0, 1e6, low_open=False)
+    if hf.model_type in _MLA_MODELS:
+        fields["moe_router_dtype"] = "fp32"  # DeepSeek's gate computes its logits in fp32 whatever the dtype
+    method = getattr(hf, "topk_method", None)
+    if method not in (None, "greedy"):
+        notes.append(
+            f"topk_method={method} is mapped as greedy top-k: the group-limited choice is not expressed "
+            "(the experts' sizes and counts are unchanged)"
+        )
+    return fields
+
+
+def _rope_scaling(hf: Any) -> dict[str, Any]:
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(hf, name, None)
+        if isinstance(value, dict) and (value.get("rope_type") or value.get("type")) not in (None, "default"):
+            return value
+    return {}
+
+
+def _mla_fields(hf: Any, notes: list[str]) -> dict[str, Any]:
+    """The MLATransformerConfig fields of a Multi-Latent Attention model (DeepSeek-V2/V3)."""
+    fields: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=_int_field(hf, "q_lora_rank", required=False),
+        kv_lora_rank=_int_field(hf, "kv_lora_rank", " (the compressed kv width)"),
+        qk_head_dim=_int_field(hf, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_int_field(hf, "qk_rope_head_dim"),
+        v_head_dim=_int_field(hf, "v_head_dim"),
+        rotary_base=_rope_theta(hf),  # MLA's own rotary embedding reads these from its config
+        rotary_percent=_float_field(hf, "partial_rotary_factor", 1.0, 0.0, 1.0, low_open=True),
+    )
+    # Megatron's core attention sizes its output by kv_channels: each head's value width.
+    fields["kv_channels"] = fields["v_head_dim"]
+    scaling = _rope_scaling(hf)
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "yarn":
+        fields.update(
+            rope_type="yarn",
+            rotary_scaling_factor=float(scaling.get("factor", 1.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(scaling.get("beta_fast", 32)),
+            beta_slow=float(scaling.get("beta_slow", 1)),
+            mscale=float(scaling.get("mscale", 1.0)),
+            mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
+        )
+    else:
+        if kind:
+            notes.append(f"rope scaling {kind!r} is not mapped for MLA: plain RoPE is used")
+        fields["rope_type"] = "rope"
+    return fields
 
 
 def layer_parameter_count(tf: Any) -> int:

@@ -3,6 +3,7 @@ and the environment record that makes a run reproducible."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -44,6 +45,9 @@ def quiet_megatron_import() -> None:
     use (Transformer Engine, Apex) and about config defaults it deprecates, for the whole process."""
     for pattern in (".*Transformer Engine.*", ".*[Aa]pex.*", ".*scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
+    # torch's renaming of the collectives Megatron calls under sequence and expert parallelism
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", message=f".*{name}` is deprecated.*", category=FutureWarning)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         import megatron.core  # noqa: F401
@@ -63,9 +67,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, int]:
+def init_parallel(
+    device: torch.device,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
+) -> tuple[int, int]:
     """Start torch.distributed (from torchrun's environment, or a one-process group) and Megatron's
-    parallel state. Returns (rank, world_size). Idempotent."""
+    parallel state. Returns (rank, world_size). Idempotent.
+
+    The processes form the tensor-parallel groups (attention and dense MLP) and, for the experts, groups
+    of ``expert_tensor_parallel`` (ETP, default: the TP size, as in Megatron) times ``expert_parallel``
+    (EP) ranks over the same processes: each of TP and ETP x EP must divide the world (Megatron makes the
+    rest data-parallel). autotuner.runner.spec.resolve_spec settles ETP and checks these before anything
+    starts; the check here covers callers without a spec."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -90,9 +105,51 @@ def init_parallel(device: torch.device, tensor_parallel: int = 1) -> tuple[int, 
             f"tensor_model_parallel_size={tensor_parallel} does not divide the {world} processes: "
             "launch as many processes as the TP size (torchrun --nproc-per-node=N)"
         )
+    check_expert_parallel(world, expert_parallel, expert_tensor_parallel or tensor_parallel)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
+        )
     return dist.get_rank(), world
+
+
+def check_expert_parallel(world: int, expert_parallel: int, expert_tensor_parallel: int) -> None:
+    """UserError (one line) unless ``world`` processes can hold EP x ETP expert ranks."""
+    if expert_parallel < 1 or expert_tensor_parallel < 1:
+        raise UserError(
+            f"expert_model_parallel_size={expert_parallel} and expert_tensor_parallel_size="
+            f"{expert_tensor_parallel} must be at least 1: fix tf.expert_model_parallel_size"
+        )
+    ranks = expert_parallel * expert_tensor_parallel
+    if world % ranks:
+        raise UserError(
+            f"expert_model_parallel_size={expert_parallel} x expert_tensor_parallel_size="
+            f"{expert_tensor_parallel} needs a multiple of {ranks} processes, this job has {world}: "
+            f"launch with torchrun --nproc-per-node={ranks}"
+        )
+
+
+@functools.cache
+def gloo_has_sequence_parallel_collectives() -> bool:
+    """Whether this torch's gloo backend runs the collectives sequence parallelism uses (Megatron's
+    ``reduce_scatter_tensor`` and ``all_gather_into_tensor``, the backend's ``_reduce_scatter_base`` and
+    ``_allgather_base``). Probed on a private one-process gloo group, not the run's (which does not
+    exist yet when the config is checked): exact for the installed torch where a version table would
+    have to guess, and the default group is left untouched. Older torch raised "does not support"."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return False
+    try:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+        source, out = torch.ones(2), torch.empty(2)
+        group._reduce_scatter_base(out, source).wait()
+        group._allgather_base(out, source).wait()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
 
 
 def seed_everything(seed: int, device: torch.device) -> None:

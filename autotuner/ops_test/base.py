@@ -33,6 +33,8 @@ from autotuner.ops.naming import PHASES
 if TYPE_CHECKING:
     import torch
 
+    from autotuner.model.routing import Routing
+
 # What an op needs built (see autotuner.model.ModelParts); FUNCTIONAL ops need no model at all.
 LAYER, BLOCK, EMBEDDING, HEAD, FUNCTIONAL = "layer", "block", "embedding", "head", "functional"
 # How an op at its place is instrumented (autotuner.model.build.instrument_gpt): a module's class is
@@ -66,7 +68,9 @@ class OpCall:
     the op knows better (a copy's destination is an input it only writes; a lookup reads only the rows it
     gathers); ``ceiling`` names the calibration entry its
     rate is judged against (a copy: "memory_bandwidth"; a host transfer: "h2d_pinned", ...) instead of
-    the roofline's choice.
+    the roofline's choice. ``row_fields`` are columns the op knows about its own call (an MoE op's tokens
+    per expert and routing: autotuner.model.routing.ExpertLoad.row_fields), written into both phases'
+    rows by every launcher; only the columns of autotuner.results.CALL_COLUMNS.
     """
 
     fn: Callable[..., Any]
@@ -75,6 +79,7 @@ class OpCall:
     bytes_moved: dict[str, int] | None = None
     ceiling: str | None = None
     graphable: bool = True  # False: never CUDA-graph captured (a pageable host copy)
+    row_fields: dict[str, Any] | None = None
 
 
 class OpNotApplicable(Exception):
@@ -99,6 +104,13 @@ class OpTest:
     parent: str | None = None  # only where the path leaves it open (see autotuner.ops_test.places)
     module_class: str | None = None  # the op of this class when several ops share a path
     instrument: Callable[[Any, str], None] | None = None  # FUNCTION ops: (model, op) wraps the function
+    # Which models the op is in: (TransformerConfig) -> None where a model of that config has it, else the
+    # reason it has not (an MLA projection in a dense model). None: in every model.
+    missing_from: Callable[[Any], str | None] | None = None
+
+    def absent_reason(self, config: Any) -> str | None:
+        """Why a model of ``config`` has no such op, or None where it has (see ``missing_from``)."""
+        return None if self.missing_from is None or config is None else self.missing_from(config)
 
     @property
     def container(self) -> str | None:
@@ -125,6 +137,7 @@ def register_op(
     parent: str | None = None,
     module_class: str | None = None,
     instrument: Callable[[Any, str], None] | None = None,
+    missing_from: Callable[[Any], str | None] | None = None,
 ) -> Callable[[Callable[[OpContext, ShapePoint], OpCall]], Callable[[OpContext, ShapePoint], OpCall]]:
     """Register an op builder under ``name`` (and its aliases); the docstring becomes its description.
 
@@ -134,7 +147,9 @@ def register_op(
     its ``instrument`` hook); ``half``, the half of the layer it needs built (the layer's direct parts say
     it; the ops inside them inherit it). ``parent`` and ``module_class`` are for the rare path that does
     not settle it: of two ops at one path (a dense MLP and an MoE layer at ``mlp``), the one that is not
-    the default names its ``module_class``, and an op below it names it as its ``parent``. Model order
+    the default names its ``module_class``, and an op below it names it as its ``parent``.
+    ``missing_from(config)`` says in which models the op is not (None: it is): ``ops=[all]`` leaves it
+    out of those, and an op asked for by name is ``skipped`` there with that reason. Model order
     follows: after its parent, and after the siblings registered before it (autotuner.ops_test.places).
     """
 
@@ -157,6 +172,7 @@ def register_op(
             parent=parent,
             module_class=module_class,
             instrument=instrument,
+            missing_from=missing_from,
         )
         _check_place(test)
         REGISTRY[name] = test
@@ -194,21 +210,50 @@ def _check_place(test: OpTest) -> None:
             )
 
 
+def is_moe_layer(layer: Any) -> bool:
+    """Whether a TransformerLayer's MLP is a Mixture-of-Experts layer (Megatron-Core's ``MoELayer``)."""
+    return any(cls.__name__ == "MoELayer" for cls in type(layer.mlp).__mro__)
+
+
 class OpContext:
-    """The built model and the seeded input makers every op builder shares."""
+    """The built model and the seeded input makers every op builder shares; ``routing`` (moe.routing) says
+    how the MoE ops make their router output (autotuner.model.routing)."""
 
     def __init__(
-        self, model: Any, device: torch.device, dtype: torch.dtype, seed: int, config: Any = None
+        self,
+        model: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        config: Any = None,
+        routing: Routing | None = None,
     ) -> None:
+        from autotuner.model.routing import Routing  # here: importing this module imports no torch
+
         self.model = model  # None when only functional ops run (then ``config`` is the TransformerConfig)
         self.config = model.config if model is not None else config
         self.device = device
         self.dtype = dtype
         self.seed = seed
+        self.routing = routing if routing is not None else Routing()
 
     @property
     def layer(self) -> Any:
-        return self.model.decoder.layers[0]
+        """The TransformerLayer the layer ops profile: the model's first MoE layer where it has one (most
+        of an MoE model's layers are; DeepSeek's first is dense), else its first layer."""
+        layers = self.model.decoder.layers
+        return next((layer for layer in layers if is_moe_layer(layer)), layers[0])
+
+    @property
+    def dense_layer(self) -> Any:
+        """The first layer with a dense MLP, whose ops (``mlp`` and inside it) profile it. Raises
+        OpNotApplicable when every layer built is an MoE layer."""
+        layer = next((layer for layer in self.model.decoder.layers if not is_moe_layer(layer)), None)
+        if layer is None:
+            raise OpNotApplicable(
+                "every layer of this model has an MoE layer, not a dense MLP: see moe_layer"
+            )
+        return layer
 
     def generator(self, salt: str) -> torch.Generator:
         """A CPU generator seeded from the run's seed and the input's name: the same inputs on every run."""
@@ -224,9 +269,21 @@ class OpContext:
         data = torch.randn(shape, generator=self.generator(salt), dtype=torch.float32)
         return data.to(device=self.device, dtype=self.dtype).requires_grad_(requires_grad)
 
-    def hidden(self, point: ShapePoint, salt: str = "hidden") -> torch.Tensor:
-        """Hidden states [s, b, h]."""
-        return self.randn((point.seq_len, point.micro_batch_size, self.config.hidden_size), salt)
+    def hidden(self, point: ShapePoint, salt: str = "hidden", width: int | None = None) -> torch.Tensor:
+        """Hidden states [s, b, h]: the residual stream the layer's ops take. Under sequence parallelism
+        each tensor-parallel rank holds its slice of the sequence, [s / TP, b, h], as in training (the
+        layer gathers it where it needs the whole): the full draw, sliced, so the ranks' slices together
+        are the input a TP=1 run gets. ``width`` instead of h: a tensor laid out as they are (MLA's q and
+        kv latents)."""
+        shape = (point.seq_len, point.micro_batch_size, width or self.config.hidden_size)
+        tp = self.config.tensor_model_parallel_size
+        if not self.config.sequence_parallel or tp == 1:
+            return self.randn(shape, salt)
+        from megatron.core import parallel_state
+
+        part = point.seq_len // tp  # the shape points are multiples of TP under SP (runner.spec)
+        start = parallel_state.get_tensor_model_parallel_rank() * part
+        return self.randn(shape, salt, requires_grad=False)[start : start + part].clone().requires_grad_()
 
     def causal_mask(self, point: ShapePoint) -> torch.Tensor:
         """Boolean causal mask [1, 1, s, s], True where attention is masked out (Megatron's convention)."""
@@ -236,7 +293,10 @@ class OpContext:
         return torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
 
     def rotary(self, point: ShapePoint) -> torch.Tensor:
-        """Rotary embedding table [s, 1, 1, d] from the model's own RotaryEmbedding."""
+        """Rotary embedding table [s, 1, 1, d] from the model's own RotaryEmbedding; None for a
+        Multi-Latent Attention model, whose attention makes its own (as GPTModel passes it None)."""
+        if getattr(self.config, "multi_latent_attention", False):
+            return None
         return self.model.rotary_pos_emb(point.seq_len)
 
     def token_ids(self, point: ShapePoint) -> torch.Tensor:

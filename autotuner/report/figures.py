@@ -1,6 +1,7 @@
 """Every figure of a report, drawn and written as PNG beside the page, each with a caption that says how
 to read it. A figure that has nothing to show (the layer was not measured, one shape point only) is left
-out, and the page says why instead."""
+out, and the page says why instead; a figure of one kind of op (the MoE ``experts``) is listed only when
+the run has rows of that op."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from autotuner.report import breakdown, roofline, scaling
+from autotuner.report import breakdown, experts, roofline, scaling
 from autotuner.report.data import LAYER, LAYER_PARTS, PHASES, SUBLAYER_PARTS, Run
 from autotuner.report.style import op_colours, save
 
@@ -103,6 +104,19 @@ def _captions(runs: Sequence[Run]) -> dict[str, tuple[str, str, str]]:
             + (f" Ops without FLOPs, not drawn: {', '.join(no_flops)}." if no_flops else ""),
             "No op with FLOPs and a time was measured: nothing to place on a roofline.",
         ),
+        "experts": (
+            "Experts: time per expert against tokens per expert",
+            "One segment per experts row (left forward, right backward), at the height of the row's median "
+            "time divided by its number of local experts: the dot is the mean tokens per local expert "
+            "(the work per expert if the load were even), the bar the most tokens any local expert got "
+            "(the straggler a grouped GEMM waits for). A balanced routing is a dot alone; a long segment "
+            "is imbalance, and at the same mean a higher point is the time it costs. Colour is the routing "
+            "(moe.routing), labels the shape point; log axes, so time in proportion to tokens is a line "
+            "of slope 1. The rows' tokens_per_expert histogram and expert_imbalance (max/mean) are in "
+            "results.jsonl.",
+            "No ok experts row with a tokens_per_expert histogram (failed, skipped, or written before the "
+            "column existed): nothing to draw.",
+        ),
     }
 
 
@@ -117,16 +131,20 @@ def make_figures(runs: Sequence[Run], out_dir: Path) -> list[FigureFile]:
         "scaling_time": scaling.time_figure,
         "scaling_memory": scaling.memory_figure,
         "roofline": roofline.roofline_figure,
+        "experts": experts.experts_figure,
     }
+    # Figures of one kind of op, left off the page (not even "nothing to draw") when no row has that op.
+    listed = {"experts": experts.has_expert_rows(runs)}
     captions = _captions(runs)
     files = []
     for name, make in makers.items():
         title, drawn, absent = captions[name]
         path = out_dir / f"{name}.png"
-        figure = make(runs, colours)
+        figure = make(runs, colours) if listed.get(name, True) else None
         if figure is None:
             path.unlink(missing_ok=True)  # a stale figure from an earlier report would mislead
-            files.append(FigureFile(name, title, absent, None))
+            if listed.get(name, True):
+                files.append(FigureFile(name, title, absent, None))
             continue
         save(figure, path)
         files.append(FigureFile(name, title, drawn, path))

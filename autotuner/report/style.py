@@ -21,6 +21,7 @@ SIZES = {
     "scaling_time": (1200, 800),
     "scaling_memory": (1200, 900),
     "roofline": (1200, 700),
+    "experts": (1200, 550),
 }
 MARKERS = ("o", "s", "D", "v", "^", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")

@@ -221,6 +221,13 @@ ROW_COLUMNS: list[tuple[str, Any]] = [
     ("kernel_count", str),
     ("top_kernels", str),
     ("call_count", str),
+    ("routing", str),
+    ("tokens_per_expert_min", str),
+    ("tokens_per_expert_max", str),
+    ("expert_imbalance", _number(".2f")),
+    ("experts_impl", str),
+    ("token_dispatcher", str),
+    ("expert_parallel", str),
 ]
 
 

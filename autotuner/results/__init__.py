@@ -29,18 +29,36 @@ from autotuner.results.atomic import atomic_write_text
 
 
 def _column(
-    doc: str, unit: str | None = None, label: str | None = None, number: bool = False, optional: bool = False
+    doc: str,
+    unit: str | None = None,
+    label: str | None = None,
+    number: bool = False,
+    optional: bool = False,
+    call: bool = False,
+    counts: bool = False,
 ) -> Any:
     """A :class:`Row` field's metadata: ``doc`` its meaning, ``unit`` what its numbers count, ``label``
     its header in the tables (default: the name), ``number`` whether the tools read it as a number (and
     reject anything else in a rows file), ``optional`` whether only some launchers or set-ups write it
-    (the report shows it only when some row has a value)."""
-    meta = {"doc": doc, "unit": unit, "label": label, "number": number, "optional": optional}
+    (the report shows it only when some row has a value), ``call`` whether the op states it about its
+    own call (``OpCall.row_fields``: every launcher copies it as given), ``counts`` whether it holds a
+    list of counts (a JSON list in results.jsonl, ``;``-joined in results.csv)."""
+    meta = {
+        "doc": doc,
+        "unit": unit,
+        "label": label,
+        "number": number,
+        "optional": optional,
+        "call": call,
+        "counts": counts,
+    }
     return field(default=None, metadata=meta)
 
 
-def _number(doc: str, unit: str | None = None, label: str | None = None, optional: bool = False) -> Any:
-    return _column(doc, unit, label, number=True, optional=optional)
+def _number(
+    doc: str, unit: str | None = None, label: str | None = None, optional: bool = False, call: bool = False
+) -> Any:
+    return _column(doc, unit, label, number=True, optional=optional, call=call)
 
 
 @dataclass(frozen=True)
@@ -172,6 +190,55 @@ class Row:
         label="calls per step",
         optional=True,
     )
+    # The MoE ops' columns: what the op states about its call (OpCall.row_fields; autotuner.model.routing).
+    routing: str | None = _column(
+        "MoE ops: where the router output came from (moe.routing): learned (the model's seeded router), "
+        "uniform, balanced or zipf (forced)",
+        optional=True,
+        call=True,
+    )
+    tokens_per_expert: list[int] | None = _column(
+        "MoE ops: token assignments per local expert, in expert order (results.jsonl: a list; results.csv: "
+        "joined by ``;``)",
+        "tokens",
+        label="tokens per expert",
+        optional=True,
+        call=True,
+        counts=True,
+    )
+    tokens_per_expert_min: int | None = _number(
+        "MoE ops: the fewest tokens any local expert got",
+        "tokens",
+        "min tokens/expert",
+        optional=True,
+        call=True,
+    )
+    tokens_per_expert_max: int | None = _number(
+        "MoE ops: the most tokens any local expert got (the straggler that paces a grouped GEMM)",
+        "tokens",
+        "max tokens/expert",
+        optional=True,
+        call=True,
+    )
+    expert_imbalance: float | None = _number(
+        "MoE ops: max / mean tokens per local expert (1.0: perfectly balanced)",
+        "ratio",
+        "expert imbalance",
+        optional=True,
+        call=True,
+    )
+    experts_impl: str | None = _column(
+        "MoE ops: the experts' implementation (SequentialMLP, GroupedMLP, TEGroupedMLP)",
+        label="experts impl",
+        optional=True,
+        call=True,
+    )
+    token_dispatcher: str | None = _column(
+        "MoE ops: the token dispatcher (allgather, alltoall)", optional=True, call=True
+    )
+    expert_parallel: int | None = _number(
+        "MoE ops: the expert-parallel size", label="EP", optional=True, call=True
+    )
 
 
 @dataclass(frozen=True)
@@ -184,6 +251,8 @@ class Column:
     label: str
     number: bool
     optional: bool
+    call: bool = False
+    counts: bool = False
 
     def describe(self) -> str:
         """The meaning with the unit, as a tooltip shows it."""
@@ -198,10 +267,16 @@ SCHEMA: dict[str, Column] = {
         f.metadata["label"] or f.name.replace("_", " "),
         f.metadata["number"],
         f.metadata["optional"],
+        f.metadata["call"],
+        f.metadata["counts"],
     )
     for f in fields(Row)
 }
 COLUMNS = list(SCHEMA)
+# The columns an op may state about its own call (OpCall.row_fields), copied as given into its rows.
+CALL_COLUMNS = tuple(c.name for c in SCHEMA.values() if c.call)
+# The columns holding a list of counts: a JSON list in results.jsonl, joined by ";" in results.csv.
+COUNTS = frozenset(c.name for c in SCHEMA.values() if c.counts)
 
 
 def column(name: str) -> Column:
@@ -297,8 +372,17 @@ class ResultsWriter:
         writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         for row in self.rows:
-            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+            writer.writerow({k: _csv_value(v) for k, v in row.items()})
         atomic_write_text(self.csv, buffer.getvalue())
+
+
+def _csv_value(value: Any) -> Any:
+    """A value as results.csv holds it: empty for None, a list of counts joined by ``;``."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return ";".join(str(v) for v in value)
+    return value
 
 
 class RowsFileError(UserError, ValueError):
@@ -333,6 +417,9 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
             raise RowsFileError(f"{where}: column {column!r} is {found}; expected a string: {_FIX}")
     checked = dict(row)
     for column, value in row.items():
+        if column in COUNTS and value is not None:
+            checked[column] = _counts(value, column, where)
+            continue
         if not (column in NUMERIC or column.endswith(NUMERIC_SUFFIXES)) or value is None:
             continue
         if value == "":
@@ -343,6 +430,26 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
                 f"or null: {_FIX}"
             )
     return checked
+
+
+def _counts(value: Any, column: str, where: str) -> list[int] | None:
+    """A counts column as a list of ints: a JSON list as written, or the ``;``-joined text results.csv
+    holds (pasted back, or written by another tool); empty text is None."""
+    items: Any = value
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(";")] if value.strip() else []
+        if not items:
+            return None
+        try:
+            items = [int(part) for part in items]
+        except ValueError:
+            items = None
+    if isinstance(items, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        return list(items)
+    raise RowsFileError(
+        f"{where}: column {column!r} is {_kind(value)}, {json.dumps(value)[:40]}; expected a list of whole "
+        f"numbers (or them joined by ';'): {_FIX}"
+    )
 
 
 def read_rows(path: Path, allow_torn_tail: bool = False) -> tuple[list[dict[str, Any]], str | None]:

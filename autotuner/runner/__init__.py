@@ -18,9 +18,10 @@ import torch
 from tqdm import tqdm
 
 from autotuner.model.hf_to_megatron import MegatronModelArgs
+from autotuner.model.routing import Routing
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
-from autotuner.results import ResultsWriter
+from autotuner.results import CALL_COLUMNS, ResultsWriter
 from autotuner.runner.plan import plan, row_identity
 
 
@@ -52,6 +53,8 @@ class RunSpec:
     # x op x phase), and (op, point label) -> calls in the captured run (autotuner.capture.replay).
     plan: list[tuple[ShapePoint, OpTest, str]] | None = None
     call_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    # How the MoE ops make their router output (moe.routing, moe.zipf_s; autotuner.model.routing).
+    routing: Routing = field(default_factory=Routing)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -273,6 +276,8 @@ class Runner:
             for phase_name in phases:
                 bar.set_description(f"{name}.{phase_name} {point.label}")
                 row = self._base_row(op, point, phase_name)
+                if call is not None and call.row_fields:
+                    row.update(call.row_fields)  # what the op says of its call, in both phases' rows
                 row.update(self._measure(op, point, phase_name, call, build_error))
                 self.writer.write(row)
                 written.append(row)
@@ -288,10 +293,20 @@ class Runner:
     def _build(
         self, op: OpTest, context: OpContext, point: ShapePoint
     ) -> tuple[OpCall | None, BaseException | None]:
+        absent = op.absent_reason(self.spec.tf_config)
+        if absent is not None:  # asked for by name in a model without it (an MLA op in a dense model)
+            return None, OpNotApplicable(f"{op.name}: {absent}")
         try:
-            return op.build(context, point), None
+            call = op.build(context, point)
         except Exception as exc:  # noqa: BLE001 - recorded in the row; the plan goes on
             return None, exc
+        stray = sorted(set(call.row_fields or ()) - set(CALL_COLUMNS))
+        if stray:  # a slip in the op's code: its rows fail saying so, the plan goes on
+            return None, ValueError(
+                f"op {op.name}: row_fields {', '.join(stray)} are not columns an op may state "
+                f"(autotuner.results.CALL_COLUMNS: {', '.join(CALL_COLUMNS)})"
+            )
+        return call, None
 
     def _measure(
         self,

@@ -12,6 +12,14 @@ Active parameters are those one token's forward pass uses (the embedding and out
 convention of published figures): every parameter of a dense model. A Mixture-of-Experts layer uses its
 router's top-k experts of its routed ones: :func:`active_parameters` counts that where it finds such a
 layer (:func:`_routed_experts` says which modules those are).
+
+A Mixture-of-Experts layer's work depends on data: its dispatcher counts the tokens each expert got on
+the host (``tokens_per_expert.cpu()``) and selects them (``masked_select``), which meta tensors cannot do.
+The preview therefore routes with a forced map made on the host (autotuner.ops_test.moe_ops.force_routing):
+the run's ``moe.routing`` where it forces one, ``balanced`` in place of ``learned`` (whose choice depends on
+the weights' values), and says so. Inside the MoE ops, :class:`_HostCounts` lets meta tensors be selected
+and indexed by those host tensors: the experts then run on the number of tokens the map gives them, so
+their FLOPs are those of that routing.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotuner.model.routing import Routing
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.results.units import human_bytes, human_si
 from autotuner.runner import Phase, RunSpec
@@ -60,6 +71,7 @@ class Preview:
     peak_tensor_bytes: int  # the largest phase's tensors other than weights (see preview)
     parts: str  # the model parts the run builds, in words
     costs: list[PhaseCost]
+    routing: str | None = None  # how the MoE ops were routed, in words; None: no MoE layer built
 
     @property
     def expected_memory(self) -> int:
@@ -116,7 +128,8 @@ class MetaContext(OpContext):
     def rotary(self, point: ShapePoint) -> torch.Tensor:
         # Megatron makes the rotary table's frequencies on the host whatever the default device: a small
         # table ([s, 1, 1, d]), moved to meta like the rest.
-        return super().rotary(point).to(META)
+        table = super().rotary(point)
+        return None if table is None else table.to(META)  # None: MLA makes its own inside the attention
 
 
 class _MetaPhase(Phase):
@@ -126,6 +139,36 @@ class _MetaPhase(Phase):
         if self._grads is None:
             self._grads = [torch.empty_like(t, device=META) for t in outputs]
         return self._grads
+
+
+class _HostCounts(TorchDispatchMode):
+    """Meta tensors operated on with host tensors whose values decide shapes (a forced routing map, the
+    indices permuted by it): ``masked_select`` of a meta tensor by a host mask gives a meta tensor of as
+    many elements as the mask selects; in any other operation with a meta tensor, a host tensor (not a
+    0-d scalar, which torch already mixes) is taken to the meta device, as its shape is all that counts
+    there. Operations on host tensors alone run as they are (the dispatcher counts its tokens there)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat, layout = tree_flatten((args, kwargs or {}))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if not any(t.device.type == "meta" for t in tensors):
+            return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.masked_select.default:
+            source, mask = args
+            if mask.device.type != "meta":
+                shape = torch.broadcast_shapes(source.shape, mask.shape)
+                return source.new_empty((int(mask.expand(shape).sum()),))
+        flat = [
+            t.to(META) if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() else t
+            for t in flat
+        ]
+        args, kwargs = tree_unflatten(flat, layout)
+        return func(*args, **kwargs)
+
+
+def preview_routing(routing: Routing) -> Routing:
+    """The routing the preview costs the MoE ops with: the run's where forced, else ``balanced``."""
+    return routing if routing.forced else Routing("balanced", routing.zipf_s)
 
 
 @contextlib.contextmanager
@@ -160,7 +203,16 @@ def build_meta_model(spec: RunSpec, parts: Any) -> Any:
 
     config = dataclasses.replace(spec.tf_config, use_cpu_initialization=True, perform_initialization=False)
     with torch.device(META):
-        return build_model(spec.model_args, config, parts, META, use_transformer_engine=False)
+        model = build_model(spec.model_args, config, parts, META, use_transformer_engine=False)
+    # Multi-Latent Attention makes its own rotary table from frequencies its embedding keeps on the host
+    # (plain attributes, which no default device or .to() moves): on meta, as the activations they meet.
+    for module in model.modules():
+        if any(cls.__name__ == "MultiLatentAttention" for cls in type(module).__mro__):
+            rotary = module.rotary_pos_emb
+            for name, value in list(vars(rotary).items()):
+                if isinstance(value, torch.Tensor) and name.startswith("inv_freq"):
+                    setattr(rotary, name, value.to(META))
+    return model
 
 
 def model_parameters(spec: RunSpec) -> tuple[int, int]:
@@ -209,24 +261,36 @@ def preview(spec: RunSpec) -> Preview:
     gradients when a backward is planned, and the largest planned phase's other tensors (its bytes moved
     less its weights and weight gradients: inputs, outputs and their gradients). Activations an op saves
     inside itself and allocator overhead are not in it, so it is a lower bound of the run's peak."""
+    from autotuner.model.build import moe_layer_pattern
     from autotuner.op_mapping import model_parts, needs_model
+    from autotuner.ops_test.base import is_moe_layer
+    from autotuner.ops_test.moe_ops import force_routing
 
     args = spec.model_args
     total, active = model_parameters(spec)
     with _meta_session():
-        parts = model_parts(spec.ops, spec.block_layers, args.tie_word_embeddings)
+        parts = model_parts(
+            spec.ops, spec.block_layers, args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
+        )
         model = build_meta_model(spec, parts) if needs_model(spec.ops) else None
-        context = MetaContext(model, META, spec.tf_config.params_dtype, spec.seed, config=spec.tf_config)
+        routing = preview_routing(spec.routing)
+        moe = model is not None and any(is_moe_layer(layer) for layer in model.decoder.layers)
+        if moe:  # every MoE layer, so the layers and the block that call one route on the host too
+            force_routing(model, routing, spec.seed)
+        context = MetaContext(
+            model, META, spec.tf_config.params_dtype, spec.seed, config=spec.tf_config, routing=routing
+        )
         costs: list[PhaseCost] = []
         calls: dict[tuple[ShapePoint, str], OpCall | Exception] = {}
-        for point, op, phase in plan(spec):
-            key = (point, op.name)
-            if key not in calls:
-                try:
-                    calls[key] = op.build(context, point)
-                except Exception as exc:  # noqa: BLE001 - as a run records it: this op's rows say why
-                    calls[key] = exc
-            costs.append(_phase_cost(op, point, phase, calls[key]))
+        with _HostCounts():
+            for point, op, phase in plan(spec):
+                key = (point, op.name)
+                if key not in calls:
+                    try:
+                        calls[key] = op.build(context, point)
+                    except Exception as exc:  # noqa: BLE001 - as a run records it: this op's rows say why
+                        calls[key] = exc
+                costs.append(_phase_cost(op, point, phase, calls[key]))
     parts_bytes = sum(p.numel() * p.element_size() for p in _unique_parameters(model))
     backward = any(c.phase == "backward" for c in costs)
     peak = max(
@@ -247,6 +311,17 @@ def preview(spec: RunSpec) -> Preview:
         peak_tensor_bytes=max(peak, 0),
         parts=_describe_parts(parts) if model is not None else "none: no op of the model",
         costs=costs,
+        routing=_describe_routing(spec.routing, routing) if moe else None,
+    )
+
+
+def _describe_routing(asked: Routing, used: Routing) -> str:
+    mode = f"zipf (s={used.zipf_s})" if used.mode == "zipf" else used.mode
+    if asked == used:
+        return f"MoE ops routed as moe.routing={mode} asks"
+    return (
+        f"MoE ops routed {mode}: moe.routing={asked.mode} depends on the router's weights, which a dry "
+        "run does not have (the measured rows record the learned routing)"
     )
 
 
@@ -284,6 +359,7 @@ def render(result: Preview) -> str:
     lines = [
         f"dry run of case={result.case} ({result.dtype}): nothing built on a device, nothing measured",
         f"parameters: total {result.total_parameters}, active {result.active_parameters}",
+        *([result.routing] if result.routing else []),
         "",
         table,
         "",

@@ -20,7 +20,15 @@ from autotuner.errors import UserError
 from autotuner.measure.timer import PRECISION_RULES
 from autotuner.model import cases
 from autotuner.model.hf_to_megatron import map_hf_config
-from autotuner.model.runtime import DTYPES, process_rank, resolve_device, resolve_dtype
+from autotuner.model.routing import Routing
+from autotuner.model.runtime import (
+    DTYPES,
+    check_expert_parallel,
+    gloo_has_sequence_parallel_collectives,
+    process_rank,
+    resolve_device,
+    resolve_dtype,
+)
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
 from autotuner.runner.shapes import generate_points, merge
@@ -87,9 +95,11 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             f"timing.precision_rule={timing.precision_rule!r}, target_rel_iqr={timing.target_rel_iqr}: "
             f"use one of {', '.join(PRECISION_RULES)} and a target_rel_iqr >= 0"
         )
+    routing = Routing(cfg.moe.routing, cfg.moe.zipf_s)  # UserError for a bad moe.routing or moe.zipf_s
     op_names = list(cfg.ops)
     # ops=[captured] (with capture=): the capture's own calls, no op of ours (autotuner.capture.replay)
-    ops = resolve_ops(["all"] if cfg.capture and op_names == ["captured"] else op_names)
+    op_names = ["all"] if cfg.capture and op_names == ["captured"] else op_names
+    ops = resolve_ops(op_names)  # unknown names fail here, before any model work
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if timing.cuda_graph and device.type != "cuda":
@@ -102,18 +112,16 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     quiet_megatron_import()
     model_lib.check_tf_overrides(tf_overrides)
     tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
-    if device.type == "cpu" and tf_overrides.get("sequence_parallel"):
-        raise UserError(
-            "sequence_parallel needs reduce-scatter and all-gather collectives that gloo lacks on CPU: "
-            "drop tf.sequence_parallel or run on GPUs"
-        )
+    tf_overrides = _parallel_overrides(args, tf_overrides, device, tp)
     tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
+    ops = resolve_ops(op_names, tf_config)  # "all" now means the ops this model has
     rank, world = process_rank()  # once per run: below, the spec carries them
     if tp < 1 or world % tp:
         raise UserError(
             f"tensor_model_parallel_size={tp} needs a multiple of {tp} processes, this job has {world}: "
             f"launch with torchrun --nproc-per-node={tp}"
         )
+    check_expert_parallel(world, tf_config.expert_model_parallel_size, tf_config.expert_tensor_parallel_size)
     shapes = merge(case.shapes, OmegaConf.to_container(cfg.shapes, resolve=True))
     points = generate_points(shapes, sequence_multiple=tp if tf_config.sequence_parallel else 1)
     too_long = sorted({p.seq_len for p in points if p.seq_len > args.max_sequence_length})
@@ -138,8 +146,55 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         notes=list(args.notes),
         rank=rank,
         world=world,
+        routing=routing,
     )
     return _fed(spec, cfg)
+
+
+def _parallel_overrides(
+    args: Any, tf_overrides: dict[str, Any], device: torch.device, tp: int
+) -> dict[str, Any]:
+    """Check the sequence- and expert-parallel settings against the model and the device, and settle the
+    expert tensor-parallel size; the ``tf.`` overrides to build with (a copy where changed).
+
+    * Sequence parallelism on a CPU needs gloo's reduce-scatter and all-gather into one tensor, which the
+      installed torch is probed for (autotuner.model.runtime.gloo_has_sequence_parallel_collectives).
+    * An MoE model with TP > 1 needs ``tf.sequence_parallel=true``: Megatron-Core's MoE layer refuses to
+      train without it (ValueError in its forward), as every token would reach the experts TP times. It
+      is required, not turned on, because it changes every op's inputs (sequence-sharded) and the
+      collectives linear_qkv, linear_proj and the MLP linears run: the rows then measure the settings the
+      user wrote and the run record shows.
+    * Expert parallelism needs experts, and EP dividing them (autotuner.model.build checks the latter).
+    * With EP > 1 the experts are not tensor-sharded unless ``tf.expert_tensor_parallel_size`` says so
+      (ETP 1, where Megatron's default is the TP size): EP then spreads the experts over the same
+      processes as TP, so TP=2 with EP=2 runs on 2 processes instead of needing EP x TP = 4.
+    """
+    experts = tf_overrides.get("num_moe_experts", args.transformer.get("num_moe_experts"))
+    ep = tf_overrides.get("expert_model_parallel_size", 1)
+    sequence_parallel = bool(tf_overrides.get("sequence_parallel"))
+    if not isinstance(ep, int) or ep < 1:
+        raise UserError(
+            f"expert_model_parallel_size={ep!r} must be a whole number of at least 1: "
+            "set tf.expert_model_parallel_size=1 or a divisor of the number of experts"
+        )
+    if device.type == "cpu" and sequence_parallel and not gloo_has_sequence_parallel_collectives():
+        raise UserError(
+            f"sequence_parallel needs reduce-scatter and all-gather collectives that gloo lacks in torch "
+            f"{torch.__version__}: upgrade torch, drop tf.sequence_parallel or run on GPUs"
+        )
+    if experts and tp > 1 and not sequence_parallel:
+        raise UserError(
+            f"an MoE model with tensor_model_parallel_size={tp} needs sequence parallelism (Megatron-Core's "
+            "MoE layer refuses TP without it in training): add tf.sequence_parallel=true"
+        )
+    if ep != 1 and not experts:
+        raise UserError(
+            f"expert_model_parallel_size={ep} but this model has no experts: "
+            "drop tf.expert_model_parallel_size or choose an MoE case"
+        )
+    if ep > 1 and tf_overrides.get("expert_tensor_parallel_size") is None:
+        return {**tf_overrides, "expert_tensor_parallel_size": 1}
+    return tf_overrides
 
 
 def usable_cpus() -> int:
@@ -152,6 +207,18 @@ def usable_cpus() -> int:
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def _context(spec: RunSpec, model: Any) -> OpContext:
+    """The op builders' context for ``spec`` (``model`` None: no model, the TransformerConfig instead)."""
+    config = spec.tf_config if model is None else None
+    if (
+        model is not None
+    ):  # a forced moe.routing holds in every op, transformer_layer's too, not only the MoE ops'
+        from autotuner.ops_test.moe_ops import force_routing
+
+        force_routing(model, spec.routing, spec.seed)
+    return OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed, config=config, routing=spec.routing)
 
 
 def _free_memory(device: torch.device) -> None:
@@ -173,12 +240,14 @@ class _PartsPerOp:
         self.failed: dict[Any, str] = {}
 
     def context_for(self, op: OpTest) -> OpContext:
-        from autotuner.model.build import ModelBuildError, build_model
+        from autotuner.model.build import ModelBuildError, build_model, moe_layer_pattern
         from autotuner.model.runtime import seed_everything
         from autotuner.op_mapping import instrument_gpt, model_parts
 
         spec = self.spec
-        parts = model_parts([op], spec.block_layers, spec.model_args.tie_word_embeddings)
+        parts = model_parts(
+            [op], spec.block_layers, spec.model_args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
+        )
         if parts == self.parts and self.context is not None:
             return self.context
         if parts in self.failed:
@@ -198,7 +267,7 @@ class _PartsPerOp:
             _free_memory(spec.device)  # after the except block, whose traceback held the partial model
             self.failed[parts] = error
             raise ModelBuildError(error)
-        self.parts, self.context = parts, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
+        self.parts, self.context = parts, _context(spec, model)
         return self.context
 
     def build_of(self, op: OpTest) -> Callable[[OpContext, ShapePoint], OpCall]:
@@ -216,7 +285,7 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     while building is a configuration the checks of :func:`resolve_spec` let through: one line, exit 2.
     """
     from autotuner.model import cpu_bridges
-    from autotuner.model.build import build_model, is_out_of_memory
+    from autotuner.model.build import build_model, is_out_of_memory, moe_layer_pattern
     from autotuner.model.runtime import init_parallel, seed_everything
     from autotuner.op_mapping import instrument_gpt, model_parts, needs_model
 
@@ -225,17 +294,24 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     if spec.session is not None:  # a plan that opens its own session (a capture's generic plan)
         return spec.session(spec)
     cpu_bridges.apply(spec.device)
-    init_parallel(spec.device, spec.tf_config.tensor_model_parallel_size)
+    tf = spec.tf_config
+    init_parallel(
+        spec.device,
+        tf.tensor_model_parallel_size,
+        tf.expert_model_parallel_size,
+        tf.expert_tensor_parallel_size,
+    )
     seed_everything(spec.seed, spec.device)
     if not needs_model(spec.ops):  # only the functional ops: nothing to build
-        context = OpContext(None, spec.device, DTYPES[spec.dtype], spec.seed, config=spec.tf_config)
-        return torch.nn.Module(), context
-    parts = model_parts(spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings)
+        return torch.nn.Module(), _context(spec, None)
+    parts = model_parts(
+        spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
+    )
     too_large = None
     try:
         model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
         instrument_gpt(model)
-        return model, OpContext(model, spec.device, DTYPES[spec.dtype], spec.seed)
+        return model, _context(spec, model)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise UserError(
@@ -253,6 +329,4 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     spec.ops = [
         op if not needs_model([op]) else dataclasses.replace(op, build=per_op.build_of(op)) for op in spec.ops
     ]
-    return torch.nn.Module(), OpContext(
-        None, spec.device, DTYPES[spec.dtype], spec.seed, config=spec.tf_config
-    )
+    return torch.nn.Module(), _context(spec, None)
