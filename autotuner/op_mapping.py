@@ -203,7 +203,7 @@ def instrument_gpt(model: Any) -> None:
         for path, tests in tree.placed(container, MODULE).items():
             module = _get(owner, path)
             test = op_for(tests, module) if module is not None else None
-            if test is not None:
+            if test is not None and test.absent_reason(model.config) is None:  # no range for a placeholder
                 instrument_module(module, test.name)
         for path, tests in tree.placed(container, FACTORY).items():
             holder_path, _, attr = path.rpartition(".")
@@ -215,5 +215,5 @@ def instrument_gpt(model: Any) -> None:
     # Functions Megatron calls by name (RoPE, the activation): each op wraps its own where it is looked up.
     for name in tree.model_order:
         test = tree.tests[name]
-        if test.kind == FUNCTION:
+        if test.kind == FUNCTION and test.absent_reason(model.config) is None:
             test.instrument(model, name)

@@ -11,12 +11,11 @@ from autotuner.ops.annotate import RecordingAnnotator, annotating, set_range_con
 from autotuner.ops.naming import parse_range
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
+from tests.conftest import dense_model_ops
 
-# The sub-ops of tiny's dense layer (Multi-Latent Attention's projections are not in its attention).
-MLA_PROJECTIONS = ("q_down_proj", "kv_down_proj", "kv_layernorm", "mla_q_proj", "q_up_proj", "kv_up_proj")
-# Nor the Mixture-of-Experts ops in its dense MLP (tests/test_moe_ops.py nests them in an MoE layer).
-MOE_OPS = ("moe_layer", "shared_experts", "router", "token_dispatch", "experts", "token_combine")
-LAYER_FORWARD_ORDER = [op for op in LAYER_SUB_OPS if op not in MLA_PROJECTIONS + MOE_OPS]
+# The sub-ops of tiny's dense layer: not the MLA ones, nor the MoE ones (tests/test_mla_ops.py and
+# tests/test_moe_ops.py nest those in their layers), nor the q norm tiny has not (no qk_layernorm).
+LAYER_FORWARD_ORDER = [op for op in LAYER_SUB_OPS if op in dense_model_ops()]
 
 
 def _ranges(events, phase):

@@ -171,12 +171,17 @@ def test_a_dense_model_skips_the_mla_ops_with_a_reason(tiny_session):
         assert name in str(caught.value) and "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("launcher", ["get_data", "torch_profiler"])
-def test_every_mla_op_has_rows_with_times_memory_and_flops(launcher, tmp_path: Path):
+@pytest.mark.parametrize(
+    "launcher", ["get_data", "torch_profiler", pytest.param("nsys", marks=pytest.mark.nsys)]
+)
+def test_every_mla_op_has_rows_with_times_memory_and_flops(launcher, tmp_path: Path, request):
     settings = {
         "get_data": ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3"],
         "torch_profiler": ["launcher.warmup=1", "launcher.active=2"],
+        "nsys": ["launcher.warmup=1", "launcher.iterations=2"],
     }[launcher]
+    if launcher == "nsys":
+        settings.append(f"launcher.nsys_bin={request.getfixturevalue('nsys_bin')}")
     argv = [*_overrides("mla"), f"launcher={launcher}", f"ops=[{','.join(ATTENTION_OPS)}]", *FAST, *settings]
     assert run([*argv, f"hydra.run.dir={tmp_path}"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]

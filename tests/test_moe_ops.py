@@ -233,6 +233,10 @@ def test_nsys_rows(nsys_bin: str, tmp_path: Path):
     assert code == 0, err
     rows = _check_rows(tmp_path, "learned")
     assert all(row["samples"] == 2 and row["stop_reason"] == "nsys" for row in rows.values())
+    # the sensors ran in the worker, outside the measured ranges: memory and FLOPs as the others have them
+    for op in ("moe_layer", "shared_experts", "router", "experts"):
+        assert rows[(op, "forward")]["flops"] > 0 and rows[(op, "backward")]["flops"] > 0, op
+        assert rows[(op, "forward")]["activation_bytes"] > 0 and rows[(op, "forward")]["tflops"] > 0, op
 
 
 # --- dry_run ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from autotuner.ops_test.base import (
 )
 from autotuner.ops_test.places import LAYERS, op_for, op_tree
 from autotuner.report import data
+from tests.conftest import dense_model_ops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,9 +175,9 @@ def test_every_place_is_in_the_built_model_and_instrumented_there(tiny_session):
     model, ctx = tiny_session
     tree = op_tree()
     for name in tree.model_order:
-        if name in MLA_OPS and name != "q_layernorm":  # not in a dense attention: tests/test_mla_ops.py
-            continue
-        if name in MOE_OPS:  # not in a dense layer: tests/test_moe_ops.py
+        # the ops tiny's model has (the MLA and MoE ones are checked in tests/test_mla_ops.py and
+        # tests/test_moe_ops.py, q_layernorm needs qk_layernorm)
+        if name not in dense_model_ops():
             continue
         test = tree.tests[name]
         owner = ctx.layer if test.container == LAYER else model
@@ -211,10 +212,9 @@ def test_each_op_runs_inside_the_range_of_its_parent(tiny_session, tiny_spec):
         else:
             stack.pop()
     tree = op_tree()
-    # (the MoE ops are not in a dense layer: tests/test_moe_ops.py checks them in an MoE one; nor MLA's
-    # projections in a dense attention: tests/test_mla_ops.py)
-    absent = ("embedding", "output_layer", *MOE_OPS, *(op for op in MLA_OPS if op != "q_layernorm"))
-    inside_block = {n for n in tree.model_order if n not in absent}
+    # tiny's ops but those around the block (tests/test_mla_ops.py and tests/test_moe_ops.py check the
+    # MLA and MoE ops in their layers)
+    inside_block = {n for n in dense_model_ops() if n not in ("embedding", "output_layer")}
     assert set(enclosing) == inside_block
     assert enclosing == {op: {tree.parents[op]} for op in inside_block}
 

@@ -214,15 +214,20 @@ def build_rows(
         elif worker.get("status") != "ok":
             row.update({k: worker.get(k) for k in ("status", "error", "num_threads")})
         else:
-            row.update({k: worker.get(k) for k in ("weight_bytes", "stop_reason", "num_threads")})
+            row.update({k: worker.get(k) for k in _WORKER_COLUMNS})
             found = outcome.report.measured.get(key, [])
             if found:
                 row.update(status="ok", **range_columns(found, outcome.report.kernels))
+                fill(row, Observed("nsys"))  # what follows from the sensors and the times (TFLOP/s)
             else:
                 row.update(status="failed", error=_no_range_reason(key, outcome))
         rows.append(row)
     return rows
 
+
+# The worker's columns of a measured row: the sensors' (autotuner.measure.metrics, run in the worker) and
+# its settings; the times come from the report.
+_WORKER_COLUMNS = ("weight_bytes", "activation_bytes", "peak_bytes", "flops", "stop_reason", "num_threads")
 
 _NO_RANGE = (
     "no measured NVTX range {op}.{phase} [{point}] in the report "

@@ -85,8 +85,11 @@ class NsysObserver:
     and two autograd nodes (tens of microseconds on a CPU), which the enclosing op's time includes.
     Without, only the observed op is marked (see :func:`autotuner.ops.annotate.annotating`).
 
-    Returns only what the report cannot hold: the number of iterations, ``stop_reason`` "nsys" and the
-    op's ``weight_bytes`` (a property of the parameters, read without running anything).
+    Returns what the report cannot hold: the number of iterations, ``stop_reason`` "nsys", and the metric
+    registry's sensor columns (autotuner.measure.metrics: weight and activation bytes, FLOPs, and on a GPU
+    the allocator's peak), each from a run of its own after the measured iterations, outside every range
+    and the capture, so the report's times hold none of it. Peak bytes on a CPU are left to get_data (they
+    take a profiler session per row, as in torch_profiler).
     """
 
     name = "nsys"
@@ -99,7 +102,9 @@ class NsysObserver:
         annotator: Annotator | None = None,
         measuring_file: Path | None = None,
         sub_op_ranges: bool = True,
+        model_parameters: list[torch.Tensor] | None = None,
     ) -> None:
+        self.model_parameters = model_parameters or []
         self.device = device
         self.warmup = warmup
         self.iterations = iterations
@@ -123,8 +128,10 @@ class NsysObserver:
                 # Popped even when the op fails, so the ranges of the next ops do not nest inside it.
                 self.annotator.pop()
                 self._capture(start=False)
-        # The registry's columns nsys can supply from the phase itself: weight_bytes.
-        return fill({"samples": self.iterations, "stop_reason": "nsys"}, Observed(self.name, phase=phase))
+        fresh = Phase(phase.name, phase.call, phase.seed)  # its own outputs and gradients
+        seen = Observed(self.name, phase=fresh, device=self.device, model_parameters=self.model_parameters)
+        leave_out = ("peak_bytes",) if self.device.type != "cuda" else ()
+        return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=leave_out)
 
     def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
         # Set before prepare(): the backward ranges are named when the forward builds the graph.
@@ -177,13 +184,14 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     cfg = _load_config(config_path)
     spec = resolve_spec(cfg)
     writer = ResultsWriter(out)  # a fresh record each run: the parent reads it to know what completed
-    _, context = open_session(spec)
+    model, context = open_session(spec)
     observer = NsysObserver(
         spec.device,
         int(cfg.launcher.warmup),
         int(cfg.launcher.iterations),
         measuring_file=out / MEASURING_FILE,
         sub_op_ranges=bool(cfg.launcher.sub_op_ranges),
+        model_parameters=list(model.parameters()),
     )
     Runner(spec, observer, writer, progress=bool(cfg.progress)).run(context)
     return 0

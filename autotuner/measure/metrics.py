@@ -180,7 +180,10 @@ def _weight_bytes(row: dict[str, Any], seen: Observed) -> int:
 
 
 @register_metric(
-    "activation_bytes", needs=("phase",), launchers=("get_data", "torch_profiler"), phases=("forward",)
+    "activation_bytes",
+    needs=("phase",),
+    launchers=("get_data", "torch_profiler", "nsys"),
+    phases=("forward",),
 )
 def _activation_bytes(row: dict[str, Any], seen: Observed) -> int:
     assert seen.phase is not None
@@ -192,14 +195,14 @@ def _activation_bytes(row: dict[str, Any], seen: Observed) -> int:
     return saved.bytes
 
 
-@register_metric("peak_bytes", needs=("phase", "device"), launchers=("get_data", "torch_profiler"))
+@register_metric("peak_bytes", needs=("phase", "device"), launchers=("get_data", "torch_profiler", "nsys"))
 def _peak_bytes(row: dict[str, Any], seen: Observed) -> int:
     assert seen.device is not None
     device = seen.device
     return seen.once(lambda run: peak_bytes(run, device))
 
 
-@register_metric("flops", needs=("phase",), launchers=("get_data", "torch_profiler"))
+@register_metric("flops", needs=("phase",), launchers=("get_data", "torch_profiler", "nsys"))
 def _flops(row: dict[str, Any], seen: Observed) -> int:
     return seen.once(count_flops)
 
