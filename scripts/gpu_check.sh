@@ -107,6 +107,18 @@ step llama7b_bf16_eager512 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] \
 step torch_profiler 75 "${RUN[@]}" case=tiny device=cuda launcher=torch_profiler \
     'ops=[transformer_layer,linear_qkv,core_attention]' "hydra.run.dir=$RUNS/torch_profiler"
 
+# MoE and MLA layers on the GPU path (issue 16): the all-to-all dispatcher, grouped-GEMM experts where
+# Transformer-Engine imports (the rows' token_dispatcher and experts_impl say which ran), and MLA's
+# attention ops, one layer each at real sizes.
+step moe_mixtral_bf16 120 "${RUN[@]}" case=mixtral_8x7b device=cuda dtype=bf16 shapes.seq_len=[2048] \
+    shapes.micro_batch_size=[1] moe.routing=balanced \
+    'ops=[transformer_layer,moe_layer,router,token_dispatch,experts,token_combine]' \
+    "hydra.run.dir=$RUNS/moe_mixtral_bf16"
+step mla_deepseek_bf16 120 "${RUN[@]}" case=deepseek_v2_lite device=cuda dtype=bf16 shapes.seq_len=[2048] \
+    shapes.micro_batch_size=[1] \
+    'ops=[self_attention,mla_q_proj,kv_down_proj,kv_layernorm,kv_up_proj,rope,core_attention,linear_proj,moe_layer,shared_experts,experts]' \
+    "hydra.run.dir=$RUNS/mla_deepseek_bf16"
+
 # Which nsys: the bundle's when NSYS_BUNDLE names one, else the launcher's own lookup (no nsys_bin given).
 # Nsight Compute's bundled nsys is not tried: it writes a .qdstrm but no report (docs/gpu_checks.md).
 NSYS_ARGS=()
