@@ -8,6 +8,12 @@ as the get_data launcher:
   reads and writes the buffer, 2 x its bytes), the memory ceiling;
 * on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory.
 
+``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
+between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
+bus bandwidth of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at a few sizes,
+the largest big enough to reach the plateau, and merges them into the calibration file (the ceilings
+already there are kept; without a file, rank 0 measures them first). See :func:`calibrate_collectives`.
+
 The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops), at sizes that reach the
 peak. The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
 ``calibration`` config key, or that default file) to add each op's bound and the fraction of its ceiling
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +36,26 @@ import torch
 
 from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes
-from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
-from autotuner.model.runtime import DTYPES, device_name, environment, resolve_device
+from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
+from autotuner.model.runtime import (
+    DTYPES,
+    device_name,
+    environment,
+    gloo_has_sequence_parallel_collectives,
+    resolve_device,
+)
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.results.atomic import atomic_write_text
-from autotuner.results.calibration import default_path
+from autotuner.results.calibration import (
+    COLLECTIVES,
+    LINK_KEYS,
+    bus_factor,
+    default_path,
+    link_key,
+    load,
+    merge_links,
+)
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
@@ -44,6 +66,13 @@ MATMUL_SIZE = {
 
 # Host transfer sizes tried for the pageable ceilings (the best rate is kept).
 TRANSFER_SIZES = (16 * 2**20, 64 * 2**20, 256 * 2**20)
+
+# Collective sizes (bytes of the full buffer: the all-reduced tensor, the gathered output, the scattered
+# input). NCCL over NVLink reaches its bus-bandwidth plateau from about 64-256 MiB (nccl-tests' curves);
+# gloo over loopback from some tens of MiB. The smallest size shows the latency a small collective pays.
+COLLECTIVE_SIZES = {"cuda": (2**20, 2**24, 2**28, 2**30), "cpu": (2**16, 2**20, 2**24, 2**26)}
+# The largest two sizes' bus bandwidths within this fraction of each other: the plateau was reached.
+PLATEAU_FRACTION = 0.15
 
 
 def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> float:
@@ -78,15 +107,147 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     return result
 
 
+def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -> tuple[Any, int]:
+    """The timed call of one collective of about ``nbytes`` (the full buffer, fp32, whole shards) and the
+    buffer's exact bytes. The tensors are allocated once, outside the timed calls."""
+    dist = torch.distributed
+    elements = max(world, nbytes // 4 // world * world)
+    full = torch.ones(elements, dtype=torch.float32, device=device)
+    shard = torch.ones(elements // world, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(full)), elements * 4
+    # torch 2.13 renamed the one-tensor collectives (``*_single``); older torch has only the old names.
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return (lambda: gather(full, shard)), elements * 4
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return (lambda: scatter(shard, full)), elements * 4
+
+
+def calibrate_collectives(
+    device: torch.device, policy: SamplingPolicy | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """Measure the bus bandwidth of each collective between the processes of the default group (every
+    rank must call this, with the same policy); returns (the calibration's link entries, notes).
+
+    Each (collective, size) is sampled with the project's sampler (autotuner.measure.timer): every sample
+    starts after a barrier, so no rank's time includes waiting for a late peer, and the sampler's
+    decisions (calls per sample, when to stop) are taken by all ranks together (RankAgreement), so every
+    rank calls the collective equally often and none is left waiting in it. The time of a size is the
+    slowest rank's median (a collective ends when its last rank does). Bus bandwidth is
+    ``bus_factor * bytes / time``; the file's ``<collective>_bandwidth`` is the largest size's (the
+    plateau, what large messages get: a middle size can be faster on a CPU, whose caches hold it), and
+    ``collective_points`` keeps every size's time (autotuner.predict.links interpolates between them).
+    """
+    dist = torch.distributed
+    world, backend = dist.get_world_size(), str(dist.get_backend())
+    policy = policy or SamplingPolicy(warmup=3, min_samples=5, budget_s=1.0, target_rel_ci=0.05)
+    agreement = RankAgreement(device)
+    timer = DeviceTimer(device, barrier=True)
+    kinds = list(COLLECTIVES)
+    notes = []
+    if backend == "gloo" and not gloo_has_sequence_parallel_collectives():
+        kinds = ["all_reduce"]
+        notes.append(f"gloo in torch {torch.__version__} lacks all_gather_into_tensor/reduce_scatter_tensor")
+    link = link_key(backend, world)
+    result: dict[str, Any] = {"collective_points": {}}
+    for kind in kinds:
+        sizes, seconds = [], []
+        for nbytes in COLLECTIVE_SIZES[device.type]:
+            run, exact = _collective_call(kind, nbytes, world, device)
+            measured = sample(timer, run, policy, agreement=agreement)
+            sizes.append(exact)
+            seconds.append(agreement.max(measured.median_ns * 1e-9)[0])
+        bus = [bus_factor(kind, world) * n / t for n, t in zip(sizes, seconds, strict=True)]
+        result[LINK_KEYS[kind]] = {link: bus[-1]}
+        result["collective_points"][kind] = {link: {"bytes": sizes, "seconds": seconds}}
+        if bus[-1] < (1 - PLATEAU_FRACTION) * max(bus) or bus[-2] < (1 - PLATEAU_FRACTION) * bus[-1]:
+            notes.append(
+                f"{kind}: bus bandwidth still changes at the largest sizes "
+                f"({', '.join(f'{b / 1e9:.2f}' for b in bus)} GB/s): the plateau may lie beyond {sizes[-1]} B"
+            )
+    return result, notes
+
+
+def _init_links(device: torch.device) -> None:
+    """Start the default process group from torchrun's environment: NCCL between GPUs (one per process,
+    by LOCAL_RANK), gloo between CPU processes."""
+    # A rank that never arrives fails the others after this long (as autotuner.model.runtime does).
+    timeout_s = float(os.environ.get("AUTOTUNER_DIST_TIMEOUT_S", 600))
+    torch.distributed.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
+    """``--collectives``: every rank measures; rank 0 merges into ``out`` (measuring the ceilings first
+    when there is no file yet) and prints the bus bandwidths."""
+    if int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        raise UserError(
+            "--collectives measures the links between processes: launch it with "
+            "torchrun --nproc-per-node=N -m autotuner.calibrate --collectives (N >= 2)"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank = int(os.environ.get("RANK", 0))
+    # Rank 0 reads the file before anyone measures: a bad file fails every rank now, not after.
+    existing: dict[str, Any] | None = None
+    readable = True
+    if rank == 0 and out.exists():
+        try:
+            existing = load(out)
+        except UserError as exc:
+            print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
+            readable = False
+    if rank == 0 and readable and existing is None:
+        # Before the process group exists: the sampler's RankAgreement would otherwise wait for the
+        # other ranks to join each of rank 0's samples (they wait in the group's start meanwhile).
+        print(f"no calibration at {out}: measuring the compute and memory ceilings first")
+        existing = calibrate(device)
+    dist = torch.distributed
+    _init_links(device)
+    try:
+        if not RankAgreement(device).all(readable):
+            return 2
+        policy = SamplingPolicy(warmup=3, min_samples=5, budget_s=budget_s, target_rel_ci=0.05)
+        links, notes = calibrate_collectives(device, policy)
+        if rank == 0 and existing is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out, json.dumps(merge_links(existing, links), indent=2) + "\n")
+            for kind in COLLECTIVES:
+                for link, bandwidth in links.get(LINK_KEYS[kind], {}).items():
+                    print(f"{kind:15} {link:8} {bandwidth / 1e9:10.3f} GB/s bus bandwidth")
+            for note in notes:
+                print(f"note: {note}")
+            print(f"written to {out}")
+        dist.barrier()  # the others leave once the file is written
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     parser.add_argument("--out", help="where to write the JSON (default runs/calibration/<device>.json)")
+    parser.add_argument(
+        "--collectives",
+        action="store_true",
+        help="under torchrun: measure the links' collectives and merge them into the file",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=1.0, help="sampling time per collective and size (default 1.0)"
+    )
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
+        if not args.budget_s > 0:
+            raise UserError(f"--budget-s {args.budget_s} must be above 0: give e.g. --budget-s 1")
+        if args.collectives:
+            out = Path(args.out) if args.out else default_path(device.type, device_name(device))
+            return _main_collectives(device, out, args.budget_s)
     except UserError as exc:
         print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
         return 2

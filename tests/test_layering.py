@@ -28,15 +28,20 @@ ENTRY_POINTS = {
     "autotuner.capture.__main__",
     "autotuner.nsys_read",
     "autotuner.launcher_agreement",
+    "autotuner.predict.__main__",
+    "autotuner.tune",
 }
 RESULTS_SIDE = ("autotuner.results", "autotuner.report")
 # The parts, top to bottom (a module is in the first part one of whose prefixes it is under): a part may
 # import its own modules and those of the parts after it. The structured config knows the launchers' and
 # the sampler's settings, so it sits beside the launchers. The results side is used by the parts above
 # the ops and may import only the base, and the op tree (ops_test.places: names and places, no torch),
-# which tells the report which ops make up a layer.
+# which tells the report which ops make up a layer. The predictor reads results rows and calibrations,
+# counts parameters from the model config and may run real steps (launchers and below): it sits just
+# under the entry points.
 PARTS = (
     ("entry", tuple(sorted(ENTRY_POINTS))),
+    ("predict", ("autotuner.predict",)),
     ("launchers", ("autotuner.launchers", "autotuner.config")),
     ("capture", ("autotuner.capture",)),
     ("runner", ("autotuner.runner", "autotuner.measure")),
@@ -44,7 +49,7 @@ PARTS = (
     ("model", ("autotuner.model",)),
     ("base", ("autotuner.errors", "autotuner")),
 )
-RESULTS_USERS = ("entry", "launchers", "capture", "runner")
+RESULTS_USERS = ("entry", "predict", "launchers", "capture", "runner")
 RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places")
 MODEL_STACK = ("megatron", "torch.nn")
 

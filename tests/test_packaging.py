@@ -34,6 +34,8 @@ COMMANDS = {
     "autotuner-capture": "autotuner.capture",
     "autotuner-nsys-read": "autotuner.nsys_read",
     "autotuner-launcher-agreement": "autotuner.launcher_agreement",
+    "autotuner-predict": "autotuner.predict",
+    "autotuner-tune": "autotuner.tune",
 }
 TINY = ["shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", "progress=false"]
 # What a checkout holds besides its source (git-ignored installs, outputs, build folders): left out of

@@ -41,6 +41,25 @@ tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
    fused and Transformer-Engine norms do.
 7. ``get_default_causal_mask`` builds its mask on "cuda" when the attention mask is None: not bridged,
    because our op inputs always pass an explicit boolean causal mask (True = masked).
+10. The pipeline schedules (``pipeline_parallel.schedules``: ``forward_backward_no_pipelining``,
+    ``forward_backward_pipelining_without_interleaving`` and ``..._with_interleaving``) count the step's
+    tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``. For the duration of a schedule call
+    the name ``torch`` in that module is a stand-in whose ``zeros`` puts a "cuda" tensor on the run's
+    device (everything else is torch's own), so only the schedules' own allocations move; the model
+    code they call, in other modules, sees the real torch. (autotuner.predict.steps runs these
+    schedules for its measured training steps.)
+11. The pipeline's point-to-point exchange (``P2PCommunicator._communicate`` and
+    ``_communicate_shapes``) allocates its receive buffers on ``torch.cuda.current_device()`` and calls
+    ``torch.cuda.synchronize()`` after a batched ``batch_isend_irecv``: for the call, the current device
+    is the run's (as in 2.) and synchronize does nothing, since a CPU run has no stream to wait for
+    (the gloo requests are already waited for by then).
+12. Activation recompute (``tensor_parallel.random``'s ``CheckpointFunction`` and
+    ``CheckpointWithoutOutput``, used by ``recompute_granularity`` full and selective) saves the RNG
+    states before the forward and restores them for its re-run, through ``_get_all_rng_states`` and
+    ``_set_all_rng_states``, which read and write the CUDA generator's state (an AssertionError in a
+    CPU-only torch). For a CPU run the bridge saves and restores the CPU generator and the tracker's
+    states, the ones a CPU forward draws from, and leaves the CUDA generator out; a CUDA run takes
+    Megatron's own functions.
 """
 
 from __future__ import annotations
@@ -136,6 +155,84 @@ def _norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
     return bridged
 
 
+@contextlib.contextmanager
+def _synchronize_is_noop(device: torch.device) -> Iterator[None]:
+    if device.type == "cuda":  # a real stream to wait for
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+def _p2p_on_run_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def bridged(*args: Any, **kwargs: Any) -> Any:
+        with _current_device_is(_RUN_DEVICE), _synchronize_is_noop(_RUN_DEVICE):
+            return original(*args, **kwargs)
+
+    bridged.__autotuner_cpu_bridge__ = True  # type: ignore[attr-defined]
+    return bridged
+
+
+class _TorchWithCudaZerosOnRunDevice:
+    """The ``torch`` module as a schedule sees it during a call (bridge 10): ``zeros(..., device="cuda")``
+    lands on the run's device; every other name is torch's own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def zeros(self, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = self._device
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _schedule_on_run_device(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def bridged(*args: Any, **kwargs: Any) -> Any:
+        if _RUN_DEVICE.type == "cuda":
+            return original(*args, **kwargs)
+        module.torch = _TorchWithCudaZerosOnRunDevice(_RUN_DEVICE)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            module.torch = torch
+
+    bridged.__autotuner_cpu_bridge__ = True  # type: ignore[attr-defined]
+    return bridged
+
+
+def _rng_states_without_cuda(random: Any, get_all: Callable[..., Any], set_all: Callable[..., Any]) -> None:
+    """Bridge 12: ``random._get_all_rng_states``/``_set_all_rng_states`` without the CUDA generator for a
+    CPU run (None stands in its place in the saved triple)."""
+
+    @functools.wraps(get_all)
+    def get_states() -> tuple[Any, Any, Any]:
+        if _RUN_DEVICE.type == "cuda":
+            return get_all()
+        return torch.get_rng_state(), None, random.get_cuda_rng_tracker().get_states()
+
+    @functools.wraps(set_all)
+    def set_states(cpu_state: Any, cuda_state: Any, tracker_states: Any) -> None:
+        if cuda_state is not None:
+            set_all(cpu_state, cuda_state, tracker_states)
+            return
+        torch.set_rng_state(cpu_state)
+        random.get_cuda_rng_tracker().set_states(tracker_states)
+
+    for bridged in (get_states, set_states):
+        bridged.__autotuner_cpu_bridge__ = True  # type: ignore[attr-defined]
+    random._get_all_rng_states = get_states
+    random._set_all_rng_states = set_states
+
+
 def apply(device: torch.device) -> None:
     """Install the bridges (once) and aim them at ``device``; a CPU run also gets the no-op RNG tracker."""
     global _INSTALLED, _RUN_DEVICE
@@ -168,6 +265,21 @@ def apply(device: torch.device) -> None:
 
         if not isinstance(multi_latent_attention.TELinear, type):
             multi_latent_attention.HAVE_TE = False
+        from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+        # get_forward_backward_func returns these by their module names, so it hands out the bridged ones
+        for name in (
+            "forward_backward_no_pipelining",
+            "forward_backward_pipelining_without_interleaving",
+            "forward_backward_pipelining_with_interleaving",
+        ):
+            setattr(schedules, name, _schedule_on_run_device(schedules, getattr(schedules, name)))
+        communicator = p2p_communication.P2PCommunicator
+        communicator._communicate = _p2p_on_run_device(communicator._communicate)
+        communicator._communicate_shapes = _p2p_on_run_device(communicator._communicate_shapes)
+        _rng_states_without_cuda(
+            mcore_random, mcore_random._get_all_rng_states, mcore_random._set_all_rng_states
+        )
         _INSTALLED = True
     if device.type == "cpu":
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

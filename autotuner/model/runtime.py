@@ -72,6 +72,7 @@ def init_parallel(
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
     expert_tensor_parallel: int | None = None,
+    pipeline_parallel: int = 1,
 ) -> tuple[int, int]:
     """Start torch.distributed (from torchrun's environment, or a one-process group) and Megatron's
     parallel state. Returns (rank, world_size). Idempotent.
@@ -80,7 +81,8 @@ def init_parallel(
     of ``expert_tensor_parallel`` (ETP, default: the TP size, as in Megatron) times ``expert_parallel``
     (EP) ranks over the same processes: each of TP and ETP x EP must divide the world (Megatron makes the
     rest data-parallel). autotuner.runner.spec.resolve_spec settles ETP and checks these before anything
-    starts; the check here covers callers without a spec."""
+    starts; the check here covers callers without a spec. ``pipeline_parallel`` stages (PP) are for
+    autotuner.predict.steps, which runs Megatron's pipeline schedule: TP x PP must divide the world."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -100,15 +102,17 @@ def init_parallel(
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
             )
     world = dist.get_world_size()
-    if world % tensor_parallel:
+    if world % (tensor_parallel * pipeline_parallel):
         raise UserError(
-            f"tensor_model_parallel_size={tensor_parallel} does not divide the {world} processes: "
-            "launch as many processes as the TP size (torchrun --nproc-per-node=N)"
+            f"tensor_model_parallel_size={tensor_parallel} x pipeline_model_parallel_size={pipeline_parallel}"
+            f" does not divide the {world} processes: launch as many processes as TP x PP "
+            "(torchrun --nproc-per-node=N)"
         )
     check_expert_parallel(world, expert_parallel, expert_tensor_parallel or tensor_parallel)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
             expert_model_parallel_size=expert_parallel,
             expert_tensor_parallel_size=expert_tensor_parallel,
         )

@@ -7,7 +7,17 @@ other accepts too. The file is plain JSON::
 
     {"peak_flops": {"fp32": <FLOP/s>, "bf16": ..., ...},   the matrix-product ceiling per dtype
      "memory_bandwidth": <bytes/s>,                          the copy ceiling
-     "h2d_pinned": <bytes/s>, ...}                           on a GPU, the host-transfer ceilings
+     "h2d_pinned": <bytes/s>, ...,                           on a GPU, the host-transfer ceilings
+     "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
+     "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
+     "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
+     "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...}}
+                                                             the timed sizes behind them
+
+The link entries are optional (a file written before them, or on one process, is still a calibration);
+where present they are checked like the ceilings. Bus bandwidth is nccl-tests' figure: the data a rank
+sends over its link per second, whatever the world size, so it is comparable across sizes of group
+(autotuner.predict.links turns it back into a collective's time).
 
 Importing this module imports neither torch nor a model (the report reads calibrations without them).
 """
@@ -27,6 +37,11 @@ DEFAULT_DIR = Path("runs") / "calibration"
 # Host-transfer ceilings a calibration of a GPU holds (an op names the one it is judged against).
 TRANSFER_CEILINGS = ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned")
 _FIX = "run python -m autotuner.calibrate to write one"
+# The collectives a calibration may hold the links' bus bandwidth of, and their keys in the file.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
+_LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
+_LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
 
 
 def default_path(device_type: str, device_name: str) -> Path:
@@ -63,7 +78,69 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"calibration file {path} needs {', '.join(wrong)} as a positive number of bytes/s: {_FIX}"
         )
+    for key in LINK_KEYS.values():
+        links = data.get(key, {})
+        if not isinstance(links, dict) or not all(_LINK.match(k) and _rate(v) for k, v in links.items()):
+            raise UserError(
+                f'calibration file {path} has a bad {key}: it needs {{"<backend>:<world>": bytes/s, ...}} '
+                f'with positive numbers (e.g. {{"nccl:8": 3.6e11}}): {_LINK_FIX}'
+            )
+    if not _points_ok(data.get("collective_points", {})):
+        raise UserError(
+            f'calibration file {path} has a bad collective_points: it needs {{"all_reduce": {{"<backend>:'
+            f'<world>": {{"bytes": [...], "seconds": [...]}}}}, ...}}, lists of positive numbers of the same '
+            f"length: {_LINK_FIX}"
+        )
     return data
+
+
+def _points_ok(points: Any) -> bool:
+    """Whether ``collective_points`` is ``{collective: {link: {"bytes": [...], "seconds": [...]}}}``."""
+    if not isinstance(points, dict):
+        return False
+    for kind, by_link in points.items():
+        if kind not in COLLECTIVES or not isinstance(by_link, dict):
+            return False
+        for link, timed in by_link.items():
+            if not _LINK.match(link) or not isinstance(timed, dict):
+                return False
+            sizes, seconds = timed.get("bytes"), timed.get("seconds")
+            if not isinstance(sizes, list) or not isinstance(seconds, list) or len(sizes) != len(seconds):
+                return False
+            if not sizes or not all(_rate(v) for v in (*sizes, *seconds)):
+                return False
+    return True
+
+
+def bus_factor(kind: str, world: int) -> float:
+    """Bytes each rank sends over its link per byte of the collective's full buffer (the all-reduced
+    tensor, the gathered output, the scattered input) in a ring of ``world`` ranks, nccl-tests'
+    ``busbw = algbw * factor``: an all-reduce is a reduce-scatter then an all-gather, 2(n-1)/n; an
+    all-gather or a reduce-scatter passes n-1 of the n shards, (n-1)/n."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}: one of {', '.join(COLLECTIVES)}")
+    return (2 if kind == "all_reduce" else 1) * (world - 1) / world
+
+
+def link_key(backend: str, world: int) -> str:
+    """The key of a link measurement in a calibration file: ``"<backend>:<world size>"``."""
+    return f"{backend}:{world}"
+
+
+def merge_links(calibration: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
+    """``calibration`` with the link entries of ``measured`` (what ``calibrate --collectives`` returns:
+    the ``*_bandwidth`` and ``collective_points`` keys) added: a key measured again replaces its old
+    value, every other entry (the compute and memory ceilings, other worlds and backends) is kept."""
+    merged = dict(calibration)
+    for key in LINK_KEYS.values():
+        if key in measured:
+            merged[key] = {**merged.get(key, {}), **measured[key]}
+    points = dict(merged.get("collective_points", {}))
+    for kind, by_link in measured.get("collective_points", {}).items():
+        points[kind] = {**points.get(kind, {}), **by_link}
+    if points:
+        merged["collective_points"] = points
+    return merged
 
 
 def ceilings(calibration: Mapping[str, Any] | None, dtype: str | None) -> tuple[float | None, float | None]:

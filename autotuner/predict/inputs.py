@@ -1,0 +1,247 @@
+"""What the predictor reads: the model's sizes (``ModelShape``), the runs' usable rows (``Measurements``),
+and what it would still need measured (``Missing``).
+
+The model's sizes come from a run's ``environment.json`` (the ``transformer_config`` Megatron was built
+with and the ``model_args`` of the HF mapping, as autotuner.launchers.common records them), or, without
+one, from the case file through autotuner.model.hf_to_megatron.map_hf_config. Parameters per layer are
+counted with autotuner.model.hf_to_megatron.layer_parameter_count; an MoE layer's MLP is replaced by its
+experts, router and shared experts (all stored; top-k of them active per token, for FLOPs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from autotuner.errors import UserError
+from autotuner.model.hf_to_megatron import layer_parameter_count
+
+GEMM_OPS = frozenset(
+    {
+        "linear_qkv",
+        "linear_proj",
+        "linear_fc1",
+        "linear_fc2",
+        "mlp",
+        "output_layer",
+        "q_down_proj",
+        "kv_down_proj",
+        "mla_q_proj",
+        "q_up_proj",
+        "kv_up_proj",
+        "router",
+        "experts",
+        "shared_experts",
+        "matmul",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model's sizes, from a run's environment.json (``transformer_config``, ``model_args``)."""
+
+    case: str
+    num_layers: int
+    hidden: int
+    heads: int
+    query_groups: int
+    kv_channels: int
+    ffn: int
+    vocab: int
+    tie_embeddings: bool
+    experts: int | None
+    layer_params: int
+    layer_active_params: int
+    final_norm_params: int
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, Any]) -> ModelShape:
+        tc = env.get("transformer_config")
+        args = env.get("model_args") or {}
+        if not isinstance(tc, dict) or "num_layers" not in tc:
+            if env.get("case"):
+                return cls.from_case(str(env["case"]))
+            raise UserError(
+                "the run's environment.json holds no transformer_config and no case: pass a run directory "
+                "written by python -m autotuner.main"
+            )
+        return cls.from_config(
+            str(env.get("case")), tc, int(args["vocab_size"]), bool(args.get("tie_word_embeddings"))
+        )
+
+    @classmethod
+    def from_case(cls, name: str, case_dir: str | None = None) -> ModelShape:
+        """From the case file, through the one HF mapping (the sizes as published; a run made with
+        ``hf.*`` overrides records its own in environment.json, which wins)."""
+        from autotuner.model.cases import build_hf_config, load_case
+        from autotuner.model.hf_to_megatron import map_hf_config
+
+        case = load_case(name, case_dir)
+        args = map_hf_config(build_hf_config(case.hf_fields, {}))
+        return cls.from_config(name, args.transformer, args.vocab_size, args.tie_word_embeddings)
+
+    @classmethod
+    def from_config(cls, case: str, tc: Mapping[str, Any], vocab: int, tie: bool) -> ModelShape:
+        """From TransformerConfig fields (as recorded, or as map_hf_config's ``transformer`` dict)."""
+        defaults = {"add_bias_linear": False, "add_qkv_bias": False, "qk_layernorm": False}
+        ns = SimpleNamespace(**{**defaults, **tc})
+        ns.num_query_groups = tc.get("num_query_groups") or tc["num_attention_heads"]
+        ns.kv_channels = tc.get("kv_channels") or tc["hidden_size"] // tc["num_attention_heads"]
+        dense = layer_parameter_count(ns)
+        h, gated = ns.hidden_size, bool(tc.get("gated_linear_unit"))
+        experts = tc.get("num_moe_experts") or None
+        params = active = dense
+        if experts:
+            # An MoE layer: the dense MLP's place holds E experts (each of moe_ffn_hidden_size), a router
+            # and the shared experts; each token passes top-k experts.
+            def mlp(width: int) -> int:
+                return h * width * (2 if gated else 1) + width * h
+
+            expert_width = tc.get("moe_ffn_hidden_size") or ns.ffn_hidden_size
+            shared = (
+                mlp(tc["moe_shared_expert_intermediate_size"])
+                if tc.get("moe_shared_expert_intermediate_size")
+                else 0
+            )
+            base = dense - mlp(ns.ffn_hidden_size)
+            params = base + experts * mlp(expert_width) + h * experts + shared
+            active = base + int(tc.get("moe_router_topk") or 1) * mlp(expert_width) + h * experts + shared
+        norm = h if tc.get("normalization") == "RMSNorm" else 2 * h
+        return cls(
+            case=case,
+            num_layers=int(ns.num_layers),
+            hidden=int(h),
+            heads=int(ns.num_attention_heads),
+            query_groups=int(ns.num_query_groups),
+            kv_channels=int(ns.kv_channels),
+            ffn=int(ns.ffn_hidden_size),
+            vocab=vocab,
+            tie_embeddings=tie,
+            experts=experts,
+            layer_params=params,
+            layer_active_params=active,
+            final_norm_params=norm,
+            config=dict(tc),
+        )
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.kv_channels
+
+    def forward_flops(self, op: str, s: int, b: int) -> float:
+        """Analytic forward FLOPs: GEMMs 2 x active parameters per token, attention's two products
+        2 x 2*s*heads*head_dim per token (the full square, Megatron's convention), the output layer
+        2*h*vocab per token."""
+        tokens = s * b
+        attention = 4.0 * s * self.attention_width * tokens
+        if op == "output_layer":
+            return 2.0 * self.hidden * self.vocab * tokens
+        if op == "core_attention":
+            return attention
+        if op == "self_attention":
+            qkv_out = (self.heads + 2 * self.query_groups) * self.kv_channels
+            return 2.0 * (self.hidden * qkv_out + self.attention_width * self.hidden) * tokens + attention
+        if op == "transformer_layer":
+            return 2.0 * self.layer_active_params * tokens + attention
+        raise ValueError(f"no analytic FLOPs for {op}")
+
+    def parameters(self) -> int:
+        """All parameters: embedding, layers, final norm, output layer (unless tied)."""
+        out = 0 if self.tie_embeddings else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.num_layers * self.layer_params + self.final_norm_params + out
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A figure the runs lack at the layout's exact point: what to profile to measure it."""
+
+    op: str
+    phase: str
+    seq_len: int
+    micro_batch_size: int
+    tp: int
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "phase": self.phase,
+            "seq_len": self.seq_len,
+            "micro_batch_size": self.micro_batch_size,
+            "tp": self.tp,
+            "why": self.why,
+        }
+
+
+class Measurements:
+    """The usable rows of one or more runs, indexed by (op, phase, seq_len, micro_batch_size, tp), in one
+    dtype. Under torchrun the ``rank="max"`` row stands for the op (the slowest rank); otherwise the
+    single process's row. Later runs' rows replace earlier ones at the same key."""
+
+    def __init__(
+        self, rows: Iterable[Mapping[str, Any]], dtype: str, labels: Mapping[int, str] | None = None
+    ):
+        self.dtype = dtype
+        self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
+        self.skipped: set[str] = set()
+        self.seen_ops: set[str] = set()
+        self.devices: set[str] = set()
+        for row in rows:
+            if row.get("status") == "skipped":
+                self.skipped.add(str(row.get("op")))
+                continue
+            if row.get("status") != "ok" or row.get("median_us") is None or row.get("dtype") != dtype:
+                continue
+            if row.get("rank") not in (None, 0, "0", "max"):
+                continue
+            key = (
+                str(row["op"]),
+                str(row["phase"]),
+                int(row["seq_len"]),
+                int(row["micro_batch_size"]),
+                int(row.get("tensor_parallel") or 1),
+            )
+            held = self.index.get(key)
+            if held is not None and held.get("rank") == "max" and row.get("rank") != "max":
+                continue  # the cross-rank row stands for the op, not one rank's
+            self.index[key] = dict(row)
+            self.seen_ops.add(key[0])
+            self.devices.add(str(row.get("device")))
+
+    def exact(self, op: str, phase: str, s: int, b: int, tp: int) -> dict[str, Any] | None:
+        return self.index.get((op, phase, s, b, tp))
+
+    def nearest(self, op: str, phase: str, s: int, b: int, tp: int) -> dict[str, Any] | None:
+        """The measured point closest to (s, b) at ``tp``: smallest |log s'/s| + |log b'/b|, ties to the
+        larger point (a larger GEMM is nearer its sustained efficiency)."""
+        found = [r for (o, p, _, _, t), r in self.index.items() if (o, p, t) == (op, phase, tp)]
+        if not found:
+            return None
+
+        def distance(r: dict[str, Any]) -> tuple[float, int]:
+            rs, rb = int(r["seq_len"]), int(r["micro_batch_size"])
+            return abs(math.log(rs / s)) + abs(math.log(rb / b)), -(rs * rb)
+
+        return min(found, key=distance)
+
+    def best_gemm_throughput(self) -> float | None:
+        """The highest FLOP/s any GEMM row reached (a stand-in for the peak without a calibration)."""
+        rates = [
+            r["flops"] / (r["median_us"] * 1e-6)
+            for (op, *_), r in self.index.items()
+            if op in GEMM_OPS and r.get("flops") and r["median_us"] > 0
+        ]
+        return max(rates) if rates else None
+
+
+def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
+    rank = f" rank={row['rank']}" if row.get("rank") not in (None, 0) else ""
+    return (
+        f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
+        f"{row['median_us']:.4g}us"
+    )

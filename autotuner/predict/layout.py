@@ -1,0 +1,178 @@
+"""A training layout (how a model is split over GPUs), its checks, and the provenance records of figures.
+
+``Layout`` is the question the predictor answers: tensor (``tp``), pipeline (``pp``, with ``vpp`` virtual
+stages per rank for the interleaved schedule), data (``dp``) and expert (``ep``) parallel sizes, the
+batch (micro-batch size, global batch size, sequence length), and the memory-saving settings
+(``recompute``, ``sequence_parallel``, ``distributed_optimizer``), in a ``dtype``.
+
+Megatron-Core's rules, kept here so that a layout Megatron would refuse is refused before any arithmetic
+(``Layout.check``):
+- world size = tp * pp * dp (``parallel_state.initialize_model_parallel``); expert parallelism lives
+  inside dp * tp, so ep must divide tp * dp, and ep must divide the number of experts;
+- tp divides the attention heads and the query groups (each rank holds whole heads);
+- pp * vpp divides the layers (each virtual stage holds the same number of layers; Megatron's
+  uneven-first/last-stage options are not modelled), and the interleaved schedule needs pp > 1;
+- the global batch is a whole number of (micro-batch size * dp): the micro-batches per step
+  (``get_num_microbatches``); with the interleaved schedule that number is a multiple of pp;
+- sequence parallelism needs tp > 1 (Megatron turns it off otherwise).
+
+Every figure the predictor reports carries a ``Source``: ``measured`` (a row at that exact point),
+``scaled`` (a neighbouring point by a named rule) or ``modelled`` (a formula and the constants it used),
+with a detail that names the row, the rule or the model, so a reader can trace each number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autotuner.errors import UserError
+
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp16", "fp32")
+SOURCE_KINDS = ("measured", "scaled", "modelled")
+
+# Bytes per element of the training dtype.
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a number came from: ``kind`` in measured / scaled / modelled; ``detail`` names the row, the
+    scaling rule or the model (with its constants)."""
+
+    kind: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"Source kind must be one of {SOURCE_KINDS}, not {self.kind!r}")
+
+    def to_json(self) -> dict[str, str]:
+        return {"kind": self.kind, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number with its unit and its source."""
+
+    value: float
+    unit: str
+    source: Source
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "unit": self.unit, "source": self.source.to_json()}
+
+
+def worst_kind(sources: list[Source]) -> str:
+    """The least direct kind among several sources (modelled > scaled > measured): a sum is only as
+    measured as its least measured part."""
+    kinds = {s.kind for s in sources}
+    for kind in ("modelled", "scaled"):
+        if kind in kinds:
+            return kind
+    return "measured"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and batch; see the module docstring for Megatron-Core's rules."""
+
+    seq_len: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    ep: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"layout {name}={value!r} must be a positive integer: give e.g. {name}=1")
+        if self.recompute not in RECOMPUTE:
+            raise UserError(
+                f"layout recompute={self.recompute!r} is unknown: give one of {', '.join(RECOMPUTE)}"
+            )
+        if self.dtype not in DTYPES:
+            raise UserError(f"layout dtype={self.dtype!r} is unknown: give one of {', '.join(DTYPES)}")
+        if self.global_batch_size % (self.micro_batch_size * self.dp):
+            raise UserError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size * dp = "
+                f"{self.micro_batch_size}*{self.dp}: give a global batch divisible by "
+                f"{self.micro_batch_size * self.dp}"
+            )
+        if self.vpp > 1 and self.pp == 1:
+            raise UserError(f"vpp={self.vpp} needs pipeline parallelism: give pp>1 or vpp=1")
+        if self.vpp > 1 and self.microbatches % self.pp:
+            raise UserError(
+                f"the interleaved schedule (vpp={self.vpp}) needs the micro-batches per step "
+                f"({self.microbatches}) to be a multiple of pp={self.pp}: change global_batch_size"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise UserError("sequence_parallel=true needs tp>1 (Megatron turns it off at tp=1): set it false")
+        if (self.tp * self.dp) % self.ep:
+            raise UserError(
+                f"ep={self.ep} must divide tp*dp = {self.tp * self.dp} (Megatron places experts inside the "
+                "data- and tensor-parallel ranks): change ep or dp"
+            )
+
+    @property
+    def gpus(self) -> int:
+        """World size: tp * pp * dp (expert parallelism is carved out of tp * dp)."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel rank (Megatron's ``get_num_microbatches``)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def check(
+        self, num_layers: int, heads: int, query_groups: int | None = None, experts: int | None = None
+    ) -> None:
+        """Raise a one-line UserError for what Megatron-Core would refuse for a model of this shape."""
+        groups = query_groups or heads
+        if heads % self.tp:
+            raise UserError(
+                f"tp={self.tp} does not divide the {heads} attention heads: give a tp that divides {heads}"
+            )
+        if groups % self.tp:
+            raise UserError(
+                f"tp={self.tp} does not divide the {groups} query groups: give a tp that divides {groups}"
+            )
+        if num_layers % (self.pp * self.vpp):
+            raise UserError(
+                f"pp*vpp = {self.pp}*{self.vpp} does not divide the {num_layers} layers: give pp and vpp "
+                f"whose product divides {num_layers}"
+            )
+        if experts:
+            if experts % self.ep:
+                raise UserError(
+                    f"ep={self.ep} does not divide the {experts} experts: give an ep that divides {experts}"
+                )
+        elif self.ep > 1:
+            raise UserError(
+                f"ep={self.ep} needs a mixture-of-experts model: this model has no experts, give ep=1"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "gpus": self.gpus, "microbatches": self.microbatches}
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``tp=2 pp=4 vpp=1 dp=8 ep=1 mbs=1 gbs=512 s=2048 recompute=none ...``."""
+        return (
+            f"tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} ep={self.ep} mbs={self.micro_batch_size} "
+            f"gbs={self.global_batch_size} s={self.seq_len} recompute={self.recompute} "
+            f"sp={str(self.sequence_parallel).lower()} distopt={str(self.distributed_optimizer).lower()} "
+            f"{self.dtype} ({self.gpus} GPUs, {self.microbatches} micro-batches)"
+        )

@@ -1,0 +1,167 @@
+"""Every layout Megatron-Core accepts for a model on a number of GPUs, a global batch and a sequence
+length: the candidates ``python -m autotuner.tune`` predicts and ranks.
+
+The rules, each what Megatron-Core checks (or fails on) when it builds the model or the schedule:
+
+* ``tp`` divides the attention heads and the query groups (each rank holds whole heads:
+  ``TransformerConfig``/``divide`` in the attention's column-parallel projections), the dense MLP's
+  ``ffn_hidden_size`` and the routed experts' ``moe_ffn_hidden_size`` (``ColumnParallelLinear`` divides
+  its output size by tp);
+* ``pp`` divides the layers, and with the interleaved schedule ``pp * vpp`` does (every virtual stage
+  holds the same number of layers: ``TransformerConfig`` refuses an uneven split unless the
+  first/last-stage options, not enumerated here, say otherwise); ``vpp > 1`` only with ``pp > 1``, and
+  then the micro-batches per step are a multiple of ``pp`` (the interleaved 1F1B schedule's rule);
+* ``dp = gpus / (tp * pp)``, a whole number (``initialize_model_parallel``);
+* the global batch is a whole number of ``micro_batch_size * dp`` (``get_num_microbatches``);
+* MoE models: ``ep`` divides the experts and ``dp * tp`` (the expert-parallel groups are carved out of
+  the data- and tensor-parallel ranks); with ``tp > 1`` sequence parallelism is on (Megatron-Core's MoE
+  layer refuses tensor parallelism without it in training). Dense models: ``ep = 1``;
+* ``sequence_parallel`` only with ``tp > 1`` (Megatron turns it off at tp = 1), and then tp divides the
+  sequence length (the sequence is scattered over the tp ranks);
+* ``micro_batch_size`` from a small set (:data:`MICRO_BATCH_SIZES`), ``recompute`` none / selective /
+  full, ``distributed_optimizer`` off and on.
+
+The order is deterministic: the loops nest in the order of :class:`~autotuner.predict.layout.Layout`'s
+fields (tp, pp, vpp, ep, micro-batch size, recompute, sequence parallel, distributed optimizer), each
+in ascending order (False before True), so two runs list (and tie-break) the same layouts alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autotuner.errors import UserError
+from autotuner.predict.layout import RECOMPUTE, Layout
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of a model that decide which layouts it accepts (the divisors of its splits; the
+    predictor's fuller ``timing.ModelShape`` holds its ``transformer_config`` as ``config``, from which
+    :meth:`from_transformer` reads these)."""
+
+    num_layers: int
+    heads: int
+    query_groups: int
+    ffn_hidden_size: int | None = None
+    experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+
+    @classmethod
+    def from_transformer(cls, transformer: Mapping[str, Any]) -> ModelDims:
+        """From TransformerConfig arguments (``MegatronModelArgs.transformer``, or a run's
+        ``environment.json`` ``transformer_config``)."""
+        heads = int(transformer["num_attention_heads"])
+        experts = transformer.get("num_moe_experts") or None
+        return cls(
+            num_layers=int(transformer["num_layers"]),
+            heads=heads,
+            query_groups=int(transformer.get("num_query_groups") or heads),
+            ffn_hidden_size=transformer.get("ffn_hidden_size"),
+            experts=experts,
+            moe_ffn_hidden_size=transformer.get("moe_ffn_hidden_size") if experts else None,
+        )
+
+
+def model_dims(
+    case: str, case_dir: str | None = None, hf_overrides: Mapping[str, Any] | None = None
+) -> ModelDims:
+    """The sizes of a case (``case=<name>``, with ``hf.*`` overrides), as the profiler maps it."""
+    from autotuner.model.cases import build_hf_config, load_case
+    from autotuner.model.hf_to_megatron import map_hf_config
+
+    loaded = load_case(case, case_dir)
+    return ModelDims.from_transformer(
+        map_hf_config(build_hf_config(loaded.hf_fields, dict(hf_overrides or {}))).transformer
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_fits(model: ModelDims, tp: int) -> bool:
+    sizes = (model.heads, model.query_groups, model.ffn_hidden_size, model.moe_ffn_hidden_size)
+    return all(size % tp == 0 for size in sizes if size)
+
+
+def _iter_layouts(
+    model: ModelDims,
+    gpus: int,
+    global_batch_size: int,
+    seq_len: int,
+    dtype: str,
+    micro_batch_sizes: Sequence[int],
+    recompute: Sequence[str],
+) -> Iterator[Layout]:
+    for tp in _divisors(gpus):
+        if not _tp_fits(model, tp):
+            continue
+        for pp in _divisors(gpus // tp):
+            if model.num_layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            vpps = [1] + ([v for v in _divisors(model.num_layers // pp) if v > 1] if pp > 1 else [])
+            eps = [e for e in _divisors(model.experts) if (dp * tp) % e == 0] if model.experts else [1]
+            for vpp in vpps:
+                for ep in eps:
+                    for mbs in sorted(micro_batch_sizes):
+                        if global_batch_size % (mbs * dp):
+                            continue
+                        if vpp > 1 and (global_batch_size // (mbs * dp)) % pp:
+                            continue
+                        for how in recompute:
+                            sps = [False, True] if tp > 1 and seq_len % tp == 0 else [False]
+                            if model.experts and tp > 1:
+                                sps = [sp for sp in sps if sp]
+                            for sp in sps:
+                                for distopt in (False, True):
+                                    yield Layout(
+                                        seq_len=seq_len,
+                                        tp=tp,
+                                        pp=pp,
+                                        vpp=vpp,
+                                        dp=dp,
+                                        ep=ep,
+                                        micro_batch_size=mbs,
+                                        global_batch_size=global_batch_size,
+                                        recompute=how,
+                                        sequence_parallel=sp,
+                                        distributed_optimizer=distopt,
+                                        dtype=dtype,
+                                    )
+
+
+def enumerate_layouts(
+    model: ModelDims,
+    gpus: int,
+    global_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    micro_batch_sizes: Sequence[int] = MICRO_BATCH_SIZES,
+    recompute: Sequence[str] = RECOMPUTE,
+) -> list[Layout]:
+    """Every layout of ``model`` on ``gpus`` GPUs that Megatron-Core accepts (module docstring), in a
+    deterministic order. UserError (one line) for a request no layout can meet, naming what to change."""
+    for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name}={value!r} must be a positive integer: give e.g. {name}=8")
+    unknown = [r for r in recompute if r not in RECOMPUTE]
+    if unknown:
+        raise UserError(f"recompute {unknown} unknown: choose from {', '.join(RECOMPUTE)}")
+    layouts = list(
+        _iter_layouts(model, gpus, global_batch_size, seq_len, dtype, micro_batch_sizes, recompute)
+    )
+    for layout in layouts:  # the enumeration's rules imply Layout's own; a failure here is a bug here
+        layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
+    if not layouts:
+        raise UserError(
+            f"no layout of {gpus} GPUs fits this model ({model.num_layers} layers, {model.heads} heads) with "
+            f"global batch {global_batch_size} and micro-batch sizes {list(micro_batch_sizes)}: use a global "
+            "batch that is a multiple of the data-parallel size, or another number of GPUs"
+        )
+    return layouts

@@ -1,0 +1,244 @@
+"""Memory per GPU of each pipeline stage: weights, gradients, optimizer states, activations, logits.
+
+Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
+
+* **weights**: P x bytes of the dtype;
+* **gradients**: P x 4 B: Megatron's DistributedDataParallel accumulates and reduces gradients in an fp32
+  ``main_grad`` buffer for bf16/fp16 training (``grad_reduce_in_fp32``, which Megatron-LM turns on with
+  ``--bf16``), and in fp32 training the gradients are fp32 anyway;
+* **optimizer**: Adam's exp_avg and exp_avg_sq in fp32 (8 B) plus, for bf16/fp16, the fp32 master copy of
+  the weights (4 B): 12 B per parameter (8 B in fp32), divided by dp with the distributed optimizer
+  (Megatron's ``DistributedOptimizer`` shards them over the data-parallel ranks);
+* **activations**: what one layer's forward saves for backward (the measured ``activation_bytes`` of the
+  ``transformer_layer`` forward row) x the layers of the stage x the micro-batches the stage holds at
+  once: under 1F1B stage i of p holds min(p - i, m) (its warm-up forwards plus one); interleaved with v
+  chunks, rank i holds min((p - i - 1)*2 + (v - 1)*p + 1, m*v) chunk-micro-batches of L/(p*v) layers
+  each (Megatron-Core's ``get_pipeline_parallel_forward_backward_func`` warm-up counts). Recompute:
+  ``full`` keeps each layer's input (s*b*h elements, split over tp with sequence parallelism) and one
+  layer's full activations during its backward; ``selective`` drops what core attention saves beyond its
+  inputs q, k, v;
+* **logits** on the last stage: s*b*vocab/tp x 4 B (the fp32 logits of the cross-entropy).
+
+Side by side, the closed form of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4, Table 2), the estimate Megatron's theoretical-memory report uses, per
+layer and micro-batch for 2-byte activations (h hidden, a heads, t tp):
+no recompute s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism s*b*h*(34 + 5*a*s/h)/t;
+selective recompute s*b*h*(10 + 24/t), with sequence parallelism 34*s*b*h/t; full recompute 2*s*b*h
+(/t with sequence parallelism). It counts dropout masks (1 B per element), which a model without
+dropout does not keep, and 2-byte tensors: in fp32 we scale it by 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autotuner.predict.inputs import Measurements, ModelShape, describe_row
+from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
+
+GRAD_BYTES = 4
+OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
+LOGIT_BYTES = 4
+
+
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str, dtype: str
+) -> float:
+    """Korthikanti et al. 2022's activation bytes of one layer for one micro-batch (module docstring)."""
+    if recompute == "full":
+        per = 2.0 / (t if sp else 1)
+    elif recompute == "selective":
+        per = 34.0 / t if sp else 10.0 + 24.0 / t
+    else:
+        per = (34.0 + 5.0 * a * s / h) / t if sp else 10.0 + 24.0 / t + 5.0 * a * s / (h * t)
+    return s * b * h * per * DTYPE_BYTES[dtype] / 2
+
+
+def held_microbatches(stage: int, pp: int, vpp: int, microbatches: int) -> int:
+    """Chunk-micro-batches whose activations a stage holds at its peak (1F1B: p - i; interleaved: Megatron's
+    warm-up count + 1), capped by what the step has."""
+    if vpp == 1:
+        return min(pp - stage, microbatches)
+    return min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    params: Figure
+    weights: Figure
+    gradients: Figure
+    optimizer: Figure
+    activations: Figure
+    logits: Figure
+    korthikanti_activations: Figure
+    held: int
+
+    @property
+    def total(self) -> float:
+        return sum(
+            f.value for f in (self.weights, self.gradients, self.optimizer, self.activations, self.logits)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "held_microbatches": self.held,
+            "total_bytes": self.total,
+            **{
+                name: getattr(self, name).to_json()
+                for name in (
+                    "params",
+                    "weights",
+                    "gradients",
+                    "optimizer",
+                    "activations",
+                    "logits",
+                    "korthikanti_activations",
+                )
+            },
+        }
+
+
+def _ratio(model: ModelShape, layout: Layout, s: int, b: int, t: int) -> float:
+    return korthikanti_layer_bytes(
+        s, b, model.hidden, model.heads, t, layout.sequence_parallel and t > 1, "none", layout.dtype
+    )
+
+
+def layer_activation(meas: Measurements, model: ModelShape, layout: Layout) -> Figure:
+    """One layer's saved activations per micro-batch without recompute, on one GPU."""
+    s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
+    target = _ratio(model, layout, s, b, tp)
+    for basis in dict.fromkeys((tp, 1)):
+        row = meas.exact("transformer_layer", "forward", s, b, basis)
+        if row is None or row.get("activation_bytes") is None:
+            row = meas.nearest("transformer_layer", "forward", s, b, basis)
+        if row is None or row.get("activation_bytes") is None:
+            continue
+        value = float(row["activation_bytes"])
+        rs, rb = int(row["seq_len"]), int(row["micro_batch_size"])
+        if (rs, rb, basis) == (s, b, tp):
+            return Figure(value, "B", Source("measured", f"activation_bytes of {describe_row(row)}"))
+        value *= target / _ratio(model, layout, rs, rb, basis)
+        return Figure(
+            value,
+            "B",
+            Source(
+                "scaled",
+                f"by Korthikanti's per-layer formula from s{rs}_b{rb} tp={basis}: {describe_row(row)}",
+            ),
+        )
+    return Figure(target, "B", Source("modelled", "Korthikanti et al. 2022 per-layer formula (no layer row)"))
+
+
+def stage_params(meas: Measurements, model: ModelShape, layout: Layout, stage: int) -> Figure:
+    """Parameters on one GPU of ``stage``: its layers (from the layer row's weight_bytes where measured,
+    else counted from the config), the embedding on the first stage, the final norm and the output layer
+    (a copy of the embedding when tied and pp > 1, as Megatron keeps) on the last; all divided by tp."""
+    tp = layout.tp
+    per_stage = model.num_layers // layout.pp
+    layer, how = model.layer_params / tp, "counted from the model config"
+    kind = "modelled"
+    for basis in dict.fromkeys((tp, 1)):
+        row = meas.nearest("transformer_layer", "forward", layout.seq_len, layout.micro_batch_size, basis)
+        if row is not None and row.get("weight_bytes"):
+            layer = row["weight_bytes"] / DTYPE_BYTES.get(str(row["dtype"]), 4) / (tp // basis)
+            how, kind = (
+                f"weight_bytes of {describe_row(row)}" + ("" if basis == tp else f", /tp={tp}"),
+                "measured",
+            )
+            break
+    params = per_stage * layer
+    extra = []
+    if stage == 0:
+        params += model.vocab * model.hidden / tp
+        extra.append("embedding vocab*h/tp")
+    if stage == layout.pp - 1:
+        params += model.final_norm_params
+        if not model.tie_embeddings or layout.pp > 1:
+            params += model.vocab * model.hidden / tp
+            extra.append("output layer vocab*h/tp")
+    detail = f"{per_stage} layers x {layer:.6g} params ({how})" + "".join(f" + {e}" for e in extra)
+    return Figure(params, "params", Source(kind, detail))
+
+
+def stage_memory(
+    meas: Measurements,
+    model: ModelShape,
+    layout: Layout,
+    stage: int,
+    core_attention: Mapping[str, Any] | None = None,
+) -> StageMemory:
+    """The memory terms of one stage's GPU. ``core_attention``: its forward row at the layout's exact
+    point and TP, for selective recompute."""
+    s, b, tp, sp = layout.seq_len, layout.micro_batch_size, layout.tp, layout.sequence_parallel
+    params = stage_params(meas, model, layout, stage)
+    p = params.value
+    psrc = params.source
+    nbytes = DTYPE_BYTES[layout.dtype]
+    weights = Figure(p * nbytes, "B", Source(psrc.kind, f"params x {nbytes} B ({layout.dtype})"))
+    grads = Figure(p * GRAD_BYTES, "B", Source(psrc.kind, "params x 4 B (DDP's fp32 main grads)"))
+    opt_per = OPTIMIZER_BYTES[layout.dtype]
+    shard = layout.dp if layout.distributed_optimizer else 1
+    optimizer = Figure(
+        p * opt_per / shard,
+        "B",
+        Source(
+            psrc.kind,
+            f"params x {opt_per} B (Adam m, v" + (", fp32 master" if opt_per == 12 else "") + f") / {shard}",
+        ),
+    )
+    per_layer_chunk = model.num_layers // (layout.pp * layout.vpp)
+    held = held_microbatches(stage, layout.pp, layout.vpp, layout.microbatches)
+    layers_held = held * per_layer_chunk
+    act = layer_activation(meas, model, layout)
+    if layout.recompute == "none":
+        value, rule = act.value * layers_held, "no recompute"
+        kind = act.source.kind
+    elif layout.recompute == "full":
+        inputs = s * b * model.hidden * nbytes / (tp if sp else 1)
+        value = inputs * layers_held + act.value
+        rule, kind = (
+            "full recompute: each layer's input (s*b*h) + one layer's activations in its backward",
+            "modelled",
+        )
+    else:
+        if core_attention is not None and core_attention.get("activation_bytes") is not None:
+            qkv = s * b * (model.heads + 2 * model.query_groups) * model.kv_channels * nbytes / tp
+            dropped = max(0.0, float(core_attention["activation_bytes"]) - qkv)
+            rule = (
+                f"selective: minus core attention's saved bytes beyond q,k,v ({describe_row(core_attention)})"
+            )
+            kind = act.source.kind
+        else:
+            k_none = korthikanti_layer_bytes(s, b, model.hidden, model.heads, tp, sp, "none", layout.dtype)
+            k_sel = korthikanti_layer_bytes(
+                s, b, model.hidden, model.heads, tp, sp, "selective", layout.dtype
+            )
+            dropped = act.value * (1 - k_sel / k_none)
+            rule, kind = (
+                "selective: scaled by Korthikanti's selective/none ratio (no core_attention row)",
+                "scaled",
+            )
+        value = (act.value - dropped) * layers_held
+    activations = Figure(
+        value,
+        "B",
+        Source(kind, f"{rule}; layer: {act.source.detail}; x {layers_held} layer-micro-batches held"),
+    )
+    logits_bytes = s * b * model.vocab / tp * LOGIT_BYTES if stage == layout.pp - 1 else 0.0
+    logits = Figure(
+        logits_bytes,
+        "B",
+        Source("modelled", "s*b*vocab/tp x 4 B (fp32 logits)" if logits_bytes else "not the last stage"),
+    )
+    k = (
+        korthikanti_layer_bytes(s, b, model.hidden, model.heads, tp, sp, layout.recompute, layout.dtype)
+        * layers_held
+    )
+    korth = Figure(
+        k, "B", Source("modelled", f"Korthikanti et al. 2022, recompute={layout.recompute}, x {layers_held}")
+    )
+    return StageMemory(stage, params, weights, grads, optimizer, activations, logits, korth, held)

@@ -1,0 +1,283 @@
+"""The profiling plan: the runs that would measure what a prediction needs and the run directories lack.
+
+A layout's prediction reads op rows at one shape point (sequence length, micro-batch size) measured
+with the layout's tensor-parallel size (and expert-parallel size for an MoE model, with its sequence
+parallelism, in its dtype): a :class:`Need`. Pipeline and data parallelism, recompute and the optimizer
+change how the rows are combined, not the rows, so many layouts share a need. The plan:
+
+1. drops the needs some run directory already holds (:func:`measured`: a point with ``ok`` rows, in a
+   run whose ``environment.json`` records the same case, dtype and parallel settings);
+2. groups the rest by (case, tp, ep, sequence parallelism, dtype): one profiler run each, since one run
+   has one process group. The shape lists of a run are crossed (``shapes.seq_len`` x
+   ``shapes.micro_batch_size``, autotuner.runner.shapes), so a group whose sequence lengths need
+   different micro-batch sizes becomes one run per distinct set, and no run measures a point nobody
+   needs;
+3. writes each run as a command (:meth:`Run.argv`): ``python -m autotuner.main`` for one process,
+   ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. N is the least number
+   of processes the run's parallel sizes fit: the least common multiple of tp and ep (the profiler
+   gives expert-parallel runs an expert-tensor-parallel size of 1, so tp and ep each need only divide
+   the world: autotuner.runner.spec);
+4. and as SLURM job arrays over ``scripts/slurm/sweep_array.sbatch`` (:meth:`Plan.slurm`): one array per
+   process count (an array's tasks share one resource request), its tasks listed one per line in a
+   task file (``SWEEP_FILE``: a task's overrides, separated by spaces).
+
+Commands are argument lists (printed with shell quoting for a person to paste), never strings built for a
+shell; every override is a plain ``key=value`` the profiler's config composition accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotuner.errors import UserError
+from autotuner.predict.layout import Layout
+from autotuner.results import load_rows
+from autotuner.results.atomic import atomic_write_text
+
+SWEEP_SCRIPT = "scripts/slurm/sweep_array.sbatch"
+
+
+@dataclass(frozen=True)
+class Need:
+    """Rows a prediction needs: ``case`` at (``seq_len``, ``micro_batch_size``) measured with these
+    parallel settings; ``dtype`` None takes rows of any dtype."""
+
+    case: str
+    seq_len: int
+    micro_batch_size: int
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    dtype: str | None = None
+
+    @property
+    def point(self) -> str:
+        """The rows' ``point`` label."""
+        return f"s{self.seq_len}_b{self.micro_batch_size}"
+
+    def describe(self) -> str:
+        sp = " sp" if self.sequence_parallel else ""
+        return f"{self.case} {self.point} tp={self.tp} ep={self.ep}{sp} {self.dtype or 'any dtype'}"
+
+    def sort_key(self) -> tuple[Any, ...]:
+        """Needs in a stable order (a dtype of None sorts first, as "")."""
+        return (
+            self.case,
+            self.tp,
+            self.ep,
+            self.sequence_parallel,
+            self.dtype or "",
+            self.seq_len,
+            self.micro_batch_size,
+        )
+
+
+def needs_of(case: str, layouts: Iterable[Layout]) -> list[Need]:
+    """The distinct needs of ``layouts`` of ``case``, sorted."""
+    return sorted(
+        {
+            Need(case, lay.seq_len, lay.micro_batch_size, lay.tp, lay.ep, lay.sequence_parallel, lay.dtype)
+            for lay in layouts
+        },
+        key=Need.sort_key,
+    )
+
+
+def _rows_files(run_dir: Path) -> list[Path]:
+    """The run's merged rows, else its per-rank files (a several-process run cut short before merging)."""
+    if (run_dir / "results.jsonl").is_file():
+        return [run_dir / "results.jsonl"]
+    return sorted(run_dir.glob("results.rank*.jsonl"))
+
+
+def measured(run_dirs: Iterable[str | Path]) -> set[Need]:
+    """The needs the run directories hold: each point with ``ok`` rows (in every rank's file, for a run
+    that has only those), under the run's case, dtype, tp, ep and sequence parallelism as its
+    ``environment.json`` records them (else as its rows say: ``tensor_parallel``, ``expert_parallel``).
+    UserError (one line) for a directory without rows."""
+    found: set[Need] = set()
+    for run_dir in map(Path, run_dirs):
+        files = _rows_files(run_dir)
+        if not files:
+            raise UserError(
+                f"{run_dir} holds no results.jsonl: give run directories of python -m autotuner.main"
+            )
+        env_path = run_dir / "environment.json"
+        record: dict[str, Any] = {}
+        if env_path.is_file():
+            try:
+                record = json.loads(env_path.read_text())
+            except ValueError as exc:
+                raise UserError(
+                    f"{env_path} is not JSON ({exc}): give the run's own environment.json"
+                ) from None
+        tf = record.get("transformer_config") or {}
+        per_file, rows = [], []
+        for path in files:
+            file_rows = load_rows(path)
+            rows += file_rows
+            per_file.append(
+                {
+                    (r["case"], r["seq_len"], r["micro_batch_size"], r.get("dtype"))
+                    for r in file_rows
+                    if r.get("status") == "ok" and r.get("seq_len") and r.get("micro_batch_size")
+                }
+            )
+        points = set.intersection(*per_file)
+        tp = int(tf.get("tensor_model_parallel_size") or _row_value(rows, "tensor_parallel"))
+        ep = int(tf.get("expert_model_parallel_size") or _row_value(rows, "expert_parallel"))
+        sp = bool(tf.get("sequence_parallel", False))
+        for case, seq_len, mbs, dtype in points:
+            found.add(Need(record.get("case", case), seq_len, mbs, tp, ep, sp, record.get("dtype", dtype)))
+    return found
+
+
+def _row_value(rows: list[dict[str, Any]], column: str) -> int:
+    """A parallel size as the rows state it (1 where none does: a dense model's rows carry no EP)."""
+    values = {r[column] for r in rows if r.get(column)}
+    return max(values) if values else 1
+
+
+def _holds(have: set[Need], need: Need) -> bool:
+    return any(
+        (h.case, h.seq_len, h.micro_batch_size, h.tp, h.ep, h.sequence_parallel)
+        == (need.case, need.seq_len, need.micro_batch_size, need.tp, need.ep, need.sequence_parallel)
+        and (need.dtype is None or h.dtype == need.dtype)
+        for h in have
+    )
+
+
+def _list(values: Iterable[int]) -> str:
+    return "[" + ",".join(str(v) for v in sorted(values)) + "]"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One profiler run: its overrides, its process count and the needs it measures."""
+
+    overrides: tuple[str, ...]
+    nproc: int
+    needs: tuple[Need, ...]
+
+    def argv(self, python: str = "python") -> list[str]:
+        """The command line, as an argument list."""
+        if self.nproc == 1:
+            return [python, "-m", "autotuner.main", *self.overrides]
+        return [
+            "torchrun",
+            "--standalone",
+            f"--nproc-per-node={self.nproc}",
+            "-m",
+            "autotuner.main",
+            *self.overrides,
+        ]
+
+
+@dataclass(frozen=True)
+class SlurmArray:
+    """One job array: ``env`` and ``argv`` submit it (``sbatch`` reads ``SWEEP_FILE`` and ``NPROC`` from
+    the environment it is called with); ``task_file`` lists its tasks, one per line."""
+
+    task_file: Path
+    argv: list[str]
+    env: dict[str, str]
+    runs: tuple[Run, ...]
+
+    def shell(self) -> str:
+        """The submission as one line a person can paste (shell-quoted)."""
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()), shlex.join(self.argv)])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The runs that measure the missing needs, and the needs already measured."""
+
+    runs: tuple[Run, ...]
+    already: tuple[Need, ...] = field(default=())
+
+    @property
+    def missing(self) -> list[Need]:
+        return sorted((n for run in self.runs for n in run.needs), key=Need.sort_key)
+
+    def commands(self, python: str = "python") -> list[list[str]]:
+        return [run.argv(python) for run in self.runs]
+
+    def text(self, arrays: Sequence[SlurmArray] = ()) -> str:
+        """The plan for a person: what is measured, what is missing, the commands (shell-quoted, to
+        paste) and the SLURM submissions of ``arrays`` (from :meth:`slurm`)."""
+        if not self.runs:
+            return f"every needed point is measured ({len(self.already)} point(s))"
+        lines = [
+            f"{len(self.missing)} needed point(s) not measured ({len(self.already)} measured); "
+            f"{len(self.runs)} profiling run(s) measure them:"
+        ]
+        lines += [f"  {shlex.join(argv)}" for argv in self.commands()]
+        if arrays:
+            lines.append("or as SLURM job arrays (one per process count; run from the checkout):")
+            lines += [f"  {array.shell()}" for array in arrays]
+        return "\n".join(lines)
+
+    def slurm(self, folder: str | Path, gpus: bool = True) -> list[SlurmArray]:
+        """Write one task file per process count into ``folder`` and return the arrays that run them
+        (``gpus`` False: CPU processes, ``--gpus-per-node=0``, as on a machine without GPUs)."""
+        folder = Path(folder).resolve()
+        by_nproc: dict[int, list[Run]] = {}
+        for run in self.runs:
+            by_nproc.setdefault(run.nproc, []).append(run)
+        arrays = []
+        for nproc, runs in sorted(by_nproc.items()):
+            task_file = folder / f"profile_tasks_n{nproc}.txt"
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(task_file, "".join(" ".join(run.overrides) + "\n" for run in runs))
+            argv = [
+                "sbatch",
+                f"--array=0-{len(runs) - 1}",
+                f"--gpus-per-node={nproc if gpus else 0}",
+                SWEEP_SCRIPT,
+            ]
+            env = {"SWEEP_FILE": str(task_file), "NPROC": str(nproc)}
+            arrays.append(SlurmArray(task_file, argv, env, tuple(runs)))
+        return arrays
+
+
+def plan(
+    needs: Iterable[Need],
+    run_dirs: Iterable[str | Path] = (),
+    extra: Sequence[str] = (),
+    launcher: str = "get_data",
+) -> Plan:
+    """The profiling plan for ``needs`` given the run directories already measured (module docstring).
+    ``extra`` overrides go into every run (``device=cpu``, ``timing.budget_s=2``, ...); they may hold no
+    spaces, as the SLURM task files separate overrides by spaces."""
+    spaced = [o for o in extra if any(c.isspace() for c in o)]
+    if spaced:
+        raise UserError(f"override {spaced[0]!r} holds a space: write lists without spaces, e.g. [1,2]")
+    have = measured(run_dirs)
+    needs = sorted(set(needs), key=Need.sort_key)
+    already = tuple(n for n in needs if _holds(have, n))
+    groups: dict[tuple[Any, ...], dict[int, set[int]]] = {}
+    for need in needs:
+        if need not in already:
+            key = (need.case, need.tp, need.ep, need.sequence_parallel, need.dtype or "")
+            groups.setdefault(key, {}).setdefault(need.seq_len, set()).add(need.micro_batch_size)
+    runs = []
+    for (case, tp, ep, sp, dtype), by_seq in sorted(groups.items()):
+        by_batches: dict[tuple[int, ...], list[int]] = {}
+        for seq_len, batches in sorted(by_seq.items()):
+            by_batches.setdefault(tuple(sorted(batches)), []).append(seq_len)
+        for batches, seq_lens in sorted(by_batches.items(), key=lambda item: item[1]):
+            overrides = [f"case={case}", f"launcher={launcher}"]
+            overrides += [f"tf.tensor_model_parallel_size={tp}"] if tp > 1 else []
+            overrides += [f"tf.expert_model_parallel_size={ep}"] if ep > 1 else []
+            overrides += ["tf.sequence_parallel=true"] if sp else []
+            overrides += [f"dtype={dtype}"] if dtype else []
+            overrides += [f"shapes.seq_len={_list(seq_lens)}", f"shapes.micro_batch_size={_list(batches)}"]
+            covered = tuple(Need(case, s, b, tp, ep, sp, dtype or None) for s in seq_lens for b in batches)
+            runs.append(Run(tuple([*overrides, *extra]), math.lcm(tp, ep), covered))
+    return Plan(tuple(runs), already)

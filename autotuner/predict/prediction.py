@@ -1,0 +1,368 @@
+"""A layout's prediction: assembled from the runs (``predict``), kept as data (``Prediction``), written as
+``prediction.json`` (``to_json``) and shown as a table (``render``).
+
+Every figure carries its ``Source`` (autotuner.predict.layout): measured at the exact point, scaled from a
+neighbouring point by a named rule, or modelled. What the runs lack at the layout's point is listed with
+the profiling command that would measure it (``missing``), never counted as zero.
+
+MFU (Chowdhery et al. 2022, PaLM, appendix B): model FLOPs per token 6*N + 12*L*heads*head_dim*s, N the
+parameters a token passes through in its matrix products (each layer's active parameters and the output
+layer; not the embedding lookup), here with the attention square counted whole (Megatron's convention);
+per step x global_batch*s tokens, over (step time x calibrated peak FLOP/s x GPUs). Without a calibrated
+peak there is no MFU (said so).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotuner.errors import UserError
+from autotuner.predict.inputs import Measurements, Missing, ModelShape
+from autotuner.predict.layout import Figure, Layout, Source
+from autotuner.predict.memory import StageMemory, stage_memory
+from autotuner.predict.plan import Need, Plan, plan
+from autotuner.predict.timing import (
+    OVERLAP,
+    PHASES,
+    StageTime,
+    StepTime,
+    TimeModel,
+    stage_times,
+    step_time,
+)
+from autotuner.results import load_rows
+from autotuner.results.calibration import load as load_calibration
+from autotuner.results.table import text_table
+from autotuner.results.units import human_bytes, human_time
+
+
+@dataclass
+class Runs:
+    """The rows of one or more run directories, the model they profiled, and the calibration they kept."""
+
+    dirs: list[Path]
+    rows: list[dict[str, Any]]
+    env: dict[str, Any]
+    calibration_path: Path | None
+
+    @property
+    def dtypes(self) -> list[str]:
+        return sorted({str(r["dtype"]) for r in self.rows if r.get("status") == "ok" and r.get("dtype")})
+
+
+def load_runs(dirs: Sequence[str | Path]) -> Runs:
+    """Read each run's results.jsonl and environment.json; UserError (one line) for a folder that is not a
+    run, or runs of different models."""
+    rows: list[dict[str, Any]] = []
+    env: dict[str, Any] = {}
+    calibration = None
+    paths = [Path(d) for d in dirs]
+    for path in paths:
+        if not (path / "results.jsonl").is_file():
+            raise UserError(
+                f"{path} has no results.jsonl: pass the directory of a finished or interrupted run"
+            )
+        env_file = path / "environment.json"
+        these = load_rows(path / "results.jsonl")
+        if env_file.is_file():
+            try:
+                this = json.loads(env_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                this = None
+            if not isinstance(this, dict):
+                raise UserError(f"{env_file} is not a JSON object: restore it from the run, or delete it")
+        else:  # the model's sizes then come from the case file the rows name
+            this = {"case": next((r.get("case") for r in these if r.get("case")), None)}
+        sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        ours, theirs = (e.get("transformer_config") or {} for e in (env, this))
+        if env and (
+            this.get("case") != env.get("case")
+            or any(ours.get(k) != theirs.get(k) for k in sizes if ours and theirs)
+        ):
+            raise UserError(
+                f"{path} profiled another model ({this.get('case')}) than {paths[0]} ({env.get('case')}): "
+                "pass runs of one model"
+            )
+        env = env or this
+        rows += these
+        if calibration is None and (path / "calibration.json").is_file():
+            calibration = path / "calibration.json"
+    return Runs(paths, rows, env, calibration)
+
+
+@dataclass
+class Prediction:
+    """Everything predicted for one layout, as data; ``to_json`` and ``render`` are views of it."""
+
+    layout: Layout
+    model: ModelShape
+    runs: list[str]
+    calibration: str | None
+    stages: list[StageTime]
+    step: StepTime
+    memory: list[StageMemory]
+    mfu: Figure | None
+    mfu_note: str
+    tokens_per_s_per_gpu: Figure
+    tp_note: str
+    missing: list[dict[str, Any]]
+    plan: Plan | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.step.total
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.step
+        return {
+            "layout": self.layout.to_json(),
+            "model": {
+                "case": self.model.case,
+                "num_layers": self.model.num_layers,
+                "hidden_size": self.model.hidden,
+                "heads": self.model.heads,
+                "query_groups": self.model.query_groups,
+                "ffn_hidden_size": self.model.ffn,
+                "vocab_size": self.model.vocab,
+                "experts": self.model.experts,
+                "parameters": self.model.parameters(),
+            },
+            "runs": self.runs,
+            "calibration": self.calibration,
+            "stages": [st.to_json() for st in self.stages],
+            "step": {
+                "total_s": s.total,
+                "pipeline_s": s.pipeline,
+                "formula": s.formula,
+                "bubble_fraction": s.bubble_fraction,
+                "slowest_stage": s.slowest_stage,
+                "dp_reduction": Figure(s.dp_reduction, "s", s.dp_source).to_json(),
+                "optimizer": Figure(s.optimizer, "s", s.optimizer_source).to_json(),
+                "overlap": OVERLAP,
+            },
+            "tp_collectives": self.tp_note,
+            "memory": [m.to_json() for m in self.memory],
+            "mfu": self.mfu.to_json() if self.mfu else None,
+            "mfu_note": self.mfu_note,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu.to_json(),
+            "missing": self.missing,
+            "warnings": self.warnings,
+        }
+
+
+def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing]) -> Plan:
+    """The profiling runs (autotuner.predict.plan) that would measure every figure not measured at the
+    layout's point and TP: one need per (point, tp), in the layout's dtype."""
+    needs = {
+        Need(
+            model.case,
+            m.seq_len,
+            m.micro_batch_size,
+            m.tp,
+            layout.ep,
+            layout.sequence_parallel and m.tp > 1,
+            layout.dtype,
+        )
+        for m in items
+    }
+    return plan(needs)
+
+
+def _missing(model: ModelShape, layout: Layout, items: Sequence[Missing], runs: Plan) -> list[dict[str, Any]]:
+    """Per (point, tp): the figures not measured there and the command that measures them."""
+    out = []
+    for run in runs.runs:
+        for need in run.needs:
+            got = [
+                m
+                for m in items
+                if (m.seq_len, m.micro_batch_size, m.tp) == (need.seq_len, need.micro_batch_size, need.tp)
+            ]
+            out.append(
+                {
+                    "figures": list(dict.fromkeys(f"{m.op}.{m.phase}" for m in got)),
+                    "seq_len": need.seq_len,
+                    "micro_batch_size": need.micro_batch_size,
+                    "tp": need.tp,
+                    "command": shlex.join(run.argv()),
+                }
+            )
+    return out
+
+
+def predict(
+    runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None = None, model: ModelShape | None = None
+) -> Prediction:
+    """The prediction of ``layout`` from ``runs`` (see the module docstrings of timing and memory)."""
+    model = model or ModelShape.from_environment(runs.env)
+    layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
+    if layout.ep > 1:
+        raise UserError(f"ep={layout.ep}: expert parallelism is not modelled by the predictor yet: give ep=1")
+    meas = Measurements(runs.rows, layout.dtype)
+    tm = TimeModel(meas, model, layout, calibration)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stages = stage_times(tm)
+        memory = [
+            stage_memory(
+                meas,
+                model,
+                layout,
+                i,
+                meas.exact("core_attention", "forward", layout.seq_len, layout.micro_batch_size, layout.tp),
+            )
+            for i in range(layout.pp)
+        ]
+        step = step_time(tm, stages, [m.params.value for m in memory])
+    notes = list(dict.fromkeys([*tm.warnings, *(str(w.message) for w in caught)]))
+    missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
+    profile = profiling_plan(model, layout, missing_items)
+    if not meas.index:
+        notes.append(
+            f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "
+            "every time is modelled"
+        )
+    # TP collectives: measured inside the rows under torchrun at this TP, else modelled (said per item).
+    if layout.tp == 1:
+        tp_note = "tp=1: no tensor-parallel collectives"
+    elif all(tm.measured_at_tp("transformer_layer", p) for p in PHASES):
+        tp_note = (
+            f"measured: the layer rows were measured under torchrun at tp={layout.tp} (collectives inside)"
+        )
+    else:
+        tp_note = f"modelled: TP=1 rows / tp={layout.tp} plus all-reduces from the link calibration"
+    tokens = layout.global_batch_size * layout.seq_len
+    kinds = {t.source.kind for st in stages for _, _, t, _ in st.items}
+    kind = "modelled" if "modelled" in kinds else ("scaled" if "scaled" in kinds else "measured")
+    step_src = Source(kind, f"{tokens} tokens / predicted step {step.total:.4g} s / {layout.gpus} GPUs")
+    tps = Figure(tokens / step.total / layout.gpus, "tokens/s/GPU", step_src)
+    peak = (calibration or {}).get("peak_flops", {}).get(layout.dtype)
+    per_token = 3 * (
+        model.num_layers * model.forward_flops("transformer_layer", layout.seq_len, 1) / layout.seq_len
+        + 2.0 * model.hidden * model.vocab
+    )
+    if peak:
+        flops = per_token * tokens
+        mfu = Figure(
+            flops / (step.total * peak * layout.gpus),
+            "fraction",
+            Source(
+                kind,
+                f"{flops:.4g} model FLOP per step / ({step.total:.4g} s x {peak / 1e12:.4g} TFLOP/s x "
+                f"{layout.gpus})",
+            ),
+        )
+        mfu_note = (
+            "6*N + 12*L*heads*head_dim*s FLOP per token (PaLM appendix B), attention square counted whole"
+        )
+    else:
+        mfu, mfu_note = (
+            None,
+            f"no MFU: the calibration has no peak_flops[{layout.dtype}] (python -m autotuner.calibrate)",
+        )
+    return Prediction(
+        layout=layout,
+        model=model,
+        runs=[str(d) for d in runs.dirs],
+        calibration=str(runs.calibration_path) if runs.calibration_path else None,
+        stages=stages,
+        step=step,
+        memory=memory,
+        mfu=mfu,
+        mfu_note=mfu_note,
+        tokens_per_s_per_gpu=tps,
+        tp_note=tp_note,
+        missing=_missing(model, layout, missing_items, profile),
+        plan=profile,
+        warnings=notes,
+    )
+
+
+def load_calibration_for(runs: Runs, path: str | None) -> dict[str, Any] | None:
+    """The calibration given, else the one the first run kept, else none."""
+    if path:
+        return load_calibration(path)
+    if runs.calibration_path is not None:
+        return load_calibration(runs.calibration_path)
+    return None
+
+
+def _t(seconds: float) -> str:
+    return human_time(seconds * 1e6)
+
+
+def render(pred: Prediction) -> str:
+    """The prediction as text: stages, step, memory, MFU, every figure's source, what to profile."""
+    lay = pred.layout
+    out = [f"prediction for {pred.model.case}: {lay.describe()}", ""]
+    lines = []
+    for st in pred.stages:
+        kinds = sorted({t.source.kind for _, _, t, _ in st.items})
+        lines.append(
+            [
+                str(st.index),
+                str(st.layers),
+                _t(st.forward),
+                _t(st.backward),
+                _t(st.total),
+                "/".join(kinds),
+                st.dominant,
+            ]
+        )
+    headers = ["stage", "layers", "forward/mb", "backward/mb", "f+b", "source", "dominant op"]
+    out += [text_table(headers, lines, [True, True, True, True, True, False, False]), ""]
+    s = pred.step
+    out += [
+        f"step time        {_t(s.total)}  (upper bound: {OVERLAP})",
+        f"  pipeline       {_t(s.pipeline)}  {s.formula}, t = stage {s.slowest_stage}; bubble (p-1)/"
+        f"{'(v*m)' if lay.vpp > 1 else 'm'} = {s.bubble_fraction:.1%}",
+        f"  DP reduction   {_t(s.dp_reduction)}  [{s.dp_source.kind}] {s.dp_source.detail}",
+        f"  optimizer      {_t(s.optimizer)}  [{s.optimizer_source.kind}] {s.optimizer_source.detail}",
+        f"  TP collectives {pred.tp_note}",
+        f"tokens/s per GPU {pred.tokens_per_s_per_gpu.value:.4g}",
+        f"MFU              {pred.mfu.value:.1%}  ({pred.mfu_note})"
+        if pred.mfu
+        else f"MFU              {pred.mfu_note}",
+        "",
+    ]
+    lines = []
+    for m in pred.memory:
+        lines.append(
+            [
+                str(m.stage),
+                human_bytes(m.weights.value),
+                human_bytes(m.gradients.value),
+                human_bytes(m.optimizer.value),
+                f"{human_bytes(m.activations.value)} [{m.activations.source.kind}]",
+                human_bytes(m.korthikanti_activations.value),
+                human_bytes(m.logits.value),
+                human_bytes(m.total),
+            ]
+        )
+    headers = ["stage", "weights", "grads", "optimizer", "activations", "Korthikanti", "logits", "total/GPU"]
+    out += ["memory per GPU", text_table(headers, lines, [True] * 8), ""]
+    out.append("sources")
+    for st in pred.stages:
+        for name, phase, t, count in st.items:
+            out.append(
+                f"  stage {st.index} {name}.{phase} x{count}: {_t(t.seconds)} [{t.source.kind}] "
+                f"{t.source.detail}"
+            )
+    for m in pred.memory:
+        out.append(
+            f"  stage {m.stage} activations: [{m.activations.source.kind}] {m.activations.source.detail}"
+        )
+        out.append(f"  stage {m.stage} parameters: [{m.params.source.kind}] {m.params.source.detail}")
+    if pred.missing:
+        out += ["", "not measured at this layout's point; to measure:"]
+        out += [f"  {command}" for command in dict.fromkeys(item["command"] for item in pred.missing)]
+    if pred.warnings:
+        out += [""] + [f"warning: {w}" for w in pred.warnings]
+    return "\n".join(out)

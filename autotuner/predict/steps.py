@@ -1,0 +1,594 @@
+"""Real training steps, timed and metered: the measured side of ``autotuner.predict ... validate=true``.
+
+A prediction is only as good as its error on the thing it predicts, so this module runs that thing: the
+whole Megatron-Core ``GPTModel`` (embedding, the layers, final norm, output layer and loss) trained for a
+few steps in a given :class:`~autotuner.predict.layout.Layout`, and reports how long a step took and how
+much memory it held.
+
+What one step is (as Megatron's ``train_step`` does it, less what a layout here cannot have)::
+
+    zero the gradients (kept allocated, as Megatron's DDP keeps its gradient buffer)
+    forward_backward_func = megatron.core.pipeline_parallel.get_forward_backward_func()
+    forward_backward_func(...)        # every micro-batch of the global batch: forward, loss, backward;
+                                      # PP=1: Megatron's no-pipelining schedule (gradients accumulate),
+                                      # PP>1: its 1F1B schedule, activations sent between stages (gloo on CPU)
+    all-reduce sequence-parallel gradients over TP (what Megatron's finalize_model_grads does for them)
+    optimizer.step()                  # torch.optim.Adam over this rank's parameters, timed on its own
+
+The optimizer is ``torch.optim.Adam`` (not Megatron's ``DistributedOptimizer``, which needs Megatron's
+DDP wrapper and its grad buffers): on fp32 parameters it keeps what Megatron's fp32 Adam keeps, two
+states per parameter, and no master copy. A bf16 model would keep Megatron's fp32 master weights
+besides; this does not (say so when comparing bf16 memory).
+
+Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU). ``warmup``
+steps first (the first allocates the gradients and Adam's states), then one metered step (below), then
+``repeats`` timed steps. Every rank times every step; under torchrun the ranks meet at a barrier before
+each step, so a step's time is the slowest rank's (the step ends when the last stage finishes), and the
+reported step time is the median over the timed steps of that maximum, with its interquartile range.
+
+Peak memory: the memory in use when the metered step begins, counted by storage (parameters, their
+gradients, the optimizer's states: :func:`autotuner.measure.memory.weight_bytes`), plus the peak above
+that during the step from :func:`autotuner.measure.memory.peak_bytes` (on CPU the running sum of the
+allocator events ``torch.profiler`` records with ``profile_memory=True``; on a GPU the caching allocator's
+``max_memory_allocated``). Process RSS is not used: it counts the allocator's caches and Python. The
+metered step is not timed (the profiler slows it). The peak of a run is the largest over its ranks.
+
+Weights: seeded as every run of the project is (autotuner.model.runtime.seed_everything with the
+config's ``seed``), built by autotuner.model.build.build_model. A pipeline stage holds exactly the
+weights of the same layers of the single-process model: each rank builds that whole model from the seed
+first and copies its stage's parameters from it (a stage built alone would draw its layers' weights from
+the start of the random stream). So PP=2 computes the same function as PP=1, and its loss can be
+checked against it. The batch is fixed: random tokens from a generator seeded with ``seed``, the labels
+the next token, an explicit causal mask.
+
+Under torchrun (TP x PP processes) call :func:`measure_steps` on every rank, or run
+``python -m autotuner.predict.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
+runs it and reads the result). Not measured here: data parallelism (dp > 1), the interleaved schedule
+(vpp > 1), expert parallelism and the distributed optimizer (UserError).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from autotuner.errors import UserError
+from autotuner.predict.layout import Layout
+
+OPTIMIZER = "torch.optim.Adam"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class RankSteps:
+    """One rank's measurements. Times per step, in step order: ``warmup`` steps, the metered step (not
+    timed: 0.0), then the timed steps."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    forward_backward_s: tuple[float, ...]  # zeroing the grads and the schedule (all micro-batches)
+    optimizer_s: tuple[float, ...]  # the sequence-parallel grad all-reduce (if any) and Adam's step
+    losses: tuple[float, ...]  # every step's mean loss over its micro-batches; empty off the last stage
+    parameter_bytes: int  # this rank's parameters
+    resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
+    step_peak_bytes: int  # the peak above that during the metered step
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.step_peak_bytes
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """Measured training steps of one layout: raw per-rank data; statistics as properties."""
+
+    case: str
+    overrides: tuple[str, ...]
+    layout: Layout
+    command: tuple[str, ...]  # the command line that repeats this measurement
+    warmup: int
+    repeats: int
+    device: str
+    optimizer: str
+    schedule: str  # the Megatron-Core schedule get_forward_backward_func chose
+    ranks: tuple[RankSteps, ...]
+
+    def _timed(self, per_rank: Callable[[RankSteps], tuple[float, ...]]) -> list[float]:
+        """Per timed step, the slowest rank's time."""
+        first = self.warmup + 1
+        return [max(per_rank(r)[i] for r in self.ranks) for i in range(first, first + self.repeats)]
+
+    @property
+    def step_times_s(self) -> list[float]:
+        return self._timed(
+            lambda r: tuple(f + o for f, o in zip(r.forward_backward_s, r.optimizer_s, strict=True))
+        )
+
+    @property
+    def step_s(self) -> float:
+        """Median step time (slowest rank per step)."""
+        return statistics.median(self.step_times_s)
+
+    @property
+    def step_iqr_s(self) -> float:
+        times = self.step_times_s
+        if len(times) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+        return q3 - q1
+
+    @property
+    def forward_backward_s(self) -> float:
+        return statistics.median(self._timed(lambda r: r.forward_backward_s))
+
+    @property
+    def optimizer_s(self) -> float:
+        return statistics.median(self._timed(lambda r: r.optimizer_s))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest peak over the ranks (memory per GPU is what must fit)."""
+        return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def losses(self) -> tuple[float, ...]:
+        """Every step's loss, from the first rank of the last pipeline stage."""
+        return next(r.losses for r in self.ranks if r.losses)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layout", "ranks")},
+            "layout": self.layout.to_json(),
+            "ranks": [asdict(r) for r in self.ranks],
+            "step_s": self.step_s,
+            "step_iqr_s": self.step_iqr_s,
+            "forward_backward_s": self.forward_backward_s,
+            "optimizer_s": self.optimizer_s,
+            "peak_bytes": self.peak_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepMeasurement:
+        layout_fields = {f.name for f in fields(Layout)}
+        layout = Layout(**{k: v for k, v in data["layout"].items() if k in layout_fields})
+        ranks = tuple(
+            RankSteps(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
+            for r in data["ranks"]
+        )
+        own = {f.name for f in fields(cls)} - {"layout", "ranks"}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in own}
+        return cls(**values, layout=layout, ranks=ranks)
+
+
+def _check_layout(layout: Layout) -> None:
+    unsupported = {
+        "dp": layout.dp != 1,
+        "vpp": layout.vpp != 1,
+        "ep": layout.ep != 1,
+        "distributed_optimizer": layout.distributed_optimizer,
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise UserError(
+            "measured steps cover TP, PP, micro-batches, recompute and sequence parallelism, "
+            f"not {', '.join(bad)}: set dp=1 vpp=1 ep=1 distributed_optimizer=false for validate=true"
+        )
+
+
+def _recompute_overrides(recompute: str) -> list[str]:
+    if recompute == "selective":
+        return ["tf.recompute_granularity=selective"]
+    if recompute == "full":  # every layer re-runs its forward in the backward (Megatron's uniform method)
+        return ["tf.recompute_granularity=full", "tf.recompute_method=uniform", "tf.recompute_num_layers=1"]
+    return []
+
+
+def _config_overrides(case: str, overrides: list[str], layout: Layout) -> list[str]:
+    """The project's config overrides for this case and layout (the whole model, PP=1: the stage config
+    is derived from it)."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+")
+        if key in (
+            "dtype",
+            "tf.tensor_model_parallel_size",
+            "tf.pipeline_model_parallel_size",
+            "tf.sequence_parallel",
+        ):
+            raise UserError(
+                f"{override!r} is set by the layout: give layout.dtype, layout.tp, layout.pp or "
+                "layout.sequence_parallel instead"
+            )
+    return [
+        f"case={case}",
+        *overrides,
+        f"dtype={layout.dtype}",
+        f"tf.tensor_model_parallel_size={layout.tp}",
+        *(["tf.sequence_parallel=true"] if layout.sequence_parallel else []),
+        *_recompute_overrides(layout.recompute),
+        f"shapes.seq_len=[{layout.seq_len}]",
+        f"shapes.micro_batch_size=[{layout.micro_batch_size}]",
+    ]
+
+
+def steps_command(
+    case: str,
+    overrides: list[str],
+    layout: Layout,
+    repeats: int,
+    warmup: int,
+    out: str | os.PathLike[str],
+    lr: float = 1e-3,
+) -> list[str]:
+    """The command line that measures these steps: torchrun with TP x PP processes when that is above one."""
+    args = [
+        "-m",
+        "autotuner.predict.steps",
+        f"out={out}",
+        f"case={case}",
+        f"repeats={repeats}",
+        f"warmup={warmup}",
+        f"lr={lr}",
+        *(f"layout.{f.name}={_text(getattr(layout, f.name))}" for f in fields(Layout)),
+        *overrides,
+    ]
+    world = layout.tp * layout.pp
+    if world == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _stage_model(spec: Any, layout: Layout, device: Any) -> Any:
+    """This rank's part of the GPTModel with the single-process model's weights (see the module doc)."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state
+
+    from autotuner.model.build import ModelParts, build_model
+    from autotuner.model.runtime import DTYPES, seed_everything
+
+    args, config = spec.model_args, spec.tf_config
+    whole = ModelParts(num_layers=config.num_layers, pre_process=True, post_process=True)
+    seed_everything(spec.seed, device)
+    model = build_model(args, config, whole, device, spec.use_transformer_engine)
+    if layout.pp == 1:
+        return model
+    stage_config = dataclasses.replace(
+        config, pipeline_model_parallel_size=layout.pp, pipeline_dtype=DTYPES[spec.dtype]
+    )
+    stage = ModelParts(
+        num_layers=config.num_layers,  # the whole model's: Megatron builds this stage's share of them
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    part = build_model(args, stage_config, stage, device, spec.use_transformer_engine)
+    offset = parallel_state.get_pipeline_model_parallel_rank() * (config.num_layers // layout.pp)
+    source = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in part.named_parameters():
+            whole_name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+            param.copy_(source[whole_name])
+    del model, source
+    return part
+
+
+def _batches(spec: Any, layout: Layout, device: Any) -> list[dict[str, Any]]:
+    """The global batch as micro-batches: seeded random tokens, next-token labels, a causal mask."""
+    import torch
+
+    generator = torch.Generator().manual_seed(spec.seed)
+    s, b = layout.seq_len, layout.micro_batch_size
+    tokens = torch.randint(spec.model_args.vocab_size, (layout.microbatches, b, s + 1), generator=generator)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    positions = torch.arange(s, device=device).expand(b, s)
+    return [
+        {
+            "input_ids": t[:, :-1].to(device),
+            "labels": t[:, 1:].to(device),
+            "position_ids": positions,
+            "mask": mask,
+        }
+        for t in tokens
+    ]
+
+
+def _forward_step(data: Iterator[dict[str, Any]], model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    batch = next(data)
+    losses = model(batch["input_ids"], batch["position_ids"], batch["mask"], labels=batch["labels"])
+
+    def loss_func(per_token: Any) -> tuple[Any, dict[str, Any]]:
+        # the legacy two-value form: the schedule divides the loss by the number of micro-batches
+        loss = per_token.float().mean()
+        return loss, {"loss": loss.detach().clone()}  # the schedule divides ``loss`` in place
+
+    return losses, loss_func
+
+
+def _sequence_parallel_grads(model: Any) -> None:
+    """All-reduce over TP the gradients of parameters every TP rank holds whole but sees a sequence slice
+    of (the norms under sequence parallelism), as Megatron's finalize_model_grads does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+
+
+def measure_steps(
+    case: str,
+    overrides: list[str] | tuple[str, ...],
+    layout: Layout,
+    repeats: int = 5,
+    warmup: int = 2,
+    lr: float = 1e-3,
+) -> StepMeasurement:
+    """Train the case's whole model in ``layout`` for ``warmup`` + 1 + ``repeats`` steps and measure them
+    (module docstring). Under torchrun every rank calls this and gets the same result (all ranks' data).
+    ``overrides``: the project's config overrides (``hf.``, ``tf.``, ``device=``, ``seed=``...)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from autotuner.config import compose_config
+    from autotuner.measure.memory import peak_bytes, weight_bytes
+    from autotuner.model import cpu_bridges
+    from autotuner.model.runtime import init_parallel
+    from autotuner.runner.spec import resolve_spec
+
+    if repeats < 1 or warmup < 0:
+        raise UserError(f"repeats={repeats}, warmup={warmup}: give repeats >= 1 and warmup >= 0")
+    _check_layout(layout)
+    overrides = list(overrides)
+    spec = resolve_spec(compose_config(_config_overrides(case, overrides, layout)))
+    config = spec.tf_config
+    layout.check(
+        config.num_layers, config.num_attention_heads, config.num_query_groups, config.num_moe_experts
+    )
+    if spec.world != layout.tp * layout.pp:
+        raise UserError(
+            f"layout tp={layout.tp} pp={layout.pp} needs {layout.tp * layout.pp} processes, this job has "
+            f"{spec.world}: run it with torchrun --nproc-per-node={layout.tp * layout.pp}"
+        )
+    device = spec.device
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    cpu_bridges.apply(device)
+    init_parallel(
+        device,
+        layout.tp,
+        config.expert_model_parallel_size,
+        config.expert_tensor_parallel_size,
+        pipeline_parallel=layout.pp,
+    )
+    if parallel_state.get_pipeline_model_parallel_world_size() != layout.pp:
+        raise UserError(
+            "Megatron's parallel state in this process was set up for another layout: "
+            f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
+        )
+    model = _stage_model(spec, layout, device)
+    batches = _batches(spec, layout, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    forward_backward = get_forward_backward_func()
+    world = spec.world
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def forward_backward_step() -> list[dict[str, Any]]:
+        optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in Megatron's DDP buffer
+        return forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=iter(batches),
+            model=model,
+            num_microbatches=layout.microbatches,
+            seq_length=layout.seq_len,
+            micro_batch_size=layout.micro_batch_size,
+            forward_only=False,
+        )
+
+    def optimizer_step() -> None:
+        if layout.sequence_parallel:
+            _sequence_parallel_grads(model)
+        optimizer.step()
+
+    fb_s: list[float] = []
+    opt_s: list[float] = []
+    losses: list[float] = []
+    resident = step_peak = parameters = 0
+    for step in range(warmup + 1 + repeats):
+        if world > 1:
+            dist.barrier()
+        if step == warmup:  # the metered step
+            state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            resident = weight_bytes([*model.parameters(), *grads, *state])
+            parameters = weight_bytes(model.parameters())
+            stored: list[list[dict[str, Any]]] = []
+
+            def metered() -> None:
+                stored.append(forward_backward_step())  # noqa: B023 - called right here
+                optimizer_step()
+
+            step_peak = peak_bytes(metered, device)
+            fb_s.append(0.0)
+            opt_s.append(0.0)
+            store = stored[0]
+        else:
+            sync()
+            start = time.perf_counter()
+            store = forward_backward_step()
+            sync()
+            middle = time.perf_counter()
+            optimizer_step()
+            sync()
+            fb_s.append(middle - start)
+            opt_s.append(time.perf_counter() - middle)
+        if store:
+            losses.append(float(torch.stack([item["loss"] for item in store]).float().mean()))
+    mine = RankSteps(
+        rank=spec.rank,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        forward_backward_s=tuple(fb_s),
+        optimizer_s=tuple(opt_s),
+        losses=tuple(losses),
+        parameter_bytes=int(parameters),
+        resident_bytes=int(resident),
+        step_peak_bytes=int(step_peak),
+    )
+    ranks = _gather(mine, world, len(fb_s)) if world > 1 else (mine,)
+    return StepMeasurement(
+        case=case,
+        overrides=tuple(overrides),
+        layout=layout,
+        command=tuple(steps_command(case, overrides, layout, repeats, warmup, "<out.json>", lr)),
+        warmup=warmup,
+        repeats=repeats,
+        device=str(device),
+        optimizer=f"{OPTIMIZER}(lr={lr})",
+        schedule=f"megatron.core.pipeline_parallel.schedules.{forward_backward.__name__}",
+        ranks=ranks,
+    )
+
+
+def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
+    """Every rank's RankSteps on every rank, as one float64 tensor each (no pickled objects)."""
+    import torch
+    import torch.distributed as dist
+
+    def pack(r: RankSteps) -> Any:
+        losses = list(r.losses) + [float("nan")] * (steps - len(r.losses))
+        head = [
+            r.rank,
+            r.tp_rank,
+            r.pp_rank,
+            r.parameter_bytes,
+            r.resident_bytes,
+            r.step_peak_bytes,
+            len(r.losses),
+        ]
+        return torch.tensor([*head, *r.forward_backward_s, *r.optimizer_s, *losses], dtype=torch.float64)
+
+    local = pack(mine)
+    everyone = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)
+    ranks = []
+    for packed in everyone:
+        v = packed.tolist()
+        head, rest = v[:7], v[7:]
+        ranks.append(
+            RankSteps(
+                rank=int(head[0]),
+                tp_rank=int(head[1]),
+                pp_rank=int(head[2]),
+                parameter_bytes=int(head[3]),
+                resident_bytes=int(head[4]),
+                step_peak_bytes=int(head[5]),
+                forward_backward_s=tuple(rest[:steps]),
+                optimizer_s=tuple(rest[steps : 2 * steps]),
+                losses=tuple(rest[2 * steps : 2 * steps + int(head[6])]),
+            )
+        )
+    return tuple(sorted(ranks, key=lambda r: r.rank))
+
+
+def run_steps(
+    case: str,
+    overrides: list[str],
+    layout: Layout,
+    out: str | os.PathLike[str],
+    repeats: int = 5,
+    warmup: int = 2,
+    lr: float = 1e-3,
+    timeout_s: float = 600,
+) -> StepMeasurement:
+    """Measure in fresh processes (torchrun for TP x PP > 1) and read the result back from ``out``.
+    A run past ``timeout_s`` (a rank that hangs in the pipeline) is killed: subprocess.TimeoutExpired."""
+    command = steps_command(case, overrides, layout, repeats, warmup, out, lr)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise RuntimeError(f"measured steps failed ({proc.returncode}): {lines[-1] if lines else ''}")
+    return StepMeasurement.from_json(json.loads(Path(out).read_text()))
+
+
+def _value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
+    """``out=`` ``case=`` ``repeats=`` ``warmup=`` ``lr=`` and ``layout.<field>=``; anything else is a
+    config override passed on."""
+    own: dict[str, Any] = {"case": "tiny", "repeats": 5, "warmup": 2, "lr": 1e-3, "out": None}
+    layout: dict[str, Any] = {}
+    overrides = []
+    layout_fields = {f.name for f in fields(Layout)}
+    for arg in argv:
+        key, sep, text = arg.partition("=")
+        if not sep:
+            raise UserError(f"{arg!r} is not key=value: give e.g. layout.tp=2 or hf.hidden_size=256")
+        if key.startswith("layout."):
+            name = key.removeprefix("layout.")
+            if name not in layout_fields:
+                raise UserError(
+                    f"unknown layout field {name!r}: use one of {', '.join(sorted(layout_fields))}"
+                )
+            layout[name] = _value(text)
+        elif key in own:
+            own[key] = text if key in ("case", "out") else _value(text)
+        else:
+            overrides.append(arg)
+    if not own["out"]:
+        raise UserError("no out=: give out=<file.json> for the measured steps")
+    if "seq_len" not in layout:
+        raise UserError("no layout.seq_len: give e.g. layout.seq_len=32")
+    return own, Layout(**layout), overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    from autotuner.model.runtime import quiet_megatron_import
+    from autotuner.results.atomic import atomic_write_text
+
+    try:
+        own, layout, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+        quiet_megatron_import()
+        result = measure_steps(own["case"], overrides, layout, own["repeats"], own["warmup"], own["lr"])
+    except UserError as exc:
+        print(f"autotuner: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    if result.ranks and int(os.environ.get("RANK", 0)) == 0:
+        data = result.to_json()
+        data["command"] = steps_command(
+            own["case"], overrides, layout, own["repeats"], own["warmup"], own["out"], own["lr"]
+        )
+        atomic_write_text(own["out"], json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

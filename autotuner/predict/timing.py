@@ -1,0 +1,476 @@
+"""Time per micro-batch of each pipeline stage, and the step time, from measured op rows.
+
+**An op's time at the layout's point** (sequence length s, micro-batch b, tensor-parallel size t), tried
+in this order, each result carrying its ``Source``:
+
+1. *measured*: the op's row at exactly (s, b, t) (under torchrun: the ``rank="max"`` row, the slowest
+   rank, which includes the TP collectives inside the op);
+2. for a composite op (``transformer_layer``, ``self_attention``, ``mlp``, ...: the op tree of
+   autotuner.ops_test.places): the sum of its direct sub-ops measured at exactly that point (recursively;
+   a sub-op that a run ``skipped`` as not in this model, or an alternative at the same place, as the
+   dense MLP beside an MoE layer, counts nothing);
+3. *scaled* from the op's own row at the nearest measured point (s', b') at the same t, by the op's rule:
+   GEMMs (``GEMM_OPS``, the dense MLP too) by FLOPs at the efficiency measured there (a GEMM's FLOPs grow
+   with the tokens s*b, so t = t' * s*b / (s'*b') with the efficiency stated); ``core_attention`` by
+   s^2*b (the score and value products); the layer and its attention block by their analytic FLOPs
+   (GEMMs linear in tokens, attention 4*s^2*b*heads*head_dim); everything else (norms,
+   bias-dropout-add, rope, the activation, the embedding) by tokens s*b; where the op has no row of its
+   own, the sum of its sub-ops each scaled so;
+4. the same from rows measured without tensor parallelism (t=1), divided by t, except what Megatron
+   does not split without sequence parallelism (``REPLICATED_WITHOUT_SP``: the layer norms and
+   bias-dropout-adds, and the embedding), plus the TP collectives modelled from the calibrated link
+   bandwidth (autotuner.predict.links): per layer 2 all-reduces of s*b*h elements forward and 2 backward
+   (Shoeybi et al. 2019, Megatron-LM, section 3), or with sequence parallelism 2 all-gathers + 2
+   reduce-scatters each way (Korthikanti et al. 2022, section 4.2.2);
+5. *modelled*: the analytic FLOPs (backward: 2x forward) over the calibrated peak (``peak_flops[dtype]``),
+   or, without a calibration, over the best throughput any GEMM row of the runs reached (said so); the
+   embedding and norms as memory-bound, 2*s*b*h elements moved over the calibrated memory bandwidth.
+
+A figure that is not measured at the exact point and TP also yields a ``Missing`` record: the profiling
+run that would measure it (never a silent zero).
+
+**A stage's time per micro-batch**: layers per stage (L/pp) x the layer's forward and backward, plus the
+embedding on the first stage and the final norm + output layer on the last; recompute adds the forward it
+re-runs inside the backward (full: every layer's forward; selective: core attention's forward, as
+Megatron's ``recompute_granularity=selective``).
+
+**The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
+section 2.2): 1F1B with m micro-batches on p stages takes (m + p - 1) x (t_f + t_b) of the slowest stage,
+bubble fraction (p-1)/m; interleaved with v virtual stages per rank the bubble shrinks to (p-1)/(v*m), so
+the step is m * (t_f + t_b) * (1 + (p-1)/(v*m)). Then the data-parallel gradient reduction (all-reduce of
+the stage's gradients; with the distributed optimizer reduce-scatter of the gradients + all-gather of the
+parameters) and the Adam step (bytes read and written per parameter over the calibrated memory
+bandwidth). Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotuner.ops_test.places import OpTree, op_tree
+from autotuner.predict.inputs import GEMM_OPS, Measurements, Missing, ModelShape, describe_row
+from autotuner.predict.layout import Layout, Source, worst_kind
+from autotuner.predict.links import collective_seconds
+
+PHASES = ("forward", "backward")
+ATTENTION_OPS = frozenset({"core_attention"})
+# What Megatron keeps whole on every TP rank unless sequence parallelism splits the sequence.
+REPLICATED_WITHOUT_SP = frozenset(
+    {"input_layernorm", "pre_mlp_layernorm", "self_attn_bda", "mlp_bda", "final_layernorm", "embedding"}
+)
+# Ops whose time the analytic FLOPs model (step 3 and 5 of the module docstring).
+ANALYTIC_OPS = frozenset({"transformer_layer", "self_attention", "output_layer"})
+# Without a calibration, and without any GEMM row to take a throughput from: said as an assumption.
+ASSUMED_PEAK_FLOPS = 1e12
+ASSUMED_MEMORY_BANDWIDTH = 1e10
+# Adam with mixed precision (Megatron's DistributedOptimizer / FP32 main params): per parameter, read main
+# grad, fp32 master, exp_avg, exp_avg_sq (4 B each), write master, exp_avg, exp_avg_sq (4 B) and the
+# model's bf16/fp16 copy (2 B); in fp32 the master is the parameter itself.
+ADAM_BYTES = {"bf16": 16 + 14, "fp16": 16 + 14, "fp32": 16 + 12}
+OVERLAP = (
+    "nothing overlaps: TP collectives, DP gradient reduction and the optimizer step are added to the "
+    "pipeline's time (an upper bound; Megatron can overlap the DP reduction with the backward)"
+)
+
+
+# ---------------------------------------------------------------------------------------- one op
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One op's time per micro-batch on one GPU, its source, the leaf ops it is made of (for the op that
+    dominates), and what would measure it where it was not measured."""
+
+    seconds: float
+    source: Source
+    parts: Mapping[str, float] = field(default_factory=dict)
+    missing: tuple[Missing, ...] = ()
+    rows_tp: int = 0  # the tensor-parallel size of the rows it came from (0: modelled)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "source": self.source.to_json(), "parts": dict(self.parts)}
+
+
+def _children(tree: OpTree, op: str) -> tuple[str, ...]:
+    return tree.children(op) if op in tree.parents else ()
+
+
+class TimeModel:
+    """Resolves each op's time at one layout's point by the rules of the module docstring."""
+
+    def __init__(
+        self,
+        meas: Measurements,
+        model: ModelShape,
+        layout: Layout,
+        calibration: Mapping[str, Any] | None,
+        tree: OpTree | None = None,
+    ) -> None:
+        self.meas, self.model, self.layout = meas, model, layout
+        self.calibration = dict(calibration or {})
+        self.tree = tree or op_tree()
+        self.warnings: list[str] = []
+
+    # -- calibration ----------------------------------------------------------------------------------
+    def peak_flops(self) -> tuple[float, str]:
+        peak = (self.calibration.get("peak_flops") or {}).get(self.layout.dtype)
+        if peak:
+            return float(peak), f"calibrated peak_flops[{self.layout.dtype}] {peak / 1e12:.4g} TFLOP/s"
+        best = self.meas.best_gemm_throughput()
+        if best:
+            return best, f"no calibrated peak: the best GEMM row's {best / 1e12:.4g} TFLOP/s"
+        self._warn(f"no calibration and no GEMM rows: assumed a peak of {ASSUMED_PEAK_FLOPS:.3g} FLOP/s")
+        return ASSUMED_PEAK_FLOPS, f"ASSUMED peak {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (no calibration)"
+
+    def memory_bandwidth(self) -> tuple[float, str]:
+        bw = self.calibration.get("memory_bandwidth")
+        if bw:
+            return float(bw), f"calibrated memory_bandwidth {bw / 1e9:.4g} GB/s"
+        self._warn(
+            f"no calibrated memory_bandwidth: assumed {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s "
+            "(python -m autotuner.calibrate measures it)"
+        )
+        return ASSUMED_MEMORY_BANDWIDTH, f"ASSUMED memory bandwidth {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s"
+
+    def _warn(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+    # -- rows at one basis ----------------------------------------------------------------------------
+    def _scale(self, op: str, row: Mapping[str, Any], s: int, b: int) -> tuple[float, str]:
+        """(seconds at (s, b), the rule) from a row at another point."""
+        rs, rb = int(row["seq_len"]), int(row["micro_batch_size"])
+        t = row["median_us"] * 1e-6
+        if op in GEMM_OPS:
+            ratio = (s * b) / (rs * rb)
+            if row.get("flops"):
+                eff = row["flops"] / t
+                return row[
+                    "flops"
+                ] * ratio / eff, f"GEMM by FLOPs at the measured efficiency {eff / 1e12:.4g} TFLOP/s"
+            return t * ratio, "GEMM by FLOPs (linear in tokens s*b)"
+        if op in ATTENTION_OPS:
+            return t * (s * s * b) / (rs * rs * rb), "attention by s^2*b"
+        if op in ANALYTIC_OPS:
+            ratio = self.model.forward_flops(op, s, b) / self.model.forward_flops(op, rs, rb)
+            return t * ratio, "by the analytic FLOPs (GEMMs by tokens, attention by s^2*b)"
+        return t * (s * b) / (rs * rb), "elementwise by tokens s*b"
+
+    def _alternative_measured(self, op: str) -> bool:
+        """Whether another op at the same place in the model was measured (the dense MLP vs the MoE layer):
+        then this one is not part of this model."""
+        test = self.tree.tests[op]
+        return any(
+            other != op
+            and t.where == test.where
+            and t.container == test.container
+            and other in self.meas.seen_ops
+            for other, t in self.tree.tests.items()
+        )
+
+    def _at_basis(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
+        """The op at the layout's (s, b) from rows at tensor-parallel size ``basis`` alone (no division by
+        tp, no collectives added); None if these rows cannot give it."""
+        s, b = self.layout.seq_len, self.layout.micro_batch_size
+        row = self.meas.exact(op, phase, s, b, basis)
+        if row is not None:
+            seconds = row["median_us"] * 1e-6
+            return OpTime(seconds, Source("measured", describe_row(row)), {op: seconds}, rows_tp=basis)
+        exact_sum = self._sub_op_sum(op, phase, basis, exact_only=True)
+        if exact_sum is not None or exact_only:
+            return exact_sum
+        row = self.meas.nearest(op, phase, s, b, basis)
+        if row is not None:
+            seconds, rule = self._scale(op, row, s, b)
+            source = Source("scaled", f"{rule}, from {describe_row(row)}")
+            return OpTime(seconds, source, {op: seconds}, rows_tp=basis)
+        return self._sub_op_sum(op, phase, basis, exact_only=False)
+
+    def _sub_op_sum(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
+        """The sum of a composite op's direct sub-ops at ``basis`` (None for a leaf, or if one is lacking)."""
+        kids = [
+            c
+            for c in _children(self.tree, op)
+            if c not in self.meas.skipped and not self._alternative_measured(c)
+        ]
+        if not kids:
+            return None
+        got = [self._at_basis(c, phase, basis, exact_only) for c in kids]
+        if any(p is None for p in got):
+            return None
+        parts = [p for p in got if p is not None]
+        leaves: dict[str, float] = {}
+        for p in parts:
+            leaves.update(p.parts)
+        detail = f"sum of {op}'s sub-ops ({', '.join(kids)}) at tp={basis}"
+        return OpTime(
+            sum(p.seconds for p in parts),
+            Source(worst_kind([p.source for p in parts]), detail),
+            leaves,
+            rows_tp=basis,
+        )
+
+    def _divided(self, op: str, got: OpTime) -> OpTime:
+        """A time from rows without TP, on one of tp ranks: divided by tp except where Megatron replicates
+        the work on every rank (REPLICATED_WITHOUT_SP)."""
+        tp, sp = self.layout.tp, self.layout.sequence_parallel
+        parts = {}
+        for leaf, sec in got.parts.items():
+            parts[leaf] = sec if (leaf in REPLICATED_WITHOUT_SP and not sp) else sec / tp
+        if op in REPLICATED_WITHOUT_SP and not sp:
+            detail = f"{got.source.detail}; replicated on each of tp={tp} ranks"
+            return OpTime(got.seconds, Source("scaled", detail), parts, rows_tp=1)
+        detail = f"{got.source.detail}; divided over tp={tp} (TP=1 rows)"
+        return OpTime(sum(parts.values()), Source("scaled", detail), parts, rows_tp=1)
+
+    def _modelled(self, op: str, phase: str) -> OpTime | None:
+        s, b = self.layout.seq_len, self.layout.micro_batch_size
+        factor = 1.0 if phase == "forward" else 2.0  # backward: input and weight gradients, 2x forward
+        if op in ANALYTIC_OPS or op in ATTENTION_OPS:
+            peak, said = self.peak_flops()
+            flops = factor * self.model.forward_flops(op, s, b) / self.layout.tp
+            return OpTime(
+                flops / peak,
+                Source("modelled", f"{flops:.4g} FLOP ({phase}, analytic, /tp) / {said}"),
+                {op: flops / peak},
+            )
+        # Memory-bound ops (the embedding, norms): read the input and write the output, s*b*h elements each.
+        bw, said = self.memory_bandwidth()
+        nbytes = factor * 2 * s * b * self.model.hidden * self.layout.bytes_per_element
+        return OpTime(
+            nbytes / bw, Source("modelled", f"{nbytes:.4g} B moved ({phase}) / {said}"), {op: nbytes / bw}
+        )
+
+    def op(self, op: str, phase: str) -> OpTime:
+        """The op at the layout's point on one GPU, without TP collectives (see :meth:`collectives`);
+        ``missing`` set unless measured at exactly this point and TP."""
+        s, b, tp = self.layout.seq_len, self.layout.micro_batch_size, self.layout.tp
+        miss = Missing(op, phase, s, b, tp, "not measured at this point and tensor-parallel size")
+        for exact_only in (True, False):
+            got = self._at_basis(op, phase, tp, exact_only)
+            if got is not None:
+                if got.source.kind == "measured":
+                    return got
+                return OpTime(got.seconds, got.source, got.parts, (miss,), rows_tp=tp)
+        if tp > 1:
+            for exact_only in (True, False):
+                got = self._at_basis(op, phase, 1, exact_only)
+                if got is not None:
+                    d = self._divided(op, got)
+                    return OpTime(d.seconds, d.source, d.parts, (miss,), rows_tp=1)
+        got = self._modelled(op, phase)
+        assert got is not None
+        return OpTime(got.seconds, got.source, got.parts, (miss,))
+
+    def sub_op_parts(self, op: str, phase: str) -> dict[str, float]:
+        """The leaf times of ``op``'s sub-ops (ignoring the op's own row), for apportioning only."""
+        for basis in dict.fromkeys((self.layout.tp, 1)):
+            out: dict[str, float] = {}
+            for kid in _children(self.tree, op):
+                if kid in self.meas.skipped or self._alternative_measured(kid):
+                    continue
+                got = self._at_basis(kid, phase, basis, exact_only=False)
+                if got is not None:
+                    out.update(got.parts)
+            if out:
+                return out
+        return {}
+
+    def measured_at_tp(self, op: str, phase: str) -> bool:
+        """Whether the op's time comes from rows measured at the layout's TP (under torchrun: the TP
+        collectives are inside the rows)."""
+        return self.op(op, phase).rows_tp == self.layout.tp
+
+    # -- collectives ----------------------------------------------------------------------------------
+    def collective(self, kind: str, nbytes: float, world: int) -> tuple[float, Source]:
+        """A collective's time over the links (autotuner.predict.links); rows measured on CPUs only and no
+        calibration naming its device: gloo's links, as such a layout runs (the validation on CPU)."""
+        backend = "gloo" if self.meas.devices == {"cpu"} and "device_type" not in self.calibration else None
+        return collective_seconds(self.calibration, kind, nbytes, world, backend)
+
+    def tp_collectives(self, op: str, phase: str) -> tuple[float, Source] | None:
+        """The TP collectives of one op per micro-batch when its rows did not include them (rows from
+        TP=1); None when they are in the measured rows or tp=1. Layer: 2 all-reduces of s*b*h forward and
+        2 backward (SP: 2 all-gathers + 2 reduce-scatters); embedding: 1 forward; output layer: 1 backward."""
+        tp = self.layout.tp
+        if tp == 1 or self.measured_at_tp(op, phase):
+            return None
+        count = {"transformer_layer": 2, "embedding": 1 if phase == "forward" else 0}.get(op, 0)
+        if op == "output_layer":
+            count = 1 if phase == "backward" else 0
+        if not count:
+            return None
+        nbytes = (
+            self.layout.seq_len
+            * self.layout.micro_batch_size
+            * self.model.hidden
+            * self.layout.bytes_per_element
+        )
+        if self.layout.sequence_parallel:
+            ag, src_ag = self.collective("all_gather", nbytes, tp)
+            rs, src_rs = self.collective("reduce_scatter", nbytes, tp)
+            seconds = count * (ag + rs)
+            detail = (
+                f"{count} all-gather + {count} reduce-scatter of {nbytes:.4g} B over tp={tp}: {src_ag.detail}"
+            )
+            return seconds, Source("modelled", detail)
+        ar, src = self.collective("all_reduce", nbytes, tp)
+        return count * ar, Source(
+            "modelled", f"{count} all-reduce of {nbytes:.4g} B over tp={tp}: {src.detail}"
+        )
+
+
+# ------------------------------------------------------------------------------------ stages and step
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One pipeline stage (one rank's share; with vpp, its v chunks together) per micro-batch."""
+
+    index: int
+    layers: int
+    forward: float
+    backward: float
+    items: tuple[tuple[str, str, OpTime, int], ...]  # (name, phase, time, count)
+    dominant: str
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.index,
+            "layers": self.layers,
+            "forward_s": self.forward,
+            "backward_s": self.backward,
+            "dominant_op": self.dominant,
+            "items": [
+                {"name": n, "phase": p, "count": c, **t.to_json(), "total_s": t.seconds * c}
+                for n, p, t, c in self.items
+            ],
+        }
+
+
+def stage_times(tm: TimeModel) -> list[StageTime]:
+    """Each stage's forward and backward per micro-batch (module docstring)."""
+    lay, model = tm.layout, tm.model
+    per_stage = model.num_layers // lay.pp
+    stages = []
+    for index in range(lay.pp):
+        items: list[tuple[str, str, OpTime, int]] = []
+        for phase in PHASES:
+            items.append(("transformer_layer", phase, tm.op("transformer_layer", phase), per_stage))
+            if index == 0:
+                items.append(("embedding", phase, tm.op("embedding", phase), 1))
+            if index == lay.pp - 1:
+                items.append(("final_layernorm", phase, tm.op("final_layernorm", phase), 1))
+                items.append(("output_layer", phase, tm.op("output_layer", phase), 1))
+        for name, phase, _, count in list(items):
+            comm = tm.tp_collectives(name, phase)
+            if comm is not None:
+                items.append(
+                    (
+                        f"tp_collectives:{name}",
+                        phase,
+                        OpTime(comm[0], comm[1], {"tp_collectives": comm[0]}),
+                        count,
+                    )
+                )
+        if lay.recompute == "full":
+            items.append(
+                ("recompute:transformer_layer", "backward", tm.op("transformer_layer", "forward"), per_stage)
+            )
+        elif lay.recompute == "selective":
+            items.append(
+                ("recompute:core_attention", "backward", tm.op("core_attention", "forward"), per_stage)
+            )
+        forward = sum(t.seconds * c for _, p, t, c in items if p == "forward")
+        backward = sum(t.seconds * c for _, p, t, c in items if p == "backward")
+        stages.append(StageTime(index, per_stage, forward, backward, tuple(items), _dominant(tm, items)))
+    return stages
+
+
+def _dominant(tm: TimeModel, items: list[tuple[str, str, OpTime, int]]) -> str:
+    """The leaf op with the most time in the stage (forward + backward, x its count). Where the layer was
+    measured whole, its sub-ops' rows (any point) apportion its time."""
+    totals: dict[str, float] = {}
+    for _, phase, t, count in items:
+        parts = dict(t.parts)
+        if set(parts) == {"transformer_layer"}:
+            kids = tm.sub_op_parts("transformer_layer", phase)
+            if kids:
+                share = parts["transformer_layer"] / sum(kids.values())
+                parts = {k: v * share for k, v in kids.items()}
+        for leaf, sec in parts.items():
+            totals[leaf] = totals.get(leaf, 0.0) + sec * count
+    return max(totals, key=lambda k: totals[k]) if totals else "-"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The step: pipeline (with bubble), DP gradient reduction, optimizer; all in seconds."""
+
+    pipeline: float
+    bubble_fraction: float
+    slowest_stage: int
+    dp_reduction: float
+    dp_source: Source
+    optimizer: float
+    optimizer_source: Source
+    formula: str
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.dp_reduction + self.optimizer
+
+
+def pipeline_seconds(stage_totals: list[float], microbatches: int, pp: int, vpp: int) -> tuple[float, float]:
+    """(pipeline time, bubble fraction): m * t * (1 + (p-1)/(v*m)) with t the slowest stage's t_f + t_b;
+    for v=1 that is (m + p - 1) * t (Narayanan et al. 2021, section 2.2)."""
+    slowest = max(stage_totals)
+    bubble = (pp - 1) / (vpp * microbatches)
+    return microbatches * slowest * (1 + bubble), bubble
+
+
+def step_time(tm: TimeModel, stages: list[StageTime], stage_params: list[float]) -> StepTime:
+    """The step from the stages; ``stage_params``: parameters each stage's GPU holds (after TP)."""
+    lay = tm.layout
+    pipe, bubble = pipeline_seconds([s.total for s in stages], lay.microbatches, lay.pp, lay.vpp)
+    slowest = max(range(len(stages)), key=lambda i: stages[i].total)
+    if lay.vpp > 1:
+        formula = (
+            f"m*t*(1+(p-1)/(v*m)) = {lay.microbatches}*t*(1+{lay.pp - 1}/({lay.vpp}*{lay.microbatches}))"
+        )
+    else:
+        formula = f"(m+p-1)*t = ({lay.microbatches}+{lay.pp}-1)*t"
+    # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
+    params = max(stage_params)
+    if lay.dp == 1:
+        dp_s, dp_src = 0.0, Source("modelled", "dp=1: no gradient reduction")
+    elif lay.distributed_optimizer:
+        rs, rs_src = tm.collective("reduce_scatter", params * 4, lay.dp)
+        ag, ag_src = tm.collective("all_gather", params * lay.bytes_per_element, lay.dp)
+        dp_s = rs + ag
+        dp_src = Source(
+            "modelled",
+            f"distributed optimizer: reduce-scatter of {params * 4:.4g} B fp32 grads + all-gather of "
+            f"{params * lay.bytes_per_element:.4g} B params over dp={lay.dp}: {rs_src.detail}; "
+            f"{ag_src.detail}",
+        )
+    else:
+        dp_s, src = tm.collective("all_reduce", params * 4, lay.dp)
+        dp_src = Source(
+            "modelled", f"all-reduce of {params * 4:.4g} B fp32 grads over dp={lay.dp}: {src.detail}"
+        )
+    bw, said = tm.memory_bandwidth()
+    per_rank = params / (lay.dp if lay.distributed_optimizer else 1)
+    nbytes = per_rank * ADAM_BYTES[lay.dtype]
+    opt_src = Source(
+        "modelled",
+        f"Adam: {ADAM_BYTES[lay.dtype]} B read+written per parameter x {per_rank:.4g} params = "
+        f"{nbytes:.4g} B / {said}",
+    )
+    return StepTime(pipe, bubble, slowest, dp_s, dp_src, nbytes / bw, opt_src, formula)

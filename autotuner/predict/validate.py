@@ -1,0 +1,124 @@
+"""``validate=true``: a prediction against the real training steps it predicts.
+
+The predictor (autotuner.predict.prediction) turns op rows into a step time and a peak memory per GPU;
+autotuner.predict.steps runs the real thing, the case's whole GPTModel (embedding, every layer, output
+layer and loss) trained for a few steps in the layout, with Megatron-Core's own schedule (no-pipelining
+at PP=1, 1F1B at PP>1) and torch's Adam, timed and metered. Both sides are of the same model: the steps
+get the hf./tf. overrides the profiled run was made with (its ``.hydra/overrides.yaml``), so a run of a
+llama-shaped case at reduced width validates that reduced model.
+
+What is compared, and why those two: the step time (the predicted one holds the pipeline's forward and
+backward, recompute, the data-parallel reduction and the optimizer step; the measured one the
+schedule's forward-backward plus the optimizer step, the slowest rank's, median over the timed steps)
+and the peak memory of the fullest GPU (predicted: weights, gradients, optimizer states, the activations
+of the micro-batches a stage holds and the logits; measured: what is resident when the step starts
+plus the allocator's peak above it during the step). The error is predicted / measured - 1. The steps
+refuse what they cannot run here (dp > 1, vpp > 1, ep > 1, the distributed optimizer): a layout to
+validate on one machine uses tp and pp only.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotuner.predict.layout import Layout
+
+# Overrides the steps take from the layout, not from the profiled run (they set the parallel layout).
+_LAYOUT_OWNED = (
+    "tf.tensor_model_parallel_size",
+    "tf.pipeline_model_parallel_size",
+    "tf.sequence_parallel",
+    "tf.expert_model_parallel_size",
+    "tf.expert_tensor_parallel_size",
+    "tf.virtual_pipeline_model_parallel_size",
+)
+_MODEL_KEYS = ("hf.", "tf.", "seed=", "device=")
+
+
+def model_overrides(run_dir: Path) -> list[str]:
+    """The overrides of a profiled run that shape its model (hf./tf. fields, seed, device), from the
+    ``.hydra/overrides.yaml`` Hydra keeps in the run directory; [] for a run without one."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    found = yaml.safe_load(path.read_text()) or []
+    out = []
+    for item in found:
+        text = str(item).lstrip("+")
+        if text.startswith(_MODEL_KEYS) and not text.startswith(_LAYOUT_OWNED):
+            out.append(text)
+    return out
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A prediction and the measured steps of the same layout."""
+
+    layout: Layout
+    predicted_step_s: float
+    measured_step_s: float
+    measured_step_iqr_s: float
+    predicted_peak_bytes: float
+    measured_peak_bytes: float
+    command: tuple[str, ...]
+
+    @property
+    def step_error(self) -> float:
+        return self.predicted_step_s / self.measured_step_s - 1
+
+    @property
+    def memory_error(self) -> float:
+        return self.predicted_peak_bytes / self.measured_peak_bytes - 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout.to_json(),
+            "predicted_step_s": self.predicted_step_s,
+            "measured_step_s": self.measured_step_s,
+            "measured_step_iqr_s": self.measured_step_iqr_s,
+            "step_error": self.step_error,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "memory_error": self.memory_error,
+            "command": list(self.command),
+        }
+
+
+def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5) -> Validation:
+    """Run the steps of ``prediction``'s layout (autotuner.predict.steps.run_steps, fresh processes) and
+    compare. ``overrides``: the profiled run's model overrides (:func:`model_overrides`)."""
+    from autotuner.predict.steps import run_steps
+
+    layout = prediction.layout
+    with tempfile.TemporaryDirectory(prefix="autotuner-validate-") as folder:
+        measured = run_steps(case, overrides, layout, Path(folder) / "steps.json", repeats=repeats)
+    return Validation(
+        layout=layout,
+        predicted_step_s=prediction.step_seconds,
+        measured_step_s=measured.step_s,
+        measured_step_iqr_s=measured.step_iqr_s,
+        predicted_peak_bytes=max(stage.total for stage in prediction.memory),
+        measured_peak_bytes=float(measured.peak_bytes),
+        command=tuple(measured.command),
+    )
+
+
+def render(result: Validation) -> str:
+    from autotuner.results.units import human_bytes, human_time
+
+    step, iqr = human_time(result.measured_step_s * 1e6), human_time(result.measured_step_iqr_s * 1e6)
+    return "\n".join(
+        [
+            f"validation of {result.layout.describe()}: predicted vs measured steps",
+            f"  step time    predicted {human_time(result.predicted_step_s * 1e6):>10}  measured "
+            f"{step:>10} (IQR {iqr})  error {100 * result.step_error:+.1f}%",
+            f"  peak memory  predicted {human_bytes(result.predicted_peak_bytes):>10}  measured "
+            f"{human_bytes(result.measured_peak_bytes):>10}  error {100 * result.memory_error:+.1f}%",
+            "  measured by: " + " ".join(result.command),
+        ]
+    )

@@ -1,0 +1,204 @@
+"""Rank the training layouts of a model on a number of GPUs by predicted step time.
+
+    python -m autotuner.tune [RUN_DIR ...] case=llama7b gpus=16 gpu_memory_gb=80 global_batch_size=512 \\
+        seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [calibration=FILE] [--explain N] [--slurm DIR]
+
+Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, layers,
+experts and batch) is predicted from the runs' measured ops (autotuner.predict.prediction); a layout
+whose largest stage would need more than ``gpu_memory_gb`` less the safety ``margin`` (a fraction, shown)
+is dropped; the rest are ranked by predicted step time, ties by memory. The top ``top`` are printed with
+time, MFU, tokens/s per GPU, memory, the op that decides the slowest stage and how much of the
+prediction is measured; ``--explain N`` prints the whole prediction of the N-th. Where the ranking rests
+on figures that were not measured, the profiling runs that would measure them (for the layouts shown)
+are printed as commands, and with ``--slurm DIR`` written as SLURM array task files.
+
+Without run directories every figure is modelled from the case's sizes and the calibration (and says
+so): the profiling plan then lists everything to measure. Layouts with expert parallelism are listed as
+not ranked: the predictor does not model EP yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autotuner.errors import UserError
+
+INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top")
+FLOAT_KEYS = ("gpu_memory_gb", "margin")
+STR_KEYS = ("case", "case_dir", "dtype", "calibration")
+KEYS = (*INT_KEYS, *FLOAT_KEYS, *STR_KEYS)
+REQUIRED = ("gpus", "gpu_memory_gb", "global_batch_size", "seq_len")
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One predicted layout: its prediction, its largest stage's memory, whether that fits."""
+
+    prediction: Any  # autotuner.predict.prediction.Prediction
+    memory_bytes: float
+    fits: bool
+
+
+def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Run directories and typed ``key=value`` settings; UserError (one line) for what is wrong."""
+    from autotuner.predict.settings import parse_settings as parse_key_values
+
+    kinds = {
+        **dict.fromkeys(INT_KEYS, int),
+        **dict.fromkeys(FLOAT_KEYS, float),
+        **dict.fromkeys(STR_KEYS, str),
+    }
+    dirs, settings = parse_key_values(items, kinds)
+    missing = [key for key in REQUIRED if key not in settings]
+    if missing:
+        raise UserError(f"{', '.join(missing)} required: e.g. gpus=16 gpu_memory_gb=80 global_batch_size=512")
+    if not dirs and "case" not in settings:
+        raise UserError("give run directories of the model, or case=<name> to rank from its sizes alone")
+    if settings["gpu_memory_gb"] <= 0 or not 0 <= settings.get("margin", 0.1) < 1:
+        raise UserError(
+            "gpu_memory_gb must be positive and margin in [0, 1): e.g. gpu_memory_gb=80 margin=0.1"
+        )
+    if settings.get("top", 5) < 1:
+        raise UserError("top must be at least 1: e.g. top=5")
+    return dirs, settings
+
+
+def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], list[str], Any]:
+    """Predict every layout; (the ranked ones, fitting first by step time; notes; the runs)."""
+    from autotuner.predict.inputs import ModelShape
+    from autotuner.predict.layouts import ModelDims, enumerate_layouts
+    from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
+
+    runs = load_runs(dirs) if dirs else Runs([], [], {"case": settings["case"]}, None)
+    if dirs and settings.get("case") and runs.env.get("case") not in (None, settings["case"]):
+        raise UserError(
+            f"the runs profiled case {runs.env.get('case')}, not {settings['case']}: "
+            "drop case= or pass its runs"
+        )
+    if not dirs and settings.get("case_dir"):
+        model = ModelShape.from_case(settings["case"], settings["case_dir"])
+    else:
+        model = ModelShape.from_environment(runs.env)
+    calibration = load_calibration_for(runs, settings.get("calibration"))
+    dtype = settings.get("dtype") or (runs.dtypes[0] if len(runs.dtypes) == 1 else "bf16")
+    layouts = enumerate_layouts(
+        ModelDims.from_transformer(model.config),
+        settings["gpus"],
+        settings["global_batch_size"],
+        settings["seq_len"],
+        dtype,
+    )
+    limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", 0.1))
+    ranked, notes = [], []
+    expert_parallel = [layout for layout in layouts if layout.ep > 1]
+    if expert_parallel:
+        notes.append(
+            f"{len(expert_parallel)} layout(s) with ep > 1 not ranked: the predictor does not model EP yet"
+        )
+    for layout in layouts:
+        if layout.ep > 1:
+            continue
+        pred = predict(runs, layout, calibration, model)
+        memory = max(stage.total for stage in pred.memory)
+        ranked.append(Ranked(pred, memory, memory <= limit))
+    ranked.sort(key=lambda r: (not r.fits, r.prediction.step_seconds, r.memory_bytes))
+    return ranked, notes, runs
+
+
+def _kinds(pred: Any) -> str:
+    """How much of the prediction's time is measured: the share of each source kind, by time."""
+    seconds: dict[str, float] = {}
+    for stage in pred.stages:
+        for _, _, time, count in stage.items:
+            seconds[time.source.kind] = seconds.get(time.source.kind, 0.0) + time.seconds * count
+    total = sum(seconds.values()) or 1.0
+    return ", ".join(f"{kind} {100 * value / total:.0f}%" for kind, value in sorted(seconds.items()))
+
+
+def table(ranked: Sequence[Ranked], top: int) -> str:
+    from autotuner.results.table import text_table
+    from autotuner.results.units import human_bytes, human_time
+
+    rows = []
+    for index, item in enumerate([r for r in ranked if r.fits][:top], start=1):
+        pred = item.prediction
+        slowest = max(pred.stages, key=lambda stage: stage.total)
+        mfu = f"{100 * pred.mfu.value:.1f}%" if pred.mfu is not None else "n/a"
+        rows.append(
+            [
+                str(index),
+                pred.layout.describe(),
+                human_time(pred.step_seconds * 1e6),
+                mfu,
+                f"{pred.tokens_per_s_per_gpu.value:.4g}",
+                human_bytes(item.memory_bytes),
+                slowest.dominant,
+                _kinds(pred),
+            ]
+        )
+    headers = ["#", "layout", "step", "MFU", "tokens/s/GPU", "memory", "deciding op", "time from"]
+    right = [True, False, True, True, True, True, False, False]
+    return text_table(headers, rows, right)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m autotuner.tune",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"settings (key=value): {', '.join(KEYS)}; required: {', '.join(REQUIRED)}",
+    )
+    parser.add_argument("args", nargs="+", help="run directories (optional), then key=value settings")
+    parser.add_argument("--explain", type=int, metavar="N", help="print the whole prediction of the N-th")
+    parser.add_argument("--slurm", metavar="DIR", help="write the profiling plan as SLURM array task files")
+    args = parser.parse_args(argv)
+    from autotuner.predict.plan import Plan, plan
+    from autotuner.predict.prediction import render
+
+    try:
+        dirs, settings = parse_settings(args.args)
+        ranked, notes, runs = rank(dirs, settings)
+        top = settings.get("top", 5)
+        fitting = [r for r in ranked if r.fits]
+        margin = settings.get("margin", 0.1)
+        print(
+            f"{len(ranked)} layouts predicted, {len(fitting)} fit in {settings['gpu_memory_gb']:g} GB "
+            f"less a {100 * margin:.0f}% margin; the fastest {min(top, len(fitting))}:"
+        )
+        if not fitting:
+            smallest = min(ranked, key=lambda r: r.memory_bytes)
+            raise UserError(
+                f"no layout fits: the smallest needs {smallest.memory_bytes / 1e9:.1f} GB per GPU "
+                f"({smallest.prediction.layout.describe()}): use more GPUs, recompute, or a smaller batch"
+            )
+        print(table(ranked, top))
+        for note in notes:
+            print(f"note: {note}")
+        shown = fitting[:top]
+        if args.explain is not None:
+            if not 1 <= args.explain <= len(shown):
+                raise UserError(f"--explain {args.explain}: give a rank between 1 and {len(shown)}")
+            print("\n" + render(shown[args.explain - 1].prediction))
+        needs = {
+            n
+            for r in shown
+            if r.prediction.plan is not None
+            for run in r.prediction.plan.runs
+            for n in run.needs
+        }
+        profile: Plan = plan(needs, [str(d) for d in runs.dirs])
+        print(
+            "\nmeasurements behind this ranking: "
+            + profile.text(profile.slurm(args.slurm) if args.slurm else ())
+        )
+    except UserError as exc:
+        print(f"autotuner.tune: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Prediction accuracy: predicted step time and peak memory / measured, on real training steps.
+
+    python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 3] [--cases tiny,llama_small]
+
+For each case and layout: the ops are profiled with get_data at the layout's point and TP (in this
+process for TP=1, under torchrun for TP=2), the device is calibrated once (python -m
+autotuner.calibrate: the optimizer step and any modelled figure use its memory bandwidth and peak), the
+predictor predicts the step (autotuner.predict), and the real steps run (autotuner.predict.steps: the
+whole GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so
+the ratio's spread over rounds is printed beside its median (the A/A control here is the spread of the
+measured step itself: its IQR over the timed steps). Layouts: TP=1, TP=2 (torchrun, gloo) and PP=2
+(Megatron's 1F1B over gloo), 4 micro-batches. Target (issue 17): |ratio - 1| <= 0.05 for step time and
+peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from autotuner.main import run
+from autotuner.predict.layout import Layout
+from autotuner.predict.prediction import load_calibration_for, load_runs, predict
+from autotuner.predict.validate import validate
+
+CASES = {
+    "tiny": ["case=tiny"],
+    # a llama-shaped model (Llama-2-7B's family) at reduced width and depth, seconds per step on a CPU
+    "llama_small": [
+        "case=llama7b",
+        "hf.hidden_size=256",
+        "hf.intermediate_size=688",
+        "hf.num_attention_heads=4",
+        "hf.num_key_value_heads=4",
+        "hf.head_dim=64",
+        "hf.num_hidden_layers=4",
+        "hf.vocab_size=4096",
+    ],
+}
+SEQ, MBS, MICROBATCHES = 128, 1, 4
+LAYOUTS = {"tp1": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
+
+
+def _quiet_run(argv: list[str]) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return run(argv)
+
+
+def profile(case: list[str], tp: int, run_dir: Path, calibration: Path) -> None:
+    argv = [
+        *case,
+        "device=cpu",
+        f"shapes.seq_len=[{SEQ}]",
+        f"shapes.micro_batch_size=[{MBS}]",
+        "progress=false",
+        "report=false",
+        f"calibration={calibration}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    if tp == 1:
+        assert _quiet_run(argv) == 0
+        return
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
+    command += ["-m", "autotuner.main", *argv, f"tf.tensor_model_parallel_size={tp}"]
+    subprocess.run(command, check=True, capture_output=True, timeout=900)
+
+
+def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> tuple[float, float, float]:
+    case, parallel = CASES[name], LAYOUTS[layout_name]
+    with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
+        run_dir = Path(folder) / "run"
+        profile(case, parallel["tp"], run_dir, calibration)
+        runs = load_runs([run_dir])
+        layout = Layout(
+            seq_len=SEQ,
+            micro_batch_size=MBS,
+            global_batch_size=MBS * MICROBATCHES,
+            dtype="fp32",
+            **parallel,
+        )
+        pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
+        checked = validate(pred, case[0].split("=", 1)[1], [*case[1:], "device=cpu"], repeats=repeats)
+    return (
+        checked.step_error + 1,
+        checked.memory_error + 1,
+        checked.measured_step_iqr_s / checked.measured_step_s,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="profile + predict + measure, this many times")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
+        calibration = Path(folder) / "calibration.json"
+        subprocess.run(
+            [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)],
+            check=True,
+            capture_output=True,
+        )
+        print(f"calibration: {json.loads(calibration.read_text()).get('memory_bandwidth', 0) / 1e9:.1f} GB/s")
+        header = ("case", "layout", "step pred/meas", "memory pred/meas", "step IQR/median")
+        print(f"{header[0]:12} {header[1]:6} {header[2]:>22} {header[3]:>22} {header[4]:>16}")
+        worst = 0.0
+        for name in args.cases.split(","):
+            for layout_name in args.layouts.split(","):
+                results = [
+                    one_round(name, layout_name, args.repeats, calibration) for _ in range(args.rounds)
+                ]
+                step = [r[0] for r in results]
+                memory = [r[1] for r in results]
+                noise = statistics.median(r[2] for r in results)
+                worst = max(worst, abs(statistics.median(step) - 1), abs(statistics.median(memory) - 1))
+                spread = [f"{statistics.median(v):8.3f} [{min(v):.3f}, {max(v):.3f}]" for v in (step, memory)]
+                print(f"{name:12} {layout_name:6} {spread[0]:>22} {spread[1]:>22} {noise:16.3f}")
+        verdict = "met" if worst <= 0.05 else "not met"
+        print(f"worst |median ratio - 1|: {worst:.3f} (target 0.05: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""The predictor (``python -m autotuner.predict``): each rule checked against a figure computed by hand from
+synthetic rows, provenance, missing measurements, bad input, and one real tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotuner.predict.__main__ import main
+from autotuner.predict.layout import Layout
+from autotuner.predict.prediction import load_runs, predict
+from autotuner.results import ResultsWriter
+
+# A small Llama-shaped model: 4 layers, h=64, 4 heads, 2 query groups of 16, SwiGLU 176, RMSNorm.
+TC = {
+    "num_layers": 4,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "ffn_hidden_size": 176,
+    "gated_linear_unit": True,
+    "normalization": "RMSNorm",
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "qk_layernorm": False,
+    "num_moe_experts": None,
+}
+VOCAB, H = 1024, 64
+# One layer's parameters by hand: qkv 64*(4+2*2)*16, proj 64*64, fc1 64*2*176, fc2 176*64, two norms.
+LAYER_PARAMS = 64 * 8 * 16 + 64 * 64 + 64 * 352 + 176 * 64 + 2 * 64
+CAL = {"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10, "device_type": "cpu"}
+US = 1e-6
+
+
+def row(op: str, phase: str, us: float, s: int = 32, b: int = 1, tp: int = 1, **extra) -> dict:
+    return {
+        "case": "synthetic",
+        "op": op,
+        "phase": phase,
+        "point": f"s{s}_b{b}",
+        "seq_len": s,
+        "micro_batch_size": b,
+        "dtype": "fp32",
+        "device": "cpu",
+        "launcher": "get_data",
+        "rank": "max" if tp > 1 else 0,
+        "tensor_parallel": tp,
+        "status": "ok",
+        "median_us": us,
+        **extra,
+    }
+
+
+def make_run(tmp_path: Path, rows: list[dict], name: str = "run", calibration: dict | None = CAL) -> Path:
+    run_dir = tmp_path / name
+    ResultsWriter(run_dir).extend(rows)
+    env = {
+        "case": "synthetic",
+        "dtype": "fp32",
+        "transformer_config": TC,
+        "model_args": {"vocab_size": VOCAB, "tie_word_embeddings": False},
+    }
+    (run_dir / "environment.json").write_text(json.dumps(env))
+    if calibration is not None:
+        (run_dir / "calibration.json").write_text(json.dumps(calibration))
+    return run_dir
+
+
+def base_rows(s: int = 32) -> list[dict]:
+    return [
+        row("transformer_layer", "forward", 1000, s, activation_bytes=5000, weight_bytes=LAYER_PARAMS * 4),
+        row("transformer_layer", "backward", 2000, s),
+        row("embedding", "forward", 100, s),
+        row("embedding", "backward", 100, s),
+        row("final_layernorm", "forward", 10, s),
+        row("final_layernorm", "backward", 20, s),
+        row("output_layer", "forward", 300, s),
+        row("output_layer", "backward", 600, s),
+    ]
+
+
+def adam_seconds(params: float) -> float:
+    return params * 28 / CAL["memory_bandwidth"]  # fp32 Adam: 16 B read + 12 B written per parameter
+
+
+STAGE0_PARAMS = 2 * LAYER_PARAMS + VOCAB * H
+STAGE1_PARAMS = 2 * LAYER_PARAMS + H + VOCAB * H  # final RMSNorm + untied output layer
+
+
+def test_1f1b_step_bubble_and_sources(tmp_path):
+    runs = load_runs([make_run(tmp_path, base_rows())])
+    pred = predict(runs, Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32"), CAL)
+    f0, b0 = (2 * 1000 + 100) * US, (2 * 2000 + 100) * US
+    f1, b1 = (2 * 1000 + 10 + 300) * US, (2 * 2000 + 20 + 600) * US
+    assert pred.stages[0].forward == pytest.approx(f0) and pred.stages[0].backward == pytest.approx(b0)
+    assert pred.stages[1].forward == pytest.approx(f1) and pred.stages[1].backward == pytest.approx(b1)
+    m, p = 8, 2
+    assert pred.step.pipeline == pytest.approx((m + p - 1) * (f1 + b1))
+    assert pred.step.bubble_fraction == pytest.approx((p - 1) / m)
+    assert pred.step.dp_reduction == 0
+    assert pred.step.optimizer == pytest.approx(adam_seconds(STAGE1_PARAMS))
+    assert pred.step.total == pytest.approx((m + p - 1) * (f1 + b1) + adam_seconds(STAGE1_PARAMS))
+    assert {t.source.kind for st in pred.stages for _, _, t, _ in st.items} == {"measured"}
+    assert pred.missing == []
+    assert pred.tokens_per_s_per_gpu.value == pytest.approx(8 * 32 / pred.step.total / 2)
+    per_token = 3 * (4 * (2 * LAYER_PARAMS + 4 * 32 * 64) + 2 * H * VOCAB)
+    assert pred.mfu is not None and pred.mfu.value == pytest.approx(
+        per_token * 8 * 32 / (pred.step.total * 1e11 * 2)
+    )
+
+
+def test_interleaved_bubble_and_recompute(tmp_path):
+    runs = load_runs([make_run(tmp_path, [*base_rows(), row("core_attention", "forward", 150)])])
+    lay = Layout(seq_len=32, pp=2, vpp=2, global_batch_size=8, dtype="fp32", recompute="selective")
+    pred = predict(runs, lay, CAL)
+    t1 = (2 * 1000 + 10 + 300 + 2 * 2000 + 20 + 600 + 2 * 150) * US  # backward re-runs core attention
+    assert pred.stages[1].total == pytest.approx(t1)
+    assert pred.step.bubble_fraction == pytest.approx(1 / (2 * 8))
+    assert pred.step.pipeline == pytest.approx(8 * t1 * (1 + 1 / 16))
+    full = predict(runs, Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32", recompute="full"), CAL)
+    assert full.stages[0].backward == pytest.approx((2 * 2000 + 100 + 2 * 1000) * US)
+
+
+def test_memory_terms(tmp_path):
+    runs = load_runs([make_run(tmp_path, base_rows())])
+    pred = predict(
+        runs,
+        Layout(seq_len=32, pp=2, dp=2, global_batch_size=16, dtype="fp32", distributed_optimizer=True),
+        CAL,
+    )
+    m0, m1 = pred.memory
+    assert m0.params.value == pytest.approx(STAGE0_PARAMS) and m0.params.source.kind == "measured"
+    assert m0.weights.value == pytest.approx(STAGE0_PARAMS * 4)
+    assert m0.gradients.value == pytest.approx(STAGE0_PARAMS * 4)
+    assert m0.optimizer.value == pytest.approx(STAGE0_PARAMS * 8 / 2)  # fp32 Adam m, v, sharded over dp=2
+    assert m0.activations.value == pytest.approx(5000 * 2 * 2)  # 2 layers x 2 micro-batches held (p - 0)
+    assert m1.activations.value == pytest.approx(5000 * 2 * 1)
+    assert m0.activations.source.kind == "measured"
+    assert m0.logits.value == 0 and m1.logits.value == pytest.approx(32 * 1 * VOCAB * 4)
+    korthikanti = 32 * 1 * 64 * (34 + 5 * 4 * 32 / 64) * 4 / 2  # fp32: twice the 2-byte formula
+    assert m0.korthikanti_activations.value == pytest.approx(korthikanti * 4)
+    assert m1.total == pytest.approx(STAGE1_PARAMS * (4 + 4 + 4) + 10000 + 32 * VOCAB * 4)
+    # selective recompute drops what core attention saves beyond its inputs q, k, v (s*b*(4+2*2)*16 fp32)
+    ca = row("core_attention", "forward", 150, activation_bytes=20000)
+    sel_runs = load_runs([make_run(tmp_path, [*base_rows(), ca], "sel")])
+    sel = predict(
+        sel_runs, Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32", recompute="selective"), CAL
+    )
+    kept = 5000 - (20000 - 32 * 8 * 16 * 4)
+    assert sel.memory[0].activations.value == pytest.approx(kept * 2 * 2)
+    inter = predict(runs, Layout(seq_len=32, pp=2, vpp=2, global_batch_size=8, dtype="fp32"), CAL)
+    # Megatron's interleaved warm-up: rank 0 holds (2-0-1)*2 + (2-1)*2 + 1 = 5 chunks of 1 layer
+    assert [m.activations.value for m in inter.memory] == pytest.approx([5 * 5000, 3 * 5000])
+
+
+def test_sub_ops_sum_when_the_layer_row_is_missing(tmp_path):
+    parts = {
+        "input_layernorm": 10,
+        "self_attention": 500,
+        "self_attn_bda": 5,
+        "pre_mlp_layernorm": 10,
+        "mlp": 400,
+        "mlp_bda": 5,
+    }
+    rows = [r for r in base_rows() if r["op"] != "transformer_layer"]
+    rows += [
+        row(op, phase, us * (2 if phase == "backward" else 1))
+        for op, us in parts.items()
+        for phase in ("forward", "backward")
+    ]
+    pred = predict(
+        load_runs([make_run(tmp_path, rows)]), Layout(seq_len=32, global_batch_size=1, dtype="fp32"), CAL
+    )
+    layer = pred.stages[0].items[0]
+    assert layer[0] == "transformer_layer" and layer[2].seconds == pytest.approx(930 * US)
+    assert layer[2].source.kind == "measured" and "sum of" in layer[2].source.detail
+    assert pred.stages[0].dominant == "self_attention"
+    # at another point each sub-op is scaled by its own rule: attention block by its analytic FLOPs
+    far = predict(load_runs([make_run(tmp_path, rows, "far")]), Layout(seq_len=64, dtype="fp32"), CAL)
+
+    def attention_flops(s: int) -> float:  # qkv and proj GEMMs 2*params per token, 4*s*h per token
+        return 2 * (64 * 128 + 64 * 64) * s + 4 * s * 64 * s
+
+    expected = (10 + 5 + 10 + 400 + 5) * 2 + 500 * attention_flops(64) / attention_flops(32)
+    layer = far.stages[0].items[0][2]
+    assert layer.seconds == pytest.approx(expected * US) and layer.source.kind == "scaled"
+
+
+def test_a_missing_point_is_scaled_with_its_command_not_zero(tmp_path):
+    runs = load_runs([make_run(tmp_path, base_rows(32))])
+    pred = predict(runs, Layout(seq_len=64, global_batch_size=1, dtype="fp32"), CAL)
+    layer = pred.stages[0].items[0][2]
+
+    def flops(s: int) -> float:  # analytic layer FLOPs: GEMMs 2*params per token, attention 4*s*h per token
+        return 2 * LAYER_PARAMS * s + 4 * s * 64 * s
+
+    assert layer.seconds == pytest.approx(1000 * US * flops(64) / flops(32))
+    assert layer.source.kind == "scaled" and "s32_b1" in layer.source.detail
+    embedding = pred.stages[0].items[1][2]
+    assert embedding.seconds == pytest.approx(200 * US) and "tokens" in embedding.source.detail
+    commands = [m["command"] for m in pred.missing]
+    assert commands and commands[0].startswith("python -m autotuner.main case=synthetic")
+    assert "shapes.seq_len=[64]" in commands[0] and "shapes.micro_batch_size=[1]" in commands[0]
+    assert "transformer_layer.forward" in pred.missing[0]["figures"]
+    # nothing measured at all for this dtype: modelled from FLOPs and the calibrated peak, never zero
+    bf = predict(
+        runs, Layout(seq_len=32, global_batch_size=1, dtype="bf16"), {**CAL, "peak_flops": {"bf16": 1e12}}
+    )
+    modelled = bf.stages[0].items[0][2]
+    assert modelled.source.kind == "modelled" and modelled.seconds == pytest.approx(flops(32) / 1e12)
+
+
+def test_tp_from_tp1_rows_adds_modelled_all_reduces(tmp_path):
+    cal = {**CAL, "all_reduce_bandwidth": {"gloo:2": 1e9}}
+    runs = load_runs([make_run(tmp_path, base_rows(), calibration=cal)])
+    pred = predict(runs, Layout(seq_len=32, tp=2, global_batch_size=1, dtype="fp32"), cal)
+    items = {(n, p): (t, c) for n, p, t, c in pred.stages[0].items}
+    layer, count = items[("transformer_layer", "forward")]
+    assert layer.seconds == pytest.approx(500 * US) and layer.source.kind == "scaled" and count == 4
+    comm, _ = items[("tp_collectives:transformer_layer", "forward")]
+    one = 2 * (2 - 1) / 2 * (32 * 64 * 4) / 1e9  # ring all-reduce of s*b*h fp32 over 2 ranks
+    assert comm.seconds == pytest.approx(2 * one) and comm.source.kind == "modelled"
+    assert pred.missing[0]["command"].startswith("torchrun --standalone --nproc-per-node=2 -m autotuner.main")
+    assert "modelled" in pred.tp_note
+    # rows measured under torchrun at tp=2: their collectives are inside, nothing is added
+    tp_rows = [row("transformer_layer", ph, us, tp=2) for ph, us in (("forward", 700), ("backward", 1300))]
+    runs2 = load_runs([make_run(tmp_path, base_rows() + tp_rows, "run2", calibration=cal)])
+    pred2 = predict(runs2, Layout(seq_len=32, tp=2, global_batch_size=1, dtype="fp32"), cal)
+    names = [n for n, *_ in pred2.stages[0].items]
+    assert "tp_collectives:transformer_layer" not in names and "measured" in pred2.tp_note
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        (["tp=3"], "does not divide the 4 attention heads"),
+        (["pp=3"], "does not divide the 4 layers"),
+        (["global_batch_size=3", "dp=2"], "not a multiple"),
+        (["bogus=1"], "unknown setting"),
+        (["recompute=some"], "recompute"),
+    ],
+)
+def test_bad_layout_is_one_line_and_exit_2(tmp_path, capsys, settings, words):
+    run_dir = make_run(tmp_path, base_rows())
+    assert main([str(run_dir), "seq_len=32", *settings]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autotuner.predict: error:") and words in err[0], err
+    assert not (run_dir / "prediction.json").exists()
+
+
+@pytest.mark.slow
+def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
+    from autotuner.main import run
+
+    run_dir = tmp_path / "tiny"
+    ops = "ops=[transformer_layer,embedding,final_layernorm,output_layer]"
+    fast = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3"]
+    args = [
+        "case=tiny",
+        "shapes.seq_len=[32]",
+        "shapes.micro_batch_size=[1]",
+        "progress=false",
+        "report=false",
+    ]
+    assert run([*args, ops, *fast, f"hydra.run.dir={run_dir}"]) == 0
+    out = tmp_path / "p.json"
+    assert main([str(run_dir), "seq_len=32", "pp=2", "global_batch_size=4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "step time" in text and "memory per GPU" in text
+    pred = json.loads(out.read_text())
+    layer = next(
+        i for i in pred["stages"][0]["items"] if i["name"] == "transformer_layer" and i["phase"] == "forward"
+    )
+    assert layer["source"]["kind"] == "measured" and layer["seconds"] > 0 and layer["count"] == 1
+    assert pred["memory"][0]["activations"]["source"]["kind"] == "measured"
+    assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0 and pred["missing"] == []
+    assert pred["step"]["bubble_fraction"] == pytest.approx(1 / 4)

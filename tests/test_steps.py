@@ -1,0 +1,110 @@
+"""Measured training steps (autotuner.predict.steps): the whole GPTModel trained for real, timed and metered,
+single-process and under torchrun with TP=2 and PP=2 (Megatron's own 1F1B schedule over gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotuner.errors import UserError
+from autotuner.predict.layout import Layout
+from autotuner.predict.steps import StepMeasurement, measure_steps, run_steps
+
+# Four micro-batches of one 16-token sequence: the schedules accumulate over several of them.
+BATCH = {"seq_len": 16, "micro_batch_size": 1, "global_batch_size": 4, "dtype": "fp32"}
+CPU = ["device=cpu"]
+WATCHDOG_S = 300  # a deadlocked pipeline ends here, not at CI's limit
+# llama7b's shape (SwiGLU, RMSNorm, RoPE, untied output) shrunk to run in seconds
+SMALL_LLAMA = [
+    "hf.hidden_size=256",
+    "hf.intermediate_size=688",
+    "hf.num_attention_heads=4",
+    "hf.num_key_value_heads=4",
+    "hf.head_dim=64",
+    "hf.num_hidden_layers=4",
+    "hf.vocab_size=4096",
+]
+
+
+@pytest.fixture(scope="module")
+def single() -> StepMeasurement:
+    """tiny, one process, the default warm-up and repeats (the torchrun runs below are compared with it)."""
+    return measure_steps("tiny", CPU, Layout(**BATCH))
+
+
+def test_a_single_process_step_is_a_real_training_step(single):
+    assert single.layout.microbatches == 4
+    assert single.schedule.endswith(".forward_backward_no_pipelining")
+    assert single.step_s > 0 and single.forward_backward_s > 0 and single.optimizer_s > 0
+    assert single.step_iqr_s >= 0
+    (rank,) = single.ranks
+    assert len(rank.forward_backward_s) == single.warmup + 1 + single.repeats
+    # what stays allocated between steps: the parameters, their gradients and Adam's two states (plus its
+    # step counters, 4 bytes per parameter tensor)
+    assert 4 * rank.parameter_bytes <= rank.resident_bytes <= 4 * rank.parameter_bytes + 4 * 64
+    assert rank.step_peak_bytes > 0 and single.peak_bytes == rank.resident_bytes + rank.step_peak_bytes
+    # the same fixed batch every step: a real optimizer step makes its loss fall, step after step
+    losses = single.losses
+    assert len(losses) == single.warmup + 1 + single.repeats
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:], strict=False)), losses
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_full_recompute_trains_the_same_and_holds_less(single):
+    """Megatron's activation recompute on the CPU (cpu_bridges 12): the same losses, a lower peak (each
+    layer keeps only its input; the re-run forward happens inside the backward)."""
+    result = measure_steps("tiny", CPU, Layout(**BATCH, recompute="full"), repeats=1, warmup=1)
+    assert result.losses == pytest.approx(single.losses[:3], rel=1e-6)
+    assert result.ranks[0].step_peak_bytes < single.ranks[0].step_peak_bytes
+
+
+@pytest.mark.slow
+def test_a_llama_shaped_model_at_reduced_width():
+    result = measure_steps("llama7b", [*CPU, *SMALL_LLAMA], Layout(**BATCH), repeats=3, warmup=1)
+    assert result.step_s > 0 and result.peak_bytes > result.ranks[0].resident_bytes > 0
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_layouts_the_steps_cannot_measure_are_refused_in_one_line():
+    with pytest.raises(UserError, match="not dp") as info:
+        measure_steps("tiny", CPU, Layout(dp=2, **{**BATCH, "global_batch_size": 4}))
+    assert "\n" not in str(info.value)
+    for split in ({"tp": 2}, {"pp": 2}):  # one process, a layout of two
+        with pytest.raises(UserError, match="2 processes"):
+            measure_steps("tiny", CPU, Layout(**split, **BATCH))
+    with pytest.raises(UserError, match="set by the layout"):
+        measure_steps("tiny", [*CPU, "dtype=bf16"], Layout(**BATCH))
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_tensor_parallel_steps_under_torchrun(tmp_path, single, sequence_parallel):
+    layout = Layout(tp=2, sequence_parallel=sequence_parallel, **BATCH)
+    result = run_steps("tiny", CPU, layout, tmp_path / "tp2.json", timeout_s=WATCHDOG_S)
+    assert [(r.rank, r.tp_rank, r.pp_rank) for r in result.ranks] == [(0, 0, 0), (1, 1, 0)]
+    for rank in result.ranks:
+        assert min(rank.forward_backward_s[result.warmup + 1 :]) > 0 and rank.step_peak_bytes > 0
+        # each rank holds about half of the sharded weights (the norms are whole on both)
+        assert rank.parameter_bytes < 0.75 * single.ranks[0].parameter_bytes
+    # a step lasts as long as its slowest rank
+    slowest = [max(r.forward_backward_s[i] + r.optimizer_s[i] for r in result.ranks) for i in (-1, -2)]
+    assert result.step_times_s[-2:] == pytest.approx(slowest[::-1])
+    assert result.command[2:4] == ("torch.distributed.run", "--standalone")
+    # the sharded model is the single-process one split over the ranks: the same losses, step by step
+    assert result.losses == pytest.approx(single.losses, rel=1e-4)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
+    result = run_steps("tiny", CPU, Layout(pp=2, **BATCH), tmp_path / "pp2.json", timeout_s=WATCHDOG_S)
+    assert [(r.rank, r.tp_rank, r.pp_rank) for r in result.ranks] == [(0, 0, 0), (1, 0, 1)]
+    first, last = result.ranks
+    assert result.schedule.endswith(".forward_backward_pipelining_without_interleaving")  # 1F1B
+    assert not first.losses and last.losses  # the loss exists on the last stage only
+    for rank in result.ranks:
+        assert min(rank.forward_backward_s[result.warmup + 1 :]) > 0 and rank.step_peak_bytes > 0
+    # the pipeline ran the single-process model (same seed, same weights, same batch): the same loss at
+    # the first step, and the same training after it
+    assert last.losses[0] == pytest.approx(single.losses[0], rel=1e-6)
+    assert last.losses == pytest.approx(single.losses, rel=1e-4)

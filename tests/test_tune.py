@@ -1,0 +1,88 @@
+"""``python -m autotuner.tune`` (layouts ranked by predicted step time, memory-filtered) and
+``python -m autotuner.predict ... validate=true`` (the prediction against the real steps)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotuner.main import run
+from autotuner.predict.__main__ import main as predict_main
+from autotuner.tune import main as tune_main
+from autotuner.tune import parse_settings, rank
+
+SETTINGS = ["gpus=4", "global_batch_size=16", "seq_len=32", "dtype=fp32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """case=tiny profiled at s32 with micro-batches 1 and 2 (what the ranking's shown layouts use)."""
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    argv = ["case=tiny", "shapes.seq_len=[32]", "shapes.micro_batch_size=[1,2]", "progress=false"]
+    assert run([*argv, "report=false", f"hydra.run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run: Path):
+    dirs, settings = parse_settings([str(tiny_run), *SETTINGS, "gpu_memory_gb=1"])
+    ranked, _, _ = rank(dirs, settings)
+    fitting = [r for r in ranked if r.fits]
+    assert fitting and all(r.fits for r in ranked[: len(fitting)])  # the ones that fit come first
+    times = [r.prediction.step_seconds for r in fitting]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    # a memory limit between the smallest and the largest need drops exactly the layouts above it
+    needs = sorted(r.memory_bytes for r in ranked)
+    limit_gb = (needs[0] + needs[-1]) / 2 / 1e9
+    dirs, settings = parse_settings([str(tiny_run), *SETTINGS, f"gpu_memory_gb={limit_gb}", "margin=0"])
+    ranked, _, _ = rank(dirs, settings)
+    assert {r.prediction.layout for r in ranked if r.fits} == {
+        r.prediction.layout for r in ranked if r.memory_bytes <= limit_gb * 1e9
+    }
+    assert 0 < sum(r.fits for r in ranked) < len(ranked)
+
+
+def test_the_command_prints_the_top_the_explanation_and_the_plan(tiny_run: Path, capsys):
+    assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=1", "top=3", "--explain", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts predicted" in out and "deciding op" in out
+    assert "stage" in out and "sources" in out  # the explained prediction
+    assert "measurements behind this ranking:" in out
+
+
+def test_nothing_fits_is_one_line_and_exit_2(tiny_run: Path, capsys):
+    assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=0.000001"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no layout fits" in err and len(err.splitlines()) == 1
+
+
+def test_without_runs_everything_is_modelled_and_the_plan_lists_the_runs(capsys):
+    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2"]) == 0
+    out = capsys.readouterr().out
+    assert "modelled 100%" in out
+    assert "python -m autotuner.main case=tiny" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["gpus=4", "seq_len=32"], ["case=tiny", *SETTINGS, "gpu_memory_gb=-1"], ["case=tiny", *SETTINGS, "x=1"]],
+)
+def test_bad_settings_are_one_line_and_exit_2(args, capsys):
+    assert tune_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autotuner.tune: error:") and len(err.splitlines()) == 1
+
+
+def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp_path: Path, capsys):
+    out = tmp_path / "prediction.json"
+    argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
+    assert predict_main([*argv, "validate=true", "repeats=2", "--json", str(out)]) == 0
+    assert "predicted vs measured steps" in capsys.readouterr().out
+    record = json.loads(out.read_text())["validation"]
+    assert record["measured_step_s"] > 0 and record["measured_peak_bytes"] > 0
+    assert record["step_error"] == pytest.approx(record["predicted_step_s"] / record["measured_step_s"] - 1)
+    assert record["memory_error"] == pytest.approx(
+        record["predicted_peak_bytes"] / record["measured_peak_bytes"] - 1
+    )
+    assert "autotuner.predict.steps" in " ".join(record["command"])
