@@ -3,13 +3,16 @@
     python -m autotuner.predict RUN_DIR [RUN_DIR ...] seq_len=2048 tp=2 pp=4 dp=8 micro_batch_size=1 \\
         global_batch_size=512 [vpp=1] [recompute=none|selective|full] [sequence_parallel=false] \\
         [distributed_optimizer=false] [dtype=bf16] [calibration=FILE] [validate=false] [repeats=5] \\
-        [--json OUT]
+        [report=true] [gpu_memory_gb=80] [--json OUT]
 
 Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what
 is missing; ``--slurm DIR``: also as SLURM arrays) and writes ``prediction.json`` (``--json``; default: in
 the first run directory). dtype defaults to the runs' dtype; the calibration to the one the first run
 kept (calibration.json). ``validate=true`` also runs the layout's real training steps on this machine
 and prints predicted against measured step time and peak memory (autotuner.predict.validate).
+Beside prediction.json it writes ``prediction.html`` (autotuner.report.prediction: the 1F1B timeline,
+the memory per stage against ``gpu_memory_gb`` when given, predicted against measured bars), as a run
+writes its report.html; ``report=false`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,15 +31,21 @@ from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text
 
 INT_KEYS = ("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats")
-BOOL_KEYS = ("sequence_parallel", "distributed_optimizer", "validate")
+BOOL_KEYS = ("sequence_parallel", "distributed_optimizer", "validate", "report")
 STR_KEYS = ("recompute", "dtype", "calibration")
-KEYS = (*INT_KEYS, *BOOL_KEYS, *STR_KEYS)
+FLOAT_KEYS = ("gpu_memory_gb",)
+KEYS = (*INT_KEYS, *BOOL_KEYS, *STR_KEYS, *FLOAT_KEYS)
 
 
 def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split the arguments into run directories and ``key=value`` settings, typed; UserError (one line)
     for an unknown key, a value of the wrong type, or what is missing."""
-    kinds = {**dict.fromkeys(INT_KEYS, int), **dict.fromkeys(BOOL_KEYS, bool), **dict.fromkeys(STR_KEYS, str)}
+    kinds = {
+        **dict.fromkeys(INT_KEYS, int),
+        **dict.fromkeys(BOOL_KEYS, bool),
+        **dict.fromkeys(STR_KEYS, str),
+        **dict.fromkeys(FLOAT_KEYS, float),
+    }
     dirs, settings = parse_key_values(items, kinds)
     if not dirs:
         raise UserError("no run directory given: pass the directory of a run of python -m autotuner.main")
@@ -64,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = load_runs(dirs)
         calibration = load_calibration_for(runs, settings.pop("calibration", None))
         validating, repeats = settings.pop("validate", False), settings.pop("repeats", 5)
+        page, gpu_memory_gb = settings.pop("report", True), settings.pop("gpu_memory_gb", None)
+        if gpu_memory_gb is not None and gpu_memory_gb <= 0:
+            raise UserError(f"gpu_memory_gb={gpu_memory_gb:g} must be positive: give e.g. gpu_memory_gb=80")
         if "dtype" not in settings:
             dtypes = runs.dtypes
             settings["dtype"] = dtypes[0] if len(dtypes) == 1 else "bf16"
@@ -96,7 +108,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     print(f"\nprediction written to {out}")
+    if page:
+        _page(record, out.with_suffix(".html"), gpu_memory_gb)
     return 0
+
+
+def _page(record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> None:
+    """The prediction's HTML page. Like a run's report, a page that cannot be made is one line on stderr
+    and never fails the prediction, which is already written."""
+    try:
+        from autotuner.report.prediction import write_prediction_page
+
+        print(f"page: {write_prediction_page(record, path, gpu_memory_gb)}")
+    except Exception as exc:  # noqa: BLE001 - prediction.json is on disk whatever happens here
+        print(
+            f"autotuner.predict: page not written: {type(exc).__name__}: {exc}".splitlines()[0],
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ SIZES = {
     "scaling_memory": (1200, 900),
     "roofline": (1200, 700),
     "experts": (1200, 550),
+    "prediction_timeline": (1200, 500),
+    "prediction_memory": (1000, 550),
+    "prediction_validation": (900, 450),
 }
 MARKERS = ("o", "s", "D", "v", "^", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")

@@ -1,0 +1,595 @@
+"""The page of one prediction (``prediction.html``): the pipeline schedule, the memory of each stage, and
+the predicted against the measured steps, made from ``prediction.json`` alone (plain data: the results
+side never imports the predictor, so a page can be remade wherever the file is).
+
+**Timeline** (``schedule``). The predictor's pipeline time is Narayanan et al. 2021's (section 2.2): the
+slowest stage sets the pace, m * t * (1 + (p-1)/(v*m)) with t its forward + backward per micro-batch.
+The timeline draws exactly that model: every forward box is a slot of the slowest stage's forward (/v
+per virtual chunk), every backward box a slot of its backward, placed by the 1F1B order each rank runs
+and the data dependencies between ranks, as Megatron-Core's ``forward_backward_pipelining_*``:
+
+* non-interleaved (v = 1): stage i runs min(p-i-1, m) warm-up forwards, then pairs of one forward and one
+  backward, then the remaining backwards (cool-down);
+* interleaved (v > 1): virtual micro-batch k is micro-batch (k // (p*v))*p + k % p of chunk (k // p) % v
+  (forwards; the backwards visit the chunks in reverse), rank i runs min((p-i-1)*2 + (v-1)*p, m*v)
+  warm-up forwards (``get_pp_rank_microbatches`` and ``get_schedule_table``, groups of p micro-batches),
+  then the same pairs and cool-down;
+* a forward waits for the same micro-batch's forward on the stage before (chunk c on the first rank waits
+  for chunk c-1 on the last), a backward for the stage after (chunk c on the last rank for chunk c+1 on
+  the first; the last chunk's backward for its own forward).
+
+With equal slots the last backward ends at (m*v + p - 1) * t / v, the prediction's pipeline time; the
+gaps are the bubble. Inside each slot the stage's own time is filled and the rest hatched: a stage
+faster than the slowest waits for it. A stage whose own forward (or backward) is longer than the
+slowest stage's is drawn clipped, and the caption says so: there the formula's pace is optimistic.
+
+**Memory** (``memory_stack``): per stage, the five terms the predictor adds (weights, gradients,
+optimizer states, activations, logits) stacked to its total; beside each, Korthikanti et al.'s closed-form
+activation estimate from the same base, and the GPU's memory as a line when given.
+
+**Validation** (``validation_bars``): the ``validation`` record (``validate=true``) as predicted and
+measured bars for step time (with the measured IQR) and peak memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import EngFormatter, FuncFormatter, MultipleLocator
+
+from autotuner.errors import UserError
+from autotuner.report.style import DPI, new_figure
+from autotuner.report.tables import cell, table
+from autotuner.results.atomic import atomic_write_text
+from autotuner.results.units import BINARY_UNITS, human_bytes, human_time
+
+PAGE_NAME = "prediction.html"
+MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "logits")
+TERM_COLOURS = {
+    "weights": "#1f77b4",
+    "gradients": "#ff7f0e",
+    "optimizer": "#2ca02c",
+    "activations": "#9467bd",
+    "logits": "#8c564b",
+}
+PHASE_COLOURS = {"forward": "#4c9be8", "backward": "#f28e2b"}
+KINDS = ("measured", "scaled", "modelled")
+REL = 1e-9  # float tolerance of "ends at the pipeline time"
+
+
+def load_prediction(path: Path) -> dict[str, Any]:
+    """``prediction.json`` as a dict; UserError (one line) for a file that is not one."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"cannot read {path} as JSON ({exc}): give a prediction.json of python -m autotuner.predict"
+        ) from None
+    if not isinstance(record, dict) or not {"layout", "stages", "step", "memory"} <= set(record):
+        raise UserError(f"{path} is not a prediction (no layout/stages/step/memory): give a prediction.json")
+    return record
+
+
+# ------------------------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Box:
+    """One forward or backward of one micro-batch (and virtual chunk) on one stage: its slot in the
+    schedule, and the stage's own time inside it (``busy``, from the slot's start)."""
+
+    stage: int
+    phase: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+    busy: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    boxes: list[Box]
+    pipeline_s: float  # the prediction's
+    interleaved: bool
+    clipped: list[str]  # stages whose own phase time exceeds the slot (drawn clipped)
+
+    @property
+    def end(self) -> float:
+        return max(b.end for b in self.boxes)
+
+
+def rank_order(stage: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """The (phase, micro-batch, chunk) sequence rank ``stage`` runs (module docstring)."""
+    total = m * v
+    if v == 1:
+        warmup = min(p - stage - 1, m)
+    else:
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+    def which(k: int, phase: str) -> tuple[str, int, int]:
+        group = (k // p) % v
+        return phase, (k // (p * v)) * p + k % p, group if phase == "forward" else v - 1 - group
+
+    order = [which(k, "forward") for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [which(warmup + k, "forward"), which(k, "backward")]
+    order += [which(k, "backward") for k in range(total - warmup, total)]
+    return order
+
+
+def _dependency(key: tuple[int, str, int, int], p: int, v: int) -> tuple[int, str, int, int] | None:
+    stage, phase, mb, chunk = key
+    if phase == "forward":
+        if stage > 0:
+            return stage - 1, phase, mb, chunk
+        return (p - 1, phase, mb, chunk - 1) if chunk > 0 else None
+    if stage < p - 1:
+        return stage + 1, phase, mb, chunk
+    return (0, phase, mb, chunk + 1) if chunk < v - 1 else (stage, "forward", mb, chunk)
+
+
+def schedule(record: Mapping[str, Any]) -> Schedule:
+    """The boxes of the prediction's pipeline schedule (module docstring)."""
+    layout, step, stages = record["layout"], record["step"], record["stages"]
+    p, v, m = int(layout["pp"]), int(layout["vpp"]), int(layout["microbatches"])
+    pace = stages[int(step["slowest_stage"])]
+    slot = {"forward": pace["forward_s"] / v, "backward": pace["backward_s"] / v}
+    own = {(st["stage"], ph): st[f"{ph}_s"] / v for st in stages for ph in ("forward", "backward")}
+    clipped = sorted({f"stage {s} {ph}" for (s, ph), t in own.items() if t > slot[ph] * (1 + REL)})
+    orders = [rank_order(s, p, v, m) for s in range(p)]
+    done: dict[tuple[int, str, int, int], float] = {}
+    free, position, boxes = [0.0] * p, [0] * p, []
+    # Each pass places, on every rank, the ops whose dependency has ended; a pass that places nothing
+    # would be a deadlock of the order above (a bug), not a property of the layout.
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        placed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                phase, mb, chunk = orders[s][position[s]]
+                dep = _dependency((s, phase, mb, chunk), p, v)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep] if dep is not None else 0.0)
+                end = start + slot[phase]
+                boxes.append(Box(s, phase, mb, chunk, start, end, min(own[(s, phase)], slot[phase])))
+                done[(s, phase, mb, chunk)] = free[s] = end
+                position[s] += 1
+                placed = True
+        if not placed:
+            raise RuntimeError(f"the 1F1B order deadlocks at p={p} v={v} m={m}")
+    return Schedule(boxes, float(step["pipeline_s"]), v > 1, clipped)
+
+
+def timeline_figure(record: Mapping[str, Any]) -> Figure:
+    """One row per stage (stage 0 on top), each box a slot with the stage's own time filled."""
+    sched = schedule(record)
+    p = int(record["layout"]["pp"])
+    figure = new_figure("prediction_timeline")
+    ax = figure.subplots()
+    for box in sched.boxes:
+        y = p - 1 - box.stage
+        colour = PHASE_COLOURS[box.phase]
+        slot = Rectangle(
+            (box.start, y - 0.4),
+            box.end - box.start,
+            0.8,
+            facecolor="white",
+            edgecolor=colour,
+            hatch="//",
+            linewidth=0.6,
+        )
+        slot.set_gid(f"{box.phase}:{box.stage}:{box.microbatch}:{box.chunk}")
+        ax.add_patch(slot)
+        busy = Rectangle(
+            (box.start, y - 0.4), box.busy, 0.8, facecolor=colour, edgecolor=colour, linewidth=0.6
+        )
+        busy.set_gid(f"busy:{slot.get_gid()}")
+        ax.add_patch(busy)
+        if len(sched.boxes) <= 100 * p:  # numbers stay legible up to about a hundred boxes a row
+            label = str(box.microbatch + 1) + (f".{box.chunk}" if sched.interleaved else "")
+            ax.text((box.start + box.end) / 2, y, label, ha="center", va="center", fontsize=6)
+    ax.axvline(sched.pipeline_s, color="black", linestyle="--", linewidth=1)
+    ax.set_xlim(0, max(sched.end, sched.pipeline_s) * 1.01 or 1.0)
+    ax.set_ylim(-0.6, p - 0.4)
+    ax.set_yticks(range(p), [f"stage {p - 1 - y}" for y in range(p)])
+    ax.xaxis.set_major_formatter(EngFormatter(unit="s"))
+    ax.set_xlabel("time in the step (dashed: the predicted pipeline time)")
+    bubble = float(record["step"]["bubble_fraction"])
+    ax.set_title(
+        f"{'interleaved ' if sched.interleaved else ''}1F1B, p={p}"
+        + (f" v={record['layout']['vpp']}" if sched.interleaved else "")
+        + f" m={record['layout']['microbatches']}: bubble {bubble:.1%} of the compute",
+        fontsize=10,
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor=PHASE_COLOURS["forward"], label="forward"),
+            Patch(facecolor=PHASE_COLOURS["backward"], label="backward"),
+            Patch(facecolor="white", edgecolor="grey", hatch="//", label="waits for the slowest stage"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
+    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.22, top=0.9)
+    return figure
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class StageStack:
+    stage: int
+    terms: list[tuple[str, float]]  # MEMORY_TERMS, bottom to top
+    total: float  # the prediction's total_bytes
+    korthikanti: float
+
+
+def memory_stack(record: Mapping[str, Any]) -> list[StageStack]:
+    return [
+        StageStack(
+            int(m["stage"]),
+            [(t, float(m[t]["value"])) for t in MEMORY_TERMS],
+            float(m["total_bytes"]),
+            float(m["korthikanti_activations"]["value"]),
+        )
+        for m in record["memory"]
+    ]
+
+
+def _bytes_axis(ax: Any, top: float) -> None:
+    """Ticks at round numbers of the binary unit the top falls in (1, 2, 2.5 or 5 x 10^k of it), so the
+    axis reads as the tables do (human_bytes) instead of 488.3 KiB steps."""
+    unit, scale = "B", 1.0
+    for name in BINARY_UNITS[1:]:
+        if top < scale * 1024:
+            break
+        unit, scale = name, scale * 1024
+    raw = top / scale / 6
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    step = next(f * power for f in (1, 2, 2.5, 5, 10) if f * power >= raw)
+    ax.yaxis.set_major_locator(MultipleLocator(step * scale))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g} {unit}"))
+
+
+def memory_figure(record: Mapping[str, Any], gpu_memory_gb: float | None = None) -> Figure:
+    """Stacked bars per stage; a narrow hatched bar beside the activations is Korthikanti's estimate."""
+    figure = new_figure("prediction_memory")
+    ax = figure.subplots()
+    stacks = memory_stack(record)
+    for stack in stacks:
+        base = 0.0
+        for term, value in stack.terms:
+            bar = Rectangle((stack.stage - 0.3, base), 0.45, value, facecolor=TERM_COLOURS[term])
+            bar.set_gid(f"memory:{stack.stage}:{term}")
+            ax.add_patch(bar)
+            if term == "activations":
+                estimate = Rectangle(
+                    (stack.stage + 0.17, base),
+                    0.15,
+                    stack.korthikanti,
+                    facecolor="white",
+                    edgecolor=TERM_COLOURS[term],
+                    hatch="xx",
+                )
+                estimate.set_gid(f"korthikanti:{stack.stage}")
+                ax.add_patch(estimate)
+            base += value
+        ax.text(stack.stage - 0.075, base, human_bytes(stack.total), ha="center", va="bottom", fontsize=8)
+    top = max([s.total for s in stacks] + [s.korthikanti + sum(v for _, v in s.terms[:3]) for s in stacks])
+    handles = [Patch(facecolor=TERM_COLOURS[t], label=t) for t in MEMORY_TERMS]
+    handles.append(
+        Patch(facecolor="white", edgecolor=TERM_COLOURS["activations"], hatch="xx", label="Korthikanti")
+    )
+    if gpu_memory_gb:
+        limit = gpu_memory_gb * 1e9
+        line = ax.axhline(limit, color="#d62728", linewidth=1.2)
+        line.set_gid("gpu_memory")
+        handles.append(Line2D([], [], color="#d62728", label=f"GPU memory {gpu_memory_gb:g} GB"))
+        top = max(top, limit)
+    ax.set_xlim(-0.7, len(stacks) - 0.3)
+    ax.set_ylim(0, top * 1.12 or 1)
+    ax.set_xticks(range(len(stacks)), [f"stage {s.stage}" for s in stacks])
+    _bytes_axis(ax, top)
+    ax.set_ylabel("bytes per GPU")
+    ax.set_title("Memory per GPU of each pipeline stage, at its peak", fontsize=10)
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    figure.subplots_adjust(left=0.12, right=0.8, bottom=0.1, top=0.92)
+    return figure
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+def validation_bars(record: Mapping[str, Any]) -> dict[str, dict[str, float]] | None:
+    """{"step time": {predicted, measured}, "peak memory": {...}} from the validation record, or None."""
+    v = record.get("validation")
+    if not v:
+        return None
+    return {
+        "step time": {"predicted": float(v["predicted_step_s"]), "measured": float(v["measured_step_s"])},
+        "peak memory": {
+            "predicted": float(v["predicted_peak_bytes"]),
+            "measured": float(v["measured_peak_bytes"]),
+        },
+    }
+
+
+def validation_figure(record: Mapping[str, Any]) -> Figure | None:
+    bars = validation_bars(record)
+    if bars is None:
+        return None
+    v = record["validation"]
+    figure = new_figure("prediction_validation")
+    axes = figure.subplots(1, 2)
+    for ax, (what, values) in zip(axes, bars.items(), strict=True):
+        drawn = ax.bar(list(values), list(values.values()), color=["#4c9be8", "#7f7f7f"], width=0.6)
+        for name, patch in zip(values, drawn.patches, strict=True):
+            patch.set_gid(f"{what}:{name}")
+        if what == "step time":  # the measured steps' spread: half the IQR either side of the median
+            iqr = float(v.get("measured_step_iqr_s") or 0.0)
+            ax.errorbar([1], [values["measured"]], yerr=[[iqr / 2], [iqr / 2]], color="black", capsize=6)
+            ax.yaxis.set_major_formatter(EngFormatter(unit="s"))
+            error = v["predicted_step_s"] / v["measured_step_s"] - 1
+        else:
+            _bytes_axis(ax, max(values.values()))
+            error = v["predicted_peak_bytes"] / v["measured_peak_bytes"] - 1
+        ax.set_title(f"{what}: error {100 * error:+.1f}%", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.88, wspace=0.35)
+    figure.suptitle("Predicted against measured steps (validate=true)")
+    return figure
+
+
+# ----------------------------------------------------------------------------------------------- page
+
+
+def _png(figure: Figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, dpi=DPI, format="png", metadata={"Software": None})
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _kinds(sources: Sequence[Mapping[str, Any]]) -> str:
+    """ "measured 10, scaled 2": how many figures of each kind of source."""
+    counts = {k: sum(1 for s in sources if s.get("kind") == k) for k in KINDS}
+    return ", ".join(f"{k} {n}" for k, n in counts.items() if n) or "none"
+
+
+def _t(seconds: float) -> str:
+    return human_time(seconds * 1e6)
+
+
+def describe_layout(layout: Mapping[str, Any]) -> str:
+    """The layout in one line, as the predictor prints it (its ``Layout.describe``, from the JSON)."""
+    flag = lambda key: str(bool(layout.get(key))).lower()  # noqa: E731
+    return (
+        f"tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} ep={layout['ep']} "
+        f"mbs={layout['micro_batch_size']} gbs={layout['global_batch_size']} s={layout['seq_len']} "
+        f"recompute={layout['recompute']} sp={flag('sequence_parallel')} "
+        f"distopt={flag('distributed_optimizer')} {layout['dtype']} ({layout['gpus']} GPUs, "
+        f"{layout['microbatches']} micro-batches)"
+    )
+
+
+def _step_table(record: Mapping[str, Any]) -> str:
+    """The step's parts: compute of the slowest stage, bubble, DP reduction, optimizer, total."""
+    step, layout = record["step"], record["layout"]
+    slow = record["stages"][int(step["slowest_stage"])]
+    compute = int(layout["microbatches"]) * (slow["forward_s"] + slow["backward_s"])
+    total = float(step["total_s"])
+    slow_kinds = _kinds([i["source"] for i in slow["items"]])
+    parts = [
+        ("pipeline compute", compute, slow_kinds, f"m x (t_f + t_b) of stage {step['slowest_stage']}"),
+        ("pipeline bubble", step["pipeline_s"] - compute, "modelled", f"{step['formula']} less the compute"),
+        (
+            "DP gradient reduction",
+            step["dp_reduction"]["value"],
+            step["dp_reduction"]["source"]["kind"],
+            step["dp_reduction"]["source"]["detail"],
+        ),
+        (
+            "optimizer step",
+            step["optimizer"]["value"],
+            step["optimizer"]["source"]["kind"],
+            step["optimizer"]["source"]["detail"],
+        ),
+    ]
+    body = [
+        f"<tr>{cell(name)}{cell(_t(s), s, 'n')}{cell(f'{s / total:.1%}' if total else '-', s, 'n')}"
+        f"{cell(kind)}{cell(detail)}</tr>"
+        for name, s, kind, detail in parts
+    ]
+    body.append(
+        f"<tr>{cell('step')}{cell(_t(total), total, 'n')}{cell('100%')}{cell('')}{cell(step['overlap'])}</tr>"
+    )
+    return table(["part", "time", "share", "source", "how"], body)
+
+
+def _stage_table(record: Mapping[str, Any]) -> str:
+    body = [
+        f"<tr>{cell(st['stage'])}{cell(st['layers'], cls='n')}"
+        f"{cell(_t(st['forward_s']), st['forward_s'], 'n')}"
+        f"{cell(_t(st['backward_s']), st['backward_s'], 'n')}{cell(st['dominant_op'])}"
+        f"{cell(_kinds([i['source'] for i in st['items']]))}</tr>"
+        for st in record["stages"]
+    ]
+    return table(["stage", "layers", "forward/mb", "backward/mb", "dominant op", "sources"], body)
+
+
+def _memory_table(record: Mapping[str, Any]) -> str:
+    body = []
+    for m in record["memory"]:
+        terms = "".join(
+            cell(f"{human_bytes(m[t]['value'])} [{m[t]['source']['kind']}]", m[t]["value"], "n")
+            for t in (*MEMORY_TERMS, "korthikanti_activations")
+        )
+        body.append(
+            f"<tr>{cell(m['stage'])}{terms}{cell(human_bytes(m['total_bytes']), m['total_bytes'], 'n')}</tr>"
+        )
+    return table(["stage", *MEMORY_TERMS, "Korthikanti", "total/GPU"], body)
+
+
+def _validation_table(v: Mapping[str, Any]) -> str:
+    rows = [
+        (
+            "step time",
+            _t(v["predicted_step_s"]),
+            f"{_t(v['measured_step_s'])} (IQR {_t(v['measured_step_iqr_s'])})",
+            v["step_error"],
+        ),
+        (
+            "peak memory",
+            human_bytes(v["predicted_peak_bytes"]),
+            human_bytes(v["measured_peak_bytes"]),
+            v["memory_error"],
+        ),
+    ]
+    body = [
+        f"<tr>{cell(a)}{cell(b, cls='n')}{cell(c, cls='n')}{cell(f'{100 * e:+.1f}%', e, 'n')}</tr>"
+        for a, b, c, e in rows
+    ]
+    return table(["", "predicted", "measured", "error"], body) + (
+        f"<p>Measured by: <code>{escape(' '.join(map(str, v.get('command', []))))}</code></p>"
+    )
+
+
+def _sources(record: Mapping[str, Any]) -> str:
+    lines = [
+        f"stage {st['stage']} {i['name']}.{i['phase']} x{i['count']}: {_t(i['seconds'])} "
+        f"[{i['source']['kind']}] {i['source']['detail']}"
+        for st in record["stages"]
+        for i in st["items"]
+    ]
+    for m in record["memory"]:
+        lines += [
+            f"stage {m['stage']} {t}: [{m[t]['source']['kind']}] {m[t]['source']['detail']}"
+            for t in MEMORY_TERMS
+        ]
+    return (
+        f"<details><summary>Every figure's source</summary><pre>{escape(chr(10).join(lines))}</pre></details>"
+    )
+
+
+def _figure(name: str, title: str, figure: Figure | None, caption: str, source: str) -> str:
+    out = [f'<h2 id="{name}">{escape(title)}</h2>']
+    if figure is not None:
+        out.append(f'<img src="data:image/png;base64,{_png(figure)}" alt="{escape(title)}">')
+    out.append(f'<p class="caption">{escape(caption)}</p>')
+    out.append(f'<p class="caption"><b>Source:</b> {escape(source)}</p>')
+    return "".join(out)
+
+
+def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | None = None) -> str:
+    from autotuner.report.page import CSS  # the run report's look
+
+    layout, step = record["layout"], record["step"]
+    case = record.get("model", {}).get("case") or "model"
+    title = f"prediction: {case}, tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']}"
+    sched = schedule(record)
+    timeline_caption = (
+        "One row per pipeline stage; each box is one micro-batch's forward (blue) or backward (orange)"
+        + (", labelled micro-batch.chunk" if sched.interleaved else ", labelled by micro-batch")
+        + ", in the order the rank runs it under 1F1B"
+        + (" interleaved over virtual chunks" if sched.interleaved else "")
+        + ": warm-up forwards, then one forward and one backward in turn, then the cool-down backwards. "
+        "The prediction paces every stage at the slowest one (stage "
+        f"{step['slowest_stage']}): each box is that stage's time, the stage's own time filled, the rest "
+        "hatched (waiting for the slowest stage). White gaps are the pipeline bubble. The schedule ends at "
+        f"{_t(sched.end)}; the prediction's pipeline time ({step['formula']}) is {_t(sched.pipeline_s)}."
+        + (
+            f" Clipped (own time longer than the slowest stage's): {', '.join(sched.clipped)}."
+            if sched.clipped
+            else ""
+        )
+    )
+    stage_sources = [i["source"] for st in record["stages"] for i in st["items"]]
+    memory_sources = [m[t]["source"] for m in record["memory"] for t in MEMORY_TERMS]
+    memory_caption = (
+        "Each bar stacks one stage's GPU at its peak: weights, gradients (fp32 main grads), optimizer "
+        "states, the activations of the micro-batches the stage holds under 1F1B, and the logits on the "
+        "last stage. The narrow hatched bar beside it starts where the activations start and is Korthikanti "
+        "et al.'s closed-form estimate of the same activations."
+        + (
+            f" The red line is the GPU's {gpu_memory_gb:g} GB."
+            if gpu_memory_gb
+            else " No GPU memory given (gpu_memory_gb=): no line."
+        )
+    )
+    validation = record.get("validation")
+    mfu = record.get("mfu")
+    summary = (
+        f"<p>{escape(describe_layout(layout))}</p>"
+        f"<p>Step {escape(_t(step['total_s']))} (upper bound: nothing overlaps), "
+        f"{record['tokens_per_s_per_gpu']['value']:.4g} tokens/s per GPU, "
+        + (f"MFU {mfu['value']:.1%}" if mfu else escape(record.get("mfu_note", "no MFU")))
+        + "</p>"
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        f'<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>',
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+        summary,
+        "<h2>Step</h2>",
+        _step_table(record),
+        "<h2>Stages (per micro-batch)</h2>",
+        _stage_table(record),
+        _figure(
+            "timeline",
+            "Pipeline schedule",
+            timeline_figure(record),
+            timeline_caption,
+            f"stage times {_kinds(stage_sources)}; the schedule modelled (1F1B order, slowest stage's pace)",
+        ),
+        _figure(
+            "memory",
+            "Memory per stage",
+            memory_figure(record, gpu_memory_gb),
+            memory_caption,
+            f"terms {_kinds(memory_sources)}; Korthikanti modelled",
+        ),
+        _memory_table(record),
+        _figure(
+            "validation",
+            "Predicted against measured steps",
+            validation_figure(record),
+            "Predicted step time and peak memory of the fullest GPU beside the real steps' (median, IQR bar)."
+            if validation
+            else "No validation record: python -m autotuner.predict ... validate=true runs the "
+            "real steps of this layout and adds one.",
+            "predicted: this prediction; measured: the real training steps" if validation else "none",
+        ),
+        _validation_table(validation) if validation else "",
+    ]
+    if record.get("missing"):
+        commands = dict.fromkeys(item["command"] for item in record["missing"])
+        parts.append(
+            "<h2>Not measured at this point: to measure</h2><pre>" + escape("\n".join(commands)) + "</pre>"
+        )
+    if record.get("warnings"):
+        parts.append(
+            "<ul>" + "".join(f'<li class="warn">{escape(w)}</li>' for w in record["warnings"]) + "</ul>"
+        )
+    parts += [_sources(record), "</body></html>"]
+    return "\n".join(parts) + "\n"
+
+
+def write_prediction_page(record: Mapping[str, Any], path: Path, gpu_memory_gb: float | None = None) -> Path:
+    """Write the page to ``path`` whole or not at all; returns it."""
+    return atomic_write_text(Path(path), render_prediction_page(record, gpu_memory_gb))

@@ -1,0 +1,184 @@
+"""The prediction's page (autotuner.report.prediction): the 1F1B timeline, the memory stack and the
+validation bars, each read back from the drawn figure, and prediction.html as python -m autotuner.predict
+writes it. The predictions come from the real predictor on test_predict's synthetic rows."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from autotuner.errors import UserError
+from autotuner.predict.__main__ import main
+from autotuner.predict.layout import Layout
+from autotuner.predict.prediction import load_runs, predict
+from autotuner.report.prediction import (
+    MEMORY_TERMS,
+    load_prediction,
+    memory_figure,
+    timeline_figure,
+    validation_figure,
+    write_prediction_page,
+)
+from tests.test_predict import CAL, base_rows, make_run
+
+REL = 1e-9
+Key = tuple[str, int, int, int]  # phase, stage, micro-batch, chunk
+
+
+def prediction(tmp_path: Path, **layout) -> dict:
+    runs = load_runs([make_run(tmp_path, base_rows())])
+    return predict(runs, Layout(seq_len=32, dtype="fp32", **layout), CAL).to_json()
+
+
+def drawn(figure) -> dict[str, object]:
+    """The figure's artists that carry an id (rectangles, lines), by id."""
+    return {a.get_gid(): a for ax in figure.axes for a in [*ax.patches, *ax.lines] if a.get_gid() is not None}
+
+
+def spans(figure, busy: bool = False) -> dict[Key, tuple[float, float]]:
+    """Timeline boxes (or the filled part inside them) as (start, end) by (phase, stage, mb, chunk)."""
+    out = {}
+    for gid, rect in drawn(figure).items():
+        parts = gid.split(":")
+        if (parts[0] == "busy") != busy:
+            continue
+        phase, stage, mb, chunk = parts[1:] if busy else parts
+        out[(phase, int(stage), int(mb), int(chunk))] = (rect.get_x(), rect.get_x() + rect.get_width())
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"pp": 2, "global_batch_size": 8},
+        {"pp": 4, "global_batch_size": 6},
+        {"pp": 2, "vpp": 2, "global_batch_size": 8},
+        {"pp": 1, "global_batch_size": 3},
+    ],
+    ids=["pp2_m8", "pp4_m6", "pp2_vpp2_m8", "pp1_m3"],
+)
+def test_timeline_is_the_1f1b_schedule_of_the_predicted_pipeline_time(tmp_path, layout):
+    rec = prediction(tmp_path, **layout)
+    p, v, m = rec["layout"]["pp"], rec["layout"]["vpp"], rec["layout"]["microbatches"]
+    figure = timeline_figure(rec)
+    boxes = spans(figure)
+    assert len(boxes) == 2 * p * m * v
+    for s in range(p):
+        for phase in ("forward", "backward"):
+            mine = {(mb, c) for (ph, st, mb, c) in boxes if (ph, st) == (phase, s)}
+            assert mine == {(mb, c) for mb in range(m) for c in range(v)}, (s, phase)
+        row = sorted((span, key[0]) for key, span in boxes.items() if key[1] == s)
+        for (a, _), (b, _) in zip(row, row[1:], strict=False):
+            assert b[0] >= a[1] * (1 - REL), f"stage {s}: {a} overlaps {b}"
+        # 1F1B: the forwards a stage has run when its first backward starts are the micro-batches whose
+        # activations it holds at its peak, which the memory prediction counts (Megatron's warm-up + 1).
+        first_backward = next(i for i, (_, phase) in enumerate(row) if phase == "backward")
+        assert first_backward == rec["memory"][s]["held_microbatches"]
+        if s:
+            assert boxes[("forward", s, 0, 0)][0] >= boxes[("forward", s - 1, 0, 0)][1] * (1 - REL)
+    assert max(end for _, end in boxes.values()) == pytest.approx(rec["step"]["pipeline_s"], rel=REL)
+    # Inside each slot, filled, the stage's own time: the whole slot on the slowest stage, less elsewhere.
+    slow = rec["step"]["slowest_stage"]
+    for key, (start, end) in spans(figure, busy=True).items():
+        slot = boxes[key]
+        assert start == slot[0] and end <= slot[1] * (1 + REL)
+        assert end - start == pytest.approx(rec["stages"][key[1]][f"{key[0]}_s"] / v, rel=1e-6)
+        if key[1] == slow:
+            assert end == pytest.approx(slot[1], rel=REL)
+
+
+def test_memory_stack_sums_to_each_stage_and_marks_korthikanti_and_the_gpu(tmp_path):
+    rec = prediction(tmp_path, pp=2, global_batch_size=8)
+    artists = drawn(memory_figure(rec, gpu_memory_gb=0.002))
+    for stage in rec["memory"]:
+        s = stage["stage"]
+        bars = [artists[f"memory:{s}:{term}"] for term in MEMORY_TERMS]
+        assert sum(b.get_height() for b in bars) == pytest.approx(stage["total_bytes"], rel=REL)
+        assert [b.get_height() for b in bars] == [stage[t]["value"] for t in MEMORY_TERMS]
+        for lower, upper in zip(bars, bars[1:], strict=False):  # stacked, not overlaid
+            assert upper.get_y() == pytest.approx(lower.get_y() + lower.get_height())
+        korth, act = artists[f"korthikanti:{s}"], artists[f"memory:{s}:activations"]
+        assert korth.get_height() == stage["korthikanti_activations"]["value"] > 0
+        assert korth.get_y() == act.get_y() and korth.get_x() > act.get_x() + act.get_width()
+    assert list(artists["gpu_memory"].get_ydata()) == pytest.approx([2e6, 2e6])
+    assert "gpu_memory" not in drawn(memory_figure(rec))
+
+
+def test_validation_bars_hold_the_record(tmp_path):
+    rec = prediction(tmp_path, pp=2, global_batch_size=8)
+    assert validation_figure(rec) is None
+    rec["validation"] = {
+        "predicted_step_s": 0.05,
+        "measured_step_s": 0.04,
+        "measured_step_iqr_s": 0.002,
+        "step_error": 0.25,
+        "predicted_peak_bytes": 3e6,
+        "measured_peak_bytes": 4e6,
+        "memory_error": -0.25,
+        "command": ["torchrun", "--nproc-per-node=2"],
+    }
+    figure = validation_figure(rec)
+    bars = {gid: a.get_height() for gid, a in drawn(figure).items()}
+    assert bars == {
+        "step time:predicted": 0.05,
+        "step time:measured": 0.04,
+        "peak memory:predicted": 3e6,
+        "peak memory:measured": 4e6,
+    }
+    assert [ax.get_title() for ax in figure.axes] == ["step time: error +25.0%", "peak memory: error -25.0%"]
+
+
+class Page(HTMLParser):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.headings, self.images, self.text, self._h2 = [], 0, [], False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self._h2 = tag == "h2"
+        self.images += tag == "img" and dict(attrs)["src"].startswith("data:image/png;base64,")
+
+    def handle_endtag(self, tag):
+        self._h2 = False
+
+    def handle_data(self, data):
+        (self.headings if self._h2 else self.text).append(data)
+
+
+def test_predict_writes_the_page_beside_the_json(tmp_path, capsys):
+    run_dir = make_run(tmp_path, base_rows())
+    out = tmp_path / "out" / "prediction.json"
+    out.parent.mkdir()
+    args = [str(run_dir), "seq_len=32", "pp=2", "global_batch_size=8", "gpu_memory_gb=80"]
+    assert main([*args, "--json", str(out)]) == 0
+    page = Page((out.parent / "prediction.html").read_text())
+    assert ["Step", "Stages (per micro-batch)", "Pipeline schedule", "Memory per stage"] == page.headings[:4]
+    assert "Predicted against measured steps" in page.headings and page.images == 2  # no validation record
+    text = " ".join(page.text)
+    assert "No validation record" in text and "80 GB" in text and "pipeline bubble" in text
+    assert "Source:" in text and "measured" in text
+    capsys.readouterr()
+    # The page alone, from the JSON on disk (how a page is remade), now with a validation record.
+    rec = load_prediction(out)
+    rec["validation"] = {
+        "predicted_step_s": 0.05, "measured_step_s": 0.04, "measured_step_iqr_s": 0.002, "step_error": 0.25,
+        "predicted_peak_bytes": 3e6, "measured_peak_bytes": 4e6, "memory_error": -0.25, "command": ["x"],
+    }  # fmt: skip
+    again = Page(write_prediction_page(rec, tmp_path / "again.html").read_text())
+    assert again.images == 3 and "+25.0%" in " ".join(again.text)
+    # report=false: no page.
+    (out.parent / "prediction.html").unlink()
+    assert main([*args, "report=false", "--json", str(out)]) == 0
+    assert out.is_file() and not (out.parent / "prediction.html").exists()
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    run_dir = make_run(tmp_path, base_rows())
+    assert main([str(run_dir), "seq_len=32", "gpu_memory_gb=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gpu_memory_gb" in err[0] and not (run_dir / "prediction.html").exists()
+    (tmp_path / "not.json").write_text("{}")
+    with pytest.raises(UserError, match="not a prediction"):
+        load_prediction(tmp_path / "not.json")
