@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -53,9 +54,16 @@ def _quiet_run(argv: list[str]) -> int:
         return run(argv)
 
 
-def profile(case: list[str], tp: int, run_dir: Path, calibration: Path) -> None:
+def cpu_share(processes: int) -> list[str]:
+    """Each process's share of the cores, the same in the profile and in the steps: a TP=2 or PP=2 step
+    runs two processes on this machine's cores, so ops profiled with all of them would be too fast."""
+    return [f"timing.threads={max(1, len(os.sched_getaffinity(0)) // processes)}"]
+
+
+def profile(case: list[str], tp: int, pp: int, run_dir: Path, calibration: Path) -> None:
     argv = [
         *case,
+        *cpu_share(tp * pp),
         "device=cpu",
         f"shapes.seq_len=[{SEQ}]",
         f"shapes.micro_batch_size=[{MBS}]",
@@ -76,7 +84,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> t
     case, parallel = CASES[name], LAYOUTS[layout_name]
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
         run_dir = Path(folder) / "run"
-        profile(case, parallel["tp"], run_dir, calibration)
+        profile(case, parallel["tp"], parallel["pp"], run_dir, calibration)
         runs = load_runs([run_dir])
         layout = Layout(
             seq_len=SEQ,
@@ -86,7 +94,8 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> t
             **parallel,
         )
         pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
-        checked = validate(pred, case[0].split("=", 1)[1], [*case[1:], "device=cpu"], repeats=repeats)
+        share = cpu_share(parallel["tp"] * parallel["pp"])
+        checked = validate(pred, case[0].split("=", 1)[1], [*case[1:], *share, "device=cpu"], repeats=repeats)
     return (
         checked.step_error + 1,
         checked.memory_error + 1,
