@@ -8,21 +8,14 @@ import pytest
 from autotuner.errors import UserError
 from autotuner.predict.layout import Layout
 from autotuner.predict.steps import StepMeasurement, measure_steps, run_steps
+from benchmarks.predict_accuracy import CASES
 
 # Four micro-batches of one 16-token sequence: the schedules accumulate over several of them.
 BATCH = {"seq_len": 16, "micro_batch_size": 1, "global_batch_size": 4, "dtype": "fp32"}
 CPU = ["device=cpu"]
 WATCHDOG_S = 300  # a deadlocked pipeline ends here, not at CI's limit
-# llama7b's shape (SwiGLU, RMSNorm, RoPE, untied output) shrunk to run in seconds
-SMALL_LLAMA = [
-    "hf.hidden_size=256",
-    "hf.intermediate_size=688",
-    "hf.num_attention_heads=4",
-    "hf.num_key_value_heads=4",
-    "hf.head_dim=64",
-    "hf.num_hidden_layers=4",
-    "hf.vocab_size=4096",
-]
+# llama7b's shape (SwiGLU, RMSNorm, RoPE, untied output) shrunk to run in seconds: the benchmark's
+SMALL_LLAMA = CASES["llama_small"][1:]
 
 
 @pytest.fixture(scope="module")
