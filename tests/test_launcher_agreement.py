@@ -175,6 +175,10 @@ def test_bad_input_is_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path,
     assert not out.exists()
 
 
+@pytest.mark.skipif(
+    not H200_NSYS.is_file(),
+    reason=f"no GPU report fixtures at {H200_NSYS.parent} (CI clones the repo with shared/ beside it)",
+)
 def test_gpu_rows_are_judged_by_kernel_time(tmp_path: Path) -> None:
     """The nsys rows an H200 wrote for Llama-2-7B's layer (shared/fixtures), against issue 13's get_data
     and torch_profiler medians: the reference is each row's kernel time, never its host range."""
