@@ -6,7 +6,14 @@ as the get_data launcher:
 * matrix-product FLOP/s per dtype (square ``a @ b``; 2*n^3 FLOPs), the compute ceiling;
 * memory copy bandwidth (``dst.copy_(src)`` of a buffer far larger than the last-level cache; each copy
   reads and writes the buffer, 2 x its bytes), the memory ceiling;
-* on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory.
+* on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory;
+* the optimizer step: ``torch.optim.Adam.step`` (torch's default implementation for the device, the one
+  autotuner.predict.steps trains with) over fp32 parameters and gradients, in seconds per parameter
+  (``adam_seconds_per_parameter``, with ``adam_parameters``, the count it was timed at). Megatron keeps
+  fp32 main parameters and gradients whatever the model's dtype, so the fp32 rate is the one a step
+  pays; autotuner.predict scales it by a stage's parameters. An Adam step makes several passes over its
+  four fp32 tensors (torch's foreach kernels on a CPU took what copying about 70 B per parameter takes,
+  not the 28 B of one fused pass), so a bandwidth model undercounts it there.
 
 ``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
 between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
@@ -64,6 +71,13 @@ MATMUL_SIZE = {
     "cpu": {"fp32": 1024, "bf16": 128, "fp16": 128},
 }
 
+# The Adam step's parameters: the four weight matrices of Llama-shaped layers (hidden h, FFN width f:
+# the fused QKV, the attention output, the gated FC1, FC2), as (h, f, layers); their parameters,
+# gradients and two states together far larger than the last-level cache, as a model's are. The mix of
+# sizes matters on a CPU: on this project's 2-core VM one Adam step took 1.1-1.4 ns per parameter over
+# equal 256K-element tensors and 2.1-2.7 over a layer's mixed sizes (the llama-shaped model's own: 2.2).
+ADAM_LAYERS = {"cuda": (4096, 11008, 1), "cpu": (512, 1408, 4)}
+
 # Host transfer sizes tried for the pageable ceilings (the best rate is kept).
 TRANSFER_SIZES = (16 * 2**20, 64 * 2**20, 256 * 2**20)
 
@@ -93,7 +107,12 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         "peak_flops": peak_flops,
         "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
         "buffer_bytes": size,
+        # whether a step's data stays cached between calls of an op: autotuner.predict.timing
+        "last_level_cache_bytes": last_level_cache_bytes(device),
     }
+    seconds, count = adam_step_seconds(device, policy)
+    result["adam_seconds_per_parameter"] = seconds / count
+    result["adam_parameters"] = count
     if device.type == "cuda":
         # A pageable copy is staged through a pinned buffer by the driver, and its rate depends on the size
         # (seen on an H100: 9.7 GB/s at 400 MiB, 16 GB/s at 32 MiB); the ceiling is the best of a few sizes.
@@ -105,6 +124,20 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
                     rates.append(transfer.bytes_moved["forward"] / _median_s(transfer, device, policy))
                 result[transfer.ceiling] = max(rates)
     return result
+
+
+def adam_step_seconds(device: torch.device, policy: SamplingPolicy) -> tuple[float, int]:
+    """(median seconds of one ``torch.optim.Adam.step``, parameters it updated) over the fp32 weights
+    of ``ADAM_LAYERS`` with gradients (the states are made by an untimed first step)."""
+    h, f, layers = ADAM_LAYERS[device.type]
+    shapes = [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
+    params = [torch.zeros(shape, device=device, requires_grad=True) for shape in shapes]
+    for param in params:
+        param.grad = torch.full_like(param, 1e-3)
+    optimizer = torch.optim.Adam(params, lr=1e-6)
+    optimizer.step()  # allocates exp_avg and exp_avg_sq: not part of a step in training
+    step = OpCall(optimizer.step, ())
+    return _median_s(step, device, policy), sum(p.numel() for p in params)
 
 
 def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -> tuple[Any, int]:
@@ -258,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dtype, flops in result["peak_flops"].items():
         print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")
     print(f"copy          {result['memory_bandwidth'] / 1e9:10.2f} GB/s")
+    print(f"Adam step     {result['adam_seconds_per_parameter'] * 1e9:10.3f} ns per parameter")
     for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
         if key in result:
             print(f"{key:13} {result[key] / 1e9:10.2f} GB/s")

@@ -2,10 +2,12 @@
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 3] [--cases tiny,llama_small]
 
-For each case and layout: the ops are profiled with get_data at the layout's point and TP (in this
-process for TP=1, under torchrun for TP=2), the device is calibrated once (python -m
-autotuner.calibrate: the optimizer step and any modelled figure use its memory bandwidth and peak), the
-predictor predicts the step (autotuner.predict), and the real steps run (autotuner.predict.steps: the
+For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point
+and TP (in this process for TP=1, under torchrun for TP=2), once with warm caches and once flushed (the
+predictor takes the kind the step runs its ops in: autotuner.predict.timing.wants_cold_cache), the
+device is calibrated once (python -m autotuner.calibrate: the Adam step's time per parameter, the
+last-level cache, the memory bandwidth of modelled figures), the predictor predicts the step
+(autotuner.predict), and the real steps run (autotuner.predict.steps: the
 whole GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so
 the ratio's spread over rounds is printed beside its median (the A/A control here is the spread of the
 measured step itself: its IQR over the timed steps). Layouts: TP=1, TP=2 (torchrun, gloo) and PP=2
@@ -47,6 +49,8 @@ CASES = {
 }
 SEQ, MBS, MICROBATCHES = 128, 1, 4
 LAYOUTS = {"tp1": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
+# What a stage is made of (autotuner.predict.timing): each measured whole, at the layout's point.
+STAGE_OPS = ("embedding", "transformer_layer", "final_layernorm", "output_layer")
 
 
 def _quiet_run(argv: list[str]) -> int:
@@ -60,11 +64,13 @@ def cpu_share(processes: int) -> list[str]:
     return [f"timing.threads={max(1, len(os.sched_getaffinity(0)) // processes)}"]
 
 
-def profile(case: list[str], tp: int, pp: int, run_dir: Path, calibration: Path) -> None:
+def profile(case: list[str], tp: int, pp: int, run_dir: Path, calibration: Path, flush: bool) -> None:
     argv = [
         *case,
         *cpu_share(tp * pp),
         "device=cpu",
+        f"ops=[{','.join(STAGE_OPS)}]",
+        f"timing.flush_cache={str(flush).lower()}",
         f"shapes.seq_len=[{SEQ}]",
         f"shapes.micro_batch_size=[{MBS}]",
         "progress=false",
@@ -83,9 +89,10 @@ def profile(case: list[str], tp: int, pp: int, run_dir: Path, calibration: Path)
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> tuple[float, float, float]:
     case, parallel = CASES[name], LAYOUTS[layout_name]
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
-        run_dir = Path(folder) / "run"
-        profile(case, parallel["tp"], parallel["pp"], run_dir, calibration)
-        runs = load_runs([run_dir])
+        run_dirs = [Path(folder) / mode for mode in ("warm", "cold")]
+        for run_dir in run_dirs:
+            profile(case, parallel["tp"], parallel["pp"], run_dir, calibration, run_dir.name == "cold")
+        runs = load_runs(run_dirs)
         layout = Layout(
             seq_len=SEQ,
             micro_batch_size=MBS,

@@ -86,6 +86,11 @@ def adam_seconds(params: float) -> float:
     return params * 28 / CAL["memory_bandwidth"]  # fp32 Adam: 16 B read + 12 B written per parameter
 
 
+def accumulation(params: float) -> float:
+    """Adding a micro-batch's fp32 weight gradients into the kept ones: read 4 + 4 B, write 4 B."""
+    return params * 12 / CAL["memory_bandwidth"]
+
+
 STAGE0_PARAMS = 2 * LAYER_PARAMS + VOCAB * H
 STAGE1_PARAMS = 2 * LAYER_PARAMS + H + VOCAB * H  # final RMSNorm + untied output layer
 
@@ -93,8 +98,8 @@ STAGE1_PARAMS = 2 * LAYER_PARAMS + H + VOCAB * H  # final RMSNorm + untied outpu
 def test_1f1b_step_bubble_and_sources(tmp_path):
     runs = load_runs([make_run(tmp_path, base_rows())])
     pred = predict(runs, Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32"), CAL)
-    f0, b0 = (2 * 1000 + 100) * US, (2 * 2000 + 100) * US
-    f1, b1 = (2 * 1000 + 10 + 300) * US, (2 * 2000 + 20 + 600) * US
+    f0, b0 = (2 * 1000 + 100) * US, (2 * 2000 + 100) * US + accumulation(STAGE0_PARAMS)
+    f1, b1 = (2 * 1000 + 10 + 300) * US, (2 * 2000 + 20 + 600) * US + accumulation(STAGE1_PARAMS)
     assert pred.stages[0].forward == pytest.approx(f0) and pred.stages[0].backward == pytest.approx(b0)
     assert pred.stages[1].forward == pytest.approx(f1) and pred.stages[1].backward == pytest.approx(b1)
     m, p = 8, 2
@@ -103,7 +108,8 @@ def test_1f1b_step_bubble_and_sources(tmp_path):
     assert pred.step.dp_reduction == 0
     assert pred.step.optimizer == pytest.approx(adam_seconds(STAGE1_PARAMS))
     assert pred.step.total == pytest.approx((m + p - 1) * (f1 + b1) + adam_seconds(STAGE1_PARAMS))
-    assert {t.source.kind for st in pred.stages for _, _, t, _ in st.items} == {"measured"}
+    kinds = {name: t.source.kind for st in pred.stages for name, _, t, _ in st.items}
+    assert kinds.pop("grad_accumulation") == "modelled" and set(kinds.values()) == {"measured"}
     assert pred.missing == []
     assert pred.tokens_per_s_per_gpu.value == pytest.approx(8 * 32 / pred.step.total / 2)
     per_token = 3 * (4 * (2 * LAYER_PARAMS + 4 * 32 * 64) + 2 * H * VOCAB)
@@ -117,11 +123,84 @@ def test_interleaved_bubble_and_recompute(tmp_path):
     lay = Layout(seq_len=32, pp=2, vpp=2, global_batch_size=8, dtype="fp32", recompute="selective")
     pred = predict(runs, lay, CAL)
     t1 = (2 * 1000 + 10 + 300 + 2 * 2000 + 20 + 600 + 2 * 150) * US  # backward re-runs core attention
+    t1 += accumulation(STAGE1_PARAMS)
     assert pred.stages[1].total == pytest.approx(t1)
     assert pred.step.bubble_fraction == pytest.approx(1 / (2 * 8))
     assert pred.step.pipeline == pytest.approx(8 * t1 * (1 + 1 / 16))
     full = predict(runs, Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32", recompute="full"), CAL)
-    assert full.stages[0].backward == pytest.approx((2 * 2000 + 100 + 2 * 1000) * US)
+    assert full.stages[0].backward == pytest.approx(
+        (2 * 2000 + 100 + 2 * 1000) * US + accumulation(STAGE0_PARAMS)
+    )
+
+
+def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tmp_path):
+    layout = Layout(seq_len=32, global_batch_size=2, dtype="fp32")
+    params = 4 * LAYER_PARAMS + H + 2 * VOCAB * H
+    cal = {**CAL, "adam_seconds_per_parameter": 2e-9, "adam_parameters": 1e7}
+    timed = predict(load_runs([make_run(tmp_path, base_rows(), calibration=cal)]), layout, cal)
+    zeroing = 4 * params / CAL["memory_bandwidth"]
+    assert timed.step.optimizer == pytest.approx(params * 2e-9 + zeroing)
+    assert timed.step.optimizer_source.kind == "scaled" and "timed by autotuner.calibrate" in (
+        timed.step.optimizer_source.detail
+    )
+    assert not any("Adam" in w for w in timed.warnings)
+    bare = predict(load_runs([make_run(tmp_path, base_rows(), "bare")]), layout, CAL)
+    assert bare.step.optimizer == pytest.approx(adam_seconds(params))
+    assert bare.step.optimizer_source.kind == "modelled"
+    assert any("did not time the Adam step" in w for w in bare.warnings)
+    # bf16: Megatron's fp32 Adam, then the cast of the main parameters into the model's copy (6 B each)
+    bf = [{**r, "dtype": "bf16"} for r in base_rows()]
+    bf[0]["weight_bytes"] = LAYER_PARAMS * 2
+    half = predict(
+        load_runs([make_run(tmp_path, bf, "bf16")]),
+        Layout(seq_len=32, global_batch_size=2, dtype="bf16"),
+        cal,
+    )
+    assert half.step.optimizer == pytest.approx(params * 2e-9 + (4 + 6) * params / CAL["memory_bandwidth"])
+
+
+def test_gradient_accumulation_per_micro_batch_unless_fused(tmp_path, monkeypatch):
+    layout = Layout(seq_len=32, global_batch_size=3, dtype="fp32")
+    params = 4 * LAYER_PARAMS + H + 2 * VOCAB * H
+    pred = predict(load_runs([make_run(tmp_path, base_rows())]), layout, CAL)
+    acc = {n: (t, c) for n, _, t, c in pred.stages[0].items}["grad_accumulation"]
+    assert acc[0].seconds == pytest.approx(accumulation(params)) and acc[1] == 1
+    assert pred.step.pipeline == pytest.approx(3 * pred.stages[0].total)
+    monkeypatch.setitem(TC, "gradient_accumulation_fusion", True)
+    fused = predict(load_runs([make_run(tmp_path, base_rows(), "fused")]), layout, CAL)
+    assert "grad_accumulation" not in [n for n, *_ in fused.stages[0].items]
+    assert fused.stages[0].backward == pytest.approx(pred.stages[0].backward - accumulation(params))
+
+
+def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
+    warm = base_rows()
+    cold = [{**r, "cache_flush": True, "median_us": r["median_us"] * 1.5} for r in base_rows()]
+    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+    both = load_runs([make_run(tmp_path, cold, "cold"), make_run(tmp_path, warm, "warm")])
+    roomy = {**CAL, "last_level_cache_bytes": 2**30}
+    small = {**CAL, "last_level_cache_bytes": 2**10}
+
+    def layer_forward(pred) -> float:
+        return pred.stages[0].items[0][2].seconds
+
+    fits = predict(both, layout, roomy)  # a few MiB held: the step finds its data cached
+    assert layer_forward(fits) == pytest.approx(1000 * US) and not any("cache" in w for w in fits.warnings)
+    spills = predict(both, layout, small)
+    assert layer_forward(spills) == pytest.approx(1500 * US) and not any(
+        "cache" in w for w in spills.warnings
+    )
+    assert layer_forward(predict(both, layout, CAL)) == pytest.approx(1500 * US)  # no size: assumed cold
+    # only warm rows where cold ones are wanted: used, with the warning and a flushing command to fix it
+    warm_only = predict(
+        load_runs([make_run(tmp_path, warm, "only")]), Layout(seq_len=64, dtype="fp32"), small
+    )
+    assert any("measured with warm caches" in w and "flush_cache=true" in w for w in warm_only.warnings)
+    assert all("timing.flush_cache=true" in m["command"] for m in warm_only.missing)
+    cold_only = predict(
+        load_runs([make_run(tmp_path, cold, "conly")]), Layout(seq_len=64, dtype="fp32"), roomy
+    )
+    assert any("measured with a flushed cache" in w for w in cold_only.warnings)
+    assert all("timing.flush_cache=false" in m["command"] for m in cold_only.missing)
 
 
 def test_memory_terms(tmp_path):
@@ -278,3 +357,26 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     assert pred["memory"][0]["activations"]["source"]["kind"] == "measured"
     assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0 and pred["missing"] == []
     assert pred["step"]["bubble_fraction"] == pytest.approx(1 / 4)
+
+
+def test_calibration_times_adam_per_parameter_and_checks_the_new_entries(tmp_path):
+    import torch
+
+    from autotuner.calibrate import ADAM_LAYERS, adam_step_seconds
+    from autotuner.errors import UserError
+    from autotuner.measure.timer import SamplingPolicy
+    from autotuner.results.calibration import load
+
+    policy = SamplingPolicy(warmup=1, min_samples=3, max_samples=5, budget_s=0.5, target_rel_ci=0.5)
+    seconds, count = adam_step_seconds(torch.device("cpu"), policy)
+    h, f, layers = ADAM_LAYERS["cpu"]
+    assert count == layers * (3 * h * h + h * h + 2 * f * h + h * f)
+    # an Adam step reads and writes at least 28 B per fp32 parameter: not faster than the copy ceiling
+    assert 28 * count / 1e12 < seconds < 60.0
+    good = {**CAL, "adam_seconds_per_parameter": seconds / count, "last_level_cache_bytes": 2**25}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert load(tmp_path / "good.json")["adam_seconds_per_parameter"] == pytest.approx(seconds / count)
+    for key, value in (("adam_seconds_per_parameter", -1), ("last_level_cache_bytes", "big")):
+        (tmp_path / "bad.json").write_text(json.dumps({**good, key: value}))
+        with pytest.raises(UserError, match=key):
+            load(tmp_path / "bad.json")

@@ -181,10 +181,16 @@ class Missing:
 class Measurements:
     """The usable rows of one or more runs, indexed by (op, phase, seq_len, micro_batch_size, tp), in one
     dtype. Under torchrun the ``rank="max"`` row stands for the op (the slowest rank); otherwise the
-    single process's row. Later runs' rows replace earlier ones at the same key."""
+    single process's row. A row measured with the cache mode ``cold`` asks for (``cache_flush``; None:
+    either) wins over one measured the other way; otherwise later runs' rows replace earlier ones at the
+    same key."""
 
     def __init__(
-        self, rows: Iterable[Mapping[str, Any]], dtype: str, labels: Mapping[int, str] | None = None
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        dtype: str,
+        labels: Mapping[int, str] | None = None,
+        cold: bool | None = None,
     ):
         self.dtype = dtype
         self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
@@ -207,6 +213,12 @@ class Measurements:
                 int(row.get("tensor_parallel") or 1),
             )
             held = self.index.get(key)
+            if held is not None and cold is not None:
+                held_fits, fits = (bool(r.get("cache_flush")) == cold for r in (held, row))
+                if held_fits != fits:
+                    if held_fits:
+                        continue  # the cache mode asked for stands, whatever came later
+                    held = None
             if held is not None and held.get("rank") == "max" and row.get("rank") != "max":
                 continue  # the cross-rank row stands for the op, not one rank's
             self.index[key] = dict(row)

@@ -12,7 +12,9 @@ change how the rows are combined, not the rows, so many layouts share a need. Th
    ``shapes.micro_batch_size``, autotuner.runner.shapes), so a group whose sequence lengths need
    different micro-batch sizes becomes one run per distinct set, and no run measures a point nobody
    needs;
-3. writes each run as a command (:meth:`Run.argv`): ``python -m autotuner.main`` for one process,
+3. writes each run as a command (:meth:`Run.argv`), with the cache mode the step runs its ops in
+   (``timing.flush_cache``, cold by default: autotuner.predict.timing.wants_cold_cache):
+   ``python -m autotuner.main`` for one process,
    ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. N is the least number
    of processes the run's parallel sizes fit: the least common multiple of tp and ep (the profiler
    gives expert-parallel runs an expert-tensor-parallel size of 1, so tp and ep each need only divide
@@ -251,6 +253,7 @@ def plan(
     run_dirs: Iterable[str | Path] = (),
     extra: Sequence[str] = (),
     launcher: str = "get_data",
+    flush_cache: bool = True,
 ) -> Plan:
     """The profiling plan for ``needs`` given the run directories already measured (module docstring).
     ``extra`` overrides go into every run (``device=cpu``, ``timing.budget_s=2``, ...); they may hold no
@@ -272,7 +275,11 @@ def plan(
         for seq_len, batches in sorted(by_seq.items()):
             by_batches.setdefault(tuple(sorted(batches)), []).append(seq_len)
         for batches, seq_lens in sorted(by_batches.items(), key=lambda item: item[1]):
-            overrides = [f"case={case}", f"launcher={launcher}"]
+            overrides = [
+                f"case={case}",
+                f"launcher={launcher}",
+                f"timing.flush_cache={str(flush_cache).lower()}",
+            ]
             overrides += [f"tf.tensor_model_parallel_size={tp}"] if tp > 1 else []
             overrides += [f"tf.expert_model_parallel_size={ep}"] if ep > 1 else []
             overrides += ["tf.sequence_parallel=true"] if sp else []

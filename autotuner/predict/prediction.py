@@ -35,6 +35,7 @@ from autotuner.predict.timing import (
     TimeModel,
     stage_times,
     step_time,
+    wants_cold_cache,
 )
 from autotuner.results import load_rows
 from autotuner.results.calibration import load as load_calibration
@@ -157,9 +158,15 @@ class Prediction:
         }
 
 
-def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing]) -> Plan:
+def _memory(meas: Measurements, model: ModelShape, layout: Layout) -> list[StageMemory]:
+    attention = meas.exact("core_attention", "forward", layout.seq_len, layout.micro_batch_size, layout.tp)
+    return [stage_memory(meas, model, layout, i, attention) for i in range(layout.pp)]
+
+
+def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing], cold: bool = True) -> Plan:
     """The profiling runs (autotuner.predict.plan) that would measure every figure not measured at the
-    layout's point and TP: one need per (point, tp), in the layout's dtype."""
+    layout's point and TP: one need per (point, tp), in the layout's dtype, with the caches ``cold`` or
+    warm as the step runs its ops (autotuner.predict.timing.wants_cold_cache)."""
     needs = {
         Need(
             model.case,
@@ -172,7 +179,7 @@ def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing]) 
         )
         for m in items
     }
-    return plan(needs)
+    return plan(needs, flush_cache=cold)
 
 
 def _missing(model: ModelShape, layout: Layout, items: Sequence[Missing], runs: Plan) -> list[dict[str, Any]]:
@@ -205,25 +212,22 @@ def predict(
     layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
     if layout.ep > 1:
         raise UserError(f"ep={layout.ep}: expert parallelism is not modelled by the predictor yet: give ep=1")
-    meas = Measurements(runs.rows, layout.dtype)
-    tm = TimeModel(meas, model, layout, calibration)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stages = stage_times(tm)
-        memory = [
-            stage_memory(
-                meas,
-                model,
-                layout,
-                i,
-                meas.exact("core_attention", "forward", layout.seq_len, layout.micro_batch_size, layout.tp),
-            )
-            for i in range(layout.pp)
-        ]
+        # the memory first (no cache mode changes it): the rows wanted depend on whether it fits the cache
+        memory = _memory(Measurements(runs.rows, layout.dtype), model, layout)
+        cold, why = wants_cold_cache(max(m.total for m in memory), calibration)
+        meas = Measurements(runs.rows, layout.dtype, cold=cold)
+        tm = TimeModel(meas, model, layout, calibration)
+        tm.set_cache_mode(cold, why)
+        stages = stage_times(tm, [m.params.value for m in memory])
         step = step_time(tm, stages, [m.params.value for m in memory])
-    notes = list(dict.fromkeys([*tm.warnings, *(str(w.message) for w in caught)]))
+    cache = tm.cache_warning()
+    notes = list(
+        dict.fromkeys([*tm.warnings, *(str(w.message) for w in caught), *([cache] if cache else [])])
+    )
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
-    profile = profiling_plan(model, layout, missing_items)
+    profile = profiling_plan(model, layout, missing_items, cold)
     if not meas.index:
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "

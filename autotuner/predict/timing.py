@@ -32,7 +32,24 @@ run that would measure it (never a silent zero).
 **A stage's time per micro-batch**: layers per stage (L/pp) x the layer's forward and backward, plus the
 embedding on the first stage and the final norm + output layer on the last; recompute adds the forward it
 re-runs inside the backward (full: every layer's forward; selective: core attention's forward, as
-Megatron's ``recompute_granularity=selective``).
+Megatron's ``recompute_granularity=selective``). The op rows time a backward that hands its weight
+gradients back fresh; a training step adds each micro-batch's into the gradient it keeps across them
+(torch's AccumulateGrad into ``.grad``; Megatron's DDP into ``main_grad``): per micro-batch one pass
+over the stage's parameters, reading the new gradient and the kept fp32 one and writing it back, over
+the calibrated memory bandwidth (``grad_accumulation``). Megatron's ``gradient_accumulation_fusion``
+(its fused weight-gradient GEMM on GPUs) accumulates inside the GEMM: then this is zero.
+
+**Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
+times an op that finds its weights and inputs in the last-level cache from its previous call; one
+measured with ``timing.flush_cache=true`` starts each call with the cache evicted. Inside a step an op
+runs after every other op of the stage: its data is still cached only if all the stage's data fits. So
+the rows wanted are the cold ones when the memory the layout's GPU holds exceeds the last-level cache
+(``last_level_cache_bytes`` of the calibration; without one, assumed, as for any real model), else the
+warm ones (:func:`wants_cold_cache`). Where the runs hold both, those win; where only the other kind, it
+is used and the prediction warns. Seen on this project's 2-core CPU (32 MiB L3): a llama-shaped model of
+97 MiB ran its layers 15-20% slower inside the model than the warm rows said, and the cold rows
+predicted its step within 1%; the tiny model (6 MiB) ran at its warm rows' speed, and its cold rows
+over-predicted by 14%.
 
 **The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
 section 2.2): 1F1B with m micro-batches on p stages takes (m + p - 1) x (t_f + t_b) of the slowest stage,
@@ -40,7 +57,10 @@ bubble fraction (p-1)/m; interleaved with v virtual stages per rank the bubble s
 the step is m * (t_f + t_b) * (1 + (p-1)/(v*m)). Then the data-parallel gradient reduction (all-reduce of
 the stage's gradients; with the distributed optimizer reduce-scatter of the gradients + all-gather of the
 parameters) and the Adam step (bytes read and written per parameter over the calibrated memory
-bandwidth). Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
+bandwidth), or, where the calibration timed it, the Adam step's measured time per parameter
+(``adam_seconds_per_parameter``) x the stage's parameters, plus zeroing the gradients for the next step
+(4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters into the model's
+dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
 """
 
 from __future__ import annotations
@@ -112,6 +132,8 @@ class TimeModel:
         self.calibration = dict(calibration or {})
         self.tree = tree or op_tree()
         self.warnings: list[str] = []
+        self.cold, self.cache_reason = True, "assumed: the step's data exceeds the last-level cache"
+        self.other_cache_rows: set[str] = set()  # rows used that were measured the other way
 
     # -- calibration ----------------------------------------------------------------------------------
     def peak_flops(self) -> tuple[float, str]:
@@ -133,6 +155,33 @@ class TimeModel:
             "(python -m autotuner.calibrate measures it)"
         )
         return ASSUMED_MEMORY_BANDWIDTH, f"ASSUMED memory bandwidth {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s"
+
+    def set_cache_mode(self, cold: bool, reason: str) -> None:
+        """Which rows the step wants (:func:`wants_cold_cache`); ``meas`` should prefer them."""
+        self.cold, self.cache_reason = cold, reason
+        self.other_cache_rows.clear()
+
+    def _note_cache(self, row: Mapping[str, Any]) -> None:
+        if bool(row.get("cache_flush")) != self.cold:
+            self.other_cache_rows.add(f"{row['op']}.{row['phase']}")
+
+    def cache_warning(self) -> str | None:
+        """What to say when rows of the other cache mode went into the prediction (module docstring)."""
+        rows = self.other_cache_rows
+        if not rows:
+            return None
+        named = ", ".join(sorted(rows)[:4]) + (", ..." if len(rows) > 4 else "")
+        if self.cold:
+            return (
+                f"{len(rows)} of the rows used ({named}) were measured with warm caches, but "
+                f"{self.cache_reason}: inside the step each op starts cold, so these read fast (profile with "
+                "timing.flush_cache=true, as the printed commands do)"
+            )
+        return (
+            f"{len(rows)} of the rows used ({named}) were measured with a flushed cache, but "
+            f"{self.cache_reason}: inside the step ops find their data cached, so these read slow "
+            "(profile with timing.flush_cache=false, as the printed commands do)"
+        )
 
     def _warn(self, text: str) -> None:
         if text not in self.warnings:
@@ -176,6 +225,7 @@ class TimeModel:
         s, b = self.layout.seq_len, self.layout.micro_batch_size
         row = self.meas.exact(op, phase, s, b, basis)
         if row is not None:
+            self._note_cache(row)
             seconds = row["median_us"] * 1e-6
             return OpTime(seconds, Source("measured", describe_row(row)), {op: seconds}, rows_tp=basis)
         exact_sum = self._sub_op_sum(op, phase, basis, exact_only=True)
@@ -183,6 +233,7 @@ class TimeModel:
             return exact_sum
         row = self.meas.nearest(op, phase, s, b, basis)
         if row is not None:
+            self._note_cache(row)
             seconds, rule = self._scale(op, row, s, b)
             source = Source("scaled", f"{rule}, from {describe_row(row)}")
             return OpTime(seconds, source, {op: seconds}, rows_tp=basis)
@@ -322,6 +373,20 @@ class TimeModel:
         )
 
 
+def wants_cold_cache(footprint_bytes: float, calibration: Mapping[str, Any] | None) -> tuple[bool, str]:
+    """(cold rows wanted, why): cold when the memory a GPU holds in this layout exceeds the calibrated
+    last-level cache (module docstring)."""
+    from autotuner.results.units import human_bytes
+
+    llc = (calibration or {}).get("last_level_cache_bytes")
+    if not llc:
+        return True, "the calibration names no last-level cache size: assumed the step's data exceeds it"
+    held, cache = human_bytes(footprint_bytes), human_bytes(llc)
+    if footprint_bytes > llc:
+        return True, f"the GPU holds {held} in this layout, more than its last-level cache ({cache})"
+    return False, f"the GPU holds {held} in this layout, within its last-level cache ({cache})"
+
+
 # ------------------------------------------------------------------------------------ stages and step
 
 
@@ -354,8 +419,24 @@ class StageTime:
         }
 
 
-def stage_times(tm: TimeModel) -> list[StageTime]:
-    """Each stage's forward and backward per micro-batch (module docstring)."""
+def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
+    """Adding one micro-batch's weight gradients into the kept fp32 gradients of ``params`` parameters
+    (module docstring); None under Megatron's gradient_accumulation_fusion."""
+    if tm.model.config.get("gradient_accumulation_fusion"):
+        return None
+    bw, said = tm.memory_bandwidth()
+    per_param = tm.layout.bytes_per_element + 8  # read the new gradient, read and write the fp32 one
+    nbytes = per_param * params
+    detail = (
+        f"each micro-batch's weight gradients added into the kept fp32 gradients: {per_param} B x "
+        f"{params:.4g} params = {nbytes:.4g} B / {said} (none with gradient_accumulation_fusion)"
+    )
+    return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
+
+
+def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[StageTime]:
+    """Each stage's forward and backward per micro-batch (module docstring); ``stage_params``: the
+    parameters each stage's GPU holds, for the gradient accumulation."""
     lay, model = tm.layout, tm.model
     per_stage = model.num_layers // lay.pp
     stages = []
@@ -379,6 +460,9 @@ def stage_times(tm: TimeModel) -> list[StageTime]:
                         count,
                     )
                 )
+        accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
+        if accumulate is not None:
+            items.append(("grad_accumulation", "backward", accumulate, 1))
         if lay.recompute == "full":
             items.append(
                 ("recompute:transformer_layer", "backward", tm.op("transformer_layer", "forward"), per_stage)
@@ -465,12 +549,35 @@ def step_time(tm: TimeModel, stages: list[StageTime], stage_params: list[float])
         dp_src = Source(
             "modelled", f"all-reduce of {params * 4:.4g} B fp32 grads over dp={lay.dp}: {src.detail}"
         )
+    optimizer, opt_src = optimizer_step(tm, params)
+    return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula)
+
+
+def optimizer_step(tm: TimeModel, params: float) -> tuple[float, Source]:
+    """The optimizer's part of a step on the GPU holding ``params`` parameters (module docstring)."""
+    lay = tm.layout
     bw, said = tm.memory_bandwidth()
     per_rank = params / (lay.dp if lay.distributed_optimizer else 1)
-    nbytes = per_rank * ADAM_BYTES[lay.dtype]
-    opt_src = Source(
-        "modelled",
-        f"Adam: {ADAM_BYTES[lay.dtype]} B read+written per parameter x {per_rank:.4g} params = "
-        f"{nbytes:.4g} B / {said}",
+    rate = tm.calibration.get("adam_seconds_per_parameter")
+    if not rate:
+        tm._warn(
+            "the calibration did not time the Adam step: it is modelled from the memory bandwidth (one "
+            "pass per tensor, an underestimate where the step makes several: python -m autotuner.calibrate "
+            "times it)"
+        )
+        nbytes = per_rank * ADAM_BYTES[lay.dtype]
+        detail = f"Adam: {ADAM_BYTES[lay.dtype]} B read+written per parameter x {per_rank:.4g} params = "
+        return nbytes / bw, Source("modelled", f"{detail}{nbytes:.4g} B / {said}")
+    adam = per_rank * rate
+    timed = tm.calibration.get("adam_parameters")
+    detail = (
+        f"Adam step timed by autotuner.calibrate: {rate * 1e9:.4g} ns per fp32 parameter"
+        f"{f' (over {timed:.3g})' if timed else ''} x {per_rank:.4g} params = {adam:.4g} s"
     )
-    return StepTime(pipe, bubble, slowest, dp_s, dp_src, nbytes / bw, opt_src, formula)
+    # Zeroing every gradient for the next step; mixed precision also casts the updated fp32 main
+    # parameters into the model's copy (read 4 B, write 2 B).
+    extra = 4 * params + (6 * per_rank if lay.dtype in ("bf16", "fp16") else 0)
+    detail += f"; + {extra / params:g} B per parameter (zeroing the gradients"
+    detail += ", the cast to the model's dtype" if lay.dtype in ("bf16", "fp16") else ""
+    detail += f") / {said}"
+    return adam + extra / bw, Source("scaled", detail)

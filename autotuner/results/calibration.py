@@ -8,6 +8,9 @@ other accepts too. The file is plain JSON::
     {"peak_flops": {"fp32": <FLOP/s>, "bf16": ..., ...},   the matrix-product ceiling per dtype
      "memory_bandwidth": <bytes/s>,                          the copy ceiling
      "h2d_pinned": <bytes/s>, ...,                           on a GPU, the host-transfer ceilings
+     "adam_seconds_per_parameter": <s>,                      optional: torch's Adam step per fp32
+     "adam_parameters": <count>,                             parameter, and the count timed
+     "last_level_cache_bytes": <bytes>,                      optional: the GPU's L2, the CPU's LLC
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
      "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
@@ -72,11 +75,14 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f'calibration file {path} needs peak_flops, FLOP/s per dtype ({{"fp32": 1e12, ...}}): {_FIX}'
         )
-    given = [k for k in TRANSFER_CEILINGS if k in data]  # optional: a CPU has no host transfers
+    # optional: a CPU has no host transfers; a file from before the optimizer was timed has no Adam rate
+    optional = (*TRANSFER_CEILINGS, "adam_seconds_per_parameter", "last_level_cache_bytes")
+    given = [k for k in optional if k in data]
     wrong = [k for k in ("memory_bandwidth", *given) if not _rate(data.get(k))]
     if wrong:
         raise UserError(
-            f"calibration file {path} needs {', '.join(wrong)} as a positive number of bytes/s: {_FIX}"
+            f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
+            f"seconds per parameter): {_FIX}"
         )
     for key in LINK_KEYS.values():
         links = data.get(key, {})
