@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from autotuner.errors import UserError
-from autotuner.measure.cache import last_level_cache_bytes
+from autotuner.measure.cache import last_level_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import (
     DTYPES,
@@ -107,8 +107,8 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         "peak_flops": peak_flops,
         "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
         "buffer_bytes": size,
-        # whether a step's data stays cached between calls of an op: autotuner.predict.timing
-        "last_level_cache_bytes": last_level_cache_bytes(device),
+        # whether a step's data stays as cached as a warm row's: autotuner.predict.timing
+        "warm_cache_bytes": warm_cache_bytes(device),
     }
     seconds, count = adam_step_seconds(device, policy)
     result["adam_seconds_per_parameter"] = seconds / count

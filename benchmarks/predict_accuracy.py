@@ -6,7 +6,7 @@ For each case and layout: the ops a stage is made of are profiled with get_data 
 and TP (in this process for TP=1, under torchrun for TP=2), once with warm caches and once flushed (the
 predictor takes the kind the step runs its ops in: autotuner.predict.timing.wants_cold_cache), the
 device is calibrated once (python -m autotuner.calibrate: the Adam step's time per parameter, the
-last-level cache, the memory bandwidth of modelled figures), the predictor predicts the step
+cache a warm row runs in, the memory bandwidth of modelled figures), the predictor predicts the step
 (autotuner.predict), and the real steps run (autotuner.predict.steps: the
 whole GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so
 the ratio's spread over rounds is printed beside its median (the A/A control here is the spread of the

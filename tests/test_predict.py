@@ -177,8 +177,8 @@ def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
     cold = [{**r, "cache_flush": True, "median_us": r["median_us"] * 1.5} for r in base_rows()]
     layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
     both = load_runs([make_run(tmp_path, cold, "cold"), make_run(tmp_path, warm, "warm")])
-    roomy = {**CAL, "last_level_cache_bytes": 2**30}
-    small = {**CAL, "last_level_cache_bytes": 2**10}
+    roomy = {**CAL, "warm_cache_bytes": 2**30}
+    small = {**CAL, "warm_cache_bytes": 2**10}
 
     def layer_forward(pred) -> float:
         return pred.stages[0].items[0][2].seconds
@@ -373,10 +373,44 @@ def test_calibration_times_adam_per_parameter_and_checks_the_new_entries(tmp_pat
     assert count == layers * (3 * h * h + h * h + 2 * f * h + h * f)
     # an Adam step reads and writes at least 28 B per fp32 parameter: not faster than the copy ceiling
     assert 28 * count / 1e12 < seconds < 60.0
-    good = {**CAL, "adam_seconds_per_parameter": seconds / count, "last_level_cache_bytes": 2**25}
+    good = {**CAL, "adam_seconds_per_parameter": seconds / count, "warm_cache_bytes": 2**25}
     (tmp_path / "good.json").write_text(json.dumps(good))
     assert load(tmp_path / "good.json")["adam_seconds_per_parameter"] == pytest.approx(seconds / count)
-    for key, value in (("adam_seconds_per_parameter", -1), ("last_level_cache_bytes", "big")):
+    for key, value in (("adam_seconds_per_parameter", -1), ("warm_cache_bytes", "big")):
         (tmp_path / "bad.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(UserError, match=key):
             load(tmp_path / "bad.json")
+
+
+def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
+    sizes = {  # op: (activation_bytes, forward peak_bytes, backward peak_bytes)
+        "embedding": (100, 150, 1000),
+        "transformer_layer": (5000, 6000, 4000),
+        "final_layernorm": (50, 60, 70),
+        "output_layer": (2000, 2500, 900),
+    }
+    rows = []
+    for r in base_rows():
+        saved, forward, backward = sizes[r["op"]]
+        extra = {"activation_bytes": saved, "peak_bytes": forward} if r["phase"] == "forward" else {}
+        rows.append({**r, **extra, **({"peak_bytes": backward} if r["phase"] == "backward" else {})})
+    pred = predict(load_runs([make_run(tmp_path, rows)]), Layout(seq_len=32, dtype="fp32"), CAL)
+    (m,) = pred.memory
+    assert m.activations.value == pytest.approx(4 * 5000 + 100 + 50)
+    assert m.logits.value == 2000 and m.logits.source.kind == "measured"
+    # the output layer's forward beyond what it saves (2500 - 2000); every backward less its own saved
+    # bytes and those freed behind it is below (the last layer's 4000 - 5000 - 2050, the embedding's
+    # 1000 - 100 - 22050)
+    assert m.in_flight.value == pytest.approx(2500 - 2000) and m.in_flight.source.kind == "measured"
+    # the upper bound (a backward frees nothing of its own first): the last layer's 4000 B while the final
+    # norm and output layer have freed their 2050 B
+    assert f"{4000 - 2050:.4g} B" in m.in_flight.source.detail
+    params = 4 * LAYER_PARAMS + H + 2 * VOCAB * H  # fp32: weights, gradients, Adam's two states, 4 B each
+    assert m.total == pytest.approx(params * 16 + 20150 + 2000 + 500)
+    # an output layer whose backward outgrows what it saves by more decides instead
+    rows = [
+        {**r, "peak_bytes": 9000} if (r["op"], r["phase"]) == ("output_layer", "backward") else r
+        for r in rows
+    ]
+    pred = predict(load_runs([make_run(tmp_path, rows, "big")]), Layout(seq_len=32, dtype="fp32"), CAL)
+    assert pred.memory[0].in_flight.value == pytest.approx(9000 - 2000)

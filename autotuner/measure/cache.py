@@ -31,6 +31,23 @@ def last_level_cache_bytes(device: torch.device) -> int:
     return max(sizes, default=_DEFAULT_CPU_CACHE)
 
 
+def warm_cache_bytes(device: torch.device) -> int:
+    """The cache a warm sample's data sits in between calls: a GPU's L2; on a CPU the largest cache one
+    core has to itself (usually L2; the L3 it shares with the other cores is slower, so an op whose data
+    comes from there inside a step runs slower than the warm row measured). 1 MiB where none is reported."""
+    if device.type == "cuda":
+        return last_level_cache_bytes(device)
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            shared = (index / "shared_cpu_list").read_text().strip()
+            if (index / "type").read_text().strip() != "Instruction" and shared.isdigit():
+                sizes.append(_parse_size((index / "size").read_text()))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=2**20)
+
+
 class CacheFlusher:
     """Writes over a buffer twice the last-level cache, so the next sample starts with a cold cache."""
 

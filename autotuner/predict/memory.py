@@ -17,7 +17,24 @@ Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
   ``full`` keeps each layer's input (s*b*h elements, split over tp with sequence parallelism) and one
   layer's full activations during its backward; ``selective`` drops what core attention saves beyond its
   inputs q, k, v;
-* **logits** on the last stage: s*b*vocab/tp x 4 B (the fp32 logits of the cross-entropy).
+  The embedding's and the final norm's saved bytes (their rows' ``activation_bytes``) are added per
+  micro-batch held;
+* **logits** on the last stage: what the output layer and the loss save (the ``output_layer`` forward
+  row's ``activation_bytes``: the fp32 logits the cross-entropy keeps and the layer's input), else
+  s*b*vocab/tp x 4 B;
+* **in flight**: memory an op allocates while it runs beyond what stays saved (its rows' ``peak_bytes``:
+  a backward's input and weight gradients and temporaries, the embedding's dense table gradient, a
+  forward's intermediates), less what is not live at that moment: walking the stage's ops of one
+  micro-batch (embedding, layers, final norm, output layer), the forward of op k runs before the ops
+  after it have saved anything, and the backward of op k after they have freed theirs and while it
+  frees its own (autograd drops a node's saved tensors as it runs it). So the term is max over k of
+  (peak_k - saved_k - saved bytes of the ops after k), at least 0: a lower bound, since an op's backward
+  may reach its peak before freeing all it saved. The upper bound (an op's backward frees nothing of its
+  own first) is in the source. On this project's CPU (benchmarks/predict_accuracy.py) the lower bound
+  put the peak of the six validated layouts at 0.92-0.98 of the measured, the upper bound at 0.97-1.23
+  (tiny's first stage at PP=2, whose layer's backward peak exceeds what it saves). An op without a row
+  adds nothing here (said in the source).
+
 
 Side by side, the closed form of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4, Table 2), the estimate Megatron's theoretical-memory report uses, per
@@ -72,14 +89,14 @@ class StageMemory:
     optimizer: Figure
     activations: Figure
     logits: Figure
+    in_flight: Figure
     korthikanti_activations: Figure
     held: int
 
     @property
     def total(self) -> float:
-        return sum(
-            f.value for f in (self.weights, self.gradients, self.optimizer, self.activations, self.logits)
-        )
+        terms = (self.weights, self.gradients, self.optimizer, self.activations, self.logits, self.in_flight)
+        return sum(f.value for f in terms)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +112,7 @@ class StageMemory:
                     "optimizer",
                     "activations",
                     "logits",
+                    "in_flight",
                     "korthikanti_activations",
                 )
             },
@@ -131,6 +149,59 @@ def layer_activation(meas: Measurements, model: ModelShape, layout: Layout) -> F
             ),
         )
     return Figure(target, "B", Source("modelled", "Korthikanti et al. 2022 per-layer formula (no layer row)"))
+
+
+@dataclass(frozen=True)
+class OpMemory:
+    """One op of a micro-batch of the stage: what its forward saves, and what its forward and backward
+    allocate beyond that while they run (rows' activation_bytes and peak_bytes); None: no row."""
+
+    name: str
+    saved: float
+    forward_peak: float | None
+    backward_peak: float | None
+    row: str
+    exact: bool  # rows at the layout's point and TP (else scaled from the nearest)
+
+
+def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None = None) -> OpMemory | None:
+    """The op's rows at the layout's point and TP, else the nearest point at that TP scaled by tokens
+    (memory of these ops grows with s*b), else None."""
+    s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
+    rows = {}
+    for phase in ("forward", "backward"):
+        row = meas.exact(op, phase, s, b, tp) or meas.nearest(op, phase, s, b, tp)
+        if row is not None:
+            rows[phase] = row
+    forward = rows.get("forward")
+    if forward is None:
+        return None
+    scale = {ph: s * b / (int(r["seq_len"]) * int(r["micro_batch_size"])) for ph, r in rows.items()}
+
+    def peak(phase: str) -> float | None:
+        value = rows[phase].get("peak_bytes") if phase in rows else None
+        return None if value is None else float(value) * scale[phase]
+
+    if saved is None:
+        saved = float(forward.get("activation_bytes") or 0) * scale["forward"]
+    exact = all(v == 1.0 for v in scale.values()) and all(
+        int(r.get("tensor_parallel") or 1) == tp for r in rows.values()
+    )
+    return OpMemory(op, saved, peak("forward"), peak("backward"), describe_row(forward), exact)
+
+
+def in_flight_bytes(ops: list[OpMemory], frees_own: bool = True) -> float:
+    """max over the ops of one micro-batch of (the op's peak - the saved bytes not live when it runs), at
+    least 0 (module docstring); ``frees_own=False``: the upper bound, an op's backward freeing nothing of
+    its own before its peak."""
+    worst = 0.0
+    for k, op in enumerate(ops):
+        after = sum(o.saved for o in ops[k + 1 :])
+        if op.forward_peak is not None:  # the forward of k: its own saved bytes are part of its peak
+            worst = max(worst, op.forward_peak - op.saved - after)
+        if op.backward_peak is not None:  # the backward of k: the ops after it have freed theirs
+            worst = max(worst, op.backward_peak - (op.saved if frees_own else 0.0) - after)
+    return worst
 
 
 def stage_params(meas: Measurements, model: ModelShape, layout: Layout, stage: int) -> Figure:
@@ -223,17 +294,52 @@ def stage_memory(
                 "scaled",
             )
         value = (act.value - dropped) * layers_held
+    # One micro-batch of the stage in forward order, for the saved bytes beside the layers' and in flight.
+    first, last = stage == 0, stage == layout.pp - 1
+    per_layer = value / layers_held if layers_held else 0.0
+    layer_op = _op_memory(meas, layout, "transformer_layer", per_layer)
+    ops = [
+        *([_op_memory(meas, layout, "embedding")] if first else []),
+        *([layer_op] * per_layer_chunk * layout.vpp),
+        *([_op_memory(meas, layout, "final_layernorm")] if last else []),
+    ]
+    outside = [o for o in ops if o is not None and o.name != "transformer_layer"]
+    if outside:
+        value += held * sum(o.saved for o in outside)
+        rule += "; + " + ", ".join(f"{o.name} {o.saved:.4g} B" for o in outside) + " per micro-batch held"
     activations = Figure(
         value,
         "B",
         Source(kind, f"{rule}; layer: {act.source.detail}; x {layers_held} layer-micro-batches held"),
     )
-    logits_bytes = s * b * model.vocab / tp * LOGIT_BYTES if stage == layout.pp - 1 else 0.0
-    logits = Figure(
-        logits_bytes,
-        "B",
-        Source("modelled", "s*b*vocab/tp x 4 B (fp32 logits)" if logits_bytes else "not the last stage"),
+    head = _op_memory(meas, layout, "output_layer") if last else None
+    if not last:
+        logits = Figure(0.0, "B", Source("modelled", "not the last stage"))
+    elif head is not None and head.saved:
+        logits = Figure(head.saved, "B", Source("measured", f"activation_bytes of {head.row}"))
+    else:
+        logits = Figure(
+            s * b * model.vocab / tp * LOGIT_BYTES,
+            "B",
+            Source("modelled", "s*b*vocab/tp x 4 B (fp32 logits)"),
+        )
+    wanted = [
+        *(["embedding"] if first else []),
+        "transformer_layer",
+        *(["final_layernorm", "output_layer"] if last else []),
+    ]
+    walk = [o for o in [*ops, head] if o is not None]
+    have = {o.name: o for o in walk}
+    lacking = [name for name in wanted if name not in have]
+    upper = in_flight_bytes(walk, frees_own=False)
+    said = (
+        "max over one micro-batch's ops of (peak_bytes - saved bytes not live then, its own included); "
+        f"if a backward freed nothing of its own before its peak: {upper:.4g} B"
     )
+    if lacking:
+        said += f"; no rows for {', '.join(lacking)}: they add nothing"
+    exact = not lacking and all(o.exact for o in have.values())
+    in_flight = Figure(in_flight_bytes(walk), "B", Source("measured" if exact else "scaled", said))
     k = (
         korthikanti_layer_bytes(s, b, model.hidden, model.heads, tp, sp, layout.recompute, layout.dtype)
         * layers_held
@@ -241,4 +347,4 @@ def stage_memory(
     korth = Figure(
         k, "B", Source("modelled", f"Korthikanti et al. 2022, recompute={layout.recompute}, x {layers_held}")
     )
-    return StageMemory(stage, params, weights, grads, optimizer, activations, logits, korth, held)
+    return StageMemory(stage, params, weights, grads, optimizer, activations, logits, in_flight, korth, held)

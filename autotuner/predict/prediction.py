@@ -347,11 +347,22 @@ def render(pred: Prediction) -> str:
                 f"{human_bytes(m.activations.value)} [{m.activations.source.kind}]",
                 human_bytes(m.korthikanti_activations.value),
                 human_bytes(m.logits.value),
+                human_bytes(m.in_flight.value),
                 human_bytes(m.total),
             ]
         )
-    headers = ["stage", "weights", "grads", "optimizer", "activations", "Korthikanti", "logits", "total/GPU"]
-    out += ["memory per GPU", text_table(headers, lines, [True] * 8), ""]
+    headers = [
+        "stage",
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "Korthikanti",
+        "logits",
+        "in flight",
+        "total/GPU",
+    ]
+    out += ["memory per GPU", text_table(headers, lines, [True] * 9), ""]
     out.append("sources")
     for st in pred.stages:
         for name, phase, t, count in st.items:
@@ -364,6 +375,7 @@ def render(pred: Prediction) -> str:
             f"  stage {m.stage} activations: [{m.activations.source.kind}] {m.activations.source.detail}"
         )
         out.append(f"  stage {m.stage} parameters: [{m.params.source.kind}] {m.params.source.detail}")
+        out.append(f"  stage {m.stage} in flight: [{m.in_flight.source.kind}] {m.in_flight.source.detail}")
     if pred.missing:
         out += ["", "not measured at this layout's point; to measure:"]
         out += [f"  {command}" for command in dict.fromkeys(item["command"] for item in pred.missing)]

@@ -40,16 +40,17 @@ the calibrated memory bandwidth (``grad_accumulation``). Megatron's ``gradient_a
 (its fused weight-gradient GEMM on GPUs) accumulates inside the GEMM: then this is zero.
 
 **Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
-times an op that finds its weights and inputs in the last-level cache from its previous call; one
-measured with ``timing.flush_cache=true`` starts each call with the cache evicted. Inside a step an op
-runs after every other op of the stage: its data is still cached only if all the stage's data fits. So
-the rows wanted are the cold ones when the memory the layout's GPU holds exceeds the last-level cache
-(``last_level_cache_bytes`` of the calibration; without one, assumed, as for any real model), else the
-warm ones (:func:`wants_cold_cache`). Where the runs hold both, those win; where only the other kind, it
-is used and the prediction warns. Seen on this project's 2-core CPU (32 MiB L3): a llama-shaped model of
-97 MiB ran its layers 15-20% slower inside the model than the warm rows said, and the cold rows
-predicted its step within 1%; the tiny model (6 MiB) ran at its warm rows' speed, and its cold rows
-over-predicted by 14%.
+times an op that finds its weights and inputs in the cache from its previous call; one measured with
+``timing.flush_cache=true`` starts each call with the caches evicted. Inside a step an op runs after every
+other op of the stage: its data is still where a warm row had it only if all the stage's data fits
+there. So the rows wanted are the cold ones when the memory the layout's GPU holds exceeds
+``warm_cache_bytes`` of the calibration (a GPU's L2; a CPU core's own L2, as the L3 a core shares is
+slower than where the warm row ran; without the entry, assumed exceeded, as for any real model), else
+the warm ones (:func:`wants_cold_cache`). Where the runs hold both, those win; where only the other
+kind, it is used and the prediction warns. Seen on this project's 2-core CPU (1 MiB L2 per core, 32 MiB
+shared L3), step predicted / measured with the cold rows and the warm rows: a llama-shaped model holding
+97 MiB, 0.99-1.07 and 0.85; the tiny model holding 6.7 MiB (its data in L3 inside the step), 1.05-1.12
+and 0.65-0.92: between the two, nearer the cold rows and steadier with them.
 
 **The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
 section 2.2): 1F1B with m micro-batches on p stages takes (m + p - 1) x (t_f + t_b) of the slowest stage,
@@ -132,7 +133,7 @@ class TimeModel:
         self.calibration = dict(calibration or {})
         self.tree = tree or op_tree()
         self.warnings: list[str] = []
-        self.cold, self.cache_reason = True, "assumed: the step's data exceeds the last-level cache"
+        self.cold, self.cache_reason = True, "assumed: the step's data exceeds the cache"
         self.other_cache_rows: set[str] = set()  # rows used that were measured the other way
 
     # -- calibration ----------------------------------------------------------------------------------
@@ -375,16 +376,16 @@ class TimeModel:
 
 def wants_cold_cache(footprint_bytes: float, calibration: Mapping[str, Any] | None) -> tuple[bool, str]:
     """(cold rows wanted, why): cold when the memory a GPU holds in this layout exceeds the calibrated
-    last-level cache (module docstring)."""
+    ``warm_cache_bytes`` (module docstring)."""
     from autotuner.results.units import human_bytes
 
-    llc = (calibration or {}).get("last_level_cache_bytes")
-    if not llc:
-        return True, "the calibration names no last-level cache size: assumed the step's data exceeds it"
-    held, cache = human_bytes(footprint_bytes), human_bytes(llc)
-    if footprint_bytes > llc:
-        return True, f"the GPU holds {held} in this layout, more than its last-level cache ({cache})"
-    return False, f"the GPU holds {held} in this layout, within its last-level cache ({cache})"
+    warm = (calibration or {}).get("warm_cache_bytes")
+    if not warm:
+        return True, "the calibration names no warm_cache_bytes: assumed the step's data exceeds the cache"
+    held, cache = human_bytes(footprint_bytes), human_bytes(warm)
+    if footprint_bytes > warm:
+        return True, f"the GPU holds {held} in this layout, more than the cache a warm row ran in ({cache})"
+    return False, f"the GPU holds {held} in this layout, within the cache a warm row ran in ({cache})"
 
 
 # ------------------------------------------------------------------------------------ stages and step

@@ -8,13 +8,13 @@ get the hf./tf. overrides the profiled run was made with (its ``.hydra/overrides
 llama-shaped case at reduced width validates that reduced model.
 
 What is compared, and why those two: the step time (the predicted one holds the pipeline's forward and
-backward, recompute, the data-parallel reduction and the optimizer step; the measured one the
-schedule's forward-backward plus the optimizer step, the slowest rank's, median over the timed steps)
-and the peak memory of the fullest GPU (predicted: weights, gradients, optimizer states, the activations
-of the micro-batches a stage holds and the logits; measured: what is resident when the step starts
-plus the allocator's peak above it during the step). The error is predicted / measured - 1. The steps
-refuse what they cannot run here (dp > 1, vpp > 1, ep > 1, the distributed optimizer): a layout to
-validate on one machine uses tp and pp only.
+backward, recompute, the data-parallel reduction and the optimizer step; the measured one the schedule's
+forward-backward plus the optimizer step, the slowest rank's, median over the timed steps) and the peak
+memory of the fullest GPU (predicted: weights, gradients, optimizer states, the activations of the
+micro-batches a stage holds, the logits and what the op at the peak has in flight; measured: what is
+resident when the step starts plus the allocator's peak above it during the step). The error is
+predicted / measured - 1. The steps refuse what they cannot run here (dp > 1, vpp > 1, ep > 1, the
+distributed optimizer): a layout to validate on one machine uses tp and pp only.
 """
 
 from __future__ import annotations

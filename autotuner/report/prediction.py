@@ -23,9 +23,9 @@ gaps are the bubble. Inside each slot the stage's own time is filled and the res
 faster than the slowest waits for it. A stage whose own forward (or backward) is longer than the
 slowest stage's is drawn clipped, and the caption says so: there the formula's pace is optimistic.
 
-**Memory** (``memory_stack``): per stage, the five terms the predictor adds (weights, gradients,
-optimizer states, activations, logits) stacked to its total; beside each, Korthikanti et al.'s closed-form
-activation estimate from the same base, and the GPU's memory as a line when given.
+**Memory** (``memory_stack``): per stage, the six terms the predictor adds (weights, gradients,
+optimizer states, activations, logits, in flight) stacked to its total; beside each, Korthikanti et
+al.'s closed-form activation estimate from the same base, and the GPU's memory as a line when given.
 
 **Validation** (``validation_bars``): the ``validation`` record (``validate=true``) as predicted and
 measured bars for step time (with the measured IQR) and peak memory.
@@ -55,13 +55,14 @@ from autotuner.results.atomic import atomic_write_text
 from autotuner.results.units import BINARY_UNITS, human_bytes, human_time
 
 PAGE_NAME = "prediction.html"
-MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "logits")
+MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "in_flight")
 TERM_COLOURS = {
     "weights": "#1f77b4",
     "gradients": "#ff7f0e",
     "optimizer": "#2ca02c",
     "activations": "#9467bd",
     "logits": "#8c564b",
+    "in_flight": "#e377c2",
 }
 PHASE_COLOURS = {"forward": "#4c9be8", "backward": "#f28e2b"}
 KINDS = ("measured", "scaled", "modelled")
@@ -522,8 +523,9 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
     memory_sources = [m[t]["source"] for m in record["memory"] for t in MEMORY_TERMS]
     memory_caption = (
         "Each bar stacks one stage's GPU at its peak: weights, gradients (fp32 main grads), optimizer "
-        "states, the activations of the micro-batches the stage holds under 1F1B, and the logits on the "
-        "last stage. The narrow hatched bar beside it starts where the activations start and is Korthikanti "
+        "states, the activations of the micro-batches the stage holds under 1F1B, the logits on the "
+        "last stage, and what the op running at the peak allocates beyond them (in flight). The narrow "
+        "hatched bar beside it starts where the activations start and is Korthikanti "
         "et al.'s closed-form estimate of the same activations."
         + (
             f" The red line is the GPU's {gpu_memory_gb:g} GB."
