@@ -13,8 +13,8 @@ on figures that were not measured, the profiling runs that would measure them (f
 are printed as commands, and with ``--slurm DIR`` written as SLURM array task files.
 
 Without run directories every figure is modelled from the case's sizes and the calibration (and says
-so): the profiling plan then lists everything to measure. Layouts with expert parallelism are listed as
-not ranked: the predictor does not model EP yet.
+so): the profiling plan then lists everything to measure. Layouts with expert parallelism are ranked
+as the others (autotuner.predict.timing: the expert ops at that ep, measured or derived from ep=1 rows).
 """
 
 from __future__ import annotations
@@ -93,15 +93,9 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], l
         dtype,
     )
     limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", 0.1))
-    ranked, notes = [], []
-    expert_parallel = [layout for layout in layouts if layout.ep > 1]
-    if expert_parallel:
-        notes.append(
-            f"{len(expert_parallel)} layout(s) with ep > 1 not ranked: the predictor does not model EP yet"
-        )
+    ranked: list[Ranked] = []
+    notes: list[str] = []
     for layout in layouts:
-        if layout.ep > 1:
-            continue
         pred = predict(runs, layout, calibration, model)
         memory = max(stage.total for stage in pred.memory)
         ranked.append(Ranked(pred, memory, memory <= limit))

@@ -414,3 +414,53 @@ def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
     ]
     pred = predict(load_runs([make_run(tmp_path, rows, "big")]), Layout(seq_len=32, dtype="fp32"), CAL)
     assert pred.memory[0].in_flight.value == pytest.approx(9000 - 2000)
+
+
+def _moe_run(tmp_path: Path, rows: list[dict], name: str, ep: int, cal: dict) -> Path:
+    """A run of a Mixtral-shaped variant of the synthetic model (8 experts of 32, top-2) at ``ep``."""
+    run_dir = make_run(tmp_path, rows, name, calibration=cal)
+    tc = {**TC, "num_moe_experts": 8, "moe_ffn_hidden_size": 32, "moe_router_topk": 2}
+    tc["expert_model_parallel_size"] = ep
+    env = {
+        "case": "synthetic",
+        "dtype": "fp32",
+        "transformer_config": tc,
+        "model_args": {"vocab_size": VOCAB},
+    }
+    (run_dir / "environment.json").write_text(json.dumps(env))
+    return run_dir
+
+
+def test_expert_parallel_layouts_from_ep1_rows_or_measured_at_their_ep(tmp_path):
+    cal = {**CAL, "all_gather_bandwidth": {"gloo:2": 1e9}, "reduce_scatter_bandwidth": {"gloo:2": 5e8}}
+    layer_ops = {"input_layernorm": 10, "self_attention": 500, "self_attn_bda": 5, "pre_mlp_layernorm": 10}
+    layer_ops |= {"mlp_bda": 5, "router": 50, "token_dispatch": 100, "experts": 600, "token_combine": 80}
+    moe = {"token_dispatcher": "alltoall"}
+    rows = [{k: v for k, v in r.items() if k != "weight_bytes"} for r in base_rows()]
+    rows += [row(op, ph, us, **moe) for op, us in layer_ops.items() for ph in ("forward", "backward")]
+    rows += [row(op, ph, 0, status="skipped") for op in ("mlp", "shared_experts") for ph in ("forward",)]
+    single = _moe_run(tmp_path, rows, "ep1", 1, cal)
+    layout = Layout(seq_len=32, dp=2, ep=2, global_batch_size=2, dtype="fp32")
+    pred = predict(load_runs([single]), layout, cal)
+    # the ep=1 layer row does not stand for ep=2: the sum of the sub-ops, experts halved, each exchange
+    # an all-to-all of s*b*top-k*h fp32 timed as an all-gather of it over 2 ranks
+    exchange = (2 - 1) / 2 * (32 * 1 * 2 * 64 * 4) / 1e9
+    layer = pred.stages[0].items[0][2]
+    expected = (10 + 500 + 5 + 10 + 5 + 50 + 100 + 600 / 2 + 80) * US + 2 * exchange
+    assert layer.seconds == pytest.approx(expected) and layer.source.kind == "modelled"
+    assert layer.parts["experts"] == pytest.approx(300 * US)
+    assert pred.missing and "tf.expert_model_parallel_size=2" in pred.missing[0]["command"]
+    # the routed experts' parameters are split over ep: 8 experts x (64*2*32 + 32*64), half on each rank
+    same = predict(load_runs([single]), Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32"), cal)
+    assert same.memory[0].params.value - pred.memory[0].params.value == pytest.approx(4 * 8 * 6144 / 2)
+    # the all-gather dispatcher instead: forward dispatch gathers all ranks' s*b*h, combine reduce-scatters
+    gathered = [{**r, "token_dispatcher": "allgather"} if r["op"] in layer_ops else r for r in rows]
+    allgather = predict(load_runs([_moe_run(tmp_path, gathered, "ag", 1, cal)]), layout, cal)
+    gather, scatter = (0.5 * 2 * 32 * 64 * 4 / bw for bw in (1e9, 5e8))
+    expected = (10 + 500 + 5 + 10 + 5 + 50 + 100 + 600 / 2 + 80) * US + gather + scatter
+    assert allgather.stages[0].items[0][2].seconds == pytest.approx(expected)
+    # rows measured at ep=2 under torchrun stand for themselves, collectives inside
+    at_ep = [row("transformer_layer", "forward", 700), row("transformer_layer", "backward", 1400)]
+    measured = predict(load_runs([single, _moe_run(tmp_path, at_ep, "ep2", 2, cal)]), layout, cal)
+    layer = measured.stages[0].items[0][2]
+    assert layer.seconds == pytest.approx(700 * US) and layer.source.kind == "measured"

@@ -91,3 +91,13 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
         record["predicted_peak_bytes"] / record["measured_peak_bytes"] - 1
     )
     assert "autotuner.predict.steps" in " ".join(record["command"])
+
+
+def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):
+    assert tune_main(["case=tiny_moe", *SETTINGS, "gpu_memory_gb=1", "top=40"]) == 0
+    out = capsys.readouterr().out
+    ranked = [line for line in out.splitlines() if line.strip()[:1].isdigit() and " ep=" in line]
+    with_ep = [line for line in ranked if " ep=1 " not in line]
+    assert with_ep and "not ranked" not in out
+    # and what their profiling runs would be: the MoE ops measured at that expert-parallel size
+    assert "tf.expert_model_parallel_size=" in out

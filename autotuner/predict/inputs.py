@@ -57,6 +57,7 @@ class ModelShape:
     layer_params: int
     layer_active_params: int
     final_norm_params: int
+    expert_params: int = 0  # of a layer's routed experts (all of them), within layer_params
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -96,6 +97,7 @@ class ModelShape:
         h, gated = ns.hidden_size, bool(tc.get("gated_linear_unit"))
         experts = tc.get("num_moe_experts") or None
         params = active = dense
+        routed = 0
         if experts:
             # An MoE layer: the dense MLP's place holds E experts (each of moe_ffn_hidden_size), a router
             # and the shared experts; each token passes top-k experts.
@@ -109,7 +111,8 @@ class ModelShape:
                 else 0
             )
             base = dense - mlp(ns.ffn_hidden_size)
-            params = base + experts * mlp(expert_width) + h * experts + shared
+            routed = experts * mlp(expert_width)
+            params = base + routed + h * experts + shared
             active = base + int(tc.get("moe_router_topk") or 1) * mlp(expert_width) + h * experts + shared
         norm = h if tc.get("normalization") == "RMSNorm" else 2 * h
         return cls(
@@ -126,8 +129,14 @@ class ModelShape:
             layer_params=params,
             layer_active_params=active,
             final_norm_params=norm,
+            expert_params=routed,
             config=dict(tc),
         )
+
+    def layer_params_at(self, ep: int) -> float:
+        """A layer's parameters on one rank of ``ep`` expert-parallel ranks (before TP): each holds
+        1/ep of the routed experts, everything else whole."""
+        return self.layer_params - self.expert_params * (1 - 1 / ep)
 
     @property
     def attention_width(self) -> int:
@@ -156,6 +165,19 @@ class ModelShape:
         return self.vocab * self.hidden + self.num_layers * self.layer_params + self.final_norm_params + out
 
 
+# What expert parallelism changes: the MoE layer's expert work (each rank computes its experts' share)
+# and its token exchange (all-to-all), so every op that contains them. Rows of these ops stand for the
+# expert-parallel size they were measured at; every other op's rows stand for any.
+EP_COMPOSITE_OPS = frozenset({"transformer_layer", "transformer_block", "moe_layer"})
+EP_LEAF_OPS = frozenset({"experts", "token_dispatch", "token_combine"})
+
+
+def row_expert_parallel(row: Mapping[str, Any]) -> int:
+    """The expert-parallel size a row was measured at: its own column (MoE ops), else its run's
+    (``run_expert_parallel``, set by autotuner.predict.prediction.load_runs from environment.json)."""
+    return int(row.get("expert_parallel") or row.get("run_expert_parallel") or 1)
+
+
 @dataclass(frozen=True)
 class Missing:
     """A figure the runs lack at the layout's exact point: what to profile to measure it."""
@@ -181,9 +203,10 @@ class Missing:
 class Measurements:
     """The usable rows of one or more runs, indexed by (op, phase, seq_len, micro_batch_size, tp), in one
     dtype. Under torchrun the ``rank="max"`` row stands for the op (the slowest rank); otherwise the
-    single process's row. A row measured with the cache mode ``cold`` asks for (``cache_flush``; None:
-    either) wins over one measured the other way; otherwise later runs' rows replace earlier ones at the
-    same key."""
+    single process's row. With ``ep``, rows of the ops expert parallelism changes
+    (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A row measured with the
+    cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured the other way;
+    otherwise later runs' rows replace earlier ones at the same key."""
 
     def __init__(
         self,
@@ -191,6 +214,7 @@ class Measurements:
         dtype: str,
         labels: Mapping[int, str] | None = None,
         cold: bool | None = None,
+        ep: int | None = None,
     ):
         self.dtype = dtype
         self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
@@ -205,6 +229,9 @@ class Measurements:
                 continue
             if row.get("rank") not in (None, 0, "0", "max"):
                 continue
+            if ep is not None and row.get("op") in EP_COMPOSITE_OPS | EP_LEAF_OPS:
+                if row_expert_parallel(row) != ep:
+                    continue  # measured at another expert-parallel size: not this op's time here
             key = (
                 str(row["op"]),
                 str(row["phase"]),

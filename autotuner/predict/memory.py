@@ -125,18 +125,28 @@ def _ratio(model: ModelShape, layout: Layout, s: int, b: int, t: int) -> float:
     )
 
 
-def layer_activation(meas: Measurements, model: ModelShape, layout: Layout) -> Figure:
-    """One layer's saved activations per micro-batch without recompute, on one GPU."""
+def layer_activation(
+    meas: Measurements, model: ModelShape, layout: Layout, without_ep: Measurements | None = None
+) -> Figure:
+    """One layer's saved activations per micro-batch without recompute, on one GPU. At ep > 1 without a
+    layer row at that ep, the row measured without expert parallelism: a rank's experts save as much
+    under balanced routing (each gets ep times the tokens for 1/ep of the experts)."""
     s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
     target = _ratio(model, layout, s, b, tp)
-    for basis in dict.fromkeys((tp, 1)):
-        row = meas.exact("transformer_layer", "forward", s, b, basis)
+    sources = [(meas, basis) for basis in dict.fromkeys((tp, 1))]
+    sources += [(without_ep, basis) for basis in dict.fromkeys((tp, 1)) if without_ep is not None]
+    for rows, basis in sources:
+        row = rows.exact("transformer_layer", "forward", s, b, basis)
         if row is None or row.get("activation_bytes") is None:
-            row = meas.nearest("transformer_layer", "forward", s, b, basis)
+            row = rows.nearest("transformer_layer", "forward", s, b, basis)
         if row is None or row.get("activation_bytes") is None:
             continue
         value = float(row["activation_bytes"])
         rs, rb = int(row["seq_len"]), int(row["micro_batch_size"])
+        if rows is without_ep:
+            value *= target / _ratio(model, layout, rs, rb, basis)
+            detail = f"the row at ep=1 (as many tokens per expert rank): {describe_row(row)}"
+            return Figure(value, "B", Source("scaled", detail))
         if (rs, rb, basis) == (s, b, tp):
             return Figure(value, "B", Source("measured", f"activation_bytes of {describe_row(row)}"))
         value *= target / _ratio(model, layout, rs, rb, basis)
@@ -210,7 +220,9 @@ def stage_params(meas: Measurements, model: ModelShape, layout: Layout, stage: i
     (a copy of the embedding when tied and pp > 1, as Megatron keeps) on the last; all divided by tp."""
     tp = layout.tp
     per_stage = model.num_layers // layout.pp
-    layer, how = model.layer_params / tp, "counted from the model config"
+    layer, how = model.layer_params_at(layout.ep) / tp, "counted from the model config"
+    if layout.ep > 1:
+        how += f", routed experts / ep={layout.ep}"
     kind = "modelled"
     for basis in dict.fromkeys((tp, 1)):
         row = meas.nearest("transformer_layer", "forward", layout.seq_len, layout.micro_batch_size, basis)
@@ -241,6 +253,7 @@ def stage_memory(
     layout: Layout,
     stage: int,
     core_attention: Mapping[str, Any] | None = None,
+    without_ep: Measurements | None = None,
 ) -> StageMemory:
     """The memory terms of one stage's GPU. ``core_attention``: its forward row at the layout's exact
     point and TP, for selective recompute."""
@@ -264,7 +277,7 @@ def stage_memory(
     per_layer_chunk = model.num_layers // (layout.pp * layout.vpp)
     held = held_microbatches(stage, layout.pp, layout.vpp, layout.microbatches)
     layers_held = held * per_layer_chunk
-    act = layer_activation(meas, model, layout)
+    act = layer_activation(meas, model, layout, without_ep)
     if layout.recompute == "none":
         value, rule = act.value * layers_held, "no recompute"
         kind = act.source.kind
@@ -298,6 +311,8 @@ def stage_memory(
     first, last = stage == 0, stage == layout.pp - 1
     per_layer = value / layers_held if layers_held else 0.0
     layer_op = _op_memory(meas, layout, "transformer_layer", per_layer)
+    if layer_op is None and without_ep is not None:  # a rank's experts hold as much at any ep (above)
+        layer_op = _op_memory(without_ep, layout, "transformer_layer", per_layer)
     ops = [
         *([_op_memory(meas, layout, "embedding")] if first else []),
         *([layer_op] * per_layer_chunk * layout.vpp),

@@ -90,6 +90,9 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
                 f"{path} profiled another model ({this.get('case')}) than {paths[0]} ({env.get('case')}): "
                 "pass runs of one model"
             )
+        run_ep = (this.get("transformer_config") or {}).get("expert_model_parallel_size") or 1
+        for item in these:
+            item["run_expert_parallel"] = int(run_ep)
         env = env or this
         rows += these
         if calibration is None and (path / "calibration.json").is_file():
@@ -158,9 +161,11 @@ class Prediction:
         }
 
 
-def _memory(meas: Measurements, model: ModelShape, layout: Layout) -> list[StageMemory]:
+def _memory(
+    meas: Measurements, model: ModelShape, layout: Layout, without_ep: Measurements | None = None
+) -> list[StageMemory]:
     attention = meas.exact("core_attention", "forward", layout.seq_len, layout.micro_batch_size, layout.tp)
-    return [stage_memory(meas, model, layout, i, attention) for i in range(layout.pp)]
+    return [stage_memory(meas, model, layout, i, attention, without_ep) for i in range(layout.pp)]
 
 
 def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing], cold: bool = True) -> Plan:
@@ -210,15 +215,16 @@ def predict(
     """The prediction of ``layout`` from ``runs`` (see the module docstrings of timing and memory)."""
     model = model or ModelShape.from_environment(runs.env)
     layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
-    if layout.ep > 1:
-        raise UserError(f"ep={layout.ep}: expert parallelism is not modelled by the predictor yet: give ep=1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # the memory first (no cache mode changes it): the rows wanted depend on whether it fits the cache
-        memory = _memory(Measurements(runs.rows, layout.dtype), model, layout)
+        single = Measurements(runs.rows, layout.dtype, ep=1) if layout.ep > 1 else None
+        memory = _memory(Measurements(runs.rows, layout.dtype, ep=layout.ep), model, layout, single)
         cold, why = wants_cold_cache(max(m.total for m in memory), calibration)
-        meas = Measurements(runs.rows, layout.dtype, cold=cold)
-        tm = TimeModel(meas, model, layout, calibration)
+        meas = Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep)
+        if layout.ep > 1:
+            single = Measurements(runs.rows, layout.dtype, cold=cold, ep=1)
+        tm = TimeModel(meas, model, layout, calibration, without_ep=single)
         tm.set_cache_mode(cold, why)
         stages = stage_times(tm, [m.params.value for m in memory])
         step = step_time(tm, stages, [m.params.value for m in memory])

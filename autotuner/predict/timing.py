@@ -16,6 +16,16 @@ in this order, each result carrying its ``Source``:
    (GEMMs linear in tokens, attention 4*s^2*b*heads*head_dim); everything else (norms,
    bias-dropout-add, rope, the activation, the embedding) by tokens s*b; where the op has no row of its
    own, the sum of its sub-ops each scaled so;
+   With expert parallelism (ep > 1), rows of the ops it changes count only if measured at that ep
+   (autotuner.predict.inputs.EP_COMPOSITE_OPS, EP_LEAF_OPS); where the runs have none, the layer and
+   the MoE layer are the sums of their sub-ops, and the expert ops come from rows measured without
+   expert parallelism: ``experts`` divided by ep (each rank computes its 1/ep of the experts, as many
+   tokens reach them as at ep=1 under balanced routing: *scaled*), ``token_dispatch`` and
+   ``token_combine`` their measured permutation plus the exchange (*modelled* from the link
+   calibration) of the dispatcher the row names: Megatron's all-to-all dispatcher sends each rank's
+   s*b*top-k*h routed elements, (ep-1)/ep of them to other ranks, as an all-gather of that buffer does;
+   its all-gather dispatcher (the one a CPU runs) gathers every rank's s*b*h tokens and reduce-scatters
+   the results;
 4. the same from rows measured without tensor parallelism (t=1), divided by t, except what Megatron
    does not split without sequence parallelism (``REPLICATED_WITHOUT_SP``: the layer norms and
    bias-dropout-adds, and the embedding), plus the TP collectives modelled from the calibrated link
@@ -68,10 +78,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from autotuner.ops_test.places import OpTree, op_tree
-from autotuner.predict.inputs import GEMM_OPS, Measurements, Missing, ModelShape, describe_row
+from autotuner.predict.inputs import (
+    EP_LEAF_OPS,
+    GEMM_OPS,
+    Measurements,
+    Missing,
+    ModelShape,
+    describe_row,
+)
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 
@@ -128,8 +146,10 @@ class TimeModel:
         layout: Layout,
         calibration: Mapping[str, Any] | None,
         tree: OpTree | None = None,
+        without_ep: Measurements | None = None,
     ) -> None:
         self.meas, self.model, self.layout = meas, model, layout
+        self.without_ep = without_ep  # rows measured at ep=1, for the expert ops at ep > 1
         self.calibration = dict(calibration or {})
         self.tree = tree or op_tree()
         self.warnings: list[str] = []
@@ -216,9 +236,20 @@ class TimeModel:
             other != op
             and t.where == test.where
             and t.container == test.container
-            and other in self.meas.seen_ops
+            and (other in self.meas.seen_ops or (self.without_ep and other in self.without_ep.seen_ops))
             for other, t in self.tree.tests.items()
         )
+
+    def _absent(self, op: str) -> bool:
+        """Whether ``op`` is not part of this model: a run skipped it, the op says so of the model's
+        config (its ``missing_from``: the dense MLP of an all-MoE model, shared experts of a model
+        without), or an alternative at its place was measured."""
+        if op in self.meas.skipped or self._alternative_measured(op):
+            return True
+        try:
+            return self.tree.tests[op].absent_reason(SimpleNamespace(**self.model.config)) is not None
+        except (AttributeError, TypeError, KeyError):  # a config recorded without the fields it reads
+            return False
 
     def _at_basis(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
         """The op at the layout's (s, b) from rows at tensor-parallel size ``basis`` alone (no division by
@@ -229,6 +260,10 @@ class TimeModel:
             self._note_cache(row)
             seconds = row["median_us"] * 1e-6
             return OpTime(seconds, Source("measured", describe_row(row)), {op: seconds}, rows_tp=basis)
+        if self.layout.ep > 1 and op in EP_LEAF_OPS:
+            got = self._expert_op_without_ep(op, phase, basis, exact_only)
+            if got is not None or exact_only:
+                return got
         exact_sum = self._sub_op_sum(op, phase, basis, exact_only=True)
         if exact_sum is not None or exact_only:
             return exact_sum
@@ -240,13 +275,50 @@ class TimeModel:
             return OpTime(seconds, source, {op: seconds}, rows_tp=basis)
         return self._sub_op_sum(op, phase, basis, exact_only=False)
 
+    def _expert_op_without_ep(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
+        """An expert op at the layout's ep > 1 from rows measured without expert parallelism (module
+        docstring, rule 3); None without such rows."""
+        if self.without_ep is None:
+            return None
+        s, b, ep = self.layout.seq_len, self.layout.micro_batch_size, self.layout.ep
+        row = self.without_ep.exact(op, phase, s, b, basis)
+        if row is not None:
+            seconds, origin = row["median_us"] * 1e-6, describe_row(row)
+        elif exact_only:
+            return None
+        else:
+            row = self.without_ep.nearest(op, phase, s, b, basis)
+            if row is None:
+                return None
+            seconds, rule = self._scale(op, row, s, b)
+            origin = f"{rule}, from {describe_row(row)}"
+        self._note_cache(row)
+        if op == "experts":
+            seconds /= ep
+            detail = f"a rank's 1/ep={ep} of the experts: {origin} / {ep}"
+            return OpTime(seconds, Source("scaled", detail), {op: seconds}, rows_tp=basis)
+        tokens = s * b / (basis if self.layout.sequence_parallel else 1)
+        h, per = self.model.hidden, self.layout.bytes_per_element
+        if row.get("token_dispatcher") == "allgather":
+            # Megatron's all-gather dispatcher: every rank gathers all ranks' tokens (forward dispatch,
+            # backward combine) and reduce-scatters the results (forward combine, backward dispatch)
+            gathers = (op == "token_dispatch") == (phase == "forward")
+            kind = "all_gather" if gathers else "reduce_scatter"
+            nbytes = ep * tokens * h * per
+            exchange, src = self.collective(kind, nbytes, ep)
+            what = f"the allgather dispatcher's {kind} of all ranks' s*b*h = {nbytes:.4g} B over ep={ep}"
+        else:  # the all-to-all dispatcher: each rank sends (ep-1)/ep of its routed tokens
+            topk = int(self.model.config.get("moe_router_topk") or 1)
+            nbytes = tokens * topk * h * per
+            exchange, src = self.collective("all_gather", nbytes, ep)
+            what = f"an all-to-all of s*b*top-k*h = {nbytes:.4g} B over ep={ep}, as an all-gather of it"
+        detail = f"{origin} (the permutation) + {what}: {src.detail}"
+        parts = {op: seconds, "expert_exchange": exchange}
+        return OpTime(seconds + exchange, Source("modelled", detail), parts, rows_tp=basis)
+
     def _sub_op_sum(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
         """The sum of a composite op's direct sub-ops at ``basis`` (None for a leaf, or if one is lacking)."""
-        kids = [
-            c
-            for c in _children(self.tree, op)
-            if c not in self.meas.skipped and not self._alternative_measured(c)
-        ]
+        kids = [c for c in _children(self.tree, op) if not self._absent(c)]
         if not kids:
             return None
         got = [self._at_basis(c, phase, basis, exact_only) for c in kids]
@@ -321,7 +393,7 @@ class TimeModel:
         for basis in dict.fromkeys((self.layout.tp, 1)):
             out: dict[str, float] = {}
             for kid in _children(self.tree, op):
-                if kid in self.meas.skipped or self._alternative_measured(kid):
+                if self._absent(kid):
                     continue
                 got = self._at_basis(kid, phase, basis, exact_only=False)
                 if got is not None:
