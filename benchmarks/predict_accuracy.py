@@ -5,7 +5,8 @@
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point
 and TP (in this process for TP=1, under torchrun for TP=2), once with warm caches and once flushed (the
 predictor takes the kind the step runs its ops in: autotuner.predict.timing.wants_cold_cache), the
-device is calibrated once (python -m autotuner.calibrate: the Adam step's time per parameter, the
+device and the links between two processes are calibrated once (python -m autotuner.calibrate, and
+--collectives under torchrun: the Adam step's time per parameter, the pipeline's transfers, the
 cache a warm row runs in, the memory bandwidth of modelled figures), the predictor predicts the step
 (autotuner.predict), and the real steps run (autotuner.predict.steps: the
 whole GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so
@@ -124,7 +125,16 @@ def main() -> int:
             check=True,
             capture_output=True,
         )
-        print(f"calibration: {json.loads(calibration.read_text()).get('memory_bandwidth', 0) / 1e9:.1f} GB/s")
+        # the links between two processes (gloo), for the pipeline's transfers
+        links = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        links += ["-m", "autotuner.calibrate", "--device", "cpu", "--collectives", "--out", str(calibration)]
+        subprocess.run(links, check=True, capture_output=True, timeout=600)
+        cal = json.loads(calibration.read_text())
+        print(
+            f"calibration: copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam "
+            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter, all-gather (gloo:2) "
+            f"{cal['all_gather_bandwidth']['gloo:2'] / 1e9:.2f} GB/s"
+        )
         header = ("case", "layout", "step pred/meas", "memory pred/meas", "step IQR/median")
         print(f"{header[0]:12} {header[1]:6} {header[2]:>22} {header[3]:>22} {header[4]:>16}")
         worst = 0.0

@@ -42,12 +42,17 @@ run that would measure it (never a silent zero).
 **A stage's time per micro-batch**: layers per stage (L/pp) x the layer's forward and backward, plus the
 embedding on the first stage and the final norm + output layer on the last; recompute adds the forward it
 re-runs inside the backward (full: every layer's forward; selective: core attention's forward, as
-Megatron's ``recompute_granularity=selective``). The op rows time a backward that hands its weight
-gradients back fresh; a training step adds each micro-batch's into the gradient it keeps across them
-(torch's AccumulateGrad into ``.grad``; Megatron's DDP into ``main_grad``): per micro-batch one pass
-over the stage's parameters, reading the new gradient and the kept fp32 one and writing it back, over
-the calibrated memory bandwidth (``grad_accumulation``). Megatron's ``gradient_accumulation_fusion``
-(its fused weight-gradient GEMM on GPUs) accumulates inside the GEMM: then this is zero.
+Megatron's ``recompute_granularity=selective``). With pp > 1 each stage also exchanges one micro-batch's
+s*b*h activations (forward) or their gradients (backward) with its neighbours per phase: Megatron's 1F1B
+batches a stage's send and receive, so one transfer's time per phase (``pp_p2p``, *modelled* from the
+link calibration as a 2-rank all-gather in which each rank sends that buffer).
+
+The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
+batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
+into ``main_grad``): per micro-batch one pass over the stage's parameters, reading the new gradient and
+the kept fp32 one and writing it back, over the calibrated memory bandwidth (``grad_accumulation``).
+Megatron's ``gradient_accumulation_fusion`` (its fused weight-gradient GEMM on GPUs) accumulates inside
+the GEMM: then this is zero.
 
 **Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
 times an op that finds its weights and inputs in the cache from its previous call; one measured with
@@ -507,6 +512,19 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
 
 
+def pipeline_transfer(tm: TimeModel) -> OpTime:
+    """One micro-batch's exchange between pipeline stages in one phase (module docstring)."""
+    lay = tm.layout
+    nbytes = lay.seq_len * lay.micro_batch_size * tm.model.hidden * lay.bytes_per_element
+    nbytes /= lay.tp if lay.sequence_parallel else 1
+    seconds, src = tm.collective("all_gather", 2 * nbytes, 2)  # each of 2 ranks sends its nbytes
+    detail = (
+        f"one s*b*h = {nbytes:.4g} B transfer per micro-batch (send and receive batched, as Megatron's "
+        f"1F1B does), timed as a 2-rank all-gather, each rank sending that much: {src.detail}"
+    )
+    return OpTime(seconds, Source("modelled", detail), {"pp_p2p": seconds})
+
+
 def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[StageTime]:
     """Each stage's forward and backward per micro-batch (module docstring); ``stage_params``: the
     parameters each stage's GPU holds, for the gradient accumulation."""
@@ -533,6 +551,9 @@ def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[
                         count,
                     )
                 )
+        if lay.pp > 1:
+            for phase in PHASES:
+                items.append(("pp_p2p", phase, pipeline_transfer(tm), 1))
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
         if accumulate is not None:
             items.append(("grad_accumulation", "backward", accumulate, 1))
