@@ -18,7 +18,9 @@ as the get_data launcher:
 ``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
 between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
 bus bandwidth of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at a few sizes,
-the largest big enough to reach the plateau, and merges them into the calibration file (the ceilings
+the largest big enough to reach the plateau, and of the point-to-point exchange a pipeline stage makes
+(``send_recv``: each rank sends a buffer to the next and receives the previous one's, batched as
+Megatron's p2p communication does), and merges them into the calibration file (the ceilings
 already there are kept; without a file, rank 0 measures them first). See :func:`calibrate_collectives`.
 
 The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops), at sizes that reach the
@@ -153,6 +155,19 @@ def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -
     if kind == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: gather(full, shard)), elements * 4
+    if kind == "send_recv":  # to the next rank, from the previous: a pipeline stage's batched exchange
+        rank = dist.get_rank()
+        received = torch.empty_like(full)
+
+        def exchange() -> None:
+            ops = [
+                dist.P2POp(dist.isend, full, (rank + 1) % world),
+                dist.P2POp(dist.irecv, received, (rank - 1) % world),
+            ]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        return exchange, elements * 4
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return (lambda: scatter(shard, full)), elements * 4
 
@@ -180,7 +195,7 @@ def calibrate_collectives(
     kinds = list(COLLECTIVES)
     notes = []
     if backend == "gloo" and not gloo_has_sequence_parallel_collectives():
-        kinds = ["all_reduce"]
+        kinds = ["all_reduce", "send_recv"]
         notes.append(f"gloo in torch {torch.__version__} lacks all_gather_into_tensor/reduce_scatter_tensor")
     link = link_key(backend, world)
     result: dict[str, Any] = {"collective_points": {}}

@@ -132,8 +132,8 @@ def main() -> int:
         cal = json.loads(calibration.read_text())
         print(
             f"calibration: copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam "
-            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter, all-gather (gloo:2) "
-            f"{cal['all_gather_bandwidth']['gloo:2'] / 1e9:.2f} GB/s"
+            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter, send_recv (gloo:2) "
+            f"{cal['send_recv_bandwidth']['gloo:2'] / 1e9:.2f} GB/s"
         )
         header = ("case", "layout", "step pred/meas", "memory pred/meas", "step IQR/median")
         print(f"{header[0]:12} {header[1]:6} {header[2]:>22} {header[3]:>22} {header[4]:>16}")

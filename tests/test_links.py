@@ -59,7 +59,8 @@ def test_a_calibrated_bandwidth_without_points_is_the_ring_formula():
 
 
 @pytest.mark.parametrize(
-    "kind, factor", [("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8), ("reduce_scatter", 7 / 8)]
+    "kind, factor",
+    [("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8), ("reduce_scatter", 7 / 8), ("send_recv", 1.0)],
 )
 def test_a_missing_link_is_an_assumed_bandwidth_with_a_warning_never_zero(kind, factor):
     with pytest.warns(LinkWarning, match="ASSUMED"):
@@ -143,14 +144,14 @@ def test_torchrun_measures_the_collectives_and_merges_them_into_the_file(tmp_pat
     data = load(out)
     assert data["peak_flops"] == CEILINGS["peak_flops"] and data["memory_bandwidth"] == 1e10  # kept
     assert data["all_reduce_bandwidth"]["gloo:4"] == 1.5e9  # another world's entry kept
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
         bandwidth = data[LINK_KEYS[kind]]["gloo:2"]
         points = data["collective_points"][kind]["gloo:2"]
         assert len(points["bytes"]) == len(COLLECTIVE_SIZES["cpu"]) and points["bytes"] == sorted(
             points["bytes"]
         )
         # the file's bandwidth is the largest size's bus bandwidth: 2(n-1)/n or (n-1)/n bytes per second
-        factor = 1.0 if kind == "all_reduce" else 0.5
+        factor = 0.5 if kind in ("all_gather", "reduce_scatter") else 1.0  # send_recv: the whole buffer
         assert bandwidth == pytest.approx(factor * points["bytes"][-1] / points["seconds"][-1])
         # and the predictor gives each measured size back at its measured time
         for nbytes, measured in zip(points["bytes"], points["seconds"], strict=True):

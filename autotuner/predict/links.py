@@ -8,6 +8,7 @@ scattered input) makes every rank send ``f * B`` bytes over its link, with
 
 * all-reduce: ``f = 2(n-1)/n`` (a reduce-scatter, then an all-gather);
 * all-gather and reduce-scatter: ``f = (n-1)/n`` (each rank passes on the n-1 shards it does not own);
+* send_recv, a pipeline stage's exchange (the buffer ``B`` is what each rank sends): ``f = 1``;
 
 so at a bus bandwidth ``W`` the collective takes ``f * B / W``. ``W`` is the calibration's
 ``<collective>_bandwidth["<backend>:<n>"]`` (``torchrun --nproc-per-node=n -m autotuner.calibrate
@@ -44,7 +45,7 @@ from autotuner.results.calibration import COLLECTIVES, LINK_KEYS, bus_factor, li
 # nccl-tests on A100/H100; PCIe Gen4 x16 about 20). gloo: TCP over loopback between CPU processes.
 ASSUMED_BUS_BANDWIDTH = {"nccl": 100e9, "gloo": 1e9}
 
-FORMULAS = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)/n", "reduce_scatter": "(n-1)/n"}
+FORMULAS = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "send_recv": "1"}
 
 
 class LinkWarning(UserWarning):

@@ -45,7 +45,7 @@ re-runs inside the backward (full: every layer's forward; selective: core attent
 Megatron's ``recompute_granularity=selective``). With pp > 1 each stage also exchanges one micro-batch's
 s*b*h activations (forward) or their gradients (backward) with its neighbours per phase: Megatron's 1F1B
 batches a stage's send and receive, so one transfer's time per phase (``pp_p2p``, *modelled* from the
-link calibration as a 2-rank all-gather in which each rank sends that buffer).
+link calibration's ``send_recv``, that exchange timed between two processes).
 
 The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
 batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
@@ -517,10 +517,10 @@ def pipeline_transfer(tm: TimeModel) -> OpTime:
     lay = tm.layout
     nbytes = lay.seq_len * lay.micro_batch_size * tm.model.hidden * lay.bytes_per_element
     nbytes /= lay.tp if lay.sequence_parallel else 1
-    seconds, src = tm.collective("all_gather", 2 * nbytes, 2)  # each of 2 ranks sends its nbytes
+    seconds, src = tm.collective("send_recv", nbytes, 2)
     detail = (
         f"one s*b*h = {nbytes:.4g} B transfer per micro-batch (send and receive batched, as Megatron's "
-        f"1F1B does), timed as a 2-rank all-gather, each rank sending that much: {src.detail}"
+        f"1F1B does): {src.detail}"
     )
     return OpTime(seconds, Source("modelled", detail), {"pp_p2p": seconds})
 

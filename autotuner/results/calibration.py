@@ -14,6 +14,7 @@ other accepts too. The file is plain JSON::
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
      "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
+     "send_recv_bandwidth": {...},                           and the point-to-point exchange's
      "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...}}
                                                              the timed sizes behind them
 
@@ -41,7 +42,7 @@ DEFAULT_DIR = Path("runs") / "calibration"
 TRANSFER_CEILINGS = ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned")
 _FIX = "run python -m autotuner.calibrate to write one"
 # The collectives a calibration may hold the links' bus bandwidth of, and their keys in the file.
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
 _LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
@@ -122,9 +123,13 @@ def bus_factor(kind: str, world: int) -> float:
     """Bytes each rank sends over its link per byte of the collective's full buffer (the all-reduced
     tensor, the gathered output, the scattered input) in a ring of ``world`` ranks, nccl-tests'
     ``busbw = algbw * factor``: an all-reduce is a reduce-scatter then an all-gather, 2(n-1)/n; an
-    all-gather or a reduce-scatter passes n-1 of the n shards, (n-1)/n."""
+    all-gather or a reduce-scatter passes n-1 of the n shards, (n-1)/n. A ``send_recv`` (each rank sends
+    its buffer to the next rank and receives the previous rank's, batched, as a pipeline stage exchanges
+    activations) sends the whole buffer: 1."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective {kind!r}: one of {', '.join(COLLECTIVES)}")
+    if kind == "send_recv":
+        return 1.0
     return (2 if kind == "all_reduce" else 1) * (world - 1) / world
 
 
