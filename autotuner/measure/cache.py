@@ -19,16 +19,24 @@ def _parse_size(text: str) -> int:
     return int(text.rstrip("KMG")) * scale
 
 
+def _cpu_caches() -> list[tuple[int, bool]]:
+    """(size, private to one core) of each data or unified cache of CPU 0, as sysfs reports them."""
+    caches = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            private = (index / "shared_cpu_list").read_text().strip().isdigit()
+            caches.append((_parse_size((index / "size").read_text()), private))
+        except (OSError, ValueError):
+            continue
+    return caches
+
+
 def last_level_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).L2_cache_size)
-    sizes = []
-    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            sizes.append(_parse_size(size_file.read_text()))
-        except (OSError, ValueError):
-            continue
-    return max(sizes, default=_DEFAULT_CPU_CACHE)
+    return max((size for size, _ in _cpu_caches()), default=_DEFAULT_CPU_CACHE)
 
 
 def warm_cache_bytes(device: torch.device) -> int:
@@ -37,15 +45,7 @@ def warm_cache_bytes(device: torch.device) -> int:
     comes from there inside a step runs slower than the warm row measured). 1 MiB where none is reported."""
     if device.type == "cuda":
         return last_level_cache_bytes(device)
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            shared = (index / "shared_cpu_list").read_text().strip()
-            if (index / "type").read_text().strip() != "Instruction" and shared.isdigit():
-                sizes.append(_parse_size((index / "size").read_text()))
-        except (OSError, ValueError):
-            continue
-    return max(sizes, default=2**20)
+    return max((size for size, private in _cpu_caches() if private), default=2**20)
 
 
 class CacheFlusher:

@@ -212,7 +212,6 @@ class Measurements:
         self,
         rows: Iterable[Mapping[str, Any]],
         dtype: str,
-        labels: Mapping[int, str] | None = None,
         cold: bool | None = None,
         ep: int | None = None,
     ):

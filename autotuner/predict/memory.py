@@ -313,12 +313,10 @@ def stage_memory(
     layer_op = _op_memory(meas, layout, "transformer_layer", per_layer)
     if layer_op is None and without_ep is not None:  # a rank's experts hold as much at any ep (above)
         layer_op = _op_memory(without_ep, layout, "transformer_layer", per_layer)
-    ops = [
-        *([_op_memory(meas, layout, "embedding")] if first else []),
-        *([layer_op] * per_layer_chunk * layout.vpp),
-        *([_op_memory(meas, layout, "final_layernorm")] if last else []),
-    ]
-    outside = [o for o in ops if o is not None and o.name != "transformer_layer"]
+    embedding = _op_memory(meas, layout, "embedding") if first else None
+    final_norm = _op_memory(meas, layout, "final_layernorm") if last else None
+    head = _op_memory(meas, layout, "output_layer") if last else None
+    outside = [o for o in (embedding, final_norm) if o is not None]
     if outside:
         value += held * sum(o.saved for o in outside)
         rule += "; + " + ", ".join(f"{o.name} {o.saved:.4g} B" for o in outside) + " per micro-batch held"
@@ -327,7 +325,6 @@ def stage_memory(
         "B",
         Source(kind, f"{rule}; layer: {act.source.detail}; x {layers_held} layer-micro-batches held"),
     )
-    head = _op_memory(meas, layout, "output_layer") if last else None
     if not last:
         logits = Figure(0.0, "B", Source("modelled", "not the last stage"))
     elif head is not None and head.saved:
@@ -338,14 +335,14 @@ def stage_memory(
             "B",
             Source("modelled", "s*b*vocab/tp x 4 B (fp32 logits)"),
         )
-    wanted = [
-        *(["embedding"] if first else []),
-        "transformer_layer",
-        *(["final_layernorm", "output_layer"] if last else []),
+    parts = [*([("embedding", embedding)] if first else []), ("transformer_layer", layer_op)]
+    parts += [("final_layernorm", final_norm), ("output_layer", head)] if last else []
+    lacking = [name for name, o in parts if o is None]
+    walk = [
+        o
+        for o in (embedding, *[layer_op] * (per_layer_chunk * layout.vpp), final_norm, head)
+        if o is not None
     ]
-    walk = [o for o in [*ops, head] if o is not None]
-    have = {o.name: o for o in walk}
-    lacking = [name for name in wanted if name not in have]
     upper = in_flight_bytes(walk, frees_own=False)
     said = (
         "max over one micro-batch's ops of (peak_bytes - saved bytes not live then, its own included); "
@@ -353,7 +350,7 @@ def stage_memory(
     )
     if lacking:
         said += f"; no rows for {', '.join(lacking)}: they add nothing"
-    exact = not lacking and all(o.exact for o in have.values())
+    exact = not lacking and all(o.exact for o in walk)
     in_flight = Figure(in_flight_bytes(walk), "B", Source("measured" if exact else "scaled", said))
     k = (
         korthikanti_layer_bytes(s, b, model.hidden, model.heads, tp, sp, layout.recompute, layout.dtype)

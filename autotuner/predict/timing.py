@@ -256,15 +256,28 @@ class TimeModel:
         except (AttributeError, TypeError, KeyError):  # a config recorded without the fields it reads
             return False
 
+    def _row_seconds(
+        self, meas: Measurements, op: str, phase: str, basis: int, nearest: bool
+    ) -> tuple[float, str, Mapping[str, Any]] | None:
+        """(seconds at the layout's (s, b), where from, the row) of ``op``'s row in ``meas`` at ``basis``:
+        the exact point's, or with ``nearest`` the nearest point's scaled by the op's rule; None without
+        one."""
+        s, b = self.layout.seq_len, self.layout.micro_batch_size
+        row = meas.nearest(op, phase, s, b, basis) if nearest else meas.exact(op, phase, s, b, basis)
+        if row is None:
+            return None
+        self._note_cache(row)
+        if not nearest:
+            return row["median_us"] * 1e-6, describe_row(row), row
+        seconds, rule = self._scale(op, row, s, b)
+        return seconds, f"{rule}, from {describe_row(row)}", row
+
     def _at_basis(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
         """The op at the layout's (s, b) from rows at tensor-parallel size ``basis`` alone (no division by
         tp, no collectives added); None if these rows cannot give it."""
-        s, b = self.layout.seq_len, self.layout.micro_batch_size
-        row = self.meas.exact(op, phase, s, b, basis)
-        if row is not None:
-            self._note_cache(row)
-            seconds = row["median_us"] * 1e-6
-            return OpTime(seconds, Source("measured", describe_row(row)), {op: seconds}, rows_tp=basis)
+        found = self._row_seconds(self.meas, op, phase, basis, nearest=False)
+        if found is not None:
+            return OpTime(found[0], Source("measured", found[1]), {op: found[0]}, rows_tp=basis)
         if self.layout.ep > 1 and op in EP_LEAF_OPS:
             got = self._expert_op_without_ep(op, phase, basis, exact_only)
             if got is not None or exact_only:
@@ -272,12 +285,9 @@ class TimeModel:
         exact_sum = self._sub_op_sum(op, phase, basis, exact_only=True)
         if exact_sum is not None or exact_only:
             return exact_sum
-        row = self.meas.nearest(op, phase, s, b, basis)
-        if row is not None:
-            self._note_cache(row)
-            seconds, rule = self._scale(op, row, s, b)
-            source = Source("scaled", f"{rule}, from {describe_row(row)}")
-            return OpTime(seconds, source, {op: seconds}, rows_tp=basis)
+        found = self._row_seconds(self.meas, op, phase, basis, nearest=True)
+        if found is not None:
+            return OpTime(found[0], Source("scaled", found[1]), {op: found[0]}, rows_tp=basis)
         return self._sub_op_sum(op, phase, basis, exact_only=False)
 
     def _expert_op_without_ep(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
@@ -286,18 +296,12 @@ class TimeModel:
         if self.without_ep is None:
             return None
         s, b, ep = self.layout.seq_len, self.layout.micro_batch_size, self.layout.ep
-        row = self.without_ep.exact(op, phase, s, b, basis)
-        if row is not None:
-            seconds, origin = row["median_us"] * 1e-6, describe_row(row)
-        elif exact_only:
+        found = self._row_seconds(self.without_ep, op, phase, basis, nearest=False)
+        if found is None and not exact_only:
+            found = self._row_seconds(self.without_ep, op, phase, basis, nearest=True)
+        if found is None:
             return None
-        else:
-            row = self.without_ep.nearest(op, phase, s, b, basis)
-            if row is None:
-                return None
-            seconds, rule = self._scale(op, row, s, b)
-            origin = f"{rule}, from {describe_row(row)}"
-        self._note_cache(row)
+        seconds, origin, row = found
         if op == "experts":
             seconds /= ep
             detail = f"a rank's 1/ep={ep} of the experts: {origin} / {ep}"
@@ -530,6 +534,7 @@ def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[
     parameters each stage's GPU holds, for the gradient accumulation."""
     lay, model = tm.layout, tm.model
     per_stage = model.num_layers // lay.pp
+    transfer = pipeline_transfer(tm) if lay.pp > 1 else None  # the same on every stage
     stages = []
     for index in range(lay.pp):
         items: list[tuple[str, str, OpTime, int]] = []
@@ -551,9 +556,8 @@ def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[
                         count,
                     )
                 )
-        if lay.pp > 1:
-            for phase in PHASES:
-                items.append(("pp_p2p", phase, pipeline_transfer(tm), 1))
+        if transfer is not None:
+            items += [("pp_p2p", phase, transfer, 1) for phase in PHASES]
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
         if accumulate is not None:
             items.append(("grad_accumulation", "backward", accumulate, 1))
