@@ -201,12 +201,12 @@ class TimeModel:
             return (
                 f"{len(rows)} of the rows used ({named}) were measured with warm caches, but "
                 f"{self.cache_reason}: inside the step each op starts cold, so these read fast (profile with "
-                "timing.flush_cache=true, as the printed commands do)"
+                "timing.flush_cache=true; the commands printed for what is missing do)"
             )
         return (
             f"{len(rows)} of the rows used ({named}) were measured with a flushed cache, but "
             f"{self.cache_reason}: inside the step ops find their data cached, so these read slow "
-            "(profile with timing.flush_cache=false, as the printed commands do)"
+            "(profile with timing.flush_cache=false; the commands printed for what is missing do)"
         )
 
     def _warn(self, text: str) -> None:
