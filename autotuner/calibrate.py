@@ -22,6 +22,10 @@ the largest big enough to reach the plateau, and of the point-to-point exchange 
 (``send_recv``: each rank sends a buffer to the next and receives the previous one's, batched as
 Megatron's p2p communication does), and merges them into the calibration file (the ceilings
 already there are kept; without a file, rank 0 measures them first). See :func:`calibrate_collectives`.
+Between CPU processes it also times the Adam step on every rank at once
+(``adam_seconds_per_parameter_together``, per link): the processes of a CPU "layout" share one memory,
+and two 1-thread processes running Adam together each took 3.4-3.7 ns per parameter on this project's
+VM where one alone took 1.9 (GPUs each have their own memory: not timed there).
 
 The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops), at sizes that reach the
 peak. The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
@@ -57,6 +61,7 @@ from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.calibration import (
+    ADAM_TOGETHER,
     COLLECTIVES,
     LINK_KEYS,
     bus_factor,
@@ -128,9 +133,15 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     return result
 
 
-def adam_step_seconds(device: torch.device, policy: SamplingPolicy) -> tuple[float, int]:
+def adam_step_seconds(
+    device: torch.device,
+    policy: SamplingPolicy,
+    timer: DeviceTimer | None = None,
+    agreement: RankAgreement | None = None,
+) -> tuple[float, int]:
     """(median seconds of one ``torch.optim.Adam.step``, parameters it updated) over the fp32 weights
-    of ``ADAM_LAYERS`` with gradients (the states are made by an untimed first step)."""
+    of ``ADAM_LAYERS`` with gradients (the states are made by an untimed first step). Under torchrun
+    with a barrier ``timer`` and an ``agreement``: every rank's steps at once."""
     h, f, layers = ADAM_LAYERS[device.type]
     shapes = [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
     params = [torch.zeros(shape, device=device, requires_grad=True) for shape in shapes]
@@ -138,8 +149,10 @@ def adam_step_seconds(device: torch.device, policy: SamplingPolicy) -> tuple[flo
         param.grad = torch.full_like(param, 1e-3)
     optimizer = torch.optim.Adam(params, lr=1e-6)
     optimizer.step()  # allocates exp_avg and exp_avg_sq: not part of a step in training
-    step = OpCall(optimizer.step, ())
-    return _median_s(step, device, policy), sum(p.numel() for p in params)
+    count = sum(p.numel() for p in params)
+    if timer is None:
+        return _median_s(OpCall(optimizer.step, ()), device, policy), count
+    return sample(timer, optimizer.step, policy, agreement=agreement).median_ns * 1e-9, count
 
 
 def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -> tuple[Any, int]:
@@ -214,6 +227,9 @@ def calibrate_collectives(
                 f"{kind}: bus bandwidth still changes at the largest sizes "
                 f"({', '.join(f'{b / 1e9:.2f}' for b in bus)} GB/s): the plateau may lie beyond {sizes[-1]} B"
             )
+    if device.type == "cpu":
+        seconds, count = adam_step_seconds(device, policy, timer, agreement)
+        result[ADAM_TOGETHER] = {link: agreement.max(seconds)[0] / count}
     return result, notes
 
 
@@ -265,6 +281,8 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
             for kind in COLLECTIVES:
                 for link, bandwidth in links.get(LINK_KEYS[kind], {}).items():
                     print(f"{kind:15} {link:8} {bandwidth / 1e9:10.3f} GB/s bus bandwidth")
+            for link, rate in links.get(ADAM_TOGETHER, {}).items():
+                print(f"Adam, together {link:8} {rate * 1e9:8.3f} ns per parameter on each rank")
             for note in notes:
                 print(f"note: {note}")
             print(f"written to {out}")

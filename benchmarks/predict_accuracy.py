@@ -1,21 +1,25 @@
 """Prediction accuracy: predicted step time and peak memory / measured, on real training steps.
 
-    python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 3] [--cases tiny,llama_small]
+    python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 3] [--cases tiny,llama_small,tiny_moe]
+        [--layouts tp1,tp2,pp2,dp2,ep2]
 
-For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point
-and TP (in this process for TP=1, under torchrun for TP=2), once with warm caches and once flushed (the
-predictor takes the kind the step runs its ops in: autotuner.predict.timing.wants_cold_cache), the
-device and the links between two processes are calibrated once (python -m autotuner.calibrate, and
---collectives under torchrun: the Adam step's time per parameter, the pipeline's transfers, the
-cache a warm row runs in, the memory bandwidth of modelled figures), the predictor predicts the step
-(autotuner.predict), and the real steps run (autotuner.predict.steps: the
-whole GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so
-the ratio's spread over rounds is printed beside its median, with two A/A controls: the measured step's
-IQR over its timed steps, and, over the rounds, the largest over the smallest of the predicted step
-(each from fresh profiles: how far the op rows move between processes) and of the measured step (each
-in fresh processes). Layouts: TP=1, TP=2 (torchrun, gloo) and PP=2
-(Megatron's 1F1B over gloo), 4 micro-batches. Target (issue 17): |ratio - 1| <= 0.05 for step time and
-peak memory.
+For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
+TP and EP, in as many processes as the layout has (torchrun; this process for one): on a CPU the ranks
+share the memory, and an op timed alone would run faster than beside them. Each is profiled once with
+warm caches and once flushed (the predictor takes the kind the step runs its ops in:
+autotuner.predict.timing.wants_cold_cache). The device and the links between two processes are
+calibrated once (python -m autotuner.calibrate, and --collectives under torchrun: the Adam step's time
+per parameter, alone and with both processes at it, the pipeline's transfers and the gradients'
+all-reduce, the cache a warm row runs in, the memory bandwidth of modelled figures). The predictor
+predicts the step (autotuner.predict), and the real steps run (autotuner.predict.steps: the whole
+GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so the
+ratio's spread over rounds is printed beside its median, with two A/A controls: the measured step's IQR
+over its timed steps, and, over the rounds, the largest over the smallest of the predicted step (each
+from fresh profiles: how far the op rows move between processes) and of the measured step (each in
+fresh processes). Layouts: TP=1, TP=2 (torchrun, gloo), PP=2 (Megatron's 1F1B over gloo) and DP=2 (the
+gradients all-reduced after the backward) for the dense models, DP=2 with EP=2 for the MoE one; 4
+micro-batches per data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak
+memory.
 """
 
 from __future__ import annotations
@@ -49,9 +53,22 @@ CASES = {
         "hf.num_hidden_layers=4",
         "hf.vocab_size=4096",
     ],
+    "tiny_moe": ["case=tiny_moe"],  # Mixtral-shaped: 8 experts, top-2
 }
 SEQ, MBS, MICROBATCHES = 128, 1, 4
-LAYOUTS = {"tp1": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
+LAYOUTS = {
+    "tp1": dict(tp=1),
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2),
+    "dp2": dict(dp=2),
+    "ep2": dict(dp=2, ep=2),
+}
+# Each case's layouts (--layouts picks among them): the dense models without EP, the MoE one with it.
+DEFAULT = {
+    "tiny": ("tp1", "tp2", "pp2", "dp2"),
+    "llama_small": ("tp1", "tp2", "pp2", "dp2"),
+    "tiny_moe": ("ep2",),
+}
 # What a stage is made of (autotuner.predict.timing): each measured whole, at the layout's point.
 STAGE_OPS = ("embedding", "transformer_layer", "final_layernorm", "output_layer")
 
@@ -67,10 +84,11 @@ def cpu_share(processes: int) -> list[str]:
     return [f"timing.threads={max(1, len(os.sched_getaffinity(0)) // processes)}"]
 
 
-def profile(case: list[str], tp: int, pp: int, run_dir: Path, calibration: Path, flush: bool) -> None:
+def profile(case: list[str], layout: Layout, run_dir: Path, calibration: Path, flush: bool) -> None:
+    """The stage's ops at the layout's point, TP and EP, with the cores the layout's processes share."""
     argv = [
         *case,
-        *cpu_share(tp * pp),
+        *cpu_share(layout.gpus),
         "device=cpu",
         f"ops=[{','.join(STAGE_OPS)}]",
         f"timing.flush_cache={str(flush).lower()}",
@@ -81,30 +99,31 @@ def profile(case: list[str], tp: int, pp: int, run_dir: Path, calibration: Path,
         f"calibration={calibration}",
         f"hydra.run.dir={run_dir}",
     ]
-    if tp == 1:
+    # as many processes as the steps run: on a CPU the layout's "GPUs" share the memory and the L3, so an
+    # op timed alone runs faster than beside the other ranks (TP and EP also need the ranks themselves)
+    world = layout.gpus
+    if world == 1:
         assert _quiet_run(argv) == 0
         return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
-    command += ["-m", "autotuner.main", *argv, f"tf.tensor_model_parallel_size={tp}"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    command += ["-m", "autotuner.main", *argv, f"tf.tensor_model_parallel_size={layout.tp}"]
+    command += [f"tf.expert_model_parallel_size={layout.ep}"] if layout.ep > 1 else []
     subprocess.run(command, check=True, capture_output=True, timeout=900)
 
 
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> tuple[float, ...]:
     case, parallel = CASES[name], LAYOUTS[layout_name]
+    dp = parallel.get("dp", 1)
+    layout = Layout(
+        seq_len=SEQ, micro_batch_size=MBS, global_batch_size=MBS * MICROBATCHES * dp, dtype="fp32", **parallel
+    )
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
         run_dirs = [Path(folder) / mode for mode in ("warm", "cold")]
         for run_dir in run_dirs:
-            profile(case, parallel["tp"], parallel["pp"], run_dir, calibration, run_dir.name == "cold")
+            profile(case, layout, run_dir, calibration, run_dir.name == "cold")
         runs = load_runs(run_dirs)
-        layout = Layout(
-            seq_len=SEQ,
-            micro_batch_size=MBS,
-            global_batch_size=MBS * MICROBATCHES,
-            dtype="fp32",
-            **parallel,
-        )
         pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
-        share = cpu_share(parallel["tp"] * parallel["pp"])
+        share = cpu_share(layout.gpus)
         checked = validate(pred, case[0].split("=", 1)[1], [*case[1:], *share, "device=cpu"], repeats=repeats)
     return (
         checked.step_error + 1,
@@ -119,8 +138,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="profile + predict + measure, this many times")
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
+    parser.add_argument("--layouts", help=f"only these of each case's layouts: {DEFAULT}")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
         calibration = Path(folder) / "calibration.json"
@@ -136,7 +155,8 @@ def main() -> int:
         cal = json.loads(calibration.read_text())
         print(
             f"calibration: copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam "
-            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter, send_recv (gloo:2) "
+            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter (two processes at once: "
+            f"{cal['adam_seconds_per_parameter_together']['gloo:2'] * 1e9:.2f}), send_recv (gloo:2) "
             f"{cal['send_recv_bandwidth']['gloo:2'] / 1e9:.2f} GB/s"
         )
         header = (
@@ -154,7 +174,7 @@ def main() -> int:
         )
         worst = 0.0
         for name in args.cases.split(","):
-            for layout_name in args.layouts.split(","):
+            for layout_name in [n for n in DEFAULT[name] if not args.layouts or n in args.layouts.split(",")]:
                 results = [
                     one_round(name, layout_name, args.repeats, calibration) for _ in range(args.rounds)
                 ]

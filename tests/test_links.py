@@ -158,3 +158,5 @@ def test_torchrun_measures_the_collectives_and_merges_them_into_the_file(tmp_pat
             seconds, source = collective_seconds(data, kind, nbytes, 2)
             assert seconds == pytest.approx(measured) and "calibration" in source.detail
     assert any(line.split()[:2] == ["all_reduce", "gloo:2"] for line in proc.stdout.splitlines())
+    # CPU processes share the memory: Adam timed with both at it, per parameter on each rank
+    assert 0 < data["adam_seconds_per_parameter_together"]["gloo:2"] < 1e-6

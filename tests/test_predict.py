@@ -161,6 +161,15 @@ def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tm
         cal,
     )
     assert half.step.optimizer == pytest.approx(params * 2e-9 + (4 + 6) * params / CAL["memory_bandwidth"])
+    # two CPU processes (dp=2) share the memory: the rate timed with both at it, else the lone one, warned
+    two = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32")
+    together = {**cal, "adam_seconds_per_parameter_together": {"gloo:2": 3e-9}}
+    shared = predict(load_runs([make_run(tmp_path, base_rows(), "dp2", together)]), two, together)
+    assert shared.step.optimizer == pytest.approx(params * 3e-9 + zeroing)
+    assert "every rank at once" in shared.step.optimizer_source.detail
+    alone = predict(load_runs([make_run(tmp_path, base_rows(), "dp2_alone", cal)]), two, cal)
+    assert alone.step.optimizer == pytest.approx(params * 2e-9 + zeroing)
+    assert any("2 CPU processes at once" in w for w in alone.warnings)
 
 
 def test_gradient_accumulation_per_micro_batch_unless_fused(tmp_path, monkeypatch):
@@ -457,6 +466,20 @@ def test_expert_parallel_layouts_from_ep1_rows_or_measured_at_their_ep(tmp_path)
     # the routed experts' parameters are split over ep: 8 experts x (64*2*32 + 32*64), half on each rank
     same = predict(load_runs([single]), Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32"), cal)
     assert same.memory[0].params.value - pred.memory[0].params.value == pytest.approx(4 * 8 * 6144 / 2)
+    # DP reduction: the dense gradients over dp=2; at ep=2 the experts' group is tp*dp/ep = 1 rank (each
+    # expert lives on one rank): not reduced, where at ep=1 every gradient is
+    cal_ar = {**cal, "all_reduce_bandwidth": {"gloo:2": 1e9}}
+    reduced = {
+        ep: predict(
+            load_runs([single]), Layout(seq_len=32, dp=2, ep=ep, global_batch_size=2, dtype="fp32"), cal_ar
+        )
+        for ep in (1, 2)
+    }
+    params = {ep: reduced[ep].memory[0].params.value for ep in (1, 2)}
+    routed_at_ep2 = 4 * 8 * 6144 / 2  # 4 layers, 8 experts of 6144 parameters each, half on a rank
+    for ep, grads in ((1, params[1]), (2, params[2] - routed_at_ep2)):
+        assert reduced[ep].step.dp_reduction == pytest.approx(2 * (2 - 1) / 2 * grads * 4 / 1e9)
+    assert "expert grads: 1 rank, nothing to reduce" in reduced[2].step.dp_source.detail
     # the all-gather dispatcher instead: forward dispatch gathers all ranks' s*b*h, combine reduce-scatters
     gathered = [{**r, "token_dispatcher": "allgather"} if r["op"] in layer_ops else r for r in rows]
     allgather = predict(load_runs([_moe_run(tmp_path, gathered, "ag", 1, cal)]), layout, cal)

@@ -1,5 +1,6 @@
 """Measured training steps (autotuner.predict.steps): the whole GPTModel trained for real, timed and metered,
-single-process and under torchrun with TP=2 and PP=2 (Megatron's own 1F1B schedule over gloo)."""
+single-process and under torchrun with TP=2, DP=2, PP=2 (Megatron's own 1F1B schedule over gloo) and, for
+the MoE model, EP=2."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def test_a_llama_shaped_model_at_reduced_width():
 
 
 def test_layouts_the_steps_cannot_measure_are_refused_in_one_line():
-    with pytest.raises(UserError, match="not dp") as info:
-        measure_steps("tiny", CPU, Layout(dp=2, **{**BATCH, "global_batch_size": 4}))
+    with pytest.raises(UserError, match="not vpp") as info:
+        measure_steps("tiny", CPU, Layout(pp=2, vpp=2, **BATCH))
     assert "\n" not in str(info.value)
-    for split in ({"tp": 2}, {"pp": 2}):  # one process, a layout of two
+    for split in ({"tp": 2}, {"pp": 2}, {"dp": 2}):  # one process, a layout of two
         with pytest.raises(UserError, match="2 processes"):
             measure_steps("tiny", CPU, Layout(**split, **BATCH))
     with pytest.raises(UserError, match="set by the layout"):
@@ -70,20 +71,29 @@ def test_layouts_the_steps_cannot_measure_are_refused_in_one_line():
 
 @pytest.mark.torchrun
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_tensor_parallel_steps_under_torchrun(tmp_path, single, sequence_parallel):
-    layout = Layout(tp=2, sequence_parallel=sequence_parallel, **BATCH)
-    result = run_steps("tiny", CPU, layout, tmp_path / "tp2.json", timeout_s=WATCHDOG_S)
-    assert [(r.rank, r.tp_rank, r.pp_rank) for r in result.ranks] == [(0, 0, 0), (1, 1, 0)]
+@pytest.mark.parametrize("split", [{"tp": 2, "sequence_parallel": True}, {"dp": 2}], ids=["tp2_sp", "dp2"])
+def test_tensor_and_data_parallel_steps_under_torchrun(tmp_path, single, split):
+    result = run_steps("tiny", CPU, Layout(**split, **BATCH), tmp_path / "steps.json", timeout_s=WATCHDOG_S)
+    tp = split.get("tp", 1)
+    expected = [(0, 0, 0), (1, 1, 0)] if tp == 2 else [(0, 0, 0), (1, 0, 1)]
+    assert [(r.rank, r.tp_rank, r.dp_rank) for r in result.ranks] == expected
+    timed = slice(result.warmup + 1, None)
     for rank in result.ranks:
-        assert min(rank.forward_backward_s[result.warmup + 1 :]) > 0 and rank.step_peak_bytes > 0
-        # each rank holds about half of the sharded weights (the norms are whole on both)
-        assert rank.parameter_bytes < 0.75 * single.ranks[0].parameter_bytes
+        assert min(rank.forward_backward_s[timed]) > 0 and rank.step_peak_bytes > 0
+        # gradients reduced between the backward and Adam: the sequence-parallel norms' over TP, all over DP
+        assert min(rank.reduce_s[timed]) > 0
+        # TP: each rank holds about half of the sharded weights (the norms are whole on both); DP: all
+        share = rank.parameter_bytes / single.ranks[0].parameter_bytes
+        assert share < 0.75 if tp == 2 else share == 1
     # a step lasts as long as its slowest rank
-    slowest = [max(r.forward_backward_s[i] + r.optimizer_s[i] for r in result.ranks) for i in (-1, -2)]
+    slowest = [
+        max(r.forward_backward_s[i] + r.reduce_s[i] + r.optimizer_s[i] for r in result.ranks)
+        for i in (-1, -2)
+    ]
     assert result.step_times_s[-2:] == pytest.approx(slowest[::-1])
     assert result.command[2:4] == ("torch.distributed.run", "--standalone")
-    # the sharded model is the single-process one split over the ranks: the same losses, step by step
+    # TP: the single-process model split over the ranks; DP: each rank half of the same global batch and
+    # the gradients averaged: either way the same training as one process, step by step
     assert result.losses == pytest.approx(single.losses, rel=1e-4)
 
 
@@ -101,3 +111,25 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     # the first step, and the same training after it
     assert last.losses[0] == pytest.approx(single.losses[0], rel=1e-6)
     assert last.losses == pytest.approx(single.losses, rel=1e-4)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_expert_parallel_steps_of_the_moe_model(tmp_path):
+    """tiny_moe at dp=2 ep=2: each rank holds half of the routed experts, the dispatcher's all-to-all
+    brings the tokens to them, the dense gradients are averaged over the two DP ranks (the experts' have
+    one rank per expert-data-parallel group: nothing to reduce)."""
+    result = run_steps(
+        "tiny_moe", CPU, Layout(dp=2, ep=2, **BATCH), tmp_path / "ep2.json", timeout_s=WATCHDOG_S
+    )
+    assert [(r.rank, r.dp_rank) for r in result.ranks] == [(0, 0), (1, 1)]
+    # cases/tiny_moe.yaml, counted: per layer two RMSNorms, QKV (4 query + 2x2 KV heads of 16), the
+    # projection, the router (8 experts) and the 8 SwiGLU experts (3*h*ffn each), then the embedding, the
+    # untied output layer and the final norm
+    h, ffn, vocab, layers, experts = 64, 128, 1024, 2, 8
+    dense = layers * (2 * h + h * (4 + 2 * 2) * 16 + 4 * 16 * h + h * experts) + 2 * vocab * h + h
+    routed = layers * experts * 3 * h * ffn
+    for rank in result.ranks:
+        assert rank.parameter_bytes == 4 * (dense + routed // 2)
+        assert min(rank.reduce_s[result.warmup + 1 :]) > 0 and rank.step_peak_bytes > 0
+    assert result.losses[-1] < result.losses[0] - 0.05

@@ -133,10 +133,14 @@ class ModelShape:
             config=dict(tc),
         )
 
-    def layer_params_at(self, ep: int) -> float:
-        """A layer's parameters on one rank of ``ep`` expert-parallel ranks (before TP): each holds
-        1/ep of the routed experts, everything else whole."""
-        return self.layer_params - self.expert_params * (1 - 1 / ep)
+    def expert_params_on_rank(self, tp: int, ep: int) -> float:
+        """A layer's routed-expert parameters on one GPU: 1/ep of the experts, split over TP only at
+        ep=1 (with ep > 1 the project runs expert_tensor_parallel_size=1: autotuner.runner.spec)."""
+        return self.expert_params / (ep if ep > 1 else tp)
+
+    def layer_params_on_rank(self, tp: int, ep: int) -> float:
+        """A layer's parameters on one GPU: everything but the routed experts / tp, plus their share."""
+        return (self.layer_params - self.expert_params) / tp + self.expert_params_on_rank(tp, ep)
 
     @property
     def attention_width(self) -> int:

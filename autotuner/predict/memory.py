@@ -220,9 +220,9 @@ def stage_params(meas: Measurements, model: ModelShape, layout: Layout, stage: i
     (a copy of the embedding when tied and pp > 1, as Megatron keeps) on the last; all divided by tp."""
     tp = layout.tp
     per_stage = model.num_layers // layout.pp
-    layer, how = model.layer_params_at(layout.ep) / tp, "counted from the model config"
+    layer, how = model.layer_params_on_rank(tp, layout.ep), "counted from the model config"
     if layout.ep > 1:
-        how += f", routed experts / ep={layout.ep}"
+        how += f", routed experts / ep={layout.ep}, whole on each TP rank"
     kind = "modelled"
     for basis in dict.fromkeys((tp, 1)):
         row = meas.nearest("transformer_layer", "forward", layout.seq_len, layout.micro_batch_size, basis)

@@ -7,13 +7,23 @@ much memory it held.
 
 What one step is (as Megatron's ``train_step`` does it, less what a layout here cannot have)::
 
-    zero the gradients (kept allocated, as Megatron's DDP keeps its gradient buffer)
+    zero the gradients (kept allocated in flat buffers, as Megatron's DDP keeps its gradient buffers)
     forward_backward_func = megatron.core.pipeline_parallel.get_forward_backward_func()
-    forward_backward_func(...)        # every micro-batch of the global batch: forward, loss, backward;
+    forward_backward_func(...)        # this data-parallel rank's micro-batches: forward, loss, backward;
                                       # PP=1: Megatron's no-pipelining schedule (gradients accumulate),
                                       # PP>1: its 1F1B schedule, activations sent between stages (gloo on CPU)
-    all-reduce sequence-parallel gradients over TP (what Megatron's finalize_model_grads does for them)
+    reduce the gradients              # what Megatron's finalize_model_grads does, timed on its own:
+                                      # sequence-parallel ones over TP; with dp > 1 the dense buffer over
+                                      # the data-parallel group and the expert buffer over the expert-data-
+                                      # parallel group (tp*dp/ep ranks), one all-reduce each, after the
+                                      # backward (Megatron's DDP default: overlap_grad_reduce=False)
     optimizer.step()                  # torch.optim.Adam over this rank's parameters, timed on its own
+
+Data parallelism: the global batch is ``dp`` times a rank's micro-batches; data-parallel rank r takes the
+r-th share of them, and the gradients are scaled by 1/dp before the summing all-reduce (Megatron's
+gradient_scaling_factor), so dp=2 trains exactly what dp=1 trains on the same global batch. Expert
+parallelism (``ep``): Megatron's MoE layer with its experts split over ``ep`` ranks (their parameters
+are marked ``allreduce=False``), the tokens exchanged by its dispatcher.
 
 The optimizer is ``torch.optim.Adam`` (not Megatron's ``DistributedOptimizer``, which needs Megatron's
 DDP wrapper and its grad buffers): on fp32 parameters it keeps what Megatron's fp32 Adam keeps, two
@@ -21,10 +31,11 @@ states per parameter, and no master copy. A bf16 model would keep Megatron's fp3
 besides; this does not (say so when comparing bf16 memory).
 
 Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU). ``warmup``
-steps first (the first allocates the gradients and Adam's states), then one metered step (below), then
-``repeats`` timed steps. Every rank times every step; under torchrun the ranks meet at a barrier before
-each step, so a step's time is the slowest rank's (the step ends when the last stage finishes), and the
-reported step time is the median over the timed steps of that maximum, with its interquartile range.
+steps first (the first allocates Adam's states; the gradient buffers exist from the start), then one
+metered step (below), then ``repeats`` timed steps. Every rank times every step; under torchrun the
+ranks meet at a barrier before each step, so a step's time is the slowest rank's (the step ends when the
+last stage finishes), and the reported step time is the median over the timed steps of that maximum,
+with its interquartile range.
 
 Peak memory: the memory in use when the metered step begins, counted by storage (parameters, their
 gradients, the optimizer's states: :func:`autotuner.measure.memory.weight_bytes`), plus the peak above
@@ -43,8 +54,8 @@ the next token, an explicit causal mask.
 
 Under torchrun (TP x PP processes) call :func:`measure_steps` on every rank, or run
 ``python -m autotuner.predict.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
-runs it and reads the result). Not measured here: data parallelism (dp > 1), the interleaved schedule
-(vpp > 1), expert parallelism and the distributed optimizer (UserError).
+runs it and reads the result): tp * pp * dp processes. Not measured here: the interleaved schedule
+(vpp > 1) and the distributed optimizer (UserError).
 """
 
 from __future__ import annotations
@@ -76,8 +87,10 @@ class RankSteps:
     rank: int
     tp_rank: int
     pp_rank: int
-    forward_backward_s: tuple[float, ...]  # zeroing the grads and the schedule (all micro-batches)
-    optimizer_s: tuple[float, ...]  # the sequence-parallel grad all-reduce (if any) and Adam's step
+    dp_rank: int
+    forward_backward_s: tuple[float, ...]  # zeroing the grads and the schedule (this rank's micro-batches)
+    reduce_s: tuple[float, ...]  # the gradients' reductions (sequence-parallel, data-parallel)
+    optimizer_s: tuple[float, ...]  # Adam's step
     losses: tuple[float, ...]  # every step's mean loss over its micro-batches; empty off the last stage
     parameter_bytes: int  # this rank's parameters
     resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
@@ -111,7 +124,9 @@ class StepMeasurement:
     @property
     def step_times_s(self) -> list[float]:
         return self._timed(
-            lambda r: tuple(f + o for f, o in zip(r.forward_backward_s, r.optimizer_s, strict=True))
+            lambda r: tuple(
+                f + g + o for f, g, o in zip(r.forward_backward_s, r.reduce_s, r.optimizer_s, strict=True)
+            )
         )
 
     @property
@@ -132,6 +147,10 @@ class StepMeasurement:
         return statistics.median(self._timed(lambda r: r.forward_backward_s))
 
     @property
+    def reduce_s(self) -> float:
+        return statistics.median(self._timed(lambda r: r.reduce_s))
+
+    @property
     def optimizer_s(self) -> float:
         return statistics.median(self._timed(lambda r: r.optimizer_s))
 
@@ -142,8 +161,10 @@ class StepMeasurement:
 
     @property
     def losses(self) -> tuple[float, ...]:
-        """Every step's loss, from the first rank of the last pipeline stage."""
-        return next(r.losses for r in self.ranks if r.losses)
+        """Every step's loss over the global batch: the mean over the data-parallel ranks of the last
+        pipeline stage (each the mean over its equal share of the micro-batches)."""
+        last = [r.losses for r in self.ranks if r.losses and r.tp_rank == 0]
+        return tuple(statistics.fmean(step) for step in zip(*last, strict=True))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,6 +174,7 @@ class StepMeasurement:
             "step_s": self.step_s,
             "step_iqr_s": self.step_iqr_s,
             "forward_backward_s": self.forward_backward_s,
+            "reduce_s": self.reduce_s,
             "optimizer_s": self.optimizer_s,
             "peak_bytes": self.peak_bytes,
         }
@@ -172,16 +194,14 @@ class StepMeasurement:
 
 def _check_layout(layout: Layout) -> None:
     unsupported = {
-        "dp": layout.dp != 1,
         "vpp": layout.vpp != 1,
-        "ep": layout.ep != 1,
         "distributed_optimizer": layout.distributed_optimizer,
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
         raise UserError(
-            "measured steps cover TP, PP, micro-batches, recompute and sequence parallelism, "
-            f"not {', '.join(bad)}: set dp=1 vpp=1 ep=1 distributed_optimizer=false for validate=true"
+            "measured steps cover TP, PP, DP, EP, micro-batches, recompute and sequence parallelism, "
+            f"not {', '.join(bad)}: set vpp=1 distributed_optimizer=false for validate=true"
         )
 
 
@@ -203,9 +223,10 @@ def _config_overrides(case: str, overrides: list[str], layout: Layout) -> list[s
             "tf.tensor_model_parallel_size",
             "tf.pipeline_model_parallel_size",
             "tf.sequence_parallel",
+            "tf.expert_model_parallel_size",
         ):
             raise UserError(
-                f"{override!r} is set by the layout: give layout.dtype, layout.tp, layout.pp or "
+                f"{override!r} is set by the layout: give layout.dtype, layout.tp, layout.pp, layout.ep or "
                 "layout.sequence_parallel instead"
             )
     return [
@@ -213,6 +234,7 @@ def _config_overrides(case: str, overrides: list[str], layout: Layout) -> list[s
         *overrides,
         f"dtype={layout.dtype}",
         f"tf.tensor_model_parallel_size={layout.tp}",
+        *([f"tf.expert_model_parallel_size={layout.ep}"] if layout.ep > 1 else []),
         *(["tf.sequence_parallel=true"] if layout.sequence_parallel else []),
         *_recompute_overrides(layout.recompute),
         f"shapes.seq_len=[{layout.seq_len}]",
@@ -229,7 +251,8 @@ def steps_command(
     out: str | os.PathLike[str],
     lr: float = 1e-3,
 ) -> list[str]:
-    """The command line that measures these steps: torchrun with TP x PP processes when that is above one."""
+    """The command line that measures these steps: torchrun with TP x PP x DP processes when that is above
+    one."""
     args = [
         "-m",
         "autotuner.predict.steps",
@@ -241,7 +264,7 @@ def steps_command(
         *(f"layout.{f.name}={_text(getattr(layout, f.name))}" for f in fields(Layout)),
         *overrides,
     ]
-    world = layout.tp * layout.pp
+    world = layout.gpus
     if world == 1:
         return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
@@ -286,13 +309,15 @@ def _stage_model(spec: Any, layout: Layout, device: Any) -> Any:
     return part
 
 
-def _batches(spec: Any, layout: Layout, device: Any) -> list[dict[str, Any]]:
-    """The global batch as micro-batches: seeded random tokens, next-token labels, a causal mask."""
+def _batches(spec: Any, layout: Layout, device: Any, dp_rank: int) -> list[dict[str, Any]]:
+    """This data-parallel rank's share of the global batch, as micro-batches: seeded random tokens (the
+    same global batch for every layout), next-token labels, a causal mask."""
     import torch
 
     generator = torch.Generator().manual_seed(spec.seed)
-    s, b = layout.seq_len, layout.micro_batch_size
-    tokens = torch.randint(spec.model_args.vocab_size, (layout.microbatches, b, s + 1), generator=generator)
+    s, b, m = layout.seq_len, layout.micro_batch_size, layout.microbatches
+    tokens = torch.randint(spec.model_args.vocab_size, (m * layout.dp, b, s + 1), generator=generator)
+    tokens = tokens[dp_rank * m : (dp_rank + 1) * m]
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
     positions = torch.arange(s, device=device).expand(b, s)
     return [
@@ -329,6 +354,56 @@ def _sequence_parallel_grads(model: Any) -> None:
             dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
+@dataclass(frozen=True)
+class GradBuffer:
+    """One flat gradient buffer whose views are the parameters' ``.grad`` (autograd accumulates into them
+    in place), reduced by one all-reduce over ``group``, as a bucket of Megatron's DDP is."""
+
+    flat: Any  # torch.Tensor
+    group: Any  # torch.distributed ProcessGroup
+    ranks: int
+
+
+def _grad_buffers(model: Any) -> list[GradBuffer]:
+    """The dense parameters' buffer (reduced over the data-parallel group) and the expert parameters'
+    (``allreduce=False``: reduced over the expert-data-parallel group), each a single bucket."""
+    import torch
+    from megatron.core import parallel_state
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    kinds = [
+        ([p for p in params if getattr(p, "allreduce", True)], parallel_state.get_data_parallel_group()),
+        (
+            [p for p in params if not getattr(p, "allreduce", True)],
+            parallel_state.get_expert_data_parallel_group(),
+        ),
+    ]
+    buffers = []
+    for members, group in kinds:
+        if not members:
+            continue
+        flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+        offset = 0
+        for p in members:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        buffers.append(GradBuffer(flat, group, group.size()))
+    return buffers
+
+
+def _reduce_grads(buffers: list[GradBuffer], dp: int) -> None:
+    """Megatron's default DDP reduction: every gradient scaled by 1/dp (the mean over the global batch;
+    an expert's gradient already sums the tokens the dispatcher brought from the other EP ranks), then
+    summed over its buffer's group."""
+    import torch.distributed as dist
+
+    for buffer in buffers:
+        if buffer.ranks > 1 or dp > 1:
+            buffer.flat.mul_(1.0 / dp)
+        if buffer.ranks > 1:
+            dist.all_reduce(buffer.flat, group=buffer.group)
+
+
 def measure_steps(
     case: str,
     overrides: list[str] | tuple[str, ...],
@@ -360,10 +435,10 @@ def measure_steps(
     layout.check(
         config.num_layers, config.num_attention_heads, config.num_query_groups, config.num_moe_experts
     )
-    if spec.world != layout.tp * layout.pp:
+    if spec.world != layout.gpus:
         raise UserError(
-            f"layout tp={layout.tp} pp={layout.pp} needs {layout.tp * layout.pp} processes, this job has "
-            f"{spec.world}: run it with torchrun --nproc-per-node={layout.tp * layout.pp}"
+            f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs {layout.gpus} processes, this job "
+            f"has {spec.world}: run it with torchrun --nproc-per-node={layout.gpus}"
         )
     device = spec.device
     if spec.threads:
@@ -382,7 +457,9 @@ def measure_steps(
             f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
         )
     model = _stage_model(spec, layout, device)
-    batches = _batches(spec, layout, device)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    batches = _batches(spec, layout, device, dp_rank)
+    buffers = _grad_buffers(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     forward_backward = get_forward_backward_func()
     world = spec.world
@@ -403,12 +480,13 @@ def measure_steps(
             forward_only=False,
         )
 
-    def optimizer_step() -> None:
+    def reduce_step() -> None:
         if layout.sequence_parallel:
             _sequence_parallel_grads(model)
-        optimizer.step()
+        _reduce_grads(buffers, layout.dp)
 
     fb_s: list[float] = []
+    reduce_s: list[float] = []
     opt_s: list[float] = []
     losses: list[float] = []
     resident = step_peak = parameters = 0
@@ -424,10 +502,12 @@ def measure_steps(
 
             def metered() -> None:
                 stored.append(forward_backward_step())  # noqa: B023 - called right here
-                optimizer_step()
+                reduce_step()
+                optimizer.step()
 
             step_peak = peak_bytes(metered, device)
             fb_s.append(0.0)
+            reduce_s.append(0.0)
             opt_s.append(0.0)
             store = stored[0]
         else:
@@ -435,18 +515,24 @@ def measure_steps(
             start = time.perf_counter()
             store = forward_backward_step()
             sync()
-            middle = time.perf_counter()
-            optimizer_step()
+            backward_done = time.perf_counter()
+            reduce_step()
             sync()
-            fb_s.append(middle - start)
-            opt_s.append(time.perf_counter() - middle)
+            reduced = time.perf_counter()
+            optimizer.step()
+            sync()
+            fb_s.append(backward_done - start)
+            reduce_s.append(reduced - backward_done)
+            opt_s.append(time.perf_counter() - reduced)
         if store:
             losses.append(float(torch.stack([item["loss"] for item in store]).float().mean()))
     mine = RankSteps(
         rank=spec.rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=dp_rank,
         forward_backward_s=tuple(fb_s),
+        reduce_s=tuple(reduce_s),
         optimizer_s=tuple(opt_s),
         losses=tuple(losses),
         parameter_bytes=int(parameters),
@@ -479,12 +565,14 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
             r.rank,
             r.tp_rank,
             r.pp_rank,
+            r.dp_rank,
             r.parameter_bytes,
             r.resident_bytes,
             r.step_peak_bytes,
             len(r.losses),
         ]
-        return torch.tensor([*head, *r.forward_backward_s, *r.optimizer_s, *losses], dtype=torch.float64)
+        times = [*r.forward_backward_s, *r.reduce_s, *r.optimizer_s]
+        return torch.tensor([*head, *times, *losses], dtype=torch.float64)
 
     local = pack(mine)
     everyone = [torch.empty_like(local) for _ in range(world)]
@@ -492,18 +580,20 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
     ranks = []
     for packed in everyone:
         v = packed.tolist()
-        head, rest = v[:7], v[7:]
+        head, rest = v[:8], v[8:]
         ranks.append(
             RankSteps(
                 rank=int(head[0]),
                 tp_rank=int(head[1]),
                 pp_rank=int(head[2]),
-                parameter_bytes=int(head[3]),
-                resident_bytes=int(head[4]),
-                step_peak_bytes=int(head[5]),
+                dp_rank=int(head[3]),
+                parameter_bytes=int(head[4]),
+                resident_bytes=int(head[5]),
+                step_peak_bytes=int(head[6]),
                 forward_backward_s=tuple(rest[:steps]),
-                optimizer_s=tuple(rest[steps : 2 * steps]),
-                losses=tuple(rest[2 * steps : 2 * steps + int(head[6])]),
+                reduce_s=tuple(rest[steps : 2 * steps]),
+                optimizer_s=tuple(rest[2 * steps : 3 * steps]),
+                losses=tuple(rest[3 * steps : 3 * steps + int(head[7])]),
             )
         )
     return tuple(sorted(ranks, key=lambda r: r.rank))

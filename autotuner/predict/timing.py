@@ -70,11 +70,14 @@ and 0.65-0.92: between the two, nearer the cold rows and steadier with them.
 **The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
 section 2.2): 1F1B with m micro-batches on p stages takes (m + p - 1) x (t_f + t_b) of the slowest stage,
 bubble fraction (p-1)/m; interleaved with v virtual stages per rank the bubble shrinks to (p-1)/(v*m), so
-the step is m * (t_f + t_b) * (1 + (p-1)/(v*m)). Then the data-parallel gradient reduction (all-reduce of
-the stage's gradients; with the distributed optimizer reduce-scatter of the gradients + all-gather of the
-parameters) and the Adam step (bytes read and written per parameter over the calibrated memory
-bandwidth), or, where the calibration timed it, the Adam step's measured time per parameter
-(``adam_seconds_per_parameter``) x the stage's parameters, plus zeroing the gradients for the next step
+the step is m * (t_f + t_b) * (1 + (p-1)/(v*m)). Then the data-parallel gradient reduction after the
+backward (all-reduce of the stage's dense gradients over dp and of its routed experts' over the tp*dp/ep
+ranks holding the same experts; with the distributed optimizer reduce-scatter of the gradients +
+all-gather of the parameters) and the Adam step (bytes read and written per parameter over the
+calibrated memory bandwidth), or, where the calibration timed it, the Adam step's measured time per
+parameter (``adam_seconds_per_parameter``; for a layout of several CPU processes, which share one
+memory, the rate timed with all of them at it) x the stage's parameters, plus zeroing the gradients for
+the next step
 (4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters into the model's
 dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
 """
@@ -97,6 +100,7 @@ from autotuner.predict.inputs import (
 )
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
+from autotuner.results.calibration import ADAM_TOGETHER, link_key
 
 PHASES = ("forward", "backward")
 ATTENTION_OPS = frozenset({"core_attention"})
@@ -617,8 +621,11 @@ def pipeline_seconds(stage_totals: list[float], microbatches: int, pp: int, vpp:
     return microbatches * slowest * (1 + bubble), bubble
 
 
-def step_time(tm: TimeModel, stages: list[StageTime], stage_params: list[float]) -> StepTime:
-    """The step from the stages; ``stage_params``: parameters each stage's GPU holds (after TP)."""
+def step_time(
+    tm: TimeModel, stages: list[StageTime], stage_params: list[float], stage_expert_params: list[float]
+) -> StepTime:
+    """The step from the stages; ``stage_params``: parameters each stage's GPU holds (after TP and EP),
+    ``stage_expert_params``: how many of them are routed experts'."""
     lay = tm.layout
     pipe, bubble = pipeline_seconds([s.total for s in stages], lay.microbatches, lay.pp, lay.vpp)
     slowest = max(range(len(stages)), key=lambda i: stages[i].total)
@@ -629,26 +636,45 @@ def step_time(tm: TimeModel, stages: list[StageTime], stage_params: list[float])
     else:
         formula = f"(m+p-1)*t = ({lay.microbatches}+{lay.pp}-1)*t"
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
-    params = max(stage_params)
-    if lay.dp == 1:
-        dp_s, dp_src = 0.0, Source("modelled", "dp=1: no gradient reduction")
-    elif lay.distributed_optimizer:
-        rs, rs_src = tm.collective("reduce_scatter", params * 4, lay.dp)
-        ag, ag_src = tm.collective("all_gather", params * lay.bytes_per_element, lay.dp)
-        dp_s = rs + ag
-        dp_src = Source(
-            "modelled",
-            f"distributed optimizer: reduce-scatter of {params * 4:.4g} B fp32 grads + all-gather of "
-            f"{params * lay.bytes_per_element:.4g} B params over dp={lay.dp}: {rs_src.detail}; "
-            f"{ag_src.detail}",
-        )
-    else:
-        dp_s, src = tm.collective("all_reduce", params * 4, lay.dp)
-        dp_src = Source(
-            "modelled", f"all-reduce of {params * 4:.4g} B fp32 grads over dp={lay.dp}: {src.detail}"
-        )
-    optimizer, opt_src = optimizer_step(tm, params)
+    largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
+    dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
+    optimizer, opt_src = optimizer_step(tm, stage_params[largest])
     return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula)
+
+
+def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[float, Source]:
+    """The gradient reduction after the backward, as Megatron's DDP does it by default (no overlap): the
+    dense gradients over the dp ranks, the routed experts' over the expert-data-parallel ranks (the
+    tp*dp/ep ranks holding the same experts; dp at ep=1), each one bucket of fp32 main grads; with the
+    distributed optimizer a reduce-scatter of them and an all-gather of the updated parameters."""
+    lay = tm.layout
+    expert_ranks = lay.tp * lay.dp // lay.ep if lay.ep > 1 else lay.dp
+    groups = [("dense", params - expert_params, lay.dp), ("expert", expert_params, expert_ranks)]
+    seconds, details = 0.0, []
+    for name, count, ranks in groups:
+        if count <= 0:
+            continue
+        if ranks == 1:
+            details.append(f"{name} grads: {ranks} rank, nothing to reduce")
+            continue
+        if lay.distributed_optimizer:
+            rs, rs_src = tm.collective("reduce_scatter", count * 4, ranks)
+            ag, ag_src = tm.collective("all_gather", count * lay.bytes_per_element, ranks)
+            seconds += rs + ag
+            details.append(
+                f"{name}: reduce-scatter of {count * 4:.4g} B fp32 grads + all-gather of "
+                f"{count * lay.bytes_per_element:.4g} B params over {ranks} ranks: {rs_src.detail}; "
+                f"{ag_src.detail}"
+            )
+        else:
+            s, src = tm.collective("all_reduce", count * 4, ranks)
+            seconds += s
+            details.append(
+                f"{name}: all-reduce of {count * 4:.4g} B fp32 grads over {ranks} ranks: {src.detail}"
+            )
+    if not seconds:
+        return 0.0, Source("modelled", f"dp={lay.dp}: no gradient reduction ({'; '.join(details) or 'dp=1'})")
+    return seconds, Source("modelled", "; ".join(details))
 
 
 def optimizer_step(tm: TimeModel, params: float) -> tuple[float, Source]:
@@ -666,12 +692,25 @@ def optimizer_step(tm: TimeModel, params: float) -> tuple[float, Source]:
         nbytes = per_rank * ADAM_BYTES[lay.dtype]
         detail = f"Adam: {ADAM_BYTES[lay.dtype]} B read+written per parameter x {per_rank:.4g} params = "
         return nbytes / bw, Source("modelled", f"{detail}{nbytes:.4g} B / {said}")
-    adam = per_rank * rate
     timed = tm.calibration.get("adam_parameters")
-    detail = (
-        f"Adam step timed by autotuner.calibrate: {rate * 1e9:.4g} ns per fp32 parameter"
-        f"{f' (over {timed:.3g})' if timed else ''} x {per_rank:.4g} params = {adam:.4g} s"
-    )
+    how = f"Adam step timed by autotuner.calibrate: {rate * 1e9:.4g} ns per fp32 parameter"
+    how += f" (over {timed:.3g})" if timed else ""
+    if tm.meas.devices == {"cpu"} and lay.gpus > 1:
+        # CPU processes share one memory: every rank's Adam runs at once, each slower than one alone
+        link = link_key("gloo", lay.gpus)
+        together = tm.calibration.get(ADAM_TOGETHER, {}).get(link)
+        if together:
+            rate = together
+            how = f"Adam step timed by autotuner.calibrate --collectives on {link}, every rank at once: "
+            how += f"{rate * 1e9:.4g} ns per fp32 parameter"
+        else:
+            tm._warn(
+                f"the calibration did not time Adam on {lay.gpus} CPU processes at once (they share the "
+                f"memory: each runs slower than one alone): torchrun --nproc-per-node={lay.gpus} -m "
+                "autotuner.calibrate --collectives times it"
+            )
+    adam = per_rank * rate
+    detail = f"{how} x {per_rank:.4g} params = {adam:.4g} s"
     # Zeroing every gradient for the next step; mixed precision also casts the updated fp32 main
     # parameters into the model's copy (read 4 B, write 2 B).
     extra = 4 * params + (6 * per_rank if lay.dtype in ("bf16", "fp16") else 0)

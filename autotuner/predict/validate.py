@@ -13,8 +13,8 @@ forward-backward plus the optimizer step, the slowest rank's, median over the ti
 memory of the fullest GPU (predicted: weights, gradients, optimizer states, the activations of the
 micro-batches a stage holds, the logits and what the op at the peak has in flight; measured: what is
 resident when the step starts plus the allocator's peak above it during the step). The error is
-predicted / measured - 1. The steps refuse what they cannot run here (dp > 1, vpp > 1, ep > 1, the
-distributed optimizer): a layout to validate on one machine uses tp and pp only.
+predicted / measured - 1. The steps run tp * pp * dp processes (torchrun on this machine), with expert
+parallelism inside them; they refuse what they cannot run (vpp > 1, the distributed optimizer).
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ other accepts too. The file is plain JSON::
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
      "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
      "send_recv_bandwidth": {...},                           and the point-to-point exchange's
-     "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...}}
+     "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...},
                                                              the timed sizes behind them
+     "adam_seconds_per_parameter_together": {"gloo:2": <s>}} optional, CPU processes: the Adam step
+                                                             per parameter with every rank at it
 
 The link entries are optional (a file written before them, or on one process, is still a calibration);
 where present they are checked like the ceilings. Bus bandwidth is nccl-tests' figure: the data a rank
@@ -44,6 +46,9 @@ _FIX = "run python -m autotuner.calibrate to write one"
 # The collectives a calibration may hold the links' bus bandwidth of, and their keys in the file.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
+# Per-link entries besides the bandwidths (the same "<backend>:<world>" keys, positive numbers).
+ADAM_TOGETHER = "adam_seconds_per_parameter_together"
+PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
 _LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
 
@@ -85,11 +90,11 @@ def load(path: str | Path) -> dict[str, Any]:
             f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
             f"seconds per parameter): {_FIX}"
         )
-    for key in LINK_KEYS.values():
+    for key in PER_LINK_KEYS:
         links = data.get(key, {})
         if not isinstance(links, dict) or not all(_LINK.match(k) and _rate(v) for k, v in links.items()):
             raise UserError(
-                f'calibration file {path} has a bad {key}: it needs {{"<backend>:<world>": bytes/s, ...}} '
+                f'calibration file {path} has a bad {key}: it needs {{"<backend>:<world>": <number>, ...}} '
                 f'with positive numbers (e.g. {{"nccl:8": 3.6e11}}): {_LINK_FIX}'
             )
     if not _points_ok(data.get("collective_points", {})):
@@ -143,7 +148,7 @@ def merge_links(calibration: Mapping[str, Any], measured: Mapping[str, Any]) -> 
     the ``*_bandwidth`` and ``collective_points`` keys) added: a key measured again replaces its old
     value, every other entry (the compute and memory ceilings, other worlds and backends) is kept."""
     merged = dict(calibration)
-    for key in LINK_KEYS.values():
+    for key in PER_LINK_KEYS:
         if key in measured:
             merged[key] = {**merged.get(key, {}), **measured[key]}
     points = dict(merged.get("collective_points", {}))
