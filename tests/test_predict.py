@@ -127,7 +127,7 @@ def test_interleaved_bubble_and_recompute(tmp_path):
     lay = Layout(seq_len=32, pp=2, vpp=2, global_batch_size=8, dtype="fp32", recompute="selective")
     pred = predict(runs, lay, CAL)
     t1 = (2 * 1000 + 10 + 300 + 2 * 2000 + 20 + 600 + 2 * 150) * US  # backward re-runs core attention
-    t1 += accumulation(STAGE1_PARAMS) + 2 * P2P
+    t1 += accumulation(STAGE1_PARAMS) + 2 * 2 * P2P  # each of the stage's 2 model chunks exchanges
     assert pred.stages[1].total == pytest.approx(t1)
     assert pred.step.bubble_fraction == pytest.approx(1 / (2 * 8))
     assert pred.step.pipeline == pytest.approx(8 * t1 * (1 + 1 / 16))

@@ -1,6 +1,6 @@
 """Measured training steps (autotuner.predict.steps): the whole GPTModel trained for real, timed and metered,
-single-process and under torchrun with TP=2, DP=2, PP=2 (Megatron's own 1F1B schedule over gloo) and, for
-the MoE model, EP=2."""
+single-process and under torchrun with TP=2, DP=2, PP=2 (Megatron's own 1F1B schedule over gloo), PP=2 with
+two model chunks per rank (its interleaved schedule) and, for the MoE model, EP=2."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_a_llama_shaped_model_at_reduced_width():
 
 
 def test_layouts_the_steps_cannot_measure_are_refused_in_one_line():
-    with pytest.raises(UserError, match="not vpp") as info:
-        measure_steps("tiny", CPU, Layout(pp=2, vpp=2, **BATCH))
+    with pytest.raises(UserError, match="not distributed_optimizer") as info:
+        measure_steps("tiny", CPU, Layout(distributed_optimizer=True, **BATCH))
     assert "\n" not in str(info.value)
     for split in ({"tp": 2}, {"pp": 2}, {"dp": 2}):  # one process, a layout of two
         with pytest.raises(UserError, match="2 processes"):
@@ -111,6 +111,25 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     # the first step, and the same training after it
     assert last.losses[0] == pytest.approx(single.losses[0], rel=1e-6)
     assert last.losses == pytest.approx(single.losses, rel=1e-4)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path):
+    """pp=2 vpp=2 on a 4-layer tiny: rank 0 holds layers 1 and 3, rank 1 layers 2 and 4 (Megatron's
+    interleaved schedule); every activation and gradient crosses between the two ranks in both
+    directions, so a mismatched exchange (an activation received as a gradient) would change the loss."""
+    four = [*CPU, "hf.num_hidden_layers=4"]
+    alone = measure_steps("tiny", four, Layout(**BATCH), repeats=1, warmup=1)
+    layout = Layout(pp=2, vpp=2, **BATCH)
+    result = run_steps(
+        "tiny", four, layout, tmp_path / "vpp2.json", repeats=1, warmup=1, timeout_s=WATCHDOG_S
+    )
+    assert result.schedule.endswith(".forward_backward_pipelining_with_interleaving")
+    assert result.losses[0] == pytest.approx(alone.losses[0], rel=1e-6)
+    assert result.losses == pytest.approx(alone.losses, rel=1e-4)
+    # each rank holds half of the layers, the first the embedding, the last the output layer
+    assert all(r.parameter_bytes < alone.ranks[0].parameter_bytes for r in result.ranks)
 
 
 @pytest.mark.torchrun

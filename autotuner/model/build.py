@@ -187,6 +187,7 @@ class ModelParts:
     post_process: bool = False
     attention: bool = True
     mlp: bool = True
+    vp_stage: int | None = None  # the model chunk of the interleaved schedule (autotuner.predict.steps)
 
 
 def moe_layer_pattern(tf_config: Any) -> list[bool]:
@@ -308,6 +309,7 @@ def build_model(
         position_embedding_type="rope",
         rotary_percent=args.rotary_percent,
         rotary_base=int(args.rotary_base),
+        vp_stage=parts.vp_stage,
     )
     model.to(device)
     # Megatron's training wraps the model in Float16Module, which casts every parameter to the half dtype,

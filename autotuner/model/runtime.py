@@ -73,6 +73,7 @@ def init_parallel(
     expert_parallel: int = 1,
     expert_tensor_parallel: int | None = None,
     pipeline_parallel: int = 1,
+    virtual_pipeline: int | None = None,
 ) -> tuple[int, int]:
     """Start torch.distributed (from torchrun's environment, or a one-process group) and Megatron's
     parallel state. Returns (rank, world_size). Idempotent.
@@ -81,8 +82,9 @@ def init_parallel(
     of ``expert_tensor_parallel`` (ETP, default: the TP size, as in Megatron) times ``expert_parallel``
     (EP) ranks over the same processes: each of TP and ETP x EP must divide the world (Megatron makes the
     rest data-parallel). autotuner.runner.spec.resolve_spec settles ETP and checks these before anything
-    starts; the check here covers callers without a spec. ``pipeline_parallel`` stages (PP) are for
-    autotuner.predict.steps, which runs Megatron's pipeline schedule: TP x PP must divide the world."""
+    starts; the check here covers callers without a spec. ``pipeline_parallel`` stages (PP), each of
+    ``virtual_pipeline`` model chunks for the interleaved schedule, are for autotuner.predict.steps,
+    which runs Megatron's pipeline schedules: TP x PP must divide the world."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -113,6 +115,7 @@ def init_parallel(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
+            virtual_pipeline_model_parallel_size=virtual_pipeline,
             expert_model_parallel_size=expert_parallel,
             expert_tensor_parallel_size=expert_tensor_parallel,
         )

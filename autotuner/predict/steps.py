@@ -11,7 +11,8 @@ What one step is (as Megatron's ``train_step`` does it, less what a layout here 
     forward_backward_func = megatron.core.pipeline_parallel.get_forward_backward_func()
     forward_backward_func(...)        # this data-parallel rank's micro-batches: forward, loss, backward;
                                       # PP=1: Megatron's no-pipelining schedule (gradients accumulate),
-                                      # PP>1: its 1F1B schedule, activations sent between stages (gloo on CPU)
+                                      # PP>1: its 1F1B schedule, activations sent between stages (gloo on CPU);
+                                      # vpp>1: its interleaved schedule over vpp model chunks per rank
     reduce the gradients              # what Megatron's finalize_model_grads does, timed on its own:
                                       # sequence-parallel ones over TP; with dp > 1 the dense buffer over
                                       # the data-parallel group and the expert buffer over the expert-data-
@@ -48,14 +49,19 @@ Weights: seeded as every run of the project is (autotuner.model.runtime.seed_eve
 config's ``seed``), built by autotuner.model.build.build_model. A pipeline stage holds exactly the
 weights of the same layers of the single-process model: each rank builds that whole model from the seed
 first and copies its stage's parameters from it (a stage built alone would draw its layers' weights from
-the start of the random stream). So PP=2 computes the same function as PP=1, and its loss can be
-checked against it. The batch is fixed: random tokens from a generator seeded with ``seed``, the labels
-the next token, an explicit causal mask.
+the start of the random stream); with ``vpp`` model chunks per rank, chunk k of rank r holds the layers
+Megatron places there (``get_transformer_layer_offset``). So PP=2 computes the same function as PP=1, and
+its loss can be checked against it. The interleaved schedule runs as Megatron-LM runs it (pp
+micro-batches per chunk in turn, its exchange overlapped and unbatched): with pp=2 a rank's previous and
+next stage are the same rank, and the batched exchange gloo offers then gave different losses (3e-4 at
+the first step) where the unbatched one, each direction on its own communicator, gives PP=1's. The batch
+is fixed: random tokens from a generator seeded with ``seed``, the labels the next token, an explicit
+causal mask.
 
-Under torchrun (TP x PP processes) call :func:`measure_steps` on every rank, or run
+Under torchrun (TP x PP x DP processes) call :func:`measure_steps` on every rank, or run
 ``python -m autotuner.predict.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
-runs it and reads the result): tp * pp * dp processes. Not measured here: the interleaved schedule
-(vpp > 1) and the distributed optimizer (UserError).
+runs it and reads the result): tp * pp * dp processes. Not measured here: the distributed optimizer
+(UserError).
 """
 
 from __future__ import annotations
@@ -194,14 +200,13 @@ class StepMeasurement:
 
 def _check_layout(layout: Layout) -> None:
     unsupported = {
-        "vpp": layout.vpp != 1,
         "distributed_optimizer": layout.distributed_optimizer,
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
         raise UserError(
-            "measured steps cover TP, PP, DP, EP, micro-batches, recompute and sequence parallelism, "
-            f"not {', '.join(bad)}: set vpp=1 distributed_optimizer=false for validate=true"
+            "measured steps cover TP, PP, VPP, DP, EP, micro-batches, recompute and sequence parallelism, "
+            f"not {', '.join(bad)}: set distributed_optimizer=false for validate=true"
         )
 
 
@@ -274,12 +279,14 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _stage_model(spec: Any, layout: Layout, device: Any) -> Any:
-    """This rank's part of the GPTModel with the single-process model's weights (see the module doc)."""
+def _stage_model(spec: Any, layout: Layout, device: Any) -> list[Any]:
+    """This rank's model chunks (one, or ``vpp`` for the interleaved schedule) of the GPTModel, with the
+    single-process model's weights (see the module doc)."""
     import dataclasses
 
     import torch
     from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from autotuner.model.build import ModelParts, build_model
     from autotuner.model.runtime import DTYPES, seed_everything
@@ -289,24 +296,42 @@ def _stage_model(spec: Any, layout: Layout, device: Any) -> Any:
     seed_everything(spec.seed, device)
     model = build_model(args, config, whole, device, spec.use_transformer_engine)
     if layout.pp == 1:
-        return model
+        return [model]
+    vpp = layout.vpp if layout.vpp > 1 else None
     stage_config = dataclasses.replace(
-        config, pipeline_model_parallel_size=layout.pp, pipeline_dtype=DTYPES[spec.dtype]
+        config,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Megatron-LM's defaults for the interleaved schedule: pp micro-batches on a chunk before the next,
+        # and the exchange overlapped with compute, unbatched (each direction on its own communicator: with
+        # pp=2 both neighbours are one rank, and a batched exchange could match an activation with a gradient)
+        microbatch_group_size_per_vp_stage=layout.pp if vpp else None,
+        overlap_p2p_comm=bool(vpp),
+        batch_p2p_comm=not vpp,
+        pipeline_dtype=DTYPES[spec.dtype],
     )
-    stage = ModelParts(
-        num_layers=config.num_layers,  # the whole model's: Megatron builds this stage's share of them
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
-    part = build_model(args, stage_config, stage, device, spec.use_transformer_engine)
-    offset = parallel_state.get_pipeline_model_parallel_rank() * (config.num_layers // layout.pp)
     source = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, param in part.named_parameters():
-            whole_name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
-            param.copy_(source[whole_name])
+    chunks = []
+    for vp_stage in range(layout.vpp) if vpp else [None]:
+        stage = ModelParts(
+            num_layers=config.num_layers,  # the whole model's: Megatron builds this chunk's share of them
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        part = build_model(args, stage_config, stage, device, spec.use_transformer_engine)
+        offset = get_transformer_layer_offset(stage_config, vp_stage=vp_stage)
+        with torch.no_grad():
+            for name, param in part.named_parameters():
+                param.copy_(source[_whole_name(name, offset)])
+        chunks.append(part)
     del model, source
-    return part
+    return chunks
+
+
+def _whole_name(name: str, offset: int) -> str:
+    """A chunk's parameter name in the whole model: its layers are the whole model's from ``offset``."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
 def _batches(spec: Any, layout: Layout, device: Any, dp_rank: int) -> list[dict[str, Any]]:
@@ -450,13 +475,15 @@ def measure_steps(
         config.expert_model_parallel_size,
         config.expert_tensor_parallel_size,
         pipeline_parallel=layout.pp,
+        virtual_pipeline=layout.vpp if layout.vpp > 1 else None,
     )
     if parallel_state.get_pipeline_model_parallel_world_size() != layout.pp:
         raise UserError(
             "Megatron's parallel state in this process was set up for another layout: "
             f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
         )
-    model = _stage_model(spec, layout, device)
+    chunks = _stage_model(spec, layout, device)
+    model = torch.nn.ModuleList(chunks)  # every chunk's parameters, for the gradients and the optimizer
     dp_rank = parallel_state.get_data_parallel_rank()
     batches = _batches(spec, layout, device, dp_rank)
     buffers = _grad_buffers(model)
@@ -472,8 +499,9 @@ def measure_steps(
         optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in Megatron's DDP buffer
         return forward_backward(
             forward_step_func=_forward_step,
-            data_iterator=iter(batches),
-            model=model,
+            # the interleaved schedule takes a list of chunks and one data iterator per chunk
+            data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+            model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=layout.microbatches,
             seq_length=layout.seq_len,
             micro_batch_size=layout.micro_batch_size,

@@ -45,7 +45,8 @@ re-runs inside the backward (full: every layer's forward; selective: core attent
 Megatron's ``recompute_granularity=selective``). With pp > 1 each stage also exchanges one micro-batch's
 s*b*h activations (forward) or their gradients (backward) with its neighbours per phase: Megatron's 1F1B
 batches a stage's send and receive, so one transfer's time per phase (``pp_p2p``, *modelled* from the
-link calibration's ``send_recv``, that exchange timed between two processes).
+link calibration's ``send_recv``, that exchange timed between two processes); with the interleaved
+schedule a stage holds vpp model chunks and each chunk exchanges its micro-batch: vpp transfers.
 
 The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
 batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
@@ -561,7 +562,7 @@ def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[
                     )
                 )
         if transfer is not None:
-            items += [("pp_p2p", phase, transfer, 1) for phase in PHASES]
+            items += [("pp_p2p", phase, transfer, lay.vpp) for phase in PHASES]  # one per model chunk
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
         if accumulate is not None:
             items.append(("grad_accumulation", "backward", accumulate, 1))
