@@ -11,7 +11,7 @@ What one step is (as Megatron's ``train_step`` does it, less what a layout here 
     forward_backward_func = megatron.core.pipeline_parallel.get_forward_backward_func()
     forward_backward_func(...)        # this data-parallel rank's micro-batches: forward, loss, backward;
                                       # PP=1: Megatron's no-pipelining schedule (gradients accumulate),
-                                      # PP>1: its 1F1B schedule, activations sent between stages (gloo on CPU);
+                                      # PP>1: its 1F1B schedule, activations sent between stages (gloo here);
                                       # vpp>1: its interleaved schedule over vpp model chunks per rank
     reduce the gradients              # what Megatron's finalize_model_grads does, timed on its own:
                                       # sequence-parallel ones over TP; with dp > 1 the dense buffer over
