@@ -423,7 +423,7 @@ def _reduce_grads(buffers: list[GradBuffer], dp: int) -> None:
     import torch.distributed as dist
 
     for buffer in buffers:
-        if buffer.ranks > 1 or dp > 1:
+        if dp > 1:
             buffer.flat.mul_(1.0 / dp)
         if buffer.ranks > 1:
             dist.all_reduce(buffer.flat, group=buffer.group)
