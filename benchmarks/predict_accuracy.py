@@ -4,9 +4,10 @@
         [--layouts tp1,tp2,pp2,vpp2,dp2,ep2]
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
-TP and EP, in as many processes as the layout has (torchrun; this process for one): on a CPU the ranks
-share the memory, and an op timed alone would run faster than beside them. Each is profiled once with
-warm caches and once flushed (the predictor takes the kind the step runs its ops in:
+TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
+one), with each process's share of the cores: on a CPU the ranks share the memory, and an op timed
+alone would run faster than beside them (pipeline stages run staggered: see profile()). Each is
+profiled once with warm caches and once flushed (the predictor takes the kind the step runs its ops in:
 autotuner.predict.timing.wants_cold_cache). The device and the links between two processes are
 calibrated once (python -m autotuner.calibrate, and --collectives under torchrun: the Adam step's time
 per parameter, alone and with both processes at it, the pipeline's transfers and the gradients'
@@ -101,9 +102,11 @@ def profile(case: list[str], layout: Layout, run_dir: Path, calibration: Path, f
         f"calibration={calibration}",
         f"hydra.run.dir={run_dir}",
     ]
-    # as many processes as the steps run: on a CPU the layout's "GPUs" share the memory and the L3, so an
-    # op timed alone runs faster than beside the other ranks (TP and EP also need the ranks themselves)
-    world = layout.gpus
+    # the ranks that run the same op at the same moment (TP, DP, EP): on a CPU the layout's "GPUs" share
+    # the memory and the L3, so an op timed alone runs faster than beside them. Pipeline stages run their
+    # ops staggered: llama-shaped PP2 read 1.03-1.04 from ops profiled alone, 1.11-1.13 from ops profiled
+    # beside a second process (two rounds, the same steps)
+    world = layout.gpus // layout.pp
     if world == 1:
         assert _quiet_run(argv) == 0
         return
