@@ -218,6 +218,12 @@ def build_rows(
             found = outcome.report.measured.get(key, [])
             if found:
                 row.update(status="ok", **range_columns(found, outcome.report.kernels))
+                ran = worker.get("samples")
+                if ran and len(found) < ran:
+                    # the worker ran every iteration, the report kept fewer (nsys stopped by a signal
+                    # before it saved the last ones): the statistics are of those found
+                    lost = f"ranges_lost({len(found)}/{ran})"
+                    row["warnings"] = ";".join(w for w in (row["warnings"], lost) if w)
                 fill(row, Observed("nsys"))  # what follows from the sensors and the times (TFLOP/s)
             else:
                 row.update(status="failed", error=_no_range_reason(key, outcome))

@@ -116,7 +116,8 @@ class Row:
     warnings: str | None = _column(
         "``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..), drift(+..%), "
         "ci_target_missed / iqr_target_missed, cuda_graph_failed(..), cuda_graph_off(..), no_kernels (nsys "
-        "on a GPU: no kernel launched inside the ranges)"
+        "on a GPU: no kernel launched inside the ranges), ranges_lost(found/run) (nsys: the report holds "
+        "fewer of the op's ranges than the worker ran, as when a stop signal ends the collection)"
     )
     calls_per_sample: int | None = _number(
         "back-to-back calls per timed sample (forward of short ops; 1 otherwise)"
