@@ -149,10 +149,8 @@ def adam_step_seconds(
         param.grad = torch.full_like(param, 1e-3)
     optimizer = torch.optim.Adam(params, lr=1e-6)
     optimizer.step()  # allocates exp_avg and exp_avg_sq: not part of a step in training
-    count = sum(p.numel() for p in params)
-    if timer is None:
-        return _median_s(OpCall(optimizer.step, ()), device, policy), count
-    return sample(timer, optimizer.step, policy, agreement=agreement).median_ns * 1e-9, count
+    measured = sample(timer or DeviceTimer(device), optimizer.step, policy, agreement=agreement)
+    return measured.median_ns * 1e-9, sum(p.numel() for p in params)
 
 
 def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -> tuple[Any, int]:

@@ -386,7 +386,6 @@ class GradBuffer:
 
     flat: Any  # torch.Tensor
     group: Any  # torch.distributed ProcessGroup
-    ranks: int
 
 
 def _grad_buffers(model: Any) -> list[GradBuffer]:
@@ -412,7 +411,7 @@ def _grad_buffers(model: Any) -> list[GradBuffer]:
         for p in members:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        buffers.append(GradBuffer(flat, group, group.size()))
+        buffers.append(GradBuffer(flat, group))
     return buffers
 
 
@@ -425,7 +424,7 @@ def _reduce_grads(buffers: list[GradBuffer], dp: int) -> None:
     for buffer in buffers:
         if dp > 1:
             buffer.flat.mul_(1.0 / dp)
-        if buffer.ranks > 1:
+        if buffer.group.size() > 1:
             dist.all_reduce(buffer.flat, group=buffer.group)
 
 
