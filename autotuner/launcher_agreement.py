@@ -6,17 +6,19 @@ NVTX ranges and, on a GPU, from the CUDA kernels launched inside them. This read
 pairs the rows of the same (op, phase, shape point) and says per row whether the times agree::
 
     reference = nsys's time if an nsys run is given, else torch_profiler's median
-    nsys's time = kernel_time_us (summed kernel durations, GPU rows) when filled, else median_us (NVTX)
+    nsys's time = median_us: on a GPU each iteration's kernels, memsets and copies, on a CPU the NVTX
+                  range (rows written before host_median_us existed: kernel_time_us, the kernels alone)
     ratio[launcher] = launcher's median / reference          (for get_data and torch_profiler)
     verdict = "below floor"  when reference < floor_us
               "within"       when every |ratio - 1| <= tolerance
               "outside"      otherwise
 
-Why this reference: the kernels' summed durations are the time the GPU spent on the op, with neither the
-host's launch time nor a timer's own cost in them; without nsys, torch_profiler's GPU span is the
-nearest to it. Why a floor: below about 100 us each launcher's fixed costs (an event pair, a profiler
-range, launch gaps between kernels) are a large part of the time and differ by design, so a ratio there
-says more about the launcher than about the op.
+Why this reference: the summed durations of the op's kernels, memsets and copies are the time the GPU
+spent on it, with neither the host's launch time nor a timer's own cost in them; torch_profiler sums the
+same from its trace, get_data's CUDA events bracket it with the launches queued ahead
+(timing.hide_launch). Why a floor: below about 100 us each launcher's fixed costs (an event pair, a
+profiler range, launch gaps between kernels) are a large part of the time and differ by design, so a
+ratio there says more about the launcher than about the op.
 
 Rows come from one process: the ``rank="max"`` rows of a torchrun run (the slowest rank), else rank 0. A
 row that failed in some launcher cannot be compared and fails the check; one skipped anywhere (an op
@@ -61,7 +63,7 @@ class Comparison:
     phase: str
     point: str
     times_us: dict[str, float | None]
-    nsys_time: str | None  # "kernel" (GPU kernel sum) or "nvtx" (host range); None without nsys
+    nsys_time: str | None  # "gpu" (kernels, memsets, copies), "kernel" (kernels: old rows) or "nvtx"
     reference_us: float | None
     ratios: dict[str, float | None]
     verdict: str
@@ -152,9 +154,13 @@ def load_run(path: str | Path, launcher: str) -> Run:
 def _time_us(row: dict[str, Any], launcher: str) -> tuple[float | None, str | None]:
     """The row's time for the comparison and, for nsys, which time it is."""
     if launcher == "nsys":
-        # On a GPU the kernels' sum is the op's device time; the NVTX range only brackets the launches
-        # (linear_qkv forward: 110 us of host range for 262 us of GEMM on an H200).
+        # On a GPU the op's device time is its kernels', memsets' and copies' summed durations (median_us
+        # beside host_median_us); the NVTX range only brackets the launches (linear_qkv forward: 110 us
+        # of host range for 262 us of GEMM on an H200). Rows written before host_median_us existed had
+        # the range as median_us and the kernels alone as kernel_time_us.
         kernel = row.get("kernel_time_us")
+        if kernel not in (None, "") and row.get("host_median_us") not in (None, ""):
+            return float(row["median_us"]), "gpu"
         if kernel not in (None, ""):
             return float(kernel), "kernel"
         median = row.get("median_us")
@@ -232,9 +238,12 @@ def _reference_name(reference: str, rows: Sequence[Comparison]) -> str:
     if reference != "nsys":
         return "torch_profiler's median"
     kinds = {r.nsys_time for r in rows if r.nsys_time}
-    return {frozenset({"kernel"}): "nsys kernel time", frozenset({"nvtx"}): "nsys NVTX range time"}.get(
-        frozenset(kinds), "nsys time (kernel where the report had kernels, else NVTX)"
-    )
+    names = {
+        frozenset({"gpu"}): "nsys GPU time (kernels, memsets, copies)",
+        frozenset({"kernel"}): "nsys kernel time",
+        frozenset({"nvtx"}): "nsys NVTX range time",
+    }
+    return names.get(frozenset(kinds), "nsys time (GPU where the report had GPU work, else NVTX)")
 
 
 def _us(value: float | None) -> str:
@@ -313,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(
         prog="python -m autotuner.launcher_agreement",
         description="Compare the times of a get_data, a torch_profiler and (optionally) an nsys run of the "
-        "same ops and shape points, row by row, against nsys's kernel time (else torch_profiler's).",
+        "same ops and shape points, row by row, against nsys's GPU time (else torch_profiler's).",
     )
     parser.add_argument("get_data", metavar="GET_DATA_RUN", help="run directory of launcher=get_data")
     parser.add_argument(

@@ -93,6 +93,8 @@ RUN=("$PY" -m autotuner.main progress=false)
 LLAMA=(case=llama7b device=cuda dtype=bf16 shapes.seq_len=[4096] shapes.micro_batch_size=[1] timing.budget_s=0.3)
 
 step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sensors.py tests/test_ops.py
+# The CUDA timer alone (events, hide_launch), for a session that runs only the three-launcher check.
+step timer_test 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 'hide_launch or launch_bound or events'
 step calibrate 45 "$PY" -m autotuner.calibrate --device cuda --out "$RUNS/calibration.json"
 CAL=()
 [ -f "$RUNS/calibration.json" ] && CAL=("calibration=$RUNS/calibration.json")
@@ -184,6 +186,9 @@ fi
 AGREE=("${RUN[@]}" report=false case=llama7b device=cuda dtype=bf16 shapes.seq_len=[2048]
     shapes.micro_batch_size=[1] 'ops=[transformer_layer,linear_qkv,core_attention,mlp,linear_fc1]')
 step agree_get_data 120 "${AGREE[@]}" "hydra.run.dir=$RUNS/agree_get_data"
+# The same without the spin kernel before each sample (timing.hide_launch): what the host's launch delay
+# adds to get_data's samples. Its table (agreement_nohide.txt) is the "before" of agreement.txt.
+step agree_get_data_nohide 120 "${AGREE[@]}" timing.hide_launch=false "hydra.run.dir=$RUNS/agree_get_data_nohide"
 step agree_torch_profiler 150 "${AGREE[@]}" launcher=torch_profiler launcher.active=10 \
     launcher.with_stack=false launcher.record_shapes=false launcher.profile_memory=false \
     "hydra.run.dir=$RUNS/agree_torch_profiler"
@@ -209,6 +214,14 @@ if [ -f "$RUNS/agree_get_data/results.jsonl" ] && [ -f "$RUNS/agree_torch_profil
     cp "$OUT_DIR/agreement.txt" "$RUNS/"
     [ -f "$OUT_DIR/agreement.json" ] && cp "$OUT_DIR/agreement.json" "$RUNS/"
     cat "$OUT_DIR/agreement.txt" >>"$SUMMARY"
+    if [ -f "$RUNS/agree_get_data_nohide/results.jsonl" ]; then
+        {
+            printf '\n== the same, get_data with timing.hide_launch=false\n'
+            timeout 60 "$PY" -m autotuner.launcher_agreement "$RUNS/agree_get_data_nohide" "${AGREE_RUNS[@]:1}"
+            echo "launcher_agreement exit $?"
+        } >"$RUNS/agreement_nohide.txt" 2>&1
+        cat "$RUNS/agreement_nohide.txt" >>"$SUMMARY"
+    fi
 elif selected agree_get_data || selected agree_torch_profiler; then
     echo "three-launcher table: not made (the get_data or torch_profiler run left no results)" \
         | tee -a "$SUMMARY"

@@ -16,7 +16,7 @@ import torch
 from autotuner.launchers.get_data import GetDataObserver
 from autotuner.main import run
 from autotuner.measure.graphs import capture_phase
-from autotuner.measure.timer import DeviceTimer, SamplingPolicy
+from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
 from autotuner.ops_test.base import OpCall, ShapePoint
 from autotuner.results import load_rows
 from autotuner.runner import Phase
@@ -210,3 +210,23 @@ def test_hide_launch_keeps_the_hosts_delay_before_the_first_kernel_out_of_the_sa
         timed[hide] = min(timer.time_ns(late_kernel) for _ in range(5)) / 1e3
     assert timed[False] > 1900, timed
     assert timed[True] < 500, timed
+
+
+def test_an_op_the_host_issues_slower_than_the_gpu_runs_it_is_flagged_launch_bound():
+    """With the launches hidden a sample is the GPU's time; the host's time per call is kept beside it,
+    and a call that takes the host 2 ms to issue for a short kernel is flagged ``launch_bound``."""
+    a = torch.randn(256, 256, device=CUDA)
+
+    def late_kernel() -> None:
+        time.sleep(0.002)
+        torch.mm(a, a)
+
+    policy = SamplingPolicy(warmup=2, min_samples=10, max_samples=10, budget_s=5.0)
+    columns = sample(DeviceTimer(CUDA), late_kernel, policy).columns()
+    assert columns["median_us"] < 500 and columns["host_median_us"] > 1900, columns
+    assert "launch_bound(host=" in columns["warnings"], columns
+    # an op the GPU takes longer to run than the host to issue: host time below, no flag
+    b = torch.randn(4096, 4096, device=CUDA)
+    columns = sample(DeviceTimer(CUDA), lambda: torch.mm(b, b), policy).columns()
+    assert columns["host_median_us"] < columns["median_us"], columns
+    assert "launch_bound" not in columns["warnings"], columns

@@ -41,6 +41,7 @@ LAUNCHER_SETTINGS = {
     ],
     "nsys": ["launcher.warmup=1", "launcher.iterations=3"],
 }
+ATTN_BWD = ("core_attention", "backward")
 H200_NSYS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "nsys-h200" / "l7" / "results.csv"
 
 
@@ -223,3 +224,37 @@ def _number(text: str) -> int | float | str | None:
         except ValueError:
             pass
     return text
+
+
+@pytest.mark.skipif(
+    not H200_NSYS.is_file(),
+    reason=f"no GPU report fixtures at {H200_NSYS.parent} (CI clones the repo with shared/ beside it)",
+)
+def test_gpu_rows_are_judged_by_gpu_time_with_memsets(tmp_path: Path) -> None:
+    """The same report read by today's reader: the reference is each row's GPU time, kernels and memsets.
+    The attention's backward zeroes a 256 MiB buffer (253 us of memset on the H200): against its kernels
+    alone, 2058 us, the issue's torch_profiler median (2352 us, the GPU span, which holds the memset)
+    read 14% high; against its GPU time, 2313 us, it agrees."""
+    from autotuner.launchers.nsys_rows import read_sqlite, report_rows
+
+    nsys = report_rows(read_sqlite(H200_NSYS.parent / "report.sqlite"))
+    profiler = [
+        {**r, "launcher": "torch_profiler", "median_us": 2352.0 if (r["op"], r["phase"]) == ATTN_BWD else 1.0}
+        for r in nsys
+    ]
+    out = tmp_path / "agreement.json"
+    _agree(
+        _write_rows(tmp_path / "get_data", [{**r, "launcher": "get_data"} for r in profiler]),
+        _write_rows(tmp_path / "torch_profiler", profiler),
+        _write_rows(tmp_path / "nsys", nsys),
+        "--json",
+        out,
+    )
+    rows = {(r["op"], r["phase"]): r for r in json.loads(out.read_text())["rows"]}
+    attention = rows[ATTN_BWD]
+    assert attention["nsys_time"] == "gpu"
+    assert attention["reference_us"] == pytest.approx(2313.5, abs=0.5)
+    assert attention["ratios"]["torch_profiler"] == pytest.approx(2352 / 2313.5, rel=1e-3)
+    assert attention["verdict"] == "within"
+    nsys_rows = {(r["op"], r["phase"]): r for r in nsys}
+    assert 2352 / nsys_rows[ATTN_BWD]["kernel_time_us"] > 1.1  # kernels alone: outside

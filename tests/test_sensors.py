@@ -221,6 +221,18 @@ def test_warnings_flag_a_noisy_op_and_a_drifting_op():
     assert steady.warnings == [] and Measurement(times_ns=[1.0] * 4).warnings[0] == "few_samples(4)"
 
 
+def test_a_gpu_sample_the_host_issues_slower_than_the_gpu_runs_is_flagged_launch_bound():
+    """GPU samples keep the host's time per call beside them (``host_median_us``); where it exceeds the
+    GPU's, the op is launch-bound in a step that does not run ahead, and the row says so."""
+    gpu = [100_000.0] * 12
+    bound = Measurement(times_ns=gpu, host_times_ns=[150_000.0] * 12)
+    assert bound.columns()["host_median_us"] == 150.0
+    assert bound.warnings == ["launch_bound(host=1.5x)"]
+    ahead = Measurement(times_ns=gpu, host_times_ns=[40_000.0] * 12)
+    assert ahead.columns()["host_median_us"] == 40.0 and ahead.warnings == []
+    assert "host_median_us" not in Measurement(times_ns=gpu).columns()  # a CPU sample is the host's time
+
+
 def test_median_confidence_interval_from_order_statistics():
     from autotuner.measure.timer import median_ci
 

@@ -51,6 +51,19 @@ def test_full_recompute_trains_the_same_and_holds_less(single):
     assert result.ranks[0].step_peak_bytes < single.ranks[0].step_peak_bytes
 
 
+def test_a_bf16_model_keeps_fp32_main_gradients_and_master_weights(single):
+    """Megatron's mixed precision: bf16 parameters (2 B), fp32 main gradients (4 B), fp32 master weights
+    and Adam's two states (12 B): 9 times the parameters' bytes held between steps, as the prediction
+    counts them. The fp32 masters take Adam's small steps whole, so training follows fp32's."""
+    result = measure_steps("tiny", CPU, Layout(**{**BATCH, "dtype": "bf16"}), repeats=1, warmup=1)
+    (rank,) = result.ranks
+    assert rank.parameter_bytes == single.ranks[0].parameter_bytes // 2
+    assert 9 * rank.parameter_bytes <= rank.resident_bytes <= 9 * rank.parameter_bytes + 4 * 64
+    assert result.optimizer.endswith("over fp32 master weights")
+    assert result.losses == pytest.approx(single.losses[:3], abs=0.01)
+    assert result.losses[-1] < result.losses[0] - 0.05
+
+
 @pytest.mark.slow
 def test_a_llama_shaped_model_at_reduced_width():
     result = measure_steps("llama7b", [*CPU, *SMALL_LLAMA], Layout(**BATCH), repeats=3, warmup=1)

@@ -179,13 +179,14 @@ def test_resume_measures_a_backward_row_alone(tmp_path: Path) -> None:
 
 
 def test_own_range_only(op_names: list[str]) -> None:
-    """A row's time is the op's own range: not a sub-op's, another point's, or a warm-up range."""
+    """A row's time is the op's own range: not a sub-op's, another point's, or a warm-up range; on a GPU
+    the kernels, memsets and copies inside its GPU-side span."""
 
-    def event(name: str, start: float, end: float, cpu: bool = True) -> SimpleNamespace:
+    def event(name: str, start: float, end: float, cpu: bool = True, range_: bool = True) -> SimpleNamespace:
         device = torch.autograd.DeviceType.CPU if cpu else torch.autograd.DeviceType.CUDA
         return SimpleNamespace(
             name=name,
-            is_user_annotation=True,
+            is_user_annotation=range_,
             device_type=device,
             time_range=SimpleNamespace(start=start, end=end),
         )
@@ -198,12 +199,19 @@ def test_own_range_only(op_names: list[str]) -> None:
         event("transformer_layer.backward [s16_b1] #0", 120, 150),
         event("transformer_layer.backward [s16_b1] #0", 130, 160, cpu=False),
         event("ProfilerStep#3", 0, 1000),
+        # the GPU's work: two kernels and a memset inside the backward's GPU span, idle gaps between
+        # them, and a kernel of another range after it
+        event("ampere_sgemm", 130, 140, cpu=False, range_=False),
+        event("Memset (Device)", 141, 142, cpu=False, range_=False),
+        event("elementwise_kernel", 150, 160, cpu=False, range_=False),
+        event("elementwise_kernel", 170, 180, cpu=False, range_=False),
     ]
     assert range_times_ns(events, "transformer_layer", "s16_b1", cuda=False) == {
         "forward": {0: 10_000},
         "backward": {0: 30_000},
     }
-    assert range_times_ns(events, "transformer_layer", "s16_b1", cuda=True) == {"backward": {0: 30_000}}
+    # on a GPU the busy time inside the span (21 us of work), not the span (30 us)
+    assert range_times_ns(events, "transformer_layer", "s16_b1", cuda=True) == {"backward": {0: 21_000}}
     assert parse_range("transformer_layer.forward [s16_b1] #w0").warmup
 
 

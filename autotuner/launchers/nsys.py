@@ -15,7 +15,8 @@ The options nsys gets, and where nsys is looked for: autotuner.launchers.nsys_co
 
 Columns: :func:`autotuner.launchers.nsys_rows.range_columns` says which time leads. In short: on a CPU
 the statistics are of the op's own NVTX ranges in its measured iterations; on a GPU they are of each
-iteration's summed kernel durations (the device's time, as ``kernel_time_us``), and the ranges' median
+iteration's GPU time, the summed durations of its kernels, memsets and copies (the kernels' part alone
+is ``kernel_time_us``), and the ranges' median
 (the host's time to issue the op) is ``host_median_us``. The statistics are a
 :class:`autotuner.measure.timer.Measurement` of those times, as get_data's, with its ``rel_ci`` and
 ``warnings``. ``samples`` is how many ranges were found (``launcher.iterations`` when nothing was lost).

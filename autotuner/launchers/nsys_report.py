@@ -43,6 +43,9 @@ TOP_KERNELS = 5
 _TID_MASK = 0xFFFFFF
 _KERNEL_TABLE = "CUPTI_ACTIVITY_KIND_KERNEL"
 _RUNTIME_TABLE = "CUPTI_ACTIVITY_KIND_RUNTIME"
+# The GPU work that is not a kernel: the driver's memsets (a gradient buffer zeroed before its GEMM) and
+# memory copies. They occupy the device as kernels do and the other launchers' times hold them.
+_MEMORY_OP_TABLES = ("CUPTI_ACTIVITY_KIND_MEMSET", "CUPTI_ACTIVITY_KIND_MEMCPY")
 
 
 def export_sqlite(nsys_bin: str, report: Path, sqlite_path: Path) -> Path:
@@ -158,13 +161,17 @@ class KernelTotal:
 
 @dataclass(frozen=True)
 class KernelStats:
-    """The GPU kernels launched inside one NVTX range.
+    """The GPU work launched inside one NVTX range: kernels, and the memsets and memory copies beside them.
 
     ``kernel_time_ns``, ``kernel_count`` and ``kernels`` are inclusive: they count every kernel
     launched (by a CUDA runtime call on the range's thread) inside the range, also those inside
     nested ranges, so a ``transformer_layer`` range sums its sub-ops. ``self_kernel_time_ns`` and
     ``self_kernel_count`` count only the kernels whose innermost range this is. Times are sums of
     kernel durations: kernels that overlap on several streams are each counted in full.
+    ``memory_op_time_ns`` and ``memory_op_count`` count the memsets and copies the same way (inclusive);
+    ``gpu_time_ns`` is both together, the device's time on the op. They matter: the backward of the
+    local attention of Llama-2-7B at s2048_b1 zeroes a 256 MiB buffer, 253 us of memset beside 2057 us of
+    kernels on an H200, time the CUDA events around the op and the profiler's GPU span both hold.
 
     ``kernels`` holds every kernel, most time first, not only the top ones: a table over several
     iterations must add up each kernel's time in all of them, and the five longest of one iteration
@@ -176,6 +183,13 @@ class KernelStats:
     kernels: tuple[KernelTotal, ...]
     self_kernel_time_ns: int
     self_kernel_count: int
+    memory_op_time_ns: int = 0
+    memory_op_count: int = 0
+
+    @property
+    def gpu_time_ns(self) -> int:
+        """Kernels, memsets and copies: the time the device spent on the range."""
+        return self.kernel_time_ns + self.memory_op_time_ns
 
     @property
     def top_kernels(self) -> tuple[KernelTotal, ...]:
@@ -184,23 +198,25 @@ class KernelStats:
 
 
 def attribute_kernels(sqlite_path: Path, ranges: Sequence[NvtxRange]) -> dict[NvtxRange, KernelStats]:
-    """Give each range in ``ranges`` the kernels launched inside it; {} for a report without GPU data.
+    """Give each range in ``ranges`` the kernels (and memsets and copies) launched inside it; {} for a
+    report without GPU data.
 
-    A kernel is matched (correlation id and process) to the CUDA runtime call that launched it, and
-    belongs to the ranges, on the same thread, that contain that call. Its innermost range is the
-    containing range that started last (for push/pop ranges, the deepest). Only the ranges passed
-    in take part: pass only ours and a Megatron range nested inside one of ours cannot take its
+    A kernel (a memset, a copy) is matched (correlation id and process) to the CUDA runtime call that
+    launched it, and belongs to the ranges, on the same thread, that contain that call. Its innermost
+    range is the containing range that started last (for push/pop ranges, the deepest). Only the ranges
+    passed in take part: pass only ours and a Megatron range nested inside one of ours cannot take its
     kernels. Kernels launched on a thread with no range, e.g. backward kernels while only the main
     thread has ranges, are attributed to nothing (see shared/notes/nsys.md, "Backward ranges").
 
     Every range in ``ranges`` gets an entry, with zeros when no kernel was launched inside it.
-    Cost: one join in SQLite, then a sort and one sweep per thread, O((K + R) log(K + R) + K * depth).
+    Cost: one join in SQLite per table, then a sort and one sweep per thread,
+    O((K + R) log(K + R) + K * depth).
     """
     with _connect(sqlite_path) as conn:
         tables = _tables(conn)
         if _KERNEL_TABLE not in tables or _RUNTIME_TABLE not in tables:
             return {}
-        launches = _read_launches(conn, "StringIds" in tables)
+        launches = _read_launches(conn, "StringIds" in tables, tables)
 
     by_thread: dict[int, list[NvtxRange]] = defaultdict(list)
     for rng in ranges:
@@ -216,15 +232,18 @@ def attribute_kernels(sqlite_path: Path, ranges: Sequence[NvtxRange]) -> dict[Nv
         thread_ranges.sort(key=lambda r: (r.start_ns, -r.end_ns))
         next_range = 0
         active: list[NvtxRange] = []  # ranges started and not yet ended, in start order
-        for _, call_start, call_end, duration, short, demangled in thread_launches:
+        for _, call_start, call_end, duration, short, demangled, kernel in thread_launches:
             while next_range < len(thread_ranges) and thread_ranges[next_range].start_ns <= call_start:
                 active.append(thread_ranges[next_range])
                 next_range += 1
             active = [r for r in active if r.end_ns >= call_start]
             containing = [r for r in active if r.end_ns >= call_end]
             for rng in containing:
-                accumulators[rng].add(duration, short, demangled)
-            if containing:
+                if kernel:
+                    accumulators[rng].add(duration, short, demangled)
+                else:
+                    accumulators[rng].add_memory_op(duration)
+            if containing and kernel:
                 accumulators[containing[-1]].add_self(duration)
     return {rng: acc.stats() for rng, acc in accumulators.items()}
 
@@ -294,16 +313,20 @@ def _read_ranges(sqlite_path: Path) -> tuple[list[NvtxRange], list[OpenRange]]:
     return closed, still_open
 
 
-# (globalTid of the launching call, call start, call end, kernel duration, short name, demangled)
-_Launch = tuple[int, int, int, int, str, str]
+# (globalTid of the launching call, call start, call end, duration, short name, demangled, is a kernel)
+_Launch = tuple[int, int, int, int, str, str, int]
 
 
-def _read_launches(conn: sqlite3.Connection, have_strings: bool) -> list[_Launch]:
-    """Each kernel joined to its runtime call. SQLite builds a transient index for the join."""
-    same_process = ""
-    if "globalPid" in _columns(conn, _KERNEL_TABLE):
-        # Shift rather than mask: SQLite would read a 64-bit mask literal as a REAL.
-        same_process = "AND (r.globalTid >> 24) = (k.globalPid >> 24)"
+def _same_process(conn: sqlite3.Connection, table: str) -> str:
+    """The join's process condition: correlation ids are unique within a process only."""
+    if "globalPid" not in _columns(conn, table):
+        return ""
+    return "AND (r.globalTid >> 24) = (k.globalPid >> 24)"  # a shift: SQLite reads a 64-bit mask as REAL
+
+
+def _read_launches(conn: sqlite3.Connection, have_strings: bool, tables: set[str]) -> list[_Launch]:
+    """Each kernel, memset and copy joined to its runtime call. SQLite builds a transient index per join."""
+    same_process = _same_process(conn, _KERNEL_TABLE)
     if have_strings:
         names = "COALESCE(sn.value, ''), COALESCE(dn.value, sn.value, '')"
         joins = (
@@ -313,12 +336,20 @@ def _read_launches(conn: sqlite3.Connection, have_strings: bool) -> list[_Launch
     else:
         names, joins = "CAST(k.shortName AS TEXT), CAST(k.demangledName AS TEXT)", ""
     query = (
-        f"SELECT r.globalTid, r.start, r.end, k.end - k.start, {names} "
+        f"SELECT r.globalTid, r.start, r.end, k.end - k.start, {names}, 1 "
         f"FROM {_KERNEL_TABLE} AS k "
         f"JOIN {_RUNTIME_TABLE} AS r ON r.correlationId = k.correlationId {same_process} "
         f"{joins}"
     )
-    return conn.execute(query).fetchall()
+    launches = conn.execute(query).fetchall()
+    for table in _MEMORY_OP_TABLES:
+        if table in tables:
+            launches += conn.execute(
+                f"SELECT r.globalTid, r.start, r.end, k.end - k.start, '', '', 0 FROM {table} AS k "
+                f"JOIN {_RUNTIME_TABLE} AS r ON r.correlationId = k.correlationId "
+                f"{_same_process(conn, table)}"
+            ).fetchall()
+    return launches
 
 
 def _group_by_thread(launches: list[_Launch]) -> Iterator[tuple[int, list[_Launch]]]:
@@ -333,11 +364,22 @@ def _group_by_thread(launches: list[_Launch]) -> Iterator[tuple[int, list[_Launc
 class _Accumulator:
     """Running totals for one range while kernels are swept in."""
 
-    __slots__ = ("count", "per_kernel", "self_count", "self_time", "short_names", "time")
+    __slots__ = (
+        "count",
+        "memory_count",
+        "memory_time",
+        "per_kernel",
+        "self_count",
+        "self_time",
+        "short_names",
+        "time",
+    )
 
     def __init__(self) -> None:
         self.time = 0
         self.count = 0
+        self.memory_time = 0
+        self.memory_count = 0
         self.self_time = 0
         self.self_count = 0
         self.per_kernel: dict[str, list[int]] = {}
@@ -354,6 +396,10 @@ class _Accumulator:
             totals[0] += duration
             totals[1] += 1
 
+    def add_memory_op(self, duration: int) -> None:
+        self.memory_time += duration
+        self.memory_count += 1
+
     def add_self(self, duration: int) -> None:
         self.self_time += duration
         self.self_count += 1
@@ -368,6 +414,8 @@ class _Accumulator:
             ),
             self_kernel_time_ns=self.self_time,
             self_kernel_count=self.self_count,
+            memory_op_time_ns=self.memory_time,
+            memory_op_count=self.memory_count,
         )
 
 

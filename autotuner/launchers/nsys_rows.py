@@ -98,14 +98,14 @@ def range_columns(ranges: Sequence[NvtxRange], kernels: dict[NvtxRange, KernelSt
     Which time leads: an NVTX range is host time. On a CPU that is the op's time, so ``median_us`` and
     the other statistics are of the range durations. On a GPU the range only brackets the launches
     (linear_qkv's forward of Llama-2-7B at s2048_b1 on an H200: a 110 us range, a 262 us GEMM), so the
-    statistics are of each iteration's summed kernel durations, the time the device spent on the op, as
-    the other launchers' GPU times are device times; ``host_median_us`` keeps the ranges' median there
-    (and equals ``median_us`` on a CPU). ``kernel_time_us`` is the GPU median again, under the name the
-    kernel columns share.
+    statistics are of each iteration's GPU time, the summed durations of the kernels, memsets and copies
+    launched inside it, the time the device spent on the op, as the other launchers' GPU times are
+    device times; ``host_median_us`` keeps the ranges' median there (and equals ``median_us`` on a CPU).
+    ``kernel_time_us`` is the kernels' part alone: ``median_us`` minus it is the memsets and copies.
     """
     host = Measurement(times_ns=[r.duration_ns for r in ranges], stop_reason="nsys")
     stats = [kernels[r] for r in ranges if r in kernels]
-    lead = Measurement(times_ns=[s.kernel_time_ns for s in stats], stop_reason="nsys") if stats else host
+    lead = Measurement(times_ns=[s.gpu_time_ns for s in stats], stop_reason="nsys") if stats else host
     row: dict[str, Any] = {**lead.columns(), "host_median_us": host.median_ns / 1e3}
     fill(row, Observed("nsys", kernels=stats or None))  # the kernel columns below, on a GPU
     if stats and row["kernel_count"] == 0:
@@ -118,9 +118,9 @@ def range_columns(ranges: Sequence[NvtxRange], kernels: dict[NvtxRange, KernelSt
 # The kernel columns: metrics of nsys alone (autotuner.measure.metrics), from each iteration's KernelStats.
 
 
-@register_metric("kernel_time_us", needs=("median_us", "kernels"), launchers=("nsys",))
+@register_metric("kernel_time_us", needs=("kernels",), launchers=("nsys",))
 def _kernel_time_us(row: dict[str, Any], seen: Observed) -> float:
-    return row["median_us"]  # the statistics' lead time on a GPU is the kernels' (see range_columns)
+    return statistics.median(s.kernel_time_ns for s in seen.kernels or ()) / 1e3
 
 
 @register_metric("kernel_count", needs=("kernels",), launchers=("nsys",))

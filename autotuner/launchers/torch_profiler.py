@@ -27,9 +27,11 @@ the usual results rows. Measurement gotchas, and how this launcher settles them:
   session marks them all, so a layer's trace shows its sub-ops. ``lean_timing=false``: one session,
   times from the detailed one (on CPU, 2-2.5x for small Python-heavy ops).
 * Host vs device time. On CPU the range's duration is the op's time. On a GPU the host range only
-  brackets kernel *launches*; the time taken is the range's GPU-side span (kineto's
-  ``gpu_user_annotation``: first kernel start to last kernel end of the kernels launched inside it),
-  and each step ends with a synchronisation so steps never overlap on the device.
+  brackets kernel *launches*; the time taken is the GPU's busy time inside the range's GPU-side span
+  (kineto's ``gpu_user_annotation``: first kernel start to last kernel end of the kernels launched
+  inside it), the summed durations of the kernels, memsets and copies there, as nsys's GPU time; each
+  step ends with a synchronisation so steps never overlap on the device. Not the span: the profiler's
+  cost on the host can leave the GPU idle inside it (:func:`range_times_ns`).
 * Backward is timed on its own, from the range pushed when autograd reaches the op's outputs to the one
   popped when its input gradients exist (autotuner.ops.instrument), not as (forward+backward)-forward.
   Unlike get_data's timer around the whole ``backward()`` call, the range leaves out autograd's
@@ -53,6 +55,7 @@ snapshot opens at https://pytorch.org/memory_viz.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import os
 import tempfile
@@ -154,14 +157,23 @@ def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> Profi
 
 
 def range_times_ns(events: Any, op: str, point: str, cuda: bool) -> dict[str, dict[int, int]]:
-    """Per phase, per active iteration: the duration of the op's own range, in nanoseconds.
+    """Per phase, per active iteration: the op's time in its own range, in nanoseconds.
 
-    On CPU the host ranges; on a GPU their device-side spans. Several spans for one (phase, iteration)
-    (one per stream on a GPU) count as one, from the earliest start to the latest end.
+    On CPU the host range's duration. On a GPU the time the device was busy inside the range's
+    device-side span (several spans for one (phase, iteration), one per stream, count as one, from the
+    earliest start to the latest end): the summed durations of the kernels, memsets and copies in it,
+    as nsys's GPU time. Not the span itself: the profiler's own cost on the host slows the launches
+    enough to leave the GPU idle inside a long forward (the Llama-2-7B layer at s2048_b1 on an H100:
+    a span of 3816 us around 3314 us of kernels, where get_data and nsys read 3335 and 3314).
     """
     spans: dict[tuple[str, int], tuple[float, float]] = {}
+    work: list[tuple[float, float]] = []  # the GPU's kernels, memsets and copies: (start, end)
     for event in events:
-        if not event.is_user_annotation or (event.device_type != DeviceType.CPU) != cuda:
+        on_gpu = event.device_type != DeviceType.CPU
+        if cuda and on_gpu and not event.is_user_annotation:
+            work.append((event.time_range.start, event.time_range.end))
+            continue
+        if not event.is_user_annotation or on_gpu != cuda:
             continue
         name = parse_range(event.name)
         if name is None or name.op != op or name.point != point or name.warmup:
@@ -171,9 +183,16 @@ def range_times_ns(events: Any, op: str, point: str, cuda: bool) -> dict[str, di
         if key in spans:
             start, end = min(start, spans[key][0]), max(end, spans[key][1])
         spans[key] = (start, end)
+    work.sort()
+    starts = [start for start, _ in work]
     times: dict[str, dict[int, int]] = {}
     for (phase, iteration), (start, end) in sorted(spans.items()):
-        times.setdefault(phase, {})[iteration] = round((end - start) * 1e3)  # events are in microseconds
+        if cuda:
+            inside = work[bisect.bisect_left(starts, start) : bisect.bisect_right(starts, end)]
+            elapsed = sum(e - s for s, e in inside if e <= end)
+        else:
+            elapsed = end - start
+        times.setdefault(phase, {})[iteration] = round(elapsed * 1e3)  # events are in microseconds
     return times
 
 

@@ -18,7 +18,8 @@ What one step is (as Megatron's ``train_step`` does it, less what a layout here 
                                       # the data-parallel group and the expert buffer over the expert-data-
                                       # parallel group (tp*dp/ep ranks), one all-reduce each, after the
                                       # backward (Megatron's DDP default: overlap_grad_reduce=False)
-    optimizer.step()                  # torch.optim.Adam over this rank's parameters, timed on its own
+    optimizer.step()                  # torch.optim.Adam over this rank's parameters (fp32 masters of a
+                                      # bf16/fp16 model's, copied back after), timed on its own
 
 Data parallelism: the global batch is ``dp`` times a rank's micro-batches; data-parallel rank r takes the
 r-th share of them, and the gradients are scaled by 1/dp before the summing all-reduce (Megatron's
@@ -27,9 +28,13 @@ parallelism (``ep``): Megatron's MoE layer with its experts split over ``ep`` ra
 are marked ``allreduce=False``), the tokens exchanged by its dispatcher.
 
 The optimizer is ``torch.optim.Adam`` (not Megatron's ``DistributedOptimizer``, which needs Megatron's
-DDP wrapper and its grad buffers): on fp32 parameters it keeps what Megatron's fp32 Adam keeps, two
-states per parameter, and no master copy. A bf16 model would keep Megatron's fp32 master weights
-besides; this does not (say so when comparing bf16 memory).
+DDP wrapper and its grad buffers), kept as Megatron keeps its optimizer. On fp32 parameters: two states
+per parameter, the gradients in the flat buffers. On a bf16/fp16 model, Megatron's mixed precision
+(Megatron-LM accumulates bf16 gradients in fp32): the flat buffers are fp32 "main gradients", each
+parameter's gradient added into its slice by a hook as autograd finishes it and then dropped (Megatron's
+DDP backward hook; without gradient-accumulation fusion), and Adam steps fp32 master copies of the
+parameters whose gradients are those slices, then the masters are copied into the model (Megatron's
+``Float16OptimizerWithFloat16Params``): 18 bytes per parameter held, as the prediction counts them.
 
 Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU). ``warmup``
 steps first (the first allocates Adam's states; the gradient buffers exist from the start), then one
@@ -375,22 +380,33 @@ def _sequence_parallel_grads(model: Any) -> None:
     from megatron.core import parallel_state
 
     for param in model.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+        grad = getattr(param, "main_grad", param.grad)
+        if getattr(param, "sequence_parallel", False) and grad is not None:
+            dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
 @dataclass(frozen=True)
 class GradBuffer:
-    """One flat gradient buffer whose views are the parameters' ``.grad`` (autograd accumulates into them
-    in place), reduced by one all-reduce over ``group``, as a bucket of Megatron's DDP is."""
+    """One flat gradient buffer, reduced by one all-reduce over ``group``, as a bucket of Megatron's DDP
+    is. Its views are the parameters' gradients: their ``.grad`` (autograd accumulates into them in
+    place) when the buffer has the parameters' dtype, else (fp32 main gradients of a bf16/fp16 model)
+    their ``main_grad``, which a hook adds each finished ``.grad`` into."""
 
     flat: Any  # torch.Tensor
     group: Any  # torch.distributed ProcessGroup
 
 
-def _grad_buffers(model: Any) -> list[GradBuffer]:
+def _accumulate_into_main_grad(param: Any) -> None:
+    """Megatron's DDP backward hook: the gradient autograd just finished, added into the fp32 main
+    gradient, then dropped so that no second copy is held."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+def _grad_buffers(model: Any, main_dtype: Any = None) -> list[GradBuffer]:
     """The dense parameters' buffer (reduced over the data-parallel group) and the expert parameters'
-    (``allreduce=False``: reduced over the expert-data-parallel group), each a single bucket."""
+    (``allreduce=False``: reduced over the expert-data-parallel group), each a single bucket, in
+    ``main_dtype`` (fp32 main gradients) or else the parameters' dtype."""
     import torch
     from megatron.core import parallel_state
 
@@ -406,13 +422,34 @@ def _grad_buffers(model: Any) -> list[GradBuffer]:
     for members, group in kinds:
         if not members:
             continue
-        flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+        dtype = main_dtype or members[0].dtype
+        flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=members[0].device)
         offset = 0
         for p in members:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if dtype == p.dtype:
+                p.grad = view
+            else:
+                p.main_grad = view
+                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
             offset += p.numel()
         buffers.append(GradBuffer(flat, group))
     return buffers
+
+
+def _master_params(model: Any) -> list[Any]:
+    """fp32 copies of a bf16/fp16 model's parameters whose gradients are its fp32 main gradients, for the
+    optimizer to step (Megatron's mixed precision); after a step they are copied back into the model."""
+    import torch
+
+    masters = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        master = torch.nn.Parameter(p.detach().float())
+        master.grad = p.main_grad
+        masters.append(master)
+    return masters
 
 
 def _reduce_grads(buffers: list[GradBuffer], dp: int) -> None:
@@ -485,8 +522,11 @@ def measure_steps(
     model = torch.nn.ModuleList(chunks)  # every chunk's parameters, for the gradients and the optimizer
     dp_rank = parallel_state.get_data_parallel_rank()
     batches = _batches(spec, layout, device, dp_rank)
-    buffers = _grad_buffers(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main gradients and master weights
+    buffers = _grad_buffers(model, torch.float32 if mixed else None)
+    masters = _master_params(model) if mixed else params
+    optimizer = torch.optim.Adam(masters, lr=lr)
     forward_backward = get_forward_backward_func()
     world = spec.world
 
@@ -512,6 +552,13 @@ def measure_steps(
             _sequence_parallel_grads(model)
         _reduce_grads(buffers, layout.dp)
 
+    def optimizer_step() -> None:
+        optimizer.step()
+        if mixed:
+            with torch.no_grad():
+                for param, master in zip(params, masters, strict=True):
+                    param.copy_(master)
+
     fb_s: list[float] = []
     reduce_s: list[float] = []
     opt_s: list[float] = []
@@ -522,15 +569,15 @@ def measure_steps(
             dist.barrier()
         if step == warmup:  # the metered step
             state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            resident = weight_bytes([*model.parameters(), *grads, *state])
+            grads = [buffer.flat for buffer in buffers]
+            resident = weight_bytes([*params, *(masters if mixed else []), *grads, *state])
             parameters = weight_bytes(model.parameters())
             stored: list[list[dict[str, Any]]] = []
 
             def metered() -> None:
                 stored.append(forward_backward_step())  # noqa: B023 - called right here
                 reduce_step()
-                optimizer.step()
+                optimizer_step()
 
             step_peak = peak_bytes(metered, device)
             fb_s.append(0.0)
@@ -546,7 +593,7 @@ def measure_steps(
             reduce_step()
             sync()
             reduced = time.perf_counter()
-            optimizer.step()
+            optimizer_step()
             sync()
             fb_s.append(backward_done - start)
             reduce_s.append(reduced - backward_done)
@@ -575,7 +622,7 @@ def measure_steps(
         warmup=warmup,
         repeats=repeats,
         device=str(device),
-        optimizer=f"{OPTIMIZER}(lr={lr})",
+        optimizer=f"{OPTIMIZER}(lr={lr})" + (" over fp32 master weights" if mixed else ""),
         schedule=f"megatron.core.pipeline_parallel.schedules.{forward_backward.__name__}",
         ranks=ranks,
     )

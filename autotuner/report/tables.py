@@ -235,11 +235,9 @@ def rows_section(runs: Sequence[Run]) -> str:
     many = len(runs) > 1
     rows = [(index, row) for index, run in enumerate(runs, 1) for row in run.rows]
     host = has_host_time([row for _, row in rows])
-    # nsys on a GPU: the median is the kernels' time, so the kernel-time column (the same number) is
-    # left out, unless a row was written before host_median_us existed (its median was the range then).
-    # Without a GPU the NVTX range is the median itself, so no host column.
-    legacy = any(r.get("kernel_time_us") is not None and r.get("host_median_us") is None for _, r in rows)
-    hidden = {"host_median_us"} if not host else set() if legacy else {"kernel_time_us"}
+    # nsys on a GPU: the median is the GPU's time (kernels, memsets, copies) and the kernel-time column
+    # its kernels' part. Without a GPU the NVTX range is the median itself, so no host column.
+    hidden = set() if host else {"host_median_us"}
     # Renamed only when every run's medians are GPU times (a CPU run beside it keeps "median").
     every = all(has_host_time(run.rows) for run in runs)
     gpu = {"median_us", "iqr_us"} if every else set()

@@ -87,7 +87,8 @@ class Row:
     samples: int | None = _number("number of timed samples behind the statistics", label="n")
     median_us: float | None = _number(
         "median of the per-sample times: the op's time as its launcher measures it (on a GPU the device's "
-        "time; nsys on a GPU: each iteration's summed kernel durations, as kernel_time_us)",
+        "time; nsys on a GPU: each iteration's summed durations of the kernels, memsets and copies "
+        "launched in the op's range; torch_profiler on a GPU: the same, inside the op's GPU-side span)",
         "us",
         "median",
     )
@@ -96,7 +97,9 @@ class Row:
     mean_us: float | None = _number("mean of the per-sample times", "us", "mean")
     host_median_us: float | None = _number(
         "nsys: median duration of the op's NVTX ranges, the host's time to issue the op (its launches, "
-        "plus any synchronisation inside it); on a CPU the same as median_us",
+        "plus any synchronisation inside it); on a CPU the same as median_us. get_data on a GPU: the "
+        "host's time to issue one call (from its start event to its end event queued); over median_us "
+        "the row warns launch_bound",
         "us",
         "host median",
         optional=True,
@@ -172,7 +175,7 @@ class Row:
     kernel_time_us: float | None = _number(
         "nsys on a GPU: per iteration (median), the summed durations of the CUDA kernels launched inside "
         "the op's range (nested ranges included; kernels overlapping on several streams each count in "
-        "full; equal to median_us) (autotuner.launchers.nsys_rows)",
+        "full); median_us minus this is the memsets and memory copies (autotuner.launchers.nsys_rows)",
         "us",
         "kernel time",
         optional=True,

@@ -34,7 +34,7 @@ def _status(row: dict[str, Any]) -> str:
 
 def has_host_time(rows: Sequence[dict[str, Any]]) -> bool:
     """Whether the rows' times are GPU times with a separate host time beside them (nsys on a GPU: the
-    kernels' time leads, the NVTX range's is ``host_median_us``). Rows written before that column
+    GPU's time leads, the NVTX range's is ``host_median_us``). Rows written before that column
     existed (``median_us`` was the range then) do not count, so their table keeps its plain labels."""
     return any(
         row.get("kernel_time_us") not in (None, "") and row.get("host_median_us") not in (None, "")
@@ -45,8 +45,9 @@ def has_host_time(rows: Sequence[dict[str, Any]]) -> bool:
 def render(rows: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table: one line per row, grouped by shape point, in the order measured.
 
-    Rows of nsys on a GPU lead with the GPU time (``gpu median``, ``gpu IQR``), then the host time of the
-    op's NVTX range (``host median``); other rows have one time, ``median``.
+    Rows of nsys on a GPU lead with the GPU time (``gpu median``, ``gpu IQR``), then its kernels' part
+    (``kernel time``: the rest is memsets and copies) and the host time of the op's NVTX range (``host
+    median``); other rows have one time, ``median``.
     """
     host = has_host_time(rows)
     gpu = "gpu " if host else ""
@@ -67,7 +68,14 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             True,
         ),
         (gpu + label("iqr_us"), lambda r: human_time(r.get("iqr_us")), ok_only, True),
-        *([(label("host_median_us"), host_time, ok_only, True)] if host else []),
+        *(
+            [
+                (label("kernel_time_us"), lambda r: human_time(r.get("kernel_time_us")), ok_only, True),
+                (label("host_median_us"), host_time, ok_only, True),
+            ]
+            if host
+            else []
+        ),
         (label("samples"), lambda r: str(r.get("samples") or MISSING), False, True),
         (label("tflops"), lambda r: significant(r.get("tflops")), ok_only, True),
         (label("gbps"), lambda r: significant(r.get("gbps")), ok_only, True),
@@ -83,8 +91,9 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     out = [text_table([header for header, *_ in columns], lines, [right for *_, right in columns])]
     if host:
         out.append(
-            "gpu median, gpu IQR: each iteration's summed kernel time (results.csv: median_us, iqr_us); "
-            "host median: the op's NVTX range on the CPU (host_median_us)"
+            "gpu median, gpu IQR: each iteration's GPU time, its kernels, memsets and copies (results.csv: "
+            "median_us, iqr_us; the kernels alone: kernel_time_us); host median: the op's NVTX range on the "
+            "CPU (host_median_us)"
         )
     if any(row.get("warnings") for row in rows):
         out.append("! this row has warnings: reasons to distrust it (the warnings column of results.csv)")
