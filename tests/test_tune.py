@@ -83,8 +83,15 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
     assert predict_main([*argv, "validate=true", "repeats=2", "--json", str(out)]) == 0
-    assert "predicted vs measured steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "predicted vs measured steps" in printed
     record = json.loads(out.read_text())["validation"]
+    # where a step's error comes from: each phase predicted beside its measured median
+    phases = record["phases"]
+    assert list(phases) == ["forward-backward", "gradient reduction", "optimizer"]
+    assert phases["forward-backward"]["measured_s"] > phases["optimizer"]["measured_s"] > 0
+    assert phases["gradient reduction"] == {"predicted_s": 0.0, "measured_s": pytest.approx(0.0, abs=1e-3)}
+    assert all(f"    {name} " in printed for name in phases)
     assert record["measured_step_s"] > 0 and record["measured_peak_bytes"] > 0
     assert record["step_error"] == pytest.approx(record["predicted_step_s"] / record["measured_step_s"] - 1)
     assert record["memory_error"] == pytest.approx(

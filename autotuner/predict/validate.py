@@ -66,6 +66,9 @@ class Validation:
     predicted_peak_bytes: float
     measured_peak_bytes: float
     command: tuple[str, ...]
+    # (phase, predicted s, measured s): where a step-time error comes from; the measured phases are
+    # medians of their own, so they need not add up to the step's median
+    phases: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def step_error(self) -> float:
@@ -85,6 +88,10 @@ class Validation:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
             "memory_error": self.memory_error,
+            "phases": {
+                name: {"predicted_s": predicted, "measured_s": measured}
+                for name, predicted, measured in self.phases
+            },
             "command": list(self.command),
         }
 
@@ -105,6 +112,12 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
         predicted_peak_bytes=max(stage.total for stage in prediction.memory),
         measured_peak_bytes=float(measured.peak_bytes),
         command=tuple(measured.command),
+        phases=(
+            # the pipeline: the schedule's forwards and backwards (TP collectives inside them)
+            ("forward-backward", prediction.step.pipeline, measured.forward_backward_s),
+            ("gradient reduction", prediction.step.dp_reduction, measured.reduce_s),
+            ("optimizer", prediction.step.optimizer, measured.optimizer_s),
+        ),
     )
 
 
@@ -117,6 +130,11 @@ def render(result: Validation) -> str:
             f"validation of {result.layout.describe()}: predicted vs measured steps",
             f"  step time    predicted {human_time(result.predicted_step_s * 1e6):>10}  measured "
             f"{step:>10} (IQR {iqr})  error {100 * result.step_error:+.1f}%",
+            *(
+                f"    {name:<18} predicted {human_time(predicted * 1e6):>10}  measured "
+                f"{human_time(measured * 1e6):>10}"
+                for name, predicted, measured in result.phases
+            ),
             f"  peak memory  predicted {human_bytes(result.predicted_peak_bytes):>10}  measured "
             f"{human_bytes(result.measured_peak_bytes):>10}  error {100 * result.memory_error:+.1f}%",
             "  measured by: " + " ".join(result.command),
