@@ -1,7 +1,7 @@
 """Prediction accuracy: predicted step time and peak memory / measured, on real training steps.
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 3] [--cases tiny,llama_small,tiny_moe]
-        [--layouts tp1,tp2,pp2,vpp2,dp2,ep2]
+        [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2]
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
 TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
@@ -19,7 +19,9 @@ over its timed steps, and, over the rounds, the largest over the smallest of the
 from fresh profiles: how far the op rows move between processes) and of the measured step (each in
 fresh processes). Layouts: TP=1, TP=2 (torchrun, gloo), PP=2 (Megatron's 1F1B over gloo; with two
 model chunks per rank, its interleaved schedule, for the 4-layer model) and DP=2 (the gradients
-all-reduced after the backward) for the dense models, DP=2 with EP=2 for the MoE one; 4
+all-reduced after the backward; for the 4-layer model also with the distributed optimizer: reduce-
+scattered, each rank's Adam on its half, the parameters all-gathered) for the dense models, DP=2 with
+EP=2 for the MoE one; 4
 micro-batches per data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak
 memory.
 """
@@ -64,12 +66,13 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "vpp2": dict(pp=2, vpp=2),  # the interleaved schedule: two model chunks per rank
     "dp2": dict(dp=2),
+    "dp2zero": dict(dp=2, distributed_optimizer=True),  # Megatron's distributed optimizer (ZeRO-1)
     "ep2": dict(dp=2, ep=2),
 }
 # Each case's layouts (--layouts picks among them): the dense models without EP, the MoE one with it.
 DEFAULT = {
     "tiny": ("tp1", "tp2", "pp2", "dp2"),
-    "llama_small": ("tp1", "tp2", "pp2", "vpp2", "dp2"),  # 4 layers: 2 stages of 2 chunks
+    "llama_small": ("tp1", "tp2", "pp2", "vpp2", "dp2", "dp2zero"),  # 4 layers: 2 stages of 2 chunks
     "tiny_moe": ("ep2",),
 }
 # What a stage is made of (autotuner.predict.timing): each measured whole, at the layout's point.

@@ -17,9 +17,12 @@ What one step is (as Megatron's ``train_step`` does it, less what a layout here 
                                       # sequence-parallel ones over TP; with dp > 1 the dense buffer over
                                       # the data-parallel group and the expert buffer over the expert-data-
                                       # parallel group (tp*dp/ep ranks), one all-reduce each, after the
-                                      # backward (Megatron's DDP default: overlap_grad_reduce=False)
+                                      # backward (Megatron's DDP default: overlap_grad_reduce=False);
+                                      # with the distributed optimizer a reduce-scatter each instead
     optimizer.step()                  # torch.optim.Adam over this rank's parameters (fp32 masters of a
                                       # bf16/fp16 model's, copied back after), timed on its own
+    all-gather the parameters         # distributed optimizer only: each rank stepped its shard; timed
+                                      # with the reductions (the data-parallel communication)
 
 Data parallelism: the global batch is ``dp`` times a rank's micro-batches; data-parallel rank r takes the
 r-th share of them, and the gradients are scaled by 1/dp before the summing all-reduce (Megatron's
@@ -35,6 +38,15 @@ parameter's gradient added into its slice by a hook as autograd finishes it and 
 DDP backward hook; without gradient-accumulation fusion), and Adam steps fp32 master copies of the
 parameters whose gradients are those slices, then the masters are copied into the model (Megatron's
 ``Float16OptimizerWithFloat16Params``): 18 bytes per parameter held, as the prediction counts them.
+
+The distributed optimizer (``distributed_optimizer``, Megatron's ``DistributedOptimizer``, ZeRO-1): the
+parameters live in flat buffers too (the model's parameters are views of them, as in Megatron's DDP),
+each buffer padded to a multiple of its group's size; after the backward the gradient buffer is
+reduce-scattered over its group instead of all-reduced, so each rank holds the summed gradients of its
+1/group share; Adam keeps masters and states for that share alone (fp32: the share of the parameter
+buffer itself), steps it, and the parameter buffer is all-gathered from the shares. Held per parameter:
+the weights and the full gradient buffer, plus the optimizer's 8 (fp32) or 12 (bf16/fp16) bytes over
+the group's size.
 
 Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU). ``warmup``
 steps first (the first allocates Adam's states; the gradient buffers exist from the start), then one
@@ -65,8 +77,7 @@ causal mask.
 
 Under torchrun (TP x PP x DP processes) call :func:`measure_steps` on every rank, or run
 ``python -m autotuner.predict.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
-runs it and reads the result): tp * pp * dp processes. Not measured here: the distributed optimizer
-(UserError).
+runs it and reads the result): tp * pp * dp processes.
 """
 
 from __future__ import annotations
@@ -100,7 +111,9 @@ class RankSteps:
     pp_rank: int
     dp_rank: int
     forward_backward_s: tuple[float, ...]  # zeroing the grads and the schedule (this rank's micro-batches)
-    reduce_s: tuple[float, ...]  # the gradients' reductions (sequence-parallel, data-parallel)
+    # the data-parallel communication: the gradients' reductions (sequence-parallel, data-parallel) and,
+    # with the distributed optimizer, the parameters' all-gather after Adam
+    reduce_s: tuple[float, ...]
     optimizer_s: tuple[float, ...]  # Adam's step
     losses: tuple[float, ...]  # every step's mean loss over its micro-batches; empty off the last stage
     parameter_bytes: int  # this rank's parameters
@@ -201,18 +214,6 @@ class StepMeasurement:
         own = {f.name for f in fields(cls)} - {"layout", "ranks"}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in own}
         return cls(**values, layout=layout, ranks=ranks)
-
-
-def _check_layout(layout: Layout) -> None:
-    unsupported = {
-        "distributed_optimizer": layout.distributed_optimizer,
-    }
-    bad = [name for name, is_bad in unsupported.items() if is_bad]
-    if bad:
-        raise UserError(
-            "measured steps cover TP, PP, VPP, DP, EP, micro-batches, recompute and sequence parallelism, "
-            f"not {', '.join(bad)}: set distributed_optimizer=false for validate=true"
-        )
 
 
 def _recompute_overrides(recompute: str) -> list[str]:
@@ -387,13 +388,21 @@ def _sequence_parallel_grads(model: Any) -> None:
 
 @dataclass(frozen=True)
 class GradBuffer:
-    """One flat gradient buffer, reduced by one all-reduce over ``group``, as a bucket of Megatron's DDP
+    """One flat gradient buffer, reduced over ``group`` after the backward, as a bucket of Megatron's DDP
     is. Its views are the parameters' gradients: their ``.grad`` (autograd accumulates into them in
     place) when the buffer has the parameters' dtype, else (fp32 main gradients of a bf16/fp16 model)
-    their ``main_grad``, which a hook adds each finished ``.grad`` into."""
+    their ``main_grad``, which a hook adds each finished ``.grad`` into. With the distributed optimizer
+    the parameters are views of ``params``, a flat buffer laid out as this one, and both are padded to a
+    multiple of the group's size so that each rank owns an equal share (:meth:`share`)."""
 
     flat: Any  # torch.Tensor
     group: Any  # torch.distributed ProcessGroup
+    params: Any = None  # torch.Tensor: the distributed optimizer's flat parameter buffer
+
+    def share(self, tensor: Any) -> Any:
+        """This rank's contiguous share of ``tensor`` (this buffer's or ``params``)."""
+        size = tensor.numel() // self.group.size()
+        return tensor[self.group.rank() * size : (self.group.rank() + 1) * size]
 
 
 def _accumulate_into_main_grad(param: Any) -> None:
@@ -403,10 +412,11 @@ def _accumulate_into_main_grad(param: Any) -> None:
     param.grad = None
 
 
-def _grad_buffers(model: Any, main_dtype: Any = None) -> list[GradBuffer]:
+def _grad_buffers(model: Any, main_dtype: Any = None, sharded: bool = False) -> list[GradBuffer]:
     """The dense parameters' buffer (reduced over the data-parallel group) and the expert parameters'
     (``allreduce=False``: reduced over the expert-data-parallel group), each a single bucket, in
-    ``main_dtype`` (fp32 main gradients) or else the parameters' dtype."""
+    ``main_dtype`` (fp32 main gradients) or else the parameters' dtype; ``sharded`` (the distributed
+    optimizer): with the parameters moved into a flat buffer of the same layout, both padded."""
     import torch
     from megatron.core import parallel_state
 
@@ -423,7 +433,11 @@ def _grad_buffers(model: Any, main_dtype: Any = None) -> list[GradBuffer]:
         if not members:
             continue
         dtype = main_dtype or members[0].dtype
-        flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=members[0].device)
+        numel = sum(p.numel() for p in members)
+        if sharded:
+            numel = -(-numel // group.size()) * group.size()
+        flat = torch.zeros(numel, dtype=dtype, device=members[0].device)
+        flat_params = torch.zeros(numel, dtype=members[0].dtype, device=flat.device) if sharded else None
         offset = 0
         for p in members:
             view = flat[offset : offset + p.numel()].view_as(p)
@@ -432,9 +446,28 @@ def _grad_buffers(model: Any, main_dtype: Any = None) -> list[GradBuffer]:
             else:
                 p.main_grad = view
                 p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            if flat_params is not None:
+                place = flat_params[offset : offset + p.numel()].view_as(p)
+                place.copy_(p.detach())
+                p.data = place
             offset += p.numel()
-        buffers.append(GradBuffer(flat, group))
+        buffers.append(GradBuffer(flat, group, flat_params))
     return buffers
+
+
+def _sharded_masters(buffers: list[GradBuffer], mixed: bool) -> list[Any]:
+    """The distributed optimizer's parameters: per buffer, this rank's share of the parameters (an fp32
+    copy for a bf16/fp16 model; for fp32 the share of the parameter buffer itself), whose gradient is
+    the same share of the reduce-scattered gradient buffer."""
+    import torch
+
+    masters = []
+    for buffer in buffers:
+        share = buffer.share(buffer.params)
+        master = torch.nn.Parameter(share.detach().float() if mixed else share)
+        master.grad = buffer.share(buffer.flat)
+        masters.append(master)
+    return masters
 
 
 def _master_params(model: Any) -> list[Any]:
@@ -452,17 +485,31 @@ def _master_params(model: Any) -> list[Any]:
     return masters
 
 
-def _reduce_grads(buffers: list[GradBuffer], dp: int) -> None:
+def _reduce_grads(buffers: list[GradBuffer], dp: int, sharded: bool) -> None:
     """Megatron's default DDP reduction: every gradient scaled by 1/dp (the mean over the global batch;
     an expert's gradient already sums the tokens the dispatcher brought from the other EP ranks), then
-    summed over its buffer's group."""
+    summed over its buffer's group: all-reduced, or with the distributed optimizer reduce-scattered into
+    this rank's share (in place, as Megatron does)."""
     import torch.distributed as dist
 
     for buffer in buffers:
         if dp > 1:
             buffer.flat.mul_(1.0 / dp)
-        if buffer.group.size() > 1:
+        if buffer.group.size() == 1:
+            continue
+        if sharded:
+            dist.reduce_scatter_tensor(buffer.share(buffer.flat), buffer.flat, group=buffer.group)
+        else:
             dist.all_reduce(buffer.flat, group=buffer.group)
+
+
+def _gather_params(buffers: list[GradBuffer]) -> None:
+    """The distributed optimizer's last step: every rank's updated share into every rank's parameters."""
+    import torch.distributed as dist
+
+    for buffer in buffers:
+        if buffer.group.size() > 1:
+            dist.all_gather_into_tensor(buffer.params, buffer.share(buffer.params), group=buffer.group)
 
 
 def measure_steps(
@@ -489,7 +536,6 @@ def measure_steps(
 
     if repeats < 1 or warmup < 0:
         raise UserError(f"repeats={repeats}, warmup={warmup}: give repeats >= 1 and warmup >= 0")
-    _check_layout(layout)
     overrides = list(overrides)
     spec = resolve_spec(compose_config(_config_overrides(case, overrides, layout)))
     config = spec.tf_config
@@ -524,8 +570,12 @@ def measure_steps(
     batches = _batches(spec, layout, device, dp_rank)
     params = [p for p in model.parameters() if p.requires_grad]
     mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main gradients and master weights
-    buffers = _grad_buffers(model, torch.float32 if mixed else None)
-    masters = _master_params(model) if mixed else params
+    sharded = layout.distributed_optimizer
+    buffers = _grad_buffers(model, torch.float32 if mixed else None, sharded)
+    if sharded:
+        masters = _sharded_masters(buffers, mixed)
+    else:
+        masters = _master_params(model) if mixed else params
     optimizer = torch.optim.Adam(masters, lr=lr)
     forward_backward = get_forward_backward_func()
     world = spec.world
@@ -535,7 +585,8 @@ def measure_steps(
             torch.cuda.synchronize()
 
     def forward_backward_step() -> list[dict[str, Any]]:
-        optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as in Megatron's DDP buffer
+        for buffer in buffers:  # the gradients stay allocated, as in Megatron's DDP buffer
+            buffer.flat.zero_()
         return forward_backward(
             forward_step_func=_forward_step,
             # the interleaved schedule takes a list of chunks and one data iterator per chunk
@@ -550,12 +601,17 @@ def measure_steps(
     def reduce_step() -> None:
         if layout.sequence_parallel:
             _sequence_parallel_grads(model)
-        _reduce_grads(buffers, layout.dp)
+        _reduce_grads(buffers, layout.dp, sharded)
 
     def optimizer_step() -> None:
         optimizer.step()
-        if mixed:
-            with torch.no_grad():
+        if not mixed:
+            return
+        with torch.no_grad():
+            if sharded:
+                for buffer, master in zip(buffers, masters, strict=True):
+                    buffer.share(buffer.params).copy_(master)
+            else:
                 for param, master in zip(params, masters, strict=True):
                     param.copy_(master)
 
@@ -570,7 +626,7 @@ def measure_steps(
         if step == warmup:  # the metered step
             state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
             grads = [buffer.flat for buffer in buffers]
-            resident = weight_bytes([*params, *(masters if mixed else []), *grads, *state])
+            resident = weight_bytes([*params, *masters, *grads, *state])  # each storage counted once
             parameters = weight_bytes(model.parameters())
             stored: list[list[dict[str, Any]]] = []
 
@@ -578,6 +634,8 @@ def measure_steps(
                 stored.append(forward_backward_step())  # noqa: B023 - called right here
                 reduce_step()
                 optimizer_step()
+                if sharded:
+                    _gather_params(buffers)
 
             step_peak = peak_bytes(metered, device)
             fb_s.append(0.0)
@@ -595,9 +653,13 @@ def measure_steps(
             reduced = time.perf_counter()
             optimizer_step()
             sync()
+            stepped = time.perf_counter()
+            if sharded:
+                _gather_params(buffers)
+                sync()
             fb_s.append(backward_done - start)
-            reduce_s.append(reduced - backward_done)
-            opt_s.append(time.perf_counter() - reduced)
+            reduce_s.append(reduced - backward_done + time.perf_counter() - stepped)
+            opt_s.append(stepped - reduced)
         if store:
             losses.append(float(torch.stack([item["loss"] for item in store]).float().mean()))
     mine = RankSteps(
@@ -622,7 +684,9 @@ def measure_steps(
         warmup=warmup,
         repeats=repeats,
         device=str(device),
-        optimizer=f"{OPTIMIZER}(lr={lr})" + (" over fp32 master weights" if mixed else ""),
+        optimizer=f"{OPTIMIZER}(lr={lr})"
+        + (" over fp32 master weights" if mixed else "")
+        + (", sharded over the data-parallel ranks (distributed optimizer)" if sharded else ""),
         schedule=f"megatron.core.pipeline_parallel.schedules.{forward_backward.__name__}",
         ranks=ranks,
     )

@@ -14,7 +14,7 @@ memory of the fullest GPU (predicted: weights, gradients, optimizer states, the 
 micro-batches a stage holds, the logits and what the op at the peak has in flight; measured: what is
 resident when the step starts plus the allocator's peak above it during the step). The error is
 predicted / measured - 1. The steps run tp * pp * dp processes (torchrun on this machine), with expert
-parallelism inside them; they refuse what they cannot run (vpp > 1, the distributed optimizer).
+parallelism inside them, and the interleaved schedule and the distributed optimizer where asked.
 """
 
 from __future__ import annotations
