@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from autotuner.main import run
 from autotuner.predict.layout import Layout
@@ -119,7 +120,7 @@ def profile(case: list[str], layout: Layout, run_dir: Path, calibration: Path, f
     subprocess.run(command, check=True, capture_output=True, timeout=900)
 
 
-def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> tuple[float, ...]:
+def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> tuple[Any, ...]:
     case, parallel = CASES[name], LAYOUTS[layout_name]
     dp = parallel.get("dp", 1)
     layout = Layout(
@@ -139,6 +140,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> t
         checked.measured_step_iqr_s / checked.measured_step_s,
         checked.predicted_step_s,
         checked.measured_step_s,
+        checked.phases,
     )
 
 
@@ -175,10 +177,11 @@ def main() -> int:
             "step IQR/median",
             "A/A pred",
             "A/A meas",
+            "phases pred/meas ms: fwd-bwd, DP comm, Adam",
         )
         print(
-            f"{header[0]:12} {header[1]:6} {header[2]:>22} {header[3]:>22} {header[4]:>16} {header[5]:>9} "
-            f"{header[6]:>9}"
+            f"{header[0]:12} {header[1]:7} {header[2]:>22} {header[3]:>22} {header[4]:>16} {header[5]:>9} "
+            f"{header[6]:>9}  {header[7]}"
         )
         worst = 0.0
         for name in args.cases.split(","):
@@ -194,9 +197,15 @@ def main() -> int:
                 aa_pred, aa_meas = (max(r[i] for r in results) / min(r[i] for r in results) for i in (3, 4))
                 worst = max(worst, abs(statistics.median(step) - 1), abs(statistics.median(memory) - 1))
                 spread = [f"{statistics.median(v):8.3f} [{min(v):.3f}, {max(v):.3f}]" for v in (step, memory)]
+                # where a step's error comes from: each phase's predicted and measured time (medians)
+                phases = ", ".join(
+                    f"{statistics.median(r[5][i][1] for r in results) * 1e3:.3g}/"
+                    f"{statistics.median(r[5][i][2] for r in results) * 1e3:.3g}"
+                    for i in range(len(results[0][5]))
+                )
                 print(
-                    f"{name:12} {layout_name:6} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
-                    f"{aa_meas:9.3f}"
+                    f"{name:12} {layout_name:7} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
+                    f"{aa_meas:9.3f}  {phases}"
                 )
         verdict = "met" if worst <= 0.05 else "not met"
         print(f"worst |median ratio - 1|: {worst:.3f} (target 0.05: {verdict})")
