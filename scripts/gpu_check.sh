@@ -180,7 +180,7 @@ if [ -d .whl19 ]; then  # a newer Megatron-Core over the same code
 fi
 
 # The three launchers on the same ops and shape point (issue 13): get_data, torch_profiler and nsys times
-# and their ratios to nsys's kernel time (to torch_profiler's without an nsys run). Default timing: the
+# and their ratios to nsys's GPU time (kernels, memsets, copies) (to torch_profiler's without an nsys run). Default timing: the
 # point is what a user gets. Only the rows' times are needed (the traces stay out of the archive): no
 # report, and a lean detailed profiler session.
 AGREE=("${RUN[@]}" report=false case=llama7b device=cuda dtype=bf16 shapes.seq_len=[2048]
