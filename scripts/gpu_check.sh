@@ -180,8 +180,8 @@ if [ -d .whl19 ]; then  # a newer Megatron-Core over the same code
 fi
 
 # The three launchers on the same ops and shape point (issue 13): get_data, torch_profiler and nsys times
-# and their ratios to nsys's GPU time (kernels, memsets, copies) (to torch_profiler's without an nsys run). Default timing: the
-# point is what a user gets. Only the rows' times are needed (the traces stay out of the archive): no
+# and their ratios to nsys's GPU time, its kernels, memsets and copies (to torch_profiler's without an
+# nsys run). Default timing: the point is what a user gets. Only the rows' times are needed (the traces stay out of the archive): no
 # report, and a lean detailed profiler session.
 AGREE=("${RUN[@]}" report=false case=llama7b device=cuda dtype=bf16 shapes.seq_len=[2048]
     shapes.micro_batch_size=[1] 'ops=[transformer_layer,linear_qkv,core_attention,mlp,linear_fc1]')
