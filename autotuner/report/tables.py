@@ -86,8 +86,9 @@ def _time_note(runs: Sequence[Run]) -> str:
     which = "this run" if len(runs) == 1 else ", ".join(gpu)
     return (
         f"<p>Times of {escape(which)} (nsys on a GPU) are GPU times: every median in this report (figures, "
-        "tables, speed-ups) is the summed duration of the op's kernels per iteration. The host's time, the "
-        "op's NVTX range (issuing the kernels), is the <em>host median</em> column of All rows.</p>"
+        "tables, speed-ups) is the summed duration of the op's kernels, memsets and copies per iteration "
+        "(the kernels' part alone: <em>kernel time</em>). The host's time, the op's NVTX range (issuing "
+        "the kernels), is the <em>host median</em> column of All rows.</p>"
     )
 
 
