@@ -480,6 +480,17 @@ def test_expert_parallel_layouts_from_ep1_rows_or_measured_at_their_ep(tmp_path)
     for ep, grads in ((1, params[1]), (2, params[2] - routed_at_ep2)):
         assert reduced[ep].step.dp_reduction == pytest.approx(2 * (2 - 1) / 2 * grads * 4 / 1e9)
     assert "expert grads: 1 rank, nothing to reduce" in reduced[2].step.dp_source.detail
+    # the distributed optimizer shards each kind of state over its own group: the dense ones over dp=2,
+    # the experts' over their tp*dp/ep = 1 rank (not at all), as the measured steps hold them
+    zero = predict(
+        load_runs([single]),
+        Layout(seq_len=32, dp=2, ep=2, global_batch_size=2, dtype="fp32", distributed_optimizer=True),
+        cal_ar,
+    )
+    dense = params[2] - routed_at_ep2
+    assert zero.memory[0].optimizer.value == pytest.approx(8 * (dense / 2 + routed_at_ep2))
+    assert "/ dp=2, experts' / 1" in zero.memory[0].optimizer.source.detail
+    assert f"x {dense / 2 + routed_at_ep2:.4g} params" in zero.step.optimizer_source.detail
     # the all-gather dispatcher instead: forward dispatch gathers all ranks' s*b*h, combine reduce-scatters
     gathered = [{**r, "token_dispatcher": "allgather"} if r["op"] in layer_ops else r for r in rows]
     allgather = predict(load_runs([_moe_run(tmp_path, gathered, "ag", 1, cal)]), layout, cal)

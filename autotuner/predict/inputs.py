@@ -138,6 +138,10 @@ class ModelShape:
         ep=1 (with ep > 1 the project runs expert_tensor_parallel_size=1: autotuner.runner.spec)."""
         return self.expert_params / (ep if ep > 1 else tp)
 
+    def stage_expert_params(self, tp: int, ep: int, pp: int) -> float:
+        """The routed-expert parameters on one GPU of a pipeline stage (its num_layers/pp layers)."""
+        return self.expert_params_on_rank(tp, ep) * (self.num_layers // pp)
+
     def layer_params_on_rank(self, tp: int, ep: int) -> float:
         """A layer's parameters on one GPU: everything but the routed experts / tp, plus their share."""
         return (self.layer_params - self.expert_params) / tp + self.expert_params_on_rank(tp, ep)

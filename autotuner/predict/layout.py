@@ -129,6 +129,21 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same routed experts, over which their gradients are reduced and, with the
+        distributed optimizer, their optimizer states sharded: the tp*dp ranks carved into ep groups
+        (Megatron's expert-data-parallel group; expert_tensor_parallel_size=1 at ep > 1), dp at ep=1."""
+        return self.tp * self.dp // self.ep if self.ep > 1 else self.dp
+
+    def optimizer_params(self, params: float, expert_params: float) -> float:
+        """Of a GPU's ``params`` (``expert_params`` of them routed experts'), those whose optimizer states
+        and update it keeps: all of them, or with the distributed optimizer the dense ones over dp and
+        the experts' over their expert-data-parallel ranks (Megatron shards each over its own group)."""
+        if not self.distributed_optimizer:
+            return params
+        return (params - expert_params) / self.dp + expert_params / self.expert_data_parallel
+
+    @property
     def microbatches(self) -> int:
         """Micro-batches per step on each data-parallel rank (Megatron's ``get_num_microbatches``)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)

@@ -265,13 +265,18 @@ def stage_memory(
     weights = Figure(p * nbytes, "B", Source(psrc.kind, f"params x {nbytes} B ({layout.dtype})"))
     grads = Figure(p * GRAD_BYTES, "B", Source(psrc.kind, "params x 4 B (DDP's fp32 main grads)"))
     opt_per = OPTIMIZER_BYTES[layout.dtype]
-    shard = layout.dp if layout.distributed_optimizer else 1
+    kept = layout.optimizer_params(p, model.stage_expert_params(tp, layout.ep, layout.pp))
+    shards = (
+        f" / dp={layout.dp}" + (f", experts' / {layout.expert_data_parallel}" if layout.ep > 1 else "")
+        if layout.distributed_optimizer
+        else ""
+    )
     optimizer = Figure(
-        p * opt_per / shard,
+        kept * opt_per,
         "B",
         Source(
             psrc.kind,
-            f"params x {opt_per} B (Adam m, v" + (", fp32 master" if opt_per == 12 else "") + f") / {shard}",
+            f"params x {opt_per} B (Adam m, v" + (", fp32 master" if opt_per == 12 else "") + ")" + shards,
         ),
     )
     per_layer_chunk = model.num_layers // (layout.pp * layout.vpp)

@@ -227,7 +227,7 @@ def predict(
         tm = TimeModel(meas, model, layout, calibration, without_ep=single)
         tm.set_cache_mode(cold, why)
         stages = stage_times(tm, [m.params.value for m in memory])
-        experts = model.expert_params_on_rank(layout.tp, layout.ep) * (model.num_layers // layout.pp)
+        experts = model.stage_expert_params(layout.tp, layout.ep, layout.pp)
         step = step_time(tm, stages, [m.params.value for m in memory], [experts] * len(memory))
     cache = tm.cache_warning()
     notes = list(

@@ -639,7 +639,7 @@ def step_time(
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
     dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
-    optimizer, opt_src = optimizer_step(tm, stage_params[largest])
+    optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest])
     return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula)
 
 
@@ -649,8 +649,7 @@ def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[fl
     tp*dp/ep ranks holding the same experts; dp at ep=1), each one bucket of fp32 main grads; with the
     distributed optimizer a reduce-scatter of them and an all-gather of the updated parameters."""
     lay = tm.layout
-    expert_ranks = lay.tp * lay.dp // lay.ep if lay.ep > 1 else lay.dp
-    groups = [("dense", params - expert_params, lay.dp), ("expert", expert_params, expert_ranks)]
+    groups = [("dense", params - expert_params, lay.dp), ("expert", expert_params, lay.expert_data_parallel)]
     seconds, details = 0.0, []
     for name, count, ranks in groups:
         if count <= 0:
@@ -678,11 +677,12 @@ def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[fl
     return seconds, Source("modelled", "; ".join(details))
 
 
-def optimizer_step(tm: TimeModel, params: float) -> tuple[float, Source]:
-    """The optimizer's part of a step on the GPU holding ``params`` parameters (module docstring)."""
+def optimizer_step(tm: TimeModel, params: float, expert_params: float) -> tuple[float, Source]:
+    """The optimizer's part of a step on the GPU holding ``params`` parameters, ``expert_params`` of them
+    routed experts' (module docstring)."""
     lay = tm.layout
     bw, said = tm.memory_bandwidth()
-    per_rank = params / (lay.dp if lay.distributed_optimizer else 1)
+    per_rank = lay.optimizer_params(params, expert_params)
     rate = tm.calibration.get("adam_seconds_per_parameter")
     if not rate:
         tm._warn(
