@@ -168,7 +168,7 @@ class KernelStats:
     nested ranges, so a ``transformer_layer`` range sums its sub-ops. ``self_kernel_time_ns`` and
     ``self_kernel_count`` count only the kernels whose innermost range this is. Times are sums of
     kernel durations: kernels that overlap on several streams are each counted in full.
-    ``memory_op_time_ns`` and ``memory_op_count`` count the memsets and copies the same way (inclusive);
+    ``memory_op_time_ns`` counts the memsets and copies the same way (inclusive);
     ``gpu_time_ns`` is both together, the device's time on the op. They matter: the backward of the
     local attention of Llama-2-7B at s2048_b1 zeroes a 256 MiB buffer, 253 us of memset beside 2057 us of
     kernels on an H200, time the CUDA events around the op and the profiler's GPU span both hold.
@@ -184,7 +184,6 @@ class KernelStats:
     self_kernel_time_ns: int
     self_kernel_count: int
     memory_op_time_ns: int = 0
-    memory_op_count: int = 0
 
     @property
     def gpu_time_ns(self) -> int:
@@ -216,7 +215,7 @@ def attribute_kernels(sqlite_path: Path, ranges: Sequence[NvtxRange]) -> dict[Nv
         tables = _tables(conn)
         if _KERNEL_TABLE not in tables or _RUNTIME_TABLE not in tables:
             return {}
-        launches = _read_launches(conn, "StringIds" in tables, tables)
+        launches = _read_launches(conn, tables)
 
     by_thread: dict[int, list[NvtxRange]] = defaultdict(list)
     for rng in ranges:
@@ -324,10 +323,10 @@ def _same_process(conn: sqlite3.Connection, table: str) -> str:
     return "AND (r.globalTid >> 24) = (k.globalPid >> 24)"  # a shift: SQLite reads a 64-bit mask as REAL
 
 
-def _read_launches(conn: sqlite3.Connection, have_strings: bool, tables: set[str]) -> list[_Launch]:
+def _read_launches(conn: sqlite3.Connection, tables: set[str]) -> list[_Launch]:
     """Each kernel, memset and copy joined to its runtime call. SQLite builds a transient index per join."""
     same_process = _same_process(conn, _KERNEL_TABLE)
-    if have_strings:
+    if "StringIds" in tables:
         names = "COALESCE(sn.value, ''), COALESCE(dn.value, sn.value, '')"
         joins = (
             "LEFT JOIN StringIds AS sn ON sn.id = k.shortName "
@@ -366,7 +365,6 @@ class _Accumulator:
 
     __slots__ = (
         "count",
-        "memory_count",
         "memory_time",
         "per_kernel",
         "self_count",
@@ -379,7 +377,6 @@ class _Accumulator:
         self.time = 0
         self.count = 0
         self.memory_time = 0
-        self.memory_count = 0
         self.self_time = 0
         self.self_count = 0
         self.per_kernel: dict[str, list[int]] = {}
@@ -398,7 +395,6 @@ class _Accumulator:
 
     def add_memory_op(self, duration: int) -> None:
         self.memory_time += duration
-        self.memory_count += 1
 
     def add_self(self, duration: int) -> None:
         self.self_time += duration
@@ -415,7 +411,6 @@ class _Accumulator:
             self_kernel_time_ns=self.self_time,
             self_kernel_count=self.self_count,
             memory_op_time_ns=self.memory_time,
-            memory_op_count=self.memory_count,
         )
 
 

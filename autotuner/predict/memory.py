@@ -266,11 +266,11 @@ def stage_memory(
     grads = Figure(p * GRAD_BYTES, "B", Source(psrc.kind, "params x 4 B (DDP's fp32 main grads)"))
     opt_per = OPTIMIZER_BYTES[layout.dtype]
     kept = layout.optimizer_params(p, model.stage_expert_params(tp, layout.ep, layout.pp))
-    shards = (
-        f" / dp={layout.dp}" + (f", experts' / {layout.expert_data_parallel}" if layout.ep > 1 else "")
-        if layout.distributed_optimizer
-        else ""
-    )
+    shards = ""
+    if layout.distributed_optimizer:
+        shards = f" / dp={layout.dp}" + (
+            f", experts' / {layout.expert_data_parallel}" if layout.ep > 1 else ""
+        )
     optimizer = Figure(
         kept * opt_per,
         "B",

@@ -455,32 +455,16 @@ def _grad_buffers(model: Any, main_dtype: Any = None, sharded: bool = False) -> 
     return buffers
 
 
-def _sharded_masters(buffers: list[GradBuffer], mixed: bool) -> list[Any]:
-    """The distributed optimizer's parameters: per buffer, this rank's share of the parameters (an fp32
-    copy for a bf16/fp16 model; for fp32 the share of the parameter buffer itself), whose gradient is
-    the same share of the reduce-scattered gradient buffer."""
+def _masters(pairs: list[tuple[Any, Any]], mixed: bool) -> list[Any]:
+    """What Adam steps, one per (parameter tensor, its gradient) pair: an fp32 copy of the tensor for a
+    bf16/fp16 model (Megatron's master weights, copied back after each step), else the tensor itself
+    (a Parameter sharing its storage), each with that gradient as ``.grad``."""
     import torch
 
     masters = []
-    for buffer in buffers:
-        share = buffer.share(buffer.params)
-        master = torch.nn.Parameter(share.detach().float() if mixed else share)
-        master.grad = buffer.share(buffer.flat)
-        masters.append(master)
-    return masters
-
-
-def _master_params(model: Any) -> list[Any]:
-    """fp32 copies of a bf16/fp16 model's parameters whose gradients are its fp32 main gradients, for the
-    optimizer to step (Megatron's mixed precision); after a step they are copied back into the model."""
-    import torch
-
-    masters = []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        master = torch.nn.Parameter(p.detach().float())
-        master.grad = p.main_grad
+    for tensor, grad in pairs:
+        master = torch.nn.Parameter(tensor.detach().float() if mixed else tensor)
+        master.grad = grad
         masters.append(master)
     return masters
 
@@ -572,10 +556,13 @@ def measure_steps(
     mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main gradients and master weights
     sharded = layout.distributed_optimizer
     buffers = _grad_buffers(model, torch.float32 if mixed else None, sharded)
+    # what Adam updates, with its gradient: the distributed optimizer's share of each flat buffer, else
+    # each parameter (through an fp32 master in bf16/fp16; fp32 parameters carry their .grad already)
     if sharded:
-        masters = _sharded_masters(buffers, mixed)
+        pairs = [(buffer.share(buffer.params), buffer.share(buffer.flat)) for buffer in buffers]
     else:
-        masters = _master_params(model) if mixed else params
+        pairs = [(p, p.main_grad) for p in params] if mixed else []
+    masters = _masters(pairs, mixed) if pairs else params
     optimizer = torch.optim.Adam(masters, lr=lr)
     forward_backward = get_forward_backward_func()
     world = spec.world
@@ -605,15 +592,10 @@ def measure_steps(
 
     def optimizer_step() -> None:
         optimizer.step()
-        if not mixed:
-            return
-        with torch.no_grad():
-            if sharded:
-                for buffer, master in zip(buffers, masters, strict=True):
-                    buffer.share(buffer.params).copy_(master)
-            else:
-                for param, master in zip(params, masters, strict=True):
-                    param.copy_(master)
+        if mixed:  # the fp32 masters into the model's bf16/fp16 tensors
+            with torch.no_grad():
+                for (tensor, _), master in zip(pairs, masters, strict=True):
+                    tensor.copy_(master)
 
     fb_s: list[float] = []
     reduce_s: list[float] = []
