@@ -71,11 +71,21 @@ def test_a_llama_shaped_model_at_reduced_width():
     assert result.losses[-1] < result.losses[0]
 
 
-def test_layouts_the_steps_cannot_measure_are_refused_in_one_line():
+def test_layouts_the_steps_cannot_measure_are_refused_in_one_line(tmp_path, capsys):
     for split in ({"tp": 2}, {"pp": 2}, {"dp": 2}):  # one process, a layout of two
         with pytest.raises(UserError, match="2 processes") as info:
             measure_steps("tiny", CPU, Layout(**split, **BATCH))
         assert "\n" not in str(info.value)
+    # the command line's words: a flag that is not true or false is refused, not taken as true
+    from autotuner.predict.steps import main
+
+    out = tmp_path / "steps.json"
+    with pytest.raises(SystemExit) as exited:
+        main([f"out={out}", "case=tiny", "layout.seq_len=16", "layout.distributed_optimizer=maybe"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "distributed_optimizer='maybe' must be true or false" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
     with pytest.raises(UserError, match="set by the layout"):
         measure_steps("tiny", [*CPU, "dtype=bf16"], Layout(**BATCH))
 

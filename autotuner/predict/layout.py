@@ -96,6 +96,12 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"layout {name}={value!r} must be a positive integer: give e.g. {name}=1")
+        for name in ("sequence_parallel", "distributed_optimizer"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise UserError(
+                    f"layout {name}={value!r} must be true or false: give {name}=true or {name}=false"
+                )
         if self.recompute not in RECOMPUTE:
             raise UserError(
                 f"layout recompute={self.recompute!r} is unknown: give one of {', '.join(RECOMPUTE)}"
