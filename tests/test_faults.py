@@ -156,6 +156,32 @@ def test_writers_of_one_file_never_share_a_temporary_file(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_signal_between_the_two_results_files_leaves_them_in_step(tmp_path, monkeypatch):
+    """SIGTERM's handler raises (autotuner.main), and it can land after results.jsonl took a new row and
+    before results.csv did (seen once in CI: the csv a row short). The interrupt is made to land exactly
+    there: results.csv is written again from results.jsonl before the interrupt goes on."""
+    import autotuner.results as results
+
+    writer = ResultsWriter(tmp_path)
+    writer.write({"case": "tiny", "op": "embedding", "phase": "forward", "point": "p", "rank": 0})
+    real_write = results.atomic_write_text
+    interrupted = []
+
+    def interrupt_once_at_the_csv(path: Path, text: str) -> None:
+        if path.suffix == ".csv" and not interrupted:
+            interrupted.append(path)
+            raise KeyboardInterrupt
+        real_write(path, text)
+
+    monkeypatch.setattr(results, "atomic_write_text", interrupt_once_at_the_csv)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write({"case": "tiny", "op": "embedding", "phase": "backward", "point": "p", "rank": 0})
+    assert interrupted
+    rows = load_rows(tmp_path / "results.jsonl")
+    table = (tmp_path / "results.csv").read_text().splitlines()[1:]
+    assert [r["phase"] for r in rows] == ["forward", "backward"] and len(table) == 2
+
+
 # --- 2. resume with a changed configuration ----------------------------------------------------------
 
 

@@ -370,14 +370,26 @@ class ResultsWriter:
         self._flush()
 
     def _flush(self) -> None:
-        atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.rows))
-        buffer = io.StringIO()
-        # extrasaction: a resumed row may carry a key this version does not know (results.jsonl keeps it)
-        writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
-        writer.writeheader()
-        for row in self.rows:
-            writer.writerow({k: _csv_value(v) for k, v in row.items()})
-        atomic_write_text(self.csv, buffer.getvalue())
+        try:
+            atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.rows))
+            atomic_write_text(self.csv, _csv_text(self.rows))
+        except BaseException:
+            # A signal between the two writes (SIGTERM's handler raises, so does SIGINT) would leave
+            # results.csv a row behind: each write is atomic, so results.jsonl holds the old rows or the
+            # new ones, and results.csv is written again from whichever it holds before the signal goes on.
+            if self.jsonl.exists():
+                atomic_write_text(self.csv, _csv_text(read_rows(self.jsonl, allow_torn_tail=True)[0]))
+            raise
+
+
+def _csv_text(rows: Iterable[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    # extrasaction: a resumed row may carry a key this version does not know (results.jsonl keeps it)
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n", extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _csv_value(v) for k, v in row.items()})
+    return buffer.getvalue()
 
 
 def _csv_value(value: Any) -> Any:
