@@ -456,10 +456,12 @@ def test_expert_parallel_layouts_from_ep1_rows_or_measured_at_their_ep(tmp_path)
     layout = Layout(seq_len=32, dp=2, ep=2, global_batch_size=2, dtype="fp32")
     pred = predict(load_runs([single]), layout, cal)
     # the ep=1 layer row does not stand for ep=2: the sum of the sub-ops, experts halved, each exchange
-    # an all-to-all of s*b*top-k*h fp32 timed as an all-gather of it over 2 ranks
+    # an all-to-all of s*b*top-k*h fp32 timed as an all-gather of it over 2 ranks; the forward dispatch
+    # also gathers the 2 ranks' 8 tokens-per-expert counts (int64) and exchanges the s*b*top-k probabilities
     exchange = (2 - 1) / 2 * (32 * 1 * 2 * 64 * 4) / 1e9
+    small = (2 - 1) / 2 * (2 * 8 * 8 + 32 * 2 * 4) / 1e9
     layer = pred.stages[0].items[0][2]
-    expected = (10 + 500 + 5 + 10 + 5 + 50 + 100 + 600 / 2 + 80) * US + 2 * exchange
+    expected = (10 + 500 + 5 + 10 + 5 + 50 + 100 + 600 / 2 + 80) * US + 2 * exchange + small
     assert layer.seconds == pytest.approx(expected) and layer.source.kind == "modelled"
     assert layer.parts["experts"] == pytest.approx(300 * US)
     assert pred.missing and "tf.expert_model_parallel_size=2" in pred.missing[0]["command"]
@@ -491,12 +493,24 @@ def test_expert_parallel_layouts_from_ep1_rows_or_measured_at_their_ep(tmp_path)
     assert zero.memory[0].optimizer.value == pytest.approx(8 * (dense / 2 + routed_at_ep2))
     assert "/ dp=2, experts' / 1" in zero.memory[0].optimizer.source.detail
     assert f"x {dense / 2 + routed_at_ep2:.4g} params" in zero.step.optimizer_source.detail
-    # the all-gather dispatcher instead: forward dispatch gathers all ranks' s*b*h, combine reduce-scatters
+    # the all-gather dispatcher instead: forward dispatch gathers all ranks' routing maps (bool),
+    # probabilities (fp32) and s*b*h tokens, combine reduce-scatters
     gathered = [{**r, "token_dispatcher": "allgather"} if r["op"] in layer_ops else r for r in rows]
     allgather = predict(load_runs([_moe_run(tmp_path, gathered, "ag", 1, cal)]), layout, cal)
     gather, scatter = (0.5 * 2 * 32 * 64 * 4 / bw for bw in (1e9, 5e8))
-    expected = (10 + 500 + 5 + 10 + 5 + 50 + 100 + 600 / 2 + 80) * US + gather + scatter
+    routing = 0.5 * 2 * 32 * 8 * (1 + 4) / 1e9
+    expected = (10 + 500 + 5 + 10 + 5 + 50 + 100 + 600 / 2 + 80) * US + gather + scatter + routing
     assert allgather.stages[0].items[0][2].seconds == pytest.approx(expected)
+    # its backward: dispatch reduce-scatters the tokens' and probabilities' gradients, combine all-gathers
+    backward = next(
+        t for n, p, t, _ in allgather.stages[0].items if (n, p) == ("transformer_layer", "backward")
+    )
+    probs_grad = 0.5 * 2 * 32 * 8 * 4 / 5e8
+    assert backward.parts["token_combine_exchange"] == pytest.approx(gather)
+    assert backward.parts["token_dispatch_exchange"] == pytest.approx(scatter + probs_grad)
+    assert backward.seconds - (10 + 500 + 5 + 10 + 5 + 50 + 100 + 300 + 80) * US == pytest.approx(
+        gather + scatter + probs_grad
+    )
     # rows measured at ep=2 under torchrun stand for themselves, collectives inside
     at_ep = [row("transformer_layer", "forward", 700), row("transformer_layer", "backward", 1400)]
     measured = predict(load_runs([single, _moe_run(tmp_path, at_ep, "ep2", 2, cal)]), layout, cal)

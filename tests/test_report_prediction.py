@@ -128,6 +128,19 @@ def test_validation_bars_hold_the_record(tmp_path):
         "peak memory:measured": 4e6,
     }
     assert [ax.get_title() for ax in figure.axes] == ["step time: error +25.0%", "peak memory: error -25.0%"]
+    # with the step's phases (validate=true records them): a panel of them between, and rows in the table
+    rec["validation"]["phases"] = {
+        "forward-backward": {"predicted_s": 0.04, "measured_s": 0.032},
+        "gradient reduction": {"predicted_s": 0.006, "measured_s": 0.005},
+        "optimizer": {"predicted_s": 0.004, "measured_s": 0.003},
+    }
+    figure = validation_figure(rec)
+    bars = {gid: a.get_height() for gid, a in drawn(figure).items()}
+    assert bars["phase gradient reduction:predicted"] == 0.006 and bars["phase optimizer:measured"] == 0.003
+    assert len(bars) == 10 and figure.axes[1].get_title() == "the step's phases"
+    page = Page(write_prediction_page(rec, tmp_path / "phases.html").read_text())
+    text = " ".join(page.text)
+    assert "phase: forward-backward" in text and "+25.0%" in text and "+33.3%" in text  # the optimizer's
 
 
 class Page(HTMLParser):

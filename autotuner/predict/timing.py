@@ -21,11 +21,12 @@ in this order, each result carrying its ``Source``:
    the MoE layer are the sums of their sub-ops, and the expert ops come from rows measured without
    expert parallelism: ``experts`` divided by ep (each rank computes its 1/ep of the experts, as many
    tokens reach them as at ep=1 under balanced routing: *scaled*), ``token_dispatch`` and
-   ``token_combine`` their measured permutation plus the exchange (*modelled* from the link
-   calibration) of the dispatcher the row names: Megatron's all-to-all dispatcher sends each rank's
-   s*b*top-k*h routed elements, (ep-1)/ep of them to other ranks, as an all-gather of that buffer does;
-   its all-gather dispatcher (the one a CPU runs) gathers every rank's s*b*h tokens and reduce-scatters
-   the results;
+   ``token_combine`` their measured permutation plus the collectives (*modelled* from the link
+   calibration, each with its latency) of the dispatcher the row names (:func:`dispatcher_collectives`):
+   Megatron's all-to-all dispatcher sends each rank's s*b*top-k*h routed elements and their
+   probabilities, (ep-1)/ep of them to other ranks, as an all-gather of that buffer does, after
+   gathering the tokens-per-expert counts; its all-gather dispatcher (the one a CPU runs) gathers every
+   rank's routing map, probabilities and s*b*h tokens and reduce-scatters the results;
 4. the same from rows measured without tensor parallelism (t=1), divided by t, except what Megatron
    does not split without sequence parallelism (``REPLICATED_WITHOUT_SP``: the layer norms and
    bias-dropout-adds, and the embedding), plus the TP collectives modelled from the calibrated link
@@ -122,6 +123,59 @@ OVERLAP = (
     "nothing overlaps: TP collectives, DP gradient reduction and the optimizer step are added to the "
     "pipeline's time (an upper bound; Megatron can overlap the DP reduction with the backward)"
 )
+
+
+def dispatcher_collectives(
+    dispatcher: str, op: str, phase: str, ep: int, tokens: float, model: ModelShape, per: int
+) -> list[tuple[str, float, str]]:
+    """The collectives Megatron-Core's token dispatcher makes in one phase of ``token_dispatch`` or
+    ``token_combine`` over ``ep`` ranks, each as (collective, bytes of its full buffer, what it moves),
+    with ``tokens`` = s*b a rank routes (s*b/tp with sequence parallelism), ``per`` bytes per element:
+
+    * ``allgather`` (MoEAllGatherTokenDispatcher, 0.16; the one a CPU runs): forward dispatch gathers
+      every rank's routing map (bool), probabilities and tokens (three all-gathers); its backward
+      reduce-scatters the gradients of the last two; forward combine reduce-scatters the experts'
+      outputs, its backward all-gathers their gradient;
+    * ``alltoall`` (MoEAlltoAllTokenDispatcher): forward dispatch gathers every rank's tokens-per-expert
+      counts (int64) to size the exchange, then exchanges the routed tokens, s*b*top-k*h, and their
+      probabilities; backward exchanges both gradients; combine one exchange each way. Each rank keeps
+      1/ep of what it sends, as an all-gather does: an all-to-all is charged as an all-gather of the
+      buffer a rank sends.
+
+    Small collectives cost their latency, so each counts: two processes' all-gathers of 64 KiB took
+    ~0.3 ms apiece on this project's CPU VM, more than the bytes of a tiny model's tokens.
+    """
+    h, experts = model.hidden, model.experts or 1
+    topk = int(model.config.get("moe_router_topk") or 1)
+    forward = phase == "forward"
+    if dispatcher == "allgather":
+        everyone = ep * tokens
+        hidden = (
+            "all_gather" if (op == "token_dispatch") == forward else "reduce_scatter",
+            everyone * h * per,
+        )
+        if op == "token_combine":
+            return [(*hidden, "experts' outputs, all ranks' s*b*h")]
+        if forward:
+            return [
+                ("all_gather", everyone * experts, "routing map, all ranks' s*b*experts (bool)"),
+                ("all_gather", everyone * experts * per, "probabilities, all ranks' s*b*experts"),
+                (*hidden, "tokens, all ranks' s*b*h"),
+            ]
+        return [
+            ("reduce_scatter", everyone * experts * per, "probabilities' gradient, all ranks' s*b*experts"),
+            (*hidden, "tokens' gradient, all ranks' s*b*h"),
+        ]
+    routed = tokens * topk
+    exchange = [("all_gather", routed * h * per, "an all-to-all of s*b*top-k*h, as an all-gather")]
+    if op == "token_combine":
+        return exchange
+    exchange.append(
+        ("all_gather", routed * per, "an all-to-all of s*b*top-k probabilities, as an all-gather")
+    )
+    if forward:
+        exchange.insert(0, ("all_gather", ep * experts * 8, "tokens-per-expert counts, ep*experts int64"))
+    return exchange
 
 
 # ---------------------------------------------------------------------------------------- one op
@@ -312,22 +366,17 @@ class TimeModel:
             detail = f"a rank's 1/ep={ep} of the experts: {origin} / {ep}"
             return OpTime(seconds, Source("scaled", detail), {op: seconds}, rows_tp=basis)
         tokens = s * b / (basis if self.layout.sequence_parallel else 1)
-        h, per = self.model.hidden, self.layout.bytes_per_element
-        if row.get("token_dispatcher") == "allgather":
-            # Megatron's all-gather dispatcher: every rank gathers all ranks' tokens (forward dispatch,
-            # backward combine) and reduce-scatters the results (forward combine, backward dispatch)
-            gathers = (op == "token_dispatch") == (phase == "forward")
-            kind = "all_gather" if gathers else "reduce_scatter"
-            nbytes = ep * tokens * h * per
-            exchange, src = self.collective(kind, nbytes, ep)
-            what = f"the allgather dispatcher's {kind} of all ranks' s*b*h = {nbytes:.4g} B over ep={ep}"
-        else:  # the all-to-all dispatcher: each rank sends (ep-1)/ep of its routed tokens
-            topk = int(self.model.config.get("moe_router_topk") or 1)
-            nbytes = tokens * topk * h * per
-            exchange, src = self.collective("all_gather", nbytes, ep)
-            what = f"an all-to-all of s*b*top-k*h = {nbytes:.4g} B over ep={ep}, as an all-gather of it"
-        detail = f"{origin} (the permutation) + {what}: {src.detail}"
-        parts = {op: seconds, "expert_exchange": exchange}
+        dispatcher = str(row.get("token_dispatcher") or "alltoall")
+        collectives = dispatcher_collectives(
+            dispatcher, op, phase, ep, tokens, self.model, self.layout.bytes_per_element
+        )
+        exchange, details = 0.0, []
+        for kind, nbytes, what in collectives:
+            took, src = self.collective(kind, nbytes, ep)
+            exchange += took
+            details.append(f"{kind} of the {what}, {nbytes:.4g} B over ep={ep}: {src.detail}")
+        detail = f"{origin} (the permutation) + the {dispatcher} dispatcher's {'; '.join(details)}"
+        parts = {op: seconds, f"{op}_exchange": exchange}  # the dominant-op ranking names each apart
         return OpTime(seconds + exchange, Source("modelled", detail), parts, rows_tp=basis)
 
     def _sub_op_sum(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:

@@ -28,7 +28,9 @@ optimizer states, activations, logits, in flight) stacked to its total; beside e
 al.'s closed-form activation estimate from the same base, and the GPU's memory as a line when given.
 
 **Validation** (``validation_bars``): the ``validation`` record (``validate=true``) as predicted and
-measured bars for step time (with the measured IQR) and peak memory.
+measured bars for step time (with the measured IQR) and peak memory, and between them each phase of
+the step (``validation_phases``: forward-backward, gradient reduction, optimizer), where the error
+comes from.
 """
 
 from __future__ import annotations
@@ -331,13 +333,50 @@ def validation_bars(record: Mapping[str, Any]) -> dict[str, dict[str, float]] | 
     }
 
 
+def validation_phases(record: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """{phase: {predicted, measured}} of the validated step (empty for a record from before phases)."""
+    phases = (record.get("validation") or {}).get("phases") or {}
+    return {
+        name: {"predicted": float(p["predicted_s"]), "measured": float(p["measured_s"])}
+        for name, p in phases.items()
+    }
+
+
+def _phase_bars(ax: Any, phases: Mapping[str, Mapping[str, float]]) -> None:
+    """Predicted and measured side by side for each phase of the step."""
+    width = 0.38
+    for offset, (side, color) in (
+        (-width / 2, ("predicted", "#4c9be8")),
+        (width / 2, ("measured", "#7f7f7f")),
+    ):
+        drawn = ax.bar(
+            [i + offset for i in range(len(phases))],
+            [p[side] for p in phases.values()],
+            width=width,
+            color=color,
+            label=side,
+        )
+        for name, patch in zip(phases, drawn.patches, strict=True):
+            patch.set_gid(f"phase {name}:{side}")
+    ax.set_xticks(
+        range(len(phases)), [name.replace(" ", "\n").replace("-", "-\n") for name in phases], fontsize=8
+    )
+    ax.yaxis.set_major_formatter(EngFormatter(unit="s"))
+    ax.set_title("the step's phases", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def validation_figure(record: Mapping[str, Any]) -> Figure | None:
     bars = validation_bars(record)
     if bars is None:
         return None
     v = record["validation"]
+    phases = validation_phases(record)
     figure = new_figure("prediction_validation")
-    axes = figure.subplots(1, 2)
+    axes = list(figure.subplots(1, 3 if phases else 2))
+    if phases:
+        _phase_bars(axes.pop(1), phases)
     for ax, (what, values) in zip(axes, bars.items(), strict=True):
         drawn = ax.bar(list(values), list(values.values()), color=["#4c9be8", "#7f7f7f"], width=0.6)
         for name, patch in zip(values, drawn.patches, strict=True):
@@ -453,6 +492,11 @@ def _validation_table(v: Mapping[str, Any]) -> str:
             _t(v["predicted_step_s"]),
             f"{_t(v['measured_step_s'])} (IQR {_t(v['measured_step_iqr_s'])})",
             v["step_error"],
+        ),
+        *(
+            (f"phase: {name}", _t(p["predicted"]), _t(p["measured"]), p["predicted"] / p["measured"] - 1)
+            for name, p in validation_phases({"validation": v}).items()
+            if p["measured"] > 0
         ),
         (
             "peak memory",
