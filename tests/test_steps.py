@@ -8,7 +8,7 @@ import pytest
 
 from autotuner.errors import UserError
 from autotuner.predict.layout import Layout
-from autotuner.predict.steps import StepMeasurement, measure_steps, run_steps
+from autotuner.predict.steps import RankSteps, StepMeasurement, measure_steps, run_steps
 from benchmarks.predict_accuracy import CASES
 
 # Four micro-batches of one 16-token sequence: the schedules accumulate over several of them.
@@ -23,6 +23,24 @@ SMALL_LLAMA = CASES["llama_small"][1:]
 def single() -> StepMeasurement:
     """tiny, one process, the default warm-up and repeats (the torchrun runs below are compared with it)."""
     return measure_steps("tiny", CPU, Layout(**BATCH))
+
+
+def test_phases_are_the_waited_for_ranks():
+    """A rank whose backward ends first waits in the DP reduction for the other: the reduction's time is
+    the collective's on the rank the others waited for, not the waiting rank's (which holds the other's
+    backward); the step is still the slowest rank's whole step."""
+
+    def rank(r: int, fb: tuple, reduce: tuple, opt: tuple) -> RankSteps:
+        return RankSteps(r, 0, 0, r, (0.0, *fb), (0.0, *reduce), (0.0, *opt), (), 0, 0, 0)
+
+    # step 1: rank 0's backward ends 8 s early and its all-reduce takes 9 s; step 2: the other way round
+    ranks = (rank(0, (10.0, 19.0), (9.0, 1.5), (2.0, 2.0)), rank(1, (18.0, 11.0), (1.0, 9.5), (3.0, 1.0)))
+    layout = Layout(seq_len=16, dp=2, global_batch_size=2, dtype="fp32")
+    measured = StepMeasurement("tiny", (), layout, (), 0, 2, "cpu", "", "", ranks)
+    assert measured.reduce_s == pytest.approx((1.0 + 1.5) / 2)  # not (9 + 9.5) / 2
+    assert measured.optimizer_s == pytest.approx((3.0 + 2.0) / 2)
+    assert measured.forward_backward_s == pytest.approx((18.0 + 19.0) / 2)
+    assert measured.step_times_s == pytest.approx([22.0, 22.5])
 
 
 def test_a_single_process_step_is_a_real_training_step(single):

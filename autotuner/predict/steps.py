@@ -166,17 +166,27 @@ class StepMeasurement:
         q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
         return q3 - q1
 
+    def _on_critical_rank(self, per_rank: Callable[[RankSteps], tuple[float, ...]]) -> list[float]:
+        """Per timed step, the phase's time on the rank whose forward-backward ended last: the rank the
+        others waited for. A rank done earlier spends that wait inside its first collective (the DP
+        reduction's clock starts at its own backward's end), so its reduction time holds the other's
+        backward; the slowest rank's holds the collective alone."""
+        first = self.warmup + 1
+        steps = range(first, first + self.repeats)
+        critical = [max(self.ranks, key=lambda r: r.forward_backward_s[i]) for i in steps]
+        return [per_rank(r)[i] for r, i in zip(critical, steps, strict=True)]
+
     @property
     def forward_backward_s(self) -> float:
         return statistics.median(self._timed(lambda r: r.forward_backward_s))
 
     @property
     def reduce_s(self) -> float:
-        return statistics.median(self._timed(lambda r: r.reduce_s))
+        return statistics.median(self._on_critical_rank(lambda r: r.reduce_s))
 
     @property
     def optimizer_s(self) -> float:
-        return statistics.median(self._timed(lambda r: r.optimizer_s))
+        return statistics.median(self._on_critical_rank(lambda r: r.optimizer_s))
 
     @property
     def peak_bytes(self) -> int:
