@@ -114,8 +114,10 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         "peak_flops": peak_flops,
         "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
         "buffer_bytes": size,
-        # whether a step's data stays as cached as a warm row's: autotuner.predict.timing
+        # where a warm row's data sits between calls, so where a step's op can find it again:
+        # autotuner.predict.timing.cache_plan
         "warm_cache_bytes": warm_cache_bytes(device),
+        "shared_cache_bytes": last_level_cache_bytes(device),
     }
     seconds, count = adam_step_seconds(device, policy)
     result["adam_seconds_per_parameter"] = seconds / count

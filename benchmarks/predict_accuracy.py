@@ -7,11 +7,11 @@ For each case and layout: the ops a stage is made of are profiled with get_data 
 TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
 one), with each process's share of the cores: on a CPU the ranks share the memory, and an op timed
 alone would run faster than beside them (pipeline stages run staggered: see profile()). Each is
-profiled once with warm caches and once flushed (the predictor takes the kind the step runs its ops in:
-autotuner.predict.timing.wants_cold_cache). The device and the links between two processes are
-calibrated once (python -m autotuner.calibrate, and --collectives under torchrun: the Adam step's time
-per parameter, alone and with both processes at it, the pipeline's transfers and the gradients'
-all-reduce, the cache a warm row runs in, the memory bandwidth of modelled figures). The predictor
+profiled once with warm caches and once flushed (the predictor takes, for each visit of an op in the
+step, the kind it runs in: autotuner.predict.timing.cache_plan). The device and the links between two
+processes are calibrated once (python -m autotuner.calibrate, and --collectives under torchrun: the
+Adam step's time per parameter, alone and with both processes at it, the pipeline's transfers and the
+gradients' all-reduce, the caches a warm row runs in, the memory bandwidth of modelled figures). The predictor
 predicts the step (autotuner.predict), and the real steps run (autotuner.predict.steps: the whole
 GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so the
 ratio's spread over rounds is printed beside its median, with two A/A controls: the measured step's IQR

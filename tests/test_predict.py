@@ -216,6 +216,65 @@ def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
     assert all("timing.flush_cache=false" in m["command"] for m in cold_only.missing)
 
 
+def test_warm_visits_follow_the_stage_sweep():
+    """Which visits find their data where a warm row had it, computed by hand. Footprints (weights +
+    grads + activations, MB): embedding 4+4+1, each layer 3+3+2, the final norm ~0, the output 4+4+2; a
+    1 MB private and 32 MB shared cache. A forward's previous visit was the last micro-batch's backward,
+    so what lies between is every op before it; a backward's, its own forward: every op after it."""
+    from autotuner.predict.timing import CacheSizes, SweepOp, warm_visits
+
+    mb = 1e6
+    sweep = [SweepOp("embedding", 4 * mb, 4 * mb, 1 * mb)]
+    sweep += [SweepOp("transformer_layer", 3 * mb, 3 * mb, 2 * mb)] * 4
+    sweep += [SweepOp("final_layernorm", 100, 100, 1000), SweepOp("output_layer", 4 * mb, 4 * mb, 2 * mb)]
+    caches = CacheSizes(private=1 * mb, shared=32 * mb)
+    # forward distances: embedding 0, layers 9/17/25/33, norm 41 (its own data fits the 1 MB private
+    # cache: room 1 MB), output 41; backward: output 0, norm 10, layers 10/18/26/34 (layer 3 first),
+    # embedding 42
+    assert warm_visits(sweep, caches) == {
+        ("embedding", "forward"): 1,
+        ("embedding", "backward"): 0,
+        ("transformer_layer", "forward"): 3,
+        ("transformer_layer", "backward"): 3,
+        ("final_layernorm", "forward"): 0,
+        ("final_layernorm", "backward"): 0,
+        ("output_layer", "forward"): 0,
+        ("output_layer", "backward"): 1,
+    }
+    # a GPU's L2 is both caches: a layer larger than it finds nothing cached; without sizes, nothing is
+    gpu = CacheSizes(private=5 * mb, shared=5 * mb)
+    assert warm_visits(sweep, gpu)[("transformer_layer", "forward")] == 0
+    assert set(warm_visits(sweep, None).values()) == {0}
+
+
+def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
+    from autotuner.predict.timing import CacheSizes, stage_sweep, warm_visits
+
+    warm = base_rows()
+    cold = [{**r, "cache_flush": True, "median_us": r["median_us"] * 1.5} for r in base_rows()]
+    both = load_runs([make_run(tmp_path, cold, "cold"), make_run(tmp_path, warm, "warm")])
+    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+    model = predict(both, layout, CAL).model
+    sweep = stage_sweep(model, layout, 0, 5000)  # one layer's activation_bytes in the rows
+    assert [op.name for op in sweep] == [
+        "embedding",
+        *["transformer_layer"] * 4,
+        "final_layernorm",
+        "output_layer",
+    ]
+    assert sweep[1].weights == sweep[1].grads == LAYER_PARAMS * 4 and sweep[1].activations == 5000
+    # a shared cache that holds what the embedding and two layers touch: layers 0-2's forwards are warm
+    room = sweep[0].footprint + 2 * sweep[1].footprint
+    cal = {**CAL, "warm_cache_bytes": 1024, "shared_cache_bytes": room}
+    assert warm_visits(sweep, CacheSizes(1024, room))[("transformer_layer", "forward")] == 3
+    pred = predict(both, layout, cal)
+    layer = pred.stages[0].items[0][2]
+    assert layer.seconds == pytest.approx((3 * 1000 + 1 * 1500) / 4 * US)
+    assert "3 of 4 visits per micro-batch with the data cached" in layer.source.detail
+    assert "of 14 op visits per micro-batch find their data" in pred.to_json()["cache"]  # 7 ops x 2 phases
+    assert not any("cache" in w for w in pred.warnings)
+
+
 def test_memory_terms(tmp_path):
     runs = load_runs([make_run(tmp_path, base_rows())])
     pred = predict(

@@ -13,7 +13,7 @@ change how the rows are combined, not the rows, so many layouts share a need. Th
    different micro-batch sizes becomes one run per distinct set, and no run measures a point nobody
    needs;
 3. writes each run as a command (:meth:`Run.argv`), with the cache mode the step runs its ops in
-   (``timing.flush_cache``, cold by default: autotuner.predict.timing.wants_cold_cache):
+   (``timing.flush_cache``, cold by default: autotuner.predict.timing.cache_plan):
    ``python -m autotuner.main`` for one process,
    ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. N is the least number
    of processes the run's parallel sizes fit: the least common multiple of tp and ep (the profiler

@@ -25,17 +25,19 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.predict.inputs import Measurements, Missing, ModelShape
 from autotuner.predict.layout import Figure, Layout, Source
-from autotuner.predict.memory import StageMemory, stage_memory
+from autotuner.predict.memory import StageMemory, layer_activation, stage_memory
 from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import (
     OVERLAP,
     PHASES,
+    CacheSizes,
     StageTime,
     StepTime,
     TimeModel,
+    cache_plan,
+    stage_sweep,
     stage_times,
     step_time,
-    wants_cold_cache,
 )
 from autotuner.results import load_rows
 from autotuner.results.calibration import load as load_calibration
@@ -118,6 +120,7 @@ class Prediction:
     missing: list[dict[str, Any]]
     plan: Plan | None = None
     warnings: list[str] = field(default_factory=list)
+    cache_note: str = ""  # which visits took warm rows, which flushed (autotuner.predict.timing.cache_plan)
 
     @property
     def step_seconds(self) -> float:
@@ -152,6 +155,7 @@ class Prediction:
                 "overlap": OVERLAP,
             },
             "tp_collectives": self.tp_note,
+            "cache": self.cache_note,
             "memory": [m.to_json() for m in self.memory],
             "mfu": self.mfu.to_json() if self.mfu else None,
             "mfu_note": self.mfu_note,
@@ -171,7 +175,7 @@ def _memory(
 def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing], cold: bool = True) -> Plan:
     """The profiling runs (autotuner.predict.plan) that would measure every figure not measured at the
     layout's point and TP: one need per (point, tp), in the layout's dtype, with the caches ``cold`` or
-    warm as the step runs its ops (autotuner.predict.timing.wants_cold_cache)."""
+    warm as the step runs its ops (autotuner.predict.timing.cache_plan)."""
     needs = {
         Need(
             model.case,
@@ -219,19 +223,31 @@ def predict(
         warnings.simplefilter("always")
         # the memory first (no cache mode changes it): the rows wanted depend on whether it fits the cache
         single = Measurements(runs.rows, layout.dtype, ep=1) if layout.ep > 1 else None
-        memory = _memory(Measurements(runs.rows, layout.dtype, ep=layout.ep), model, layout, single)
-        cold, why = wants_cold_cache(max(m.total for m in memory), calibration)
-        meas = Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep)
-        if layout.ep > 1:
-            single = Measurements(runs.rows, layout.dtype, cold=cold, ep=1)
-        tm = TimeModel(meas, model, layout, calibration, without_ep=single)
-        tm.set_cache_mode(cold, why)
-        stages = stage_times(tm, [m.params.value for m in memory])
+        any_ep = Measurements(runs.rows, layout.dtype, ep=layout.ep)
+        memory = _memory(any_ep, model, layout, single)
+        activations = layer_activation(any_ep, model, layout, single).value
+        sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
+        warm, wants_warm, wants_cold, why = cache_plan(sweeps, CacheSizes.from_calibration(calibration))
+
+        def time_model(cold: bool) -> TimeModel:
+            """The rows of one cache mode preferred (the other's stand in, with a warning)."""
+            meas = Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep)
+            ep1 = Measurements(runs.rows, layout.dtype, cold=cold, ep=1) if layout.ep > 1 else None
+            tm = TimeModel(meas, model, layout, calibration, without_ep=ep1)
+            tm.set_cache_mode(cold, why)
+            return tm
+
+        cold = wants_cold or not wants_warm
+        tm = time_model(cold)
+        meas = tm.meas
+        warm_tm = time_model(False) if cold and wants_warm else None
+        stages = stage_times(tm, [m.params.value for m in memory], warm_tm, warm)
         experts = model.stage_expert_params(layout.tp, layout.ep, layout.pp)
         step = step_time(tm, stages, [m.params.value for m in memory], [experts] * len(memory))
-    cache = tm.cache_warning()
+    models = [tm, *([warm_tm] if warm_tm else [])]
+    cache = [said for said in (t.cache_warning() for t in models) if said]
     notes = list(
-        dict.fromkeys([*tm.warnings, *(str(w.message) for w in caught), *([cache] if cache else [])])
+        dict.fromkeys([*(w for t in models for w in t.warnings), *(str(w.message) for w in caught), *cache])
     )
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
     profile = profiling_plan(model, layout, missing_items, cold)
@@ -293,6 +309,7 @@ def predict(
         missing=_missing(model, layout, missing_items, profile),
         plan=profile,
         warnings=notes,
+        cache_note=why,
     )
 
 
@@ -337,6 +354,7 @@ def render(pred: Prediction) -> str:
         f"  DP reduction   {_t(s.dp_reduction)}  [{s.dp_source.kind}] {s.dp_source.detail}",
         f"  optimizer      {_t(s.optimizer)}  [{s.optimizer_source.kind}] {s.optimizer_source.detail}",
         f"  TP collectives {pred.tp_note}",
+        f"  cache          {pred.cache_note}",
         f"tokens/s per GPU {pred.tokens_per_s_per_gpu.value:.4g}",
         f"MFU              {pred.mfu.value:.1%}  ({pred.mfu_note})"
         if pred.mfu

@@ -58,16 +58,28 @@ the GEMM: then this is zero.
 
 **Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
 times an op that finds its weights and inputs in the cache from its previous call; one measured with
-``timing.flush_cache=true`` starts each call with the caches evicted. Inside a step an op runs after every
-other op of the stage: its data is still where a warm row had it only if all the stage's data fits
-there. So the rows wanted are the cold ones when the memory the layout's GPU holds exceeds
-``warm_cache_bytes`` of the calibration (a GPU's L2; a CPU core's own L2, as the L3 a core shares is
-slower than where the warm row ran; without the entry, assumed exceeded, as for any real model), else
-the warm ones (:func:`wants_cold_cache`). Where the runs hold both, those win; where only the other
-kind, it is used and the prediction warns. Seen on this project's 2-core CPU (1 MiB L2 per core, 32 MiB
-shared L3), step predicted / measured with the cold rows and the warm rows: a llama-shaped model holding
-97 MiB, 0.99-1.07 and 0.85; the tiny model holding 6.7 MiB (its data in L3 inside the step), 1.05-1.12
-and 0.65-0.92: between the two, nearer the cold rows and steadier with them.
+``timing.flush_cache=true`` starts each call with the caches evicted. Inside a step an op finds its data
+again only if what the stage touched since its previous visit left it there. A micro-batch sweeps the
+stage's ops forward (embedding, layers, final norm, output layer), then backward in reverse, so a
+backward's previous visit is its own forward, with every op after it in between, and a forward's is the
+last micro-batch's backward, with every op before it in between (1F1B's steady state alternates a
+forward and a backward the same way; the interleaved schedule's chunks put more between, which this
+undercounts) (:func:`stage_sweep`, :func:`warm_visits`;
+the distinct bytes of an op are its weights, their fp32 main gradients and what its forward saves, from
+the model's sizes and the layer's measured ``activation_bytes``). A visit takes the op's warm row when
+those bytes fit the cache its warm row ran from: a core's own cache (calibration ``warm_cache_bytes``: a
+CPU core's L2, a GPU's L2) for an op that fits there, else the shared last-level cache
+(``shared_cache_bytes``: the L3 of a CPU; a GPU's L2 again), and never for an op larger than that; other
+visits take its flushed row, and an op visited both ways (the layers of a stage) the mean of the two by
+its visits (:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The
+rule is LRU-like and ignores that a cache keeps some of a larger working set; it is what the
+measurements showed on this project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped
+model's layers, timed by hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward,
+their warm rows 2.82 and 4.30, their flushed rows 4.07 and 5.72, while the rule puts 3 of 4 layer visits
+(and the output layer's backward, right after its forward) warm; a tiny model whose ops fit the 1 MiB L2
+(their warm rows ran there) but whose step runs from the L3 takes its flushed rows (flushed 1.05-1.12 of
+its step, warm 0.65-0.92). On a GPU a layer of a real model exceeds the L2 and takes its flushed row.
+Where the runs hold only one kind of row, it stands in for the other and the prediction warns.
 
 **The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
 section 2.2): 1F1B with m micro-batches on p stages takes (m + p - 1) x (t_f + t_b) of the slowest stage,
@@ -102,6 +114,7 @@ from autotuner.predict.inputs import (
 )
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
+from autotuner.predict.memory import GRAD_BYTES
 from autotuner.results.calibration import ADAM_TOGETHER, link_key
 
 PHASES = ("forward", "backward")
@@ -242,7 +255,7 @@ class TimeModel:
         return ASSUMED_MEMORY_BANDWIDTH, f"ASSUMED memory bandwidth {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s"
 
     def set_cache_mode(self, cold: bool, reason: str) -> None:
-        """Which rows the step wants (:func:`wants_cold_cache`); ``meas`` should prefer them."""
+        """Which rows this model stands for (:func:`cache_plan`); ``meas`` should prefer them."""
         self.cold, self.cache_reason = cold, reason
         self.other_cache_rows.clear()
 
@@ -509,18 +522,120 @@ class TimeModel:
         )
 
 
-def wants_cold_cache(footprint_bytes: float, calibration: Mapping[str, Any] | None) -> tuple[bool, str]:
-    """(cold rows wanted, why): cold when the memory a GPU holds in this layout exceeds the calibrated
-    ``warm_cache_bytes`` (module docstring)."""
+@dataclass(frozen=True)
+class SweepOp:
+    """One op of a stage's sweep (module docstring, "Warm or cold caches") and the distinct bytes it
+    touches on one GPU per micro-batch: its weights, their fp32 main gradients (written in its
+    backward), and what its forward saves (the output layer: the logits)."""
+
+    name: str
+    weights: float
+    grads: float
+    activations: float
+
+    @property
+    def footprint(self) -> float:
+        return self.weights + self.grads + self.activations
+
+    def own(self, phase: str) -> float:
+        """The bytes one visit touches: its warm row's data."""
+        return self.weights + self.activations + (self.grads if phase == "backward" else 0.0)
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """``private``: the cache one core (or a GPU) has to itself, where a warm row of an op smaller than it
+    ran (calibration ``warm_cache_bytes``); ``shared``: the last-level cache, where a larger op's warm row
+    ran (``shared_cache_bytes``; a GPU's L2 is both)."""
+
+    private: float
+    shared: float
+
+    @classmethod
+    def from_calibration(cls, calibration: Mapping[str, Any] | None) -> CacheSizes | None:
+        warm = (calibration or {}).get("warm_cache_bytes")
+        if not warm:
+            return None
+        return cls(float(warm), float(max(warm, (calibration or {}).get("shared_cache_bytes") or warm)))
+
+
+def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations: float) -> list[SweepOp]:
+    """The ops one micro-batch visits on ``stage``'s GPU, in forward order, with their bytes (from the
+    model's sizes and one layer's saved activations per micro-batch, autotuner.predict.memory)."""
+    tp, per = layout.tp, layout.bytes_per_element
+    tokens = layout.seq_len * layout.micro_batch_size
+    table = model.vocab * model.hidden / tp
+    layer = model.layer_params_on_rank(tp, layout.ep)
+    ops = (
+        [SweepOp("embedding", table * per, table * GRAD_BYTES, tokens * model.hidden * per)]
+        if stage == 0
+        else []
+    )
+    per_stage = model.num_layers // layout.pp
+    ops += [SweepOp("transformer_layer", layer * per, layer * GRAD_BYTES, layer_activations)] * per_stage
+    if stage == layout.pp - 1:
+        norm = model.final_norm_params
+        ops.append(SweepOp("final_layernorm", norm * per, norm * GRAD_BYTES, tokens * model.hidden * per))
+        logits = tokens * model.vocab / tp * GRAD_BYTES  # fp32 for the loss
+        ops.append(SweepOp("output_layer", table * per, table * GRAD_BYTES, logits))
+    return ops
+
+
+def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[str, str], int]:
+    """{(op, phase): how many of its visits per micro-batch find their data where its warm row did}
+    (module docstring): the bytes touched since the op's previous visit (its backward's previous
+    visit is its forward; its forward's, the last micro-batch's backward) fit the cache the warm row ran
+    in. None of them without cache sizes (assumed exceeded), or for an op larger than the shared cache."""
+    found: dict[tuple[str, str], int] = {}
+    for i, op in enumerate(sweep):
+        for phase in PHASES:
+            between = sweep[:i] if phase == "forward" else sweep[i + 1 :]
+            distance = sum(other.footprint for other in between)
+            own = op.own(phase)
+            room = 0.0 if caches is None else caches.private if own <= caches.private else caches.shared
+            warm = caches is not None and own <= caches.shared and distance <= room
+            found[(op.name, phase)] = found.get((op.name, phase), 0) + int(warm)
+    return found
+
+
+def cache_plan(sweeps: list[list[SweepOp]], caches: CacheSizes | None) -> tuple[list[dict], bool, bool, str]:
+    """Per stage the warm visits (:func:`warm_visits`), whether any visit wants warm rows, any flushed
+    ones, and why, in words."""
     from autotuner.results.units import human_bytes
 
-    warm = (calibration or {}).get("warm_cache_bytes")
-    if not warm:
-        return True, "the calibration names no warm_cache_bytes: assumed the step's data exceeds the cache"
-    held, cache = human_bytes(footprint_bytes), human_bytes(warm)
-    if footprint_bytes > warm:
-        return True, f"the GPU holds {held} in this layout, more than the cache a warm row ran in ({cache})"
-    return False, f"the GPU holds {held} in this layout, within the cache a warm row ran in ({cache})"
+    plans = [warm_visits(sweep, caches) for sweep in sweeps]
+    visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
+    warm = sum(sum(plan.values()) for plan in plans)
+    if caches is None:
+        why = "the calibration names no warm_cache_bytes: assumed every op's data leaves the cache"
+    else:
+        why = (
+            f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
+            f"bytes touched since the op's last visit within the {human_bytes(caches.private)} private or "
+            f"{human_bytes(caches.shared)} shared cache it ran from)"
+        )
+    return plans, warm > 0, warm < visits, why
+
+
+def blend(warm: OpTime, cold: OpTime, warm_count: int, count: int) -> OpTime:
+    """An op visited ``count`` times per micro-batch, ``warm_count`` of them with its data cached: the
+    mean time per visit, from its warm and its flushed rows."""
+    share = warm_count / count
+    parts = {
+        k: share * warm.parts.get(k, 0.0) + (1 - share) * cold.parts.get(k, 0.0)
+        for k in dict.fromkeys([*warm.parts, *cold.parts])
+    }
+    detail = (
+        f"{warm_count} of {count} visits per micro-batch with the data cached: {warm.source.detail}; "
+        f"the other {count - warm_count} flushed: {cold.source.detail}"
+    )
+    return OpTime(
+        share * warm.seconds + (1 - share) * cold.seconds,
+        Source(worst_kind([warm.source, cold.source]), detail),
+        parts,
+        tuple(dict.fromkeys([*warm.missing, *cold.missing])),
+        cold.rows_tp,
+    )
 
 
 # ------------------------------------------------------------------------------------ stages and step
@@ -583,22 +698,38 @@ def pipeline_transfer(tm: TimeModel) -> OpTime:
     return OpTime(seconds, Source("modelled", detail), {"pp_p2p": seconds})
 
 
-def stage_times(tm: TimeModel, stage_params: list[float] | None = None) -> list[StageTime]:
+def stage_times(
+    tm: TimeModel,
+    stage_params: list[float] | None = None,
+    warm_tm: TimeModel | None = None,
+    warm: list[dict[tuple[str, str], int]] | None = None,
+) -> list[StageTime]:
     """Each stage's forward and backward per micro-batch (module docstring); ``stage_params``: the
-    parameters each stage's GPU holds, for the gradient accumulation."""
+    parameters each stage's GPU holds, for the gradient accumulation. With ``warm_tm`` (its rows the
+    warm ones, ``tm``'s the flushed ones) and ``warm``, each stage's warm visits (:func:`cache_plan`),
+    an op's visits that find their data cached take its warm rows, the others its flushed ones."""
     lay, model = tm.layout, tm.model
     per_stage = model.num_layers // lay.pp
     transfer = pipeline_transfer(tm) if lay.pp > 1 else None  # the same on every stage
     stages = []
     for index in range(lay.pp):
+
+        def visited(op: str, phase: str, count: int) -> tuple[str, str, OpTime, int]:
+            cached = warm[index].get((op, phase), 0) if warm_tm is not None and warm else 0  # noqa: B023
+            if cached == 0:
+                return op, phase, tm.op(op, phase), count
+            if cached == count:
+                return op, phase, warm_tm.op(op, phase), count  # type: ignore[union-attr]
+            return op, phase, blend(warm_tm.op(op, phase), tm.op(op, phase), cached, count), count  # type: ignore[union-attr]
+
         items: list[tuple[str, str, OpTime, int]] = []
         for phase in PHASES:
-            items.append(("transformer_layer", phase, tm.op("transformer_layer", phase), per_stage))
+            items.append(visited("transformer_layer", phase, per_stage))
             if index == 0:
-                items.append(("embedding", phase, tm.op("embedding", phase), 1))
+                items.append(visited("embedding", phase, 1))
             if index == lay.pp - 1:
-                items.append(("final_layernorm", phase, tm.op("final_layernorm", phase), 1))
-                items.append(("output_layer", phase, tm.op("output_layer", phase), 1))
+                items.append(visited("final_layernorm", phase, 1))
+                items.append(visited("output_layer", phase, 1))
         for name, phase, _, count in list(items):
             comm = tm.tp_collectives(name, phase)
             if comm is not None:

@@ -11,6 +11,7 @@ other accepts too. The file is plain JSON::
      "adam_seconds_per_parameter": <s>,                      optional: torch's Adam step per fp32
      "adam_parameters": <count>,                             parameter, and the count timed
      "warm_cache_bytes": <bytes>,                            optional: the GPU's L2, a CPU core's own
+     "shared_cache_bytes": <bytes>,                          optional: the last-level cache (CPU: L3)
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
      "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
@@ -82,7 +83,7 @@ def load(path: str | Path) -> dict[str, Any]:
             f'calibration file {path} needs peak_flops, FLOP/s per dtype ({{"fp32": 1e12, ...}}): {_FIX}'
         )
     # optional: a CPU has no host transfers; a file from before the optimizer was timed has no Adam rate
-    optional = (*TRANSFER_CEILINGS, "adam_seconds_per_parameter", "warm_cache_bytes")
+    optional = (*TRANSFER_CEILINGS, "adam_seconds_per_parameter", "warm_cache_bytes", "shared_cache_bytes")
     given = [k for k in optional if k in data]
     wrong = [k for k in ("memory_bandwidth", *given) if not _rate(data.get(k))]
     if wrong:
