@@ -13,16 +13,19 @@ processes are calibrated once (python -m autotuner.calibrate, and --collectives 
 Adam step's time per parameter, alone and with both processes at it, the pipeline's transfers and the
 gradients' all-reduce, the caches a warm row runs in, the memory bandwidth of modelled figures). The predictor
 predicts the step (autotuner.predict), and the real steps run (autotuner.predict.steps: the whole
-GPTModel, Megatron-Core's schedule, Adam). Each round profiles, predicts and measures afresh, so the
-ratio's spread over rounds is printed beside its median, with two A/A controls: the measured step's IQR
-over its timed steps, and, over the rounds, the largest over the smallest of the predicted step (each
-from fresh profiles: how far the op rows move between processes) and of the measured step (each in
-fresh processes). Layouts: TP=1, TP=2 (torchrun, gloo), PP=2 (Megatron's 1F1B over gloo; with two
-model chunks per rank, its interleaved schedule, for the 4-layer model) and DP=2 (the gradients
-all-reduced after the backward; for the 4-layer model also with the distributed optimizer: reduce-
-scattered, each rank's Adam on its half, the parameters all-gathered) for the dense models, DP=2 with
-EP=2 for the MoE one; 4
-micro-batches per data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak
+GPTModel, Megatron-Core's schedule, Adam). Each round measures the steps, profiles, predicts and
+measures the steps again, afresh, so the ratio's spread over rounds is printed beside its median; the
+measured step of a round is the mean of the steps before and after its profiles (bracketing the
+machine's drift while the round ran). With three A/A controls: the measured step's IQR over its timed
+steps; over the rounds, the largest over the smallest of the predicted step (each from fresh profiles:
+how far the op rows move between processes) and of the measured step (each in fresh processes); and
+in each round the steps after over the steps before (``drift``), with the median ratio of the rounds
+whose drift stayed within DRIFT_CALM ("calm rounds", their count in brackets). Layouts: TP=1, TP=2
+(torchrun, gloo), PP=2 (Megatron's 1F1B over gloo; with two model chunks per rank, its interleaved
+schedule, for the 4-layer model) and DP=2 (the gradients all-reduced after the backward; for the
+4-layer model also with the distributed optimizer: reduce-scattered, each rank's Adam on its half, the
+parameters all-gathered) for the dense models, DP=2 with EP=2 for the MoE one; 4 micro-batches per
+data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak
 memory.
 """
 
@@ -43,6 +46,7 @@ from typing import Any
 from autotuner.main import run
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import load_calibration_for, load_runs, predict
+from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
 
 CASES = {
@@ -76,6 +80,8 @@ DEFAULT = {
     "llama_small": ("tp1", "tp2", "pp2", "vpp2", "dp2", "dp2zero"),  # 4 layers: 2 stages of 2 chunks
     "tiny_moe": ("ep2",),
 }
+# A round whose steps after the profiles ran within this fraction of the same steps before them.
+DRIFT_CALM = 0.05
 # What a stage is made of (autotuner.predict.timing): each measured whole, at the layout's point.
 STAGE_OPS = ("embedding", "transformer_layer", "final_layernorm", "output_layer")
 
@@ -126,21 +132,25 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> t
     layout = Layout(
         seq_len=SEQ, micro_batch_size=MBS, global_batch_size=MBS * MICROBATCHES * dp, dtype="fp32", **parallel
     )
+    steps_args = (case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus), "device=cpu"])
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
+        # the steps before the profiles and (validate) after them: the machine's drift over the round
+        before = run_steps(*steps_args, layout, Path(folder) / "before.json", repeats=repeats).step_s
         run_dirs = [Path(folder) / mode for mode in ("warm", "cold")]
         for run_dir in run_dirs:
             profile(case, layout, run_dir, calibration, run_dir.name == "cold")
         runs = load_runs(run_dirs)
         pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
-        share = cpu_share(layout.gpus)
-        checked = validate(pred, case[0].split("=", 1)[1], [*case[1:], *share, "device=cpu"], repeats=repeats)
+        checked = validate(pred, *steps_args, repeats=repeats)
+    bracket = (before + checked.measured_step_s) / 2
     return (
-        checked.step_error + 1,
+        checked.predicted_step_s / bracket,
         checked.memory_error + 1,
         checked.measured_step_iqr_s / checked.measured_step_s,
         checked.predicted_step_s,
-        checked.measured_step_s,
+        bracket,
         checked.phases,
+        checked.measured_step_s / before,
     )
 
 
@@ -177,11 +187,13 @@ def main() -> int:
             "step IQR/median",
             "A/A pred",
             "A/A meas",
+            "drift",
+            "calm rounds",
             "phases pred/meas ms: fwd-bwd, DP comm, Adam",
         )
         print(
             f"{header[0]:12} {header[1]:7} {header[2]:>22} {header[3]:>22} {header[4]:>16} {header[5]:>9} "
-            f"{header[6]:>9}  {header[7]}"
+            f"{header[6]:>9} {header[7]:>13} {header[8]:>14}  {header[9]}"
         )
         worst = 0.0
         for name in args.cases.split(","):
@@ -203,9 +215,14 @@ def main() -> int:
                     f"{statistics.median(r[5][i][2] for r in results) * 1e3:.3g}"
                     for i in range(len(results[0][5]))
                 )
+                # the same steps after the profiles over before them, each round: how far the machine
+                # moved while the round ran; the rounds within DRIFT_CALM of 1 judge the step alone
+                drift = [r[6] for r in results]
+                calm = [r[0] for r in results if abs(r[6] - 1) <= DRIFT_CALM]
+                calm_said = f"{statistics.median(calm):.3f} ({len(calm)})" if calm else "none"
                 print(
                     f"{name:12} {layout_name:7} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
-                    f"{aa_meas:9.3f}  {phases}"
+                    f"{aa_meas:9.3f} {min(drift):6.3f}-{max(drift):.3f} {calm_said:>14}  {phases}"
                 )
         verdict = "met" if worst <= 0.05 else "not met"
         print(f"worst |median ratio - 1|: {worst:.3f} (target 0.05: {verdict})")
