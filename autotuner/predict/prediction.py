@@ -221,11 +221,12 @@ def predict(
     layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # the memory first (no cache mode changes it): the rows wanted depend on whether it fits the cache
+        # the memory first (no cache mode changes it); which rows each visit of an op wants follows from
+        # the bytes of the stage's ops (autotuner.predict.timing.cache_plan)
         single = Measurements(runs.rows, layout.dtype, ep=1) if layout.ep > 1 else None
-        any_ep = Measurements(runs.rows, layout.dtype, ep=layout.ep)
-        memory = _memory(any_ep, model, layout, single)
-        activations = layer_activation(any_ep, model, layout, single).value
+        either_cache = Measurements(runs.rows, layout.dtype, ep=layout.ep)
+        memory = _memory(either_cache, model, layout, single)
+        activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
         warm, wants_warm, wants_cold, why = cache_plan(sweeps, CacheSizes.from_calibration(calibration))
 

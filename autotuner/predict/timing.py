@@ -64,9 +64,9 @@ stage's ops forward (embedding, layers, final norm, output layer), then backward
 backward's previous visit is its own forward, with every op after it in between, and a forward's is the
 last micro-batch's backward, with every op before it in between (1F1B's steady state alternates a
 forward and a backward the same way; the interleaved schedule's chunks put more between, which this
-undercounts) (:func:`stage_sweep`, :func:`warm_visits`;
-the distinct bytes of an op are its weights, their fp32 main gradients and what its forward saves, from
-the model's sizes and the layer's measured ``activation_bytes``). A visit takes the op's warm row when
+undercounts). The distinct bytes of an op are its weights, their fp32 main gradients and what its
+forward saves, from the model's sizes and the layer's measured ``activation_bytes`` (:func:`stage_sweep`,
+:func:`warm_visits`). A visit takes the op's warm row when
 those bytes fit the cache its warm row ran from: a core's own cache (calibration ``warm_cache_bytes``: a
 CPU core's L2, a GPU's L2) for an op that fits there, else the shared last-level cache
 (``shared_cache_bytes``: the L3 of a CPU; a GPU's L2 again), and never for an op larger than that; other
@@ -76,9 +76,11 @@ rule is LRU-like and ignores that a cache keeps some of a larger working set; it
 measurements showed on this project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped
 model's layers, timed by hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward,
 their warm rows 2.82 and 4.30, their flushed rows 4.07 and 5.72, while the rule puts 3 of 4 layer visits
-(and the output layer's backward, right after its forward) warm; a tiny model whose ops fit the 1 MiB L2
-(their warm rows ran there) but whose step runs from the L3 takes its flushed rows (flushed 1.05-1.12 of
-its step, warm 0.65-0.92). On a GPU a layer of a real model exceeds the L2 and takes its flushed row.
+(and the output layer's backward, right after its forward) warm; the tiny model's layers took 1.27-1.46
+and 1.24 ms against warm rows of 1.18 and 1.24 and flushed ones of 2.06 and 1.61. The stage-wide choice
+this replaced took the flushed rows for both (their memory exceeds a core's L2) and over-predicted the
+llama-shaped forward-backward by 6-25%. On a GPU a real model's layer exceeds the L2 and takes its
+flushed row.
 Where the runs hold only one kind of row, it stands in for the other and the prediction warns.
 
 **The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
