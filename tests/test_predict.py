@@ -272,6 +272,8 @@ def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
     assert layer.seconds == pytest.approx((3 * 1000 + 1 * 1500) / 4 * US)
     assert "3 of 4 visits per micro-batch with the data cached" in layer.source.detail
     assert "of 14 op visits per micro-batch find their data" in pred.to_json()["cache"]  # 7 ops x 2 phases
+    older = predict(both, layout, {**CAL, "warm_cache_bytes": 1024})  # a calibration from before the L3
+    assert "names no shared_cache_bytes" in older.cache_note and "0 of 14" in older.cache_note
     assert not any("cache" in w for w in pred.warnings)
 
 

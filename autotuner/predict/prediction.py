@@ -229,6 +229,8 @@ def predict(
         activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
         warm, wants_warm, wants_cold, why = cache_plan(sweeps, CacheSizes.from_calibration(calibration))
+        if (calibration or {}).get("warm_cache_bytes") and not (calibration or {}).get("shared_cache_bytes"):
+            why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"
 
         def time_model(cold: bool) -> TimeModel:
             """The rows of one cache mode preferred (the other's stand in, with a warning)."""
