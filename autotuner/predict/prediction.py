@@ -30,7 +30,6 @@ from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import (
     OVERLAP,
     PHASES,
-    CacheSizes,
     StageTime,
     StepTime,
     TimeModel,
@@ -228,9 +227,7 @@ def predict(
         memory = _memory(either_cache, model, layout, single)
         activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
-        warm, wants_warm, wants_cold, why = cache_plan(sweeps, CacheSizes.from_calibration(calibration))
-        if (calibration or {}).get("warm_cache_bytes") and not (calibration or {}).get("shared_cache_bytes"):
-            why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"
+        warm, wants_warm, wants_cold, why = cache_plan(sweeps, calibration)
 
         def time_model(cold: bool) -> TimeModel:
             """The rows of one cache mode preferred (the other's stand in, with a warning)."""

@@ -140,10 +140,14 @@ class StepMeasurement:
     schedule: str  # the Megatron-Core schedule get_forward_backward_func chose
     ranks: tuple[RankSteps, ...]
 
+    @property
+    def _timed_steps(self) -> range:
+        """The indices of the timed steps (after the warm-up steps and the metered one)."""
+        return range(self.warmup + 1, self.warmup + 1 + self.repeats)
+
     def _timed(self, per_rank: Callable[[RankSteps], tuple[float, ...]]) -> list[float]:
         """Per timed step, the slowest rank's time."""
-        first = self.warmup + 1
-        return [max(per_rank(r)[i] for r in self.ranks) for i in range(first, first + self.repeats)]
+        return [max(per_rank(r)[i] for r in self.ranks) for i in self._timed_steps]
 
     @property
     def step_times_s(self) -> list[float]:
@@ -171,10 +175,10 @@ class StepMeasurement:
         others waited for. A rank done earlier spends that wait inside its first collective (the DP
         reduction's clock starts at its own backward's end), so its reduction time holds the other's
         backward; the slowest rank's holds the collective alone."""
-        first = self.warmup + 1
-        steps = range(first, first + self.repeats)
-        critical = [max(self.ranks, key=lambda r: r.forward_backward_s[i]) for i in steps]
-        return [per_rank(r)[i] for r, i in zip(critical, steps, strict=True)]
+        return [
+            per_rank(max(self.ranks, key=lambda r: r.forward_backward_s[i]))[i]  # noqa: B023 - used at once
+            for i in self._timed_steps
+        ]
 
     @property
     def forward_backward_s(self) -> float:

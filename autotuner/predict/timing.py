@@ -100,6 +100,7 @@ dtype. Nothing is assumed to overlap: the step time is an upper bound, and the t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -588,23 +589,27 @@ def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[s
     (module docstring): the bytes touched since the op's previous visit (its backward's previous
     visit is its forward; its forward's, the last micro-batch's backward) fit the cache the warm row ran
     in. None of them without cache sizes (assumed exceeded), or for an op larger than the shared cache."""
-    found: dict[tuple[str, str], int] = {}
+    found = {(op.name, phase): 0 for op in sweep for phase in PHASES}
+    if caches is None:
+        return found
+    before = [0.0, *itertools.accumulate(op.footprint for op in sweep)]  # bytes of the ops before each
     for i, op in enumerate(sweep):
         for phase in PHASES:
-            between = sweep[:i] if phase == "forward" else sweep[i + 1 :]
-            distance = sum(other.footprint for other in between)
+            distance = before[i] if phase == "forward" else before[-1] - before[i + 1]
             own = op.own(phase)
-            room = 0.0 if caches is None else caches.private if own <= caches.private else caches.shared
-            warm = caches is not None and own <= caches.shared and distance <= room
-            found[(op.name, phase)] = found.get((op.name, phase), 0) + int(warm)
+            room = caches.private if own <= caches.private else caches.shared
+            found[(op.name, phase)] += int(own <= caches.shared and distance <= room)
     return found
 
 
-def cache_plan(sweeps: list[list[SweepOp]], caches: CacheSizes | None) -> tuple[list[dict], bool, bool, str]:
-    """Per stage the warm visits (:func:`warm_visits`), whether any visit wants warm rows, any flushed
-    ones, and why, in words."""
+def cache_plan(
+    sweeps: list[list[SweepOp]], calibration: Mapping[str, Any] | None
+) -> tuple[list[dict], bool, bool, str]:
+    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes, whether any
+    visit wants warm rows, any flushed ones, and why, in words."""
     from autotuner.results.units import human_bytes
 
+    caches = CacheSizes.from_calibration(calibration)
     plans = [warm_visits(sweep, caches) for sweep in sweeps]
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)
@@ -616,6 +621,8 @@ def cache_plan(sweeps: list[list[SweepOp]], caches: CacheSizes | None) -> tuple[
             f"bytes touched since the op's last visit within the {human_bytes(caches.private)} private or "
             f"{human_bytes(caches.shared)} shared cache it ran from)"
         )
+        if not (calibration or {}).get("shared_cache_bytes"):
+            why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"
     return plans, warm > 0, warm < visits, why
 
 
@@ -715,14 +722,15 @@ def stage_times(
     transfer = pipeline_transfer(tm) if lay.pp > 1 else None  # the same on every stage
     stages = []
     for index in range(lay.pp):
+        plan = warm[index] if warm_tm is not None and warm else {}
 
-        def visited(op: str, phase: str, count: int) -> tuple[str, str, OpTime, int]:
-            cached = warm[index].get((op, phase), 0) if warm_tm is not None and warm else 0  # noqa: B023
-            if cached == 0:
+        def visited(op: str, phase: str, count: int, plan: dict = plan) -> tuple[str, str, OpTime, int]:
+            cached = plan.get((op, phase), 0)
+            if warm_tm is None or cached == 0:
                 return op, phase, tm.op(op, phase), count
             if cached == count:
-                return op, phase, warm_tm.op(op, phase), count  # type: ignore[union-attr]
-            return op, phase, blend(warm_tm.op(op, phase), tm.op(op, phase), cached, count), count  # type: ignore[union-attr]
+                return op, phase, warm_tm.op(op, phase), count
+            return op, phase, blend(warm_tm.op(op, phase), tm.op(op, phase), cached, count), count
 
         items: list[tuple[str, str, OpTime, int]] = []
         for phase in PHASES:
