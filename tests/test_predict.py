@@ -179,6 +179,13 @@ def test_gradient_accumulation_per_micro_batch_unless_fused(tmp_path, monkeypatc
     acc = {n: (t, c) for n, _, t, c in pred.stages[0].items}["grad_accumulation"]
     assert acc[0].seconds == pytest.approx(accumulation(params)) and acc[1] == 1
     assert pred.step.pipeline == pytest.approx(3 * pred.stages[0].total)
+    assert acc[0].source.kind == "modelled" and "did not time it" in acc[0].source.detail
+    # the calibration's timed add for the model's dtype, where it has one
+    timed_cal = {**CAL, "grad_accumulation_seconds_per_parameter": {"fp32": 5e-12, "bf16": 7e-12}}
+    timed = predict(load_runs([make_run(tmp_path, base_rows(), "timed", timed_cal)]), layout, timed_cal)
+    acc = {n: t for n, _, t, c in timed.stages[0].items}["grad_accumulation"]
+    assert acc.seconds == pytest.approx(5e-12 * params) and acc.source.kind == "scaled"
+    assert "timed by autotuner.calibrate" in acc.source.detail
     monkeypatch.setitem(TC, "gradient_accumulation_fusion", True)
     fused = predict(load_runs([make_run(tmp_path, base_rows(), "fused")]), layout, CAL)
     assert "grad_accumulation" not in [n for n, *_ in fused.stages[0].items]
@@ -436,7 +443,7 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
 def test_calibration_times_adam_per_parameter_and_checks_the_new_entries(tmp_path):
     import torch
 
-    from autotuner.calibrate import ADAM_LAYERS, adam_step_seconds
+    from autotuner.calibrate import ADAM_LAYERS, MATMUL_SIZE, adam_step_seconds, grad_accumulation_seconds
     from autotuner.errors import UserError
     from autotuner.measure.timer import SamplingPolicy
     from autotuner.results.calibration import load
@@ -447,10 +454,25 @@ def test_calibration_times_adam_per_parameter_and_checks_the_new_entries(tmp_pat
     assert count == layers * (3 * h * h + h * h + 2 * f * h + h * f)
     # an Adam step reads and writes at least 28 B per fp32 parameter: not faster than the copy ceiling
     assert 28 * count / 1e12 < seconds < 60.0
-    good = {**CAL, "adam_seconds_per_parameter": seconds / count, "warm_cache_bytes": 2**25}
+    nbytes = 2**24
+    added = grad_accumulation_seconds(torch.device("cpu"), policy, nbytes)
+    assert set(added) == set(MATMUL_SIZE["cpu"])
+    # reading the gradient and reading and writing the fp32 one: at least 10 B a parameter, not above 1 TB/s
+    assert all(10 / 1e12 < rate < 1e-6 for rate in added.values()), added
+    good = {
+        **CAL,
+        "adam_seconds_per_parameter": seconds / count,
+        "warm_cache_bytes": 2**25,
+        "grad_accumulation_seconds_per_parameter": added,
+    }
     (tmp_path / "good.json").write_text(json.dumps(good))
     assert load(tmp_path / "good.json")["adam_seconds_per_parameter"] == pytest.approx(seconds / count)
-    for key, value in (("adam_seconds_per_parameter", -1), ("warm_cache_bytes", "big")):
+    for key, value in (
+        ("adam_seconds_per_parameter", -1),
+        ("warm_cache_bytes", "big"),
+        ("grad_accumulation_seconds_per_parameter", {"bf16": 0}),
+        ("grad_accumulation_seconds_per_parameter", 3e-12),
+    ):
         (tmp_path / "bad.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(UserError, match=key):
             load(tmp_path / "bad.json")

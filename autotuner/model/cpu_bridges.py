@@ -19,7 +19,10 @@ tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
    then calls ``router_gating_linear``, whose autograd function names Transformer-Engine's GEMM and
    raises NameError without it. For a weight on the CPU the bridge computes what that function computes,
    the logits ``input @ weight.T (+ bias)`` in the router's dtype, with ``F.linear`` (autograd gives the
-   same gradients); a CUDA weight takes Megatron's own path.
+   same gradients). A CUDA weight takes Megatron's own path where ``moe_utils`` has that GEMM's name
+   (Transformer-Engine imported, or a Megatron that binds it to None without); on 0.16.1 without
+   Transformer-Engine it has not, and a GPU run needs the bridge too (seen on an H200: every MoE op
+   failed with ``NameError: te_general_gemm``).
 5. Multi-Latent Attention builds its own ``RotaryEmbedding``/``YarnRotaryEmbedding`` without
    ``use_cpu_initialization``, so their constructors make ``inv_freq`` on ``torch.cuda.current_device()``,
    and the YaRN one moves its tables there on every forward: the bridge makes both the run's device (the
@@ -106,10 +109,17 @@ def _on_device_of(tensor: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return bridge
 
 
+def _megatron_gating_runs() -> bool:
+    """Whether Megatron's ``router_gating_linear`` can run: its module binds ``te_general_gemm``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return "te_general_gemm" in vars(moe_utils)
+
+
 def _gating(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def bridged(self: Any, input: torch.Tensor) -> torch.Tensor:
-        if self.weight.device.type == "cuda":
+        if self.weight.device.type == "cuda" and _megatron_gating_runs():
             return original(self, input)
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)

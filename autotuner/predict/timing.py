@@ -52,7 +52,10 @@ schedule a stage holds vpp model chunks and each chunk exchanges its micro-batch
 The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
 batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
 into ``main_grad``): per micro-batch one pass over the stage's parameters, reading the new gradient and
-the kept fp32 one and writing it back, over the calibrated memory bandwidth (``grad_accumulation``).
+the kept fp32 one and writing it back (``grad_accumulation``): the calibration's timed rate for the
+model's dtype (``grad_accumulation_seconds_per_parameter``) x the stage's parameters, else those bytes
+over the calibrated memory bandwidth, which undercounts a bf16 gradient's add (on an H200 it ran at 0.64x
+the copy rate, and a Llama-2-7B layer's backward inside a real step was its row + that add's time).
 Megatron's ``gradient_accumulation_fusion`` (its fused weight-gradient GEMM on GPUs) accumulates inside
 the GEMM: then this is zero.
 
@@ -118,7 +121,7 @@ from autotuner.predict.inputs import (
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 from autotuner.predict.memory import GRAD_BYTES
-from autotuner.results.calibration import ADAM_TOGETHER, link_key
+from autotuner.results.calibration import ADAM_TOGETHER, GRAD_ACCUMULATION, link_key
 
 PHASES = ("forward", "backward")
 ATTENTION_OPS = frozenset({"core_attention"})
@@ -684,12 +687,23 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     (module docstring); None under Megatron's gradient_accumulation_fusion."""
     if tm.model.config.get("gradient_accumulation_fusion"):
         return None
+    dtype = tm.layout.dtype
+    what = f"each micro-batch's {dtype} weight gradients added into the kept fp32 gradients"
+    rate = (tm.calibration.get(GRAD_ACCUMULATION) or {}).get(dtype)
+    if rate:
+        seconds = rate * params
+        detail = (
+            f"{what}, timed by autotuner.calibrate: {rate * 1e12:.4g} ps per parameter x {params:.4g} "
+            f"params = {seconds:.4g} s (none with gradient_accumulation_fusion)"
+        )
+        return OpTime(seconds, Source("scaled", detail), {"grad_accumulation": seconds})
     bw, said = tm.memory_bandwidth()
     per_param = tm.layout.bytes_per_element + 8  # read the new gradient, read and write the fp32 one
     nbytes = per_param * params
     detail = (
-        f"each micro-batch's weight gradients added into the kept fp32 gradients: {per_param} B x "
-        f"{params:.4g} params = {nbytes:.4g} B / {said} (none with gradient_accumulation_fusion)"
+        f"{what}: {per_param} B x {params:.4g} params = {nbytes:.4g} B / {said} (none with "
+        "gradient_accumulation_fusion; the calibration did not time it, python -m autotuner.calibrate does: "
+        "a bf16 gradient's add ran at 0.64x the copy rate on an H200)"
     )
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
 

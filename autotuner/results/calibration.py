@@ -10,6 +10,8 @@ other accepts too. The file is plain JSON::
      "h2d_pinned": <bytes/s>, ...,                           on a GPU, the host-transfer ceilings
      "adam_seconds_per_parameter": <s>,                      optional: torch's Adam step per fp32
      "adam_parameters": <count>,                             parameter, and the count timed
+     "grad_accumulation_seconds_per_parameter": {"bf16": <s>, ...},  optional: a gradient of that
+                                                             dtype added into an fp32 one, per parameter
      "warm_cache_bytes": <bytes>,                            optional: the GPU's L2, a CPU core's own
      "shared_cache_bytes": <bytes>,                          optional: the last-level cache (CPU: L3)
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
@@ -49,6 +51,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
 # Per-link entries besides the bandwidths (the same "<backend>:<world>" keys, positive numbers).
 ADAM_TOGETHER = "adam_seconds_per_parameter_together"
+# Per gradient dtype ("fp32", "bf16", ...): seconds per parameter of adding it into an fp32 gradient.
+GRAD_ACCUMULATION = "grad_accumulation_seconds_per_parameter"
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
 _LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
@@ -90,6 +94,14 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
             f"seconds per parameter): {_FIX}"
+        )
+    accumulation = data.get(GRAD_ACCUMULATION, {})
+    if not isinstance(accumulation, dict) or not all(
+        isinstance(k, str) and _rate(v) for k, v in accumulation.items()
+    ):
+        raise UserError(
+            f'calibration file {path} has a bad {GRAD_ACCUMULATION}: it needs {{"<dtype>": <seconds per '
+            f'parameter>, ...}} with positive numbers (e.g. {{"bf16": 3.7e-12}}): {_FIX}'
         )
     for key in PER_LINK_KEYS:
         links = data.get(key, {})
