@@ -26,7 +26,8 @@ schedule, for the 4-layer model) and DP=2 (the gradients all-reduced after the b
 4-layer model also with the distributed optimizer: reduce-scattered, each rank's Adam on its half, the
 parameters all-gathered) for the dense models, DP=2 with EP=2 for the MoE one; 4 micro-batches per
 data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak
-memory.
+memory. Under each case and layout, the ops inside the forward-backward: each hooked op's predicted time
+per visit / its time inside the measured steps (autotuner.predict.in_step), medians over the rounds.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path) -> t
         bracket,
         checked.phases,
         checked.measured_step_s / before,
+        checked.in_step,
     )
 
 
@@ -224,6 +226,16 @@ def main() -> int:
                     f"{name:12} {layout_name:7} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
                     f"{aa_meas:9.3f} {min(drift):6.3f}-{max(drift):.3f} {calm_said:>14}  {phases}"
                 )
+                # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
+                inside = {}
+                for r in results:
+                    for stage, what, predicted, measured, _ in r[7]:
+                        inside.setdefault((stage, what), []).append((predicted, measured))
+                for (stage, what), pairs in inside.items():
+                    pred_ms = statistics.median(p for p, _ in pairs) * 1e3
+                    meas_ms = statistics.median(m for _, m in pairs) * 1e3
+                    ratio = pred_ms / meas_ms
+                    print(f"{'':21} stage {stage} {what:27} {pred_ms:8.3f} / {meas_ms:8.3f} ms  {ratio:6.3f}")
         verdict = "met" if worst <= 0.05 else "not met"
         print(f"worst |median ratio - 1|: {worst:.3f} (target 0.05: {verdict})")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autotuner.errors import UserError
+from autotuner.predict.in_step import IN_STEP_KEYS
 from autotuner.predict.layout import Layout
 from autotuner.predict.steps import RankSteps, StepMeasurement, measure_steps, run_steps
 from benchmarks.predict_accuracy import CASES
@@ -59,6 +60,14 @@ def test_a_single_process_step_is_a_real_training_step(single):
     assert len(losses) == single.warmup + 1 + single.repeats
     assert all(later < earlier for earlier, later in zip(losses, losses[1:], strict=False)), losses
     assert losses[-1] < losses[0] - 0.05, losses
+    # each op's time per visit inside the steps (module hooks): every hooked op of the model, and the
+    # layers, norms, embedding and head inside the stage's forward (tiny: 2 layers)
+    inside = single.in_step(0)
+    assert set(inside) == set(IN_STEP_KEYS) and all(seconds > 0 for seconds in inside.values())
+    parts = inside["embedding.forward"] + 2 * inside["transformer_layer.forward"]
+    parts += inside["final_layernorm.forward"] + inside["output_layer.forward"]
+    assert 0.5 * inside["stage.forward"] < parts < 1.2 * inside["stage.forward"], inside
+    assert 4 * inside["stage.forward"] < single.forward_backward_s
 
 
 def test_full_recompute_trains_the_same_and_holds_less(single):
@@ -67,6 +76,7 @@ def test_full_recompute_trains_the_same_and_holds_less(single):
     result = measure_steps("tiny", CPU, Layout(**BATCH, recompute="full"), repeats=1, warmup=1)
     assert result.losses == pytest.approx(single.losses[:3], rel=1e-6)
     assert result.ranks[0].step_peak_bytes < single.ranks[0].step_peak_bytes
+    assert result.in_step(0) == {}  # the re-run forward would fire the module hooks twice: not timed
 
 
 def test_a_bf16_model_keeps_fp32_main_gradients_and_master_weights(single):
@@ -159,6 +169,10 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     # the first step, and the same training after it
     assert last.losses[0] == pytest.approx(single.losses[0], rel=1e-6)
     assert last.losses == pytest.approx(single.losses, rel=1e-4)
+    # each stage's ops inside the steps, its own: the embedding on the first, the head on the last
+    assert "embedding.forward" in result.in_step(0) and "output_layer.backward" not in result.in_step(0)
+    assert "output_layer.backward" in result.in_step(1) and "embedding.forward" not in result.in_step(1)
+    assert result.in_step(1)["transformer_layer.backward"] > 0
 
 
 @pytest.mark.torchrun

@@ -98,6 +98,16 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
         record["predicted_peak_bytes"] / record["measured_peak_bytes"] - 1
     )
     assert "autotuner.predict.steps" in " ".join(record["command"])
+    # where inside the forward-backward: each hooked op's predicted time per visit beside its time in the
+    # steps, the layers' backward with their share of the gradients' accumulation
+    inside = {item["what"]: item for item in record["in_step"]}
+    assert {"transformer_layer forward", "transformer_layer backward", "output_layer forward"} <= set(inside)
+    assert {"forward per micro-batch", "backward per micro-batch"} <= set(inside)
+    assert all(
+        item["stage"] == 0 and item["predicted_s"] > 0 and item["measured_s"] > 0 for item in inside.values()
+    )
+    assert inside["transformer_layer backward"]["how"] == "its row + its gradients' accumulation"
+    assert "    inside the steps, per visit" in printed and "stage 0 transformer_layer backward" in printed
 
 
 def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):

@@ -62,6 +62,11 @@ allocator events ``torch.profiler`` records with ``profile_memory=True``; on a G
 ``max_memory_allocated``). Process RSS is not used: it counts the allocator's caches and Python. The
 metered step is not timed (the profiler slows it). The peak of a run is the largest over its ranks.
 
+Inside the timed steps each op's time per visit is taken too, by module hooks (autotuner.predict.in_step:
+the layers, the final norm and output layer forward and backward, the embedding's and the stage's
+forward; each rank's medians, ``in_step_s``), for the validation to set beside the op rows it predicted
+from. Not with activation recompute.
+
 Weights: seeded as every run of the project is (autotuner.model.runtime.seed_everything with the
 config's ``seed``), built by autotuner.model.build.build_model. A pipeline stage holds exactly the
 weights of the same layers of the single-process model: each rank builds that whole model from the seed
@@ -83,6 +88,7 @@ runs it and reads the result): tp * pp * dp processes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -90,11 +96,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.predict.in_step import IN_STEP_KEYS, ModuleClock
 from autotuner.predict.layout import Layout
 
 OPTIMIZER = "torch.optim.Adam"
@@ -119,10 +126,16 @@ class RankSteps:
     parameter_bytes: int  # this rank's parameters
     resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
     step_peak_bytes: int  # the peak above that during the metered step
+    # the ops' median seconds per visit inside the timed steps (autotuner.predict.in_step.IN_STEP_KEYS,
+    # those this rank has); empty with activation recompute
+    in_step_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
         return self.resident_bytes + self.step_peak_bytes
+
+
+_RANK_FIELDS = {f.name for f in fields(RankSteps)}
 
 
 @dataclass(frozen=True)
@@ -192,6 +205,16 @@ class StepMeasurement:
     def optimizer_s(self) -> float:
         return statistics.median(self._on_critical_rank(lambda r: r.optimizer_s))
 
+    def in_step(self, stage: int) -> dict[str, float]:
+        """The ops' median seconds per visit inside the timed steps on pipeline stage ``stage``: per
+        op, its slowest rank's (autotuner.predict.in_step); empty where nothing was timed."""
+        found: dict[str, float] = {}
+        for r in self.ranks:
+            if r.pp_rank == stage:
+                for key, seconds in r.in_step_s.items():
+                    found[key] = max(found.get(key, 0.0), seconds)
+        return found
+
     @property
     def peak_bytes(self) -> int:
         """The largest peak over the ranks (memory per GPU is what must fit)."""
@@ -222,7 +245,9 @@ class StepMeasurement:
         layout_fields = {f.name for f in fields(Layout)}
         layout = Layout(**{k: v for k, v in data["layout"].items() if k in layout_fields})
         ranks = tuple(
-            RankSteps(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
+            RankSteps(
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in r.items() if k in _RANK_FIELDS}
+            )
             for r in data["ranks"]
         )
         own = {f.name for f in fields(cls)} - {"layout", "ranks"}
@@ -563,6 +588,8 @@ def measure_steps(
             f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
         )
     chunks = _stage_model(spec, layout, device)
+    # the ops' times inside the steps; not with recompute, whose re-run forward fires the hooks twice
+    clock = ModuleClock(chunks, device) if layout.recompute == "none" else None
     model = torch.nn.ModuleList(chunks)  # every chunk's parameters, for the gradients and the optimizer
     dp_rank = parallel_state.get_data_parallel_rank()
     batches = _batches(spec, layout, device, dp_rank)
@@ -640,10 +667,15 @@ def measure_steps(
             store = stored[0]
         else:
             sync()
+            if clock is not None:
+                clock.recording = True
             start = time.perf_counter()
             store = forward_backward_step()
             sync()
             backward_done = time.perf_counter()
+            if clock is not None:
+                clock.recording = False
+                clock.collect()
             reduce_step()
             sync()
             reduced = time.perf_counter()
@@ -670,6 +702,7 @@ def measure_steps(
         parameter_bytes=int(parameters),
         resident_bytes=int(resident),
         step_peak_bytes=int(step_peak),
+        in_step_s=_present(clock.medians()) if clock is not None else {},
     )
     ranks = _gather(mine, world, len(fb_s)) if world > 1 else (mine,)
     return StepMeasurement(
@@ -686,6 +719,11 @@ def measure_steps(
         schedule=f"megatron.core.pipeline_parallel.schedules.{forward_backward.__name__}",
         ranks=ranks,
     )
+
+
+def _present(medians: tuple[float, ...]) -> dict[str, float]:
+    """IN_STEP_KEYS' medians as {key: seconds}, without those not timed (NaN)."""
+    return {k: v for k, v in zip(IN_STEP_KEYS, medians, strict=True) if not math.isnan(v)}
 
 
 def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
@@ -706,7 +744,8 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
             len(r.losses),
         ]
         times = [*r.forward_backward_s, *r.reduce_s, *r.optimizer_s]
-        return torch.tensor([*head, *times, *losses], dtype=torch.float64)
+        in_step = [r.in_step_s.get(key, math.nan) for key in IN_STEP_KEYS]
+        return torch.tensor([*head, *in_step, *times, *losses], dtype=torch.float64)
 
     local = pack(mine)
     everyone = [torch.empty_like(local) for _ in range(world)]
@@ -714,7 +753,7 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
     ranks = []
     for packed in everyone:
         v = packed.tolist()
-        head, rest = v[:8], v[8:]
+        head, in_step, rest = v[:8], v[8 : 8 + len(IN_STEP_KEYS)], v[8 + len(IN_STEP_KEYS) :]
         ranks.append(
             RankSteps(
                 rank=int(head[0]),
@@ -728,6 +767,7 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
                 reduce_s=tuple(rest[steps : 2 * steps]),
                 optimizer_s=tuple(rest[2 * steps : 3 * steps]),
                 losses=tuple(rest[3 * steps : 3 * steps + int(head[7])]),
+                in_step_s=_present(tuple(in_step)),
             )
         )
     return tuple(sorted(ranks, key=lambda r: r.rank))

@@ -69,6 +69,9 @@ class Validation:
     # (phase, predicted s, measured s): where a step-time error comes from; the measured phases are
     # medians of their own, so they need not add up to the step's median
     phases: tuple[tuple[str, float, float], ...] = ()
+    # (stage, what, predicted s, measured s, how): the ops per visit against their times inside the
+    # measured step (autotuner.predict.in_step), where the error sits inside the forward-backward
+    in_step: tuple[tuple[int, str, float, float, str], ...] = ()
 
     @property
     def step_error(self) -> float:
@@ -92,6 +95,10 @@ class Validation:
                 name: {"predicted_s": predicted, "measured_s": measured}
                 for name, predicted, measured in self.phases
             },
+            "in_step": [
+                {"stage": stage, "what": what, "predicted_s": predicted, "measured_s": measured, "how": how}
+                for stage, what, predicted, measured, how in self.in_step
+            ],
             "command": list(self.command),
         }
 
@@ -118,7 +125,50 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
             ("gradient reduction", prediction.step.dp_reduction, measured.reduce_s),
             ("optimizer", prediction.step.optimizer, measured.optimizer_s),
         ),
+        in_step=tuple(in_step_pairs(prediction, measured)),
     )
+
+
+def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float, float, str]]:
+    """Per stage, each hooked op's predicted time per visit beside its median inside the measured steps,
+    and the stage's forward per micro-batch (without the pipeline's exchange, which is outside the
+    model's forward); at pp = vpp = 1 also the rest of a micro-batch (its backward, the schedule's own
+    work and the zeroing of the gradients: the step's forward-backward / m - that forward). A layer's
+    backward in the step holds its gradients' accumulation into the kept fp32 ones (Megatron's DDP
+    hook): its predicted share of the stage's ``grad_accumulation`` (by parameters) is added to it."""
+    lay, model = prediction.layout, prediction.model
+    pairs = []
+    for stage in prediction.stages:
+        inside = measured.in_step(stage.index)
+        if not inside:
+            continue
+        items = {(name, phase): (time.seconds, count) for name, phase, time, count in stage.items}
+        accumulation = items.get(("grad_accumulation", "backward"), (0.0, 1))[0]
+        stage_params = prediction.memory[stage.index].params.value
+        params = {
+            "transformer_layer": model.layer_params_on_rank(lay.tp, lay.ep),
+            "final_layernorm": model.final_norm_params,
+        }
+        for key, seconds in inside.items():
+            op, phase = key.split(".")
+            if (op, phase) not in items:
+                continue
+            predicted, how = items[(op, phase)][0], "its row"
+            if phase == "backward" and op in params and accumulation and stage_params:
+                predicted += accumulation * params[op] / stage_params
+                how = "its row + its gradients' accumulation"
+            pairs.append((stage.index, f"{op} {phase}", predicted, seconds, how))
+        if "stage.forward" in inside and lay.vpp == 1:
+            forward = sum(t.seconds * c for n, p, t, c in stage.items if p == "forward" and n != "pp_p2p")
+            pairs.append(
+                (stage.index, "forward per micro-batch", forward, inside["stage.forward"], "the stage")
+            )
+            if lay.pp == 1:
+                rest = measured.forward_backward_s / lay.microbatches - inside["stage.forward"]
+                pairs.append(
+                    (stage.index, "backward per micro-batch", stage.backward, rest, "fb / m - forward")
+                )
+    return pairs
 
 
 def render(result: Validation) -> str:
@@ -135,8 +185,22 @@ def render(result: Validation) -> str:
                 f"{human_time(measured * 1e6):>10}"
                 for name, predicted, measured in result.phases
             ),
+            *_in_step_header(result),
+            *(
+                f"      stage {stage} {what:<26} predicted {human_time(predicted * 1e6):>10}  measured "
+                f"{human_time(measured * 1e6):>10}  {100 * (predicted / measured - 1):+6.1f}%  ({how})"
+                for stage, what, predicted, measured, how in result.in_step
+            ),
             f"  peak memory  predicted {human_bytes(result.predicted_peak_bytes):>10}  measured "
             f"{human_bytes(result.measured_peak_bytes):>10}  error {100 * result.memory_error:+.1f}%",
             "  measured by: " + " ".join(result.command),
         ]
     )
+
+
+def _in_step_header(result: Validation) -> list[str]:
+    if result.in_step:
+        return ["    inside the steps, per visit (module hooks: autotuner.predict.in_step)"]
+    if result.layout.recompute != "none":
+        return ["    inside the steps: not timed (a recomputed forward would fire the module hooks twice)"]
+    return []
