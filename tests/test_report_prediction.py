@@ -141,6 +141,18 @@ def test_validation_bars_hold_the_record(tmp_path):
     page = Page(write_prediction_page(rec, tmp_path / "phases.html").read_text())
     text = " ".join(page.text)
     assert "phase: forward-backward" in text and "+25.0%" in text and "+33.3%" in text  # the optimizer's
+    # and each op inside the step (module hooks) beside its predicted time per visit
+    rec["validation"]["in_step"] = [
+        {
+            "stage": 0,
+            "what": "transformer_layer backward",
+            "predicted_s": 0.0033,
+            "measured_s": 0.004,
+            "how": "x",
+        }
+    ]
+    text = " ".join(Page(write_prediction_page(rec, tmp_path / "in_step.html").read_text()).text)
+    assert "in the step, stage 0: transformer_layer backward (x)" in text and "-17.5%" in text
 
 
 class Page(HTMLParser):

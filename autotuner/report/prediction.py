@@ -30,7 +30,7 @@ al.'s closed-form activation estimate from the same base, and the GPU's memory a
 **Validation** (``validation_bars``): the ``validation`` record (``validate=true``) as predicted and
 measured bars for step time (with the measured IQR) and peak memory, and between them each phase of
 the step (``validation_phases``: forward-backward, gradient reduction, optimizer), where the error
-comes from.
+comes from; its table adds each op inside the step (autotuner.predict.in_step) beside its prediction.
 """
 
 from __future__ import annotations
@@ -497,6 +497,17 @@ def _validation_table(v: Mapping[str, Any]) -> str:
             (f"phase: {name}", _t(p["predicted"]), _t(p["measured"]), p["predicted"] / p["measured"] - 1)
             for name, p in validation_phases({"validation": v}).items()
             if p["measured"] > 0
+        ),
+        # where inside the forward-backward (autotuner.predict.in_step): each hooked op per visit
+        *(
+            (
+                f"in the step, stage {i['stage']}: {i['what']} ({i['how']})",
+                _t(i["predicted_s"]),
+                _t(i["measured_s"]),
+                i["predicted_s"] / i["measured_s"] - 1,
+            )
+            for i in v.get("in_step") or ()
+            if i["measured_s"] > 0
         ),
         (
             "peak memory",
