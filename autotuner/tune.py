@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.predict.memory import MEMORY_MARGIN
 
 INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top")
 FLOAT_KEYS = ("gpu_memory_gb", "margin")
@@ -58,7 +59,7 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         raise UserError(f"{', '.join(missing)} required: e.g. gpus=16 gpu_memory_gb=80 global_batch_size=512")
     if not dirs and "case" not in settings:
         raise UserError("give run directories of the model, or case=<name> to rank from its sizes alone")
-    if settings["gpu_memory_gb"] <= 0 or not 0 <= settings.get("margin", 0.1) < 1:
+    if settings["gpu_memory_gb"] <= 0 or not 0 <= settings.get("margin", MEMORY_MARGIN) < 1:
         raise UserError(
             "gpu_memory_gb must be positive and margin in [0, 1): e.g. gpu_memory_gb=80 margin=0.1"
         )
@@ -92,7 +93,7 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], l
         settings["seq_len"],
         dtype,
     )
-    limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", 0.1))
+    limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", MEMORY_MARGIN))
     ranked: list[Ranked] = []
     notes: list[str] = []
     for layout in layouts:
@@ -157,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranked, notes, runs = rank(dirs, settings)
         top = settings.get("top", 5)
         fitting = [r for r in ranked if r.fits]
-        margin = settings.get("margin", 0.1)
+        margin = settings.get("margin", MEMORY_MARGIN)
         print(
             f"{len(ranked)} layouts predicted, {len(fitting)} fit in {settings['gpu_memory_gb']:g} GB "
             f"less a {100 * margin:.0f}% margin; the fastest {min(top, len(fitting))}:"

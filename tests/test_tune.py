@@ -118,3 +118,39 @@ def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):
     assert with_ep and "not ranked" not in out
     # and what their profiling runs would be: the MoE ops measured at that expert-parallel size
     assert "tf.expert_model_parallel_size=" in out
+
+
+def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path, tmp_path: Path, capsys):
+    from autotuner.predict.inputs import ModelShape
+    from autotuner.predict.layout import Layout
+    from autotuner.predict.prediction import deepest_that_fits, load_runs, predict
+
+    runs = load_runs([tiny_run])
+    layout = Layout(seq_len=32, global_batch_size=2, dtype="fp32")
+    model = ModelShape.from_environment(runs.env)
+    assert model.num_layers == 2  # tiny's own depth, which caps num_layers=fit
+    one, two = (predict(runs, layout, model=model.at_depth(n)) for n in (1, 2))
+    need = [max(m.total for m in p.memory) for p in (one, two)]
+    assert need[0] < need[1] and one.step_seconds < two.step_seconds
+    for limit_bytes, depth in ((need[1] * 2, 2), ((need[0] + need[1]) / 2, 1)):
+        gb = limit_bytes / 0.9 / 1e9  # less the 10% margin
+        assert deepest_that_fits(runs, layout, None, model, gb).num_layers == depth
+    argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
+    out = tmp_path / "deeper.json"
+    assert predict_main([*argv, "num_layers=3", "--json", str(out)]) == 0
+    deeper = json.loads(out.read_text())
+    assert deeper["model"]["num_layers"] == 3
+    gb = need[0] * 0.5 / 1e9
+    assert predict_main([*argv, "num_layers=fit", f"gpu_memory_gb={gb}", "--json", str(out)]) == 2
+    assert "not even 1 layer of tiny fit" in capsys.readouterr().err
+    # validated at that depth: the steps build the model with as many layers
+    assert predict_main([*argv, "num_layers=3", "validate=true", "repeats=1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())["validation"]
+    assert "hf.num_hidden_layers=3" in record["command"]
+
+
+@pytest.mark.parametrize("depth", ["num_layers=0", "num_layers=deep", "num_layers=fit"])
+def test_a_bad_depth_is_one_line_and_exit_2(tiny_run: Path, depth: str, capsys):
+    assert predict_main([str(tiny_run), "seq_len=32", "report=false", depth]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autotuner.predict: error: num_layers=") and len(err.splitlines()) == 1

@@ -3,7 +3,7 @@
     python -m autotuner.predict RUN_DIR [RUN_DIR ...] seq_len=2048 tp=2 pp=4 dp=8 micro_batch_size=1 \\
         global_batch_size=512 [vpp=1] [recompute=none|selective|full] [sequence_parallel=false] \\
         [distributed_optimizer=false] [dtype=bf16] [calibration=FILE] [validate=false] [repeats=5] \\
-        [report=true] [gpu_memory_gb=80] [--json OUT]
+        [report=true] [gpu_memory_gb=80] [num_layers=N|fit] [--json OUT]
 
 Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what
 is missing; ``--slurm DIR``: also as SLURM arrays) and writes ``prediction.json`` (``--json``; default: in
@@ -12,7 +12,10 @@ kept (calibration.json). ``validate=true`` also runs the layout's real training 
 and prints predicted against measured step time and peak memory (autotuner.predict.validate).
 Beside prediction.json it writes ``prediction.html`` (autotuner.report.prediction: the 1F1B timeline,
 the memory per stage against ``gpu_memory_gb`` when given, predicted against measured bars), as a run
-writes its report.html; ``report=false`` turns it off.
+writes its report.html; ``report=false`` turns it off. ``num_layers=N`` predicts (and validates) the
+runs' model at another depth, their rows being per layer; ``num_layers=fit`` at the largest depth, up to
+the case's own, whose fullest GPU the prediction fits in ``gpu_memory_gb`` less a 10% margin (a one-GPU
+validation of a model at its real width: as many layers as fit).
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
-from autotuner.predict.prediction import load_calibration_for, load_runs, predict, render
+from autotuner.predict.prediction import deepest_that_fits, load_calibration_for, load_runs, predict, render
 from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text
 
 INT_KEYS = ("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats")
 BOOL_KEYS = ("sequence_parallel", "distributed_optimizer", "validate", "report")
-STR_KEYS = ("recompute", "dtype", "calibration")
+STR_KEYS = ("recompute", "dtype", "calibration", "num_layers")
 FLOAT_KEYS = ("gpu_memory_gb",)
 KEYS = (*INT_KEYS, *BOOL_KEYS, *STR_KEYS, *FLOAT_KEYS)
 
@@ -76,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         page, gpu_memory_gb = settings.pop("report", True), settings.pop("gpu_memory_gb", None)
         if gpu_memory_gb is not None and gpu_memory_gb <= 0:
             raise UserError(f"gpu_memory_gb={gpu_memory_gb:g} must be positive: give e.g. gpu_memory_gb=80")
+        settings_depth = settings.pop("num_layers", None)
         if "dtype" not in settings:
             dtypes = runs.dtypes
             settings["dtype"] = dtypes[0] if len(dtypes) == 1 else "bf16"
@@ -83,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
         if out.is_dir() or not out.parent.is_dir():
             raise UserError(f"--json {out}: give a file in an existing folder")
-        pred = predict(runs, layout, calibration)
+        model = _model_at_depth(runs, layout, calibration, settings_depth, gpu_memory_gb)
+        pred = predict(runs, layout, calibration, model)
         print(render(pred))
         record = pred.to_json()
         if validating:  # the real steps of this layout (autotuner.predict.validate)
@@ -91,7 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from autotuner.predict.validate import render as render_validation
 
             case = str(runs.env.get("case") or pred.model.case)
-            checked = validate(pred, case, model_overrides(Path(dirs[0])), repeats=repeats)
+            overrides = model_overrides(Path(dirs[0]))
+            if pred.model.num_layers != ModelShape.from_environment(runs.env).num_layers:
+                overrides = [o for o in overrides if not o.startswith("hf.num_hidden_layers=")]
+                overrides.append(f"hf.num_hidden_layers={pred.model.num_layers}")
+            checked = validate(pred, case, overrides, repeats=repeats)
             print("\n" + render_validation(checked))
             record["validation"] = checked.to_json()
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
@@ -111,6 +121,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if page:
         _page(record, out.with_suffix(".html"), gpu_memory_gb)
     return 0
+
+
+def _model_at_depth(
+    runs: Any, layout: Layout, calibration: Any, depth: str | None, gpu_memory_gb: float | None
+) -> ModelShape:
+    """The runs' model, at ``num_layers`` when given (a count, or ``fit``)."""
+    model = ModelShape.from_environment(runs.env)
+    if depth is None:
+        return model
+    if depth == "fit":
+        if gpu_memory_gb is None:
+            raise UserError(
+                "num_layers=fit needs the GPU's memory: give gpu_memory_gb=<GB>, e.g. gpu_memory_gb=80"
+            )
+        deepest = deepest_that_fits(runs, layout, calibration, model, gpu_memory_gb)
+        fits = f"{deepest.num_layers} layers fit {gpu_memory_gb:g} GB"
+        print(f"num_layers=fit: {fits} (the runs' model has {model.num_layers})")
+        return deepest
+    if not depth.isdigit() or int(depth) < 1:
+        raise UserError(
+            f"num_layers={depth!r} is not a layer count: give e.g. num_layers=32, or num_layers=fit"
+        )
+    return model.at_depth(int(depth))
 
 
 def _page(record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> None:

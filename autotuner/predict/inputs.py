@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,6 +59,10 @@ class ModelShape:
     final_norm_params: int
     expert_params: int = 0  # of a layer's routed experts (all of them), within layer_params
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def at_depth(self, num_layers: int) -> ModelShape:
+        """The same model with ``num_layers`` layers (op rows are per layer: they hold at any depth)."""
+        return replace(self, num_layers=num_layers, config={**self.config, "num_layers": num_layers})
 
     @classmethod
     def from_environment(cls, env: Mapping[str, Any]) -> ModelShape:

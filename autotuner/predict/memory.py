@@ -57,6 +57,9 @@ from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 GRAD_BYTES = 4
 OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
 LOGIT_BYTES = 4
+# The fraction of a GPU's memory a layout must leave free to count as fitting (autotuner.tune's default
+# ``margin``; ``num_layers=fit``): the allocator's fragmentation and what no prediction term holds.
+MEMORY_MARGIN = 0.1
 
 
 def korthikanti_layer_bytes(

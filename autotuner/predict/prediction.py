@@ -25,7 +25,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.predict.inputs import Measurements, Missing, ModelShape
 from autotuner.predict.layout import Figure, Layout, Source
-from autotuner.predict.memory import StageMemory, layer_activation, stage_memory
+from autotuner.predict.memory import MEMORY_MARGIN, StageMemory, layer_activation, stage_memory
 from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import (
     OVERLAP,
@@ -210,6 +210,30 @@ def _missing(model: ModelShape, layout: Layout, items: Sequence[Missing], runs: 
                 }
             )
     return out
+
+
+def deepest_that_fits(
+    runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None, model: ModelShape, gpu_memory_gb: float
+) -> ModelShape:
+    """The runs' model at the largest depth, up to its case's own (a multiple of pp * vpp layers), whose
+    fullest GPU is predicted within ``gpu_memory_gb`` less MEMORY_MARGIN: what a one-GPU validation of a
+    real-width model can hold. UserError (one line) when not even pp * vpp layers fit."""
+    limit = gpu_memory_gb * 1e9 * (1 - MEMORY_MARGIN)
+    step = layout.pp * layout.vpp
+    full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
+    best = None
+    for depth in range(step, max(full, step) + 1, step):
+        candidate = model.at_depth(depth)
+        if max(m.total for m in predict(runs, layout, calibration, candidate).memory) > limit:
+            break  # memory grows with every layer: no deeper model fits either
+        best = candidate
+    if best is None:
+        raise UserError(
+            f"not even {step} layer{'s' if step > 1 else ''} of {model.case} fit {gpu_memory_gb:g} GB less a "
+            f"{100 * MEMORY_MARGIN:.0f}% margin: give a larger gpu_memory_gb, more pipeline stages, or "
+            "num_layers=N"
+        )
+    return best
 
 
 def predict(
