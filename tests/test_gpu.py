@@ -250,3 +250,20 @@ def test_moe_and_mla_ops_run_on_the_gpu_whether_or_not_transformer_engine_import
     assert {"router", "experts"} <= {r["op"] for r in rows}
     failed = [(r["op"], r["phase"], r["error"]) for r in rows if r["status"] not in ("ok", "skipped")]
     assert not failed, failed
+
+
+def test_the_steps_time_their_ops_inside_with_cuda_events(tmp_path: Path):
+    # autotuner.predict.in_step on a GPU: each span is device time between two recorded events, read after
+    # the step's synchronize; the layers and the head inside the stage's forward, as on a CPU
+    from autotuner.predict.in_step import IN_STEP_KEYS
+    from autotuner.predict.layout import Layout
+    from autotuner.predict.steps import run_steps
+
+    layout = Layout(seq_len=32, micro_batch_size=1, global_batch_size=4, dtype="fp32")
+    measured = run_steps("tiny", ["device=cuda"], layout, tmp_path / "steps.json", repeats=3, timeout_s=300)
+    inside = measured.in_step(0)
+    assert set(inside) == set(IN_STEP_KEYS) and all(seconds > 0 for seconds in inside.values()), inside
+    parts = inside["embedding.forward"] + 2 * inside["transformer_layer.forward"]
+    parts += inside["final_layernorm.forward"] + inside["output_layer.forward"]
+    assert parts < 1.2 * inside["stage.forward"], inside
+    assert 4 * inside["stage.forward"] < measured.forward_backward_s

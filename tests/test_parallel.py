@@ -80,13 +80,14 @@ def test_tensor_parallel_ranks_agree_on_sampling_with_the_default_timing(tp_run)
 def test_a_noisy_rank_does_not_deadlock_the_default_sampler(tmp_path):
     """Rank 1 shares its interpreter with a spinning thread (tests/noisy_rank.py), so alone it would stop
     sampling on another rule or count than rank 0: the issue's command, default timing, with a watchdog."""
-    ops = "ops=[linear_qkv,linear_proj,linear_fc1,linear_fc2,self_attention]"
+    # a column- and a row-parallel GEMM and the attention block whole (its all-reduce inside)
+    ops = "ops=[linear_qkv,linear_fc2,self_attention]"
     args = ["case=tiny", "tf.tensor_model_parallel_size=2", ops, f"hydra.run.dir={tmp_path}", *SMALL]
     cmd = [*TORCHRUN, str(REPO / "tests" / "noisy_rank.py"), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = load_rows(tmp_path / "results.jsonl")
-    assert len([r for r in rows if r["rank"] == "max"]) == 10
+    assert len([r for r in rows if r["rank"] == "max"]) == 6
     _assert_ranks_sampled_alike(rows)
 
 
