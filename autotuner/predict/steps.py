@@ -135,9 +135,6 @@ class RankSteps:
         return self.resident_bytes + self.step_peak_bytes
 
 
-_RANK_FIELDS = {f.name for f in fields(RankSteps)}
-
-
 @dataclass(frozen=True)
 class StepMeasurement:
     """Measured training steps of one layout: raw per-rank data; statistics as properties."""
@@ -245,9 +242,7 @@ class StepMeasurement:
         layout_fields = {f.name for f in fields(Layout)}
         layout = Layout(**{k: v for k, v in data["layout"].items() if k in layout_fields})
         ranks = tuple(
-            RankSteps(
-                **{k: tuple(v) if isinstance(v, list) else v for k, v in r.items() if k in _RANK_FIELDS}
-            )
+            RankSteps(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
             for r in data["ranks"]
         )
         own = {f.name for f in fields(cls)} - {"layout", "ranks"}

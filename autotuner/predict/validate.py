@@ -133,9 +133,10 @@ def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float,
     """Per stage, each hooked op's predicted time per visit beside its median inside the measured steps,
     and the stage's forward per micro-batch (without the pipeline's exchange, which is outside the
     model's forward); at pp = vpp = 1 also the rest of a micro-batch (its backward, the schedule's own
-    work and the zeroing of the gradients: the step's forward-backward / m - that forward). A layer's
+    work and the zeroing of the gradients: the step's forward-backward / m - that forward). An op's
     backward in the step holds its gradients' accumulation into the kept fp32 ones (Megatron's DDP
-    hook): its predicted share of the stage's ``grad_accumulation`` (by parameters) is added to it."""
+    hook): its predicted share of the stage's ``grad_accumulation`` (by parameters) is added to it, as
+    are the TP collectives modelled beside a TP=1 row."""
     lay, model = prediction.layout, prediction.model
     pairs = []
     for stage in prediction.stages:
@@ -145,19 +146,24 @@ def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float,
         items = {(name, phase): (time.seconds, count) for name, phase, time, count in stage.items}
         accumulation = items.get(("grad_accumulation", "backward"), (0.0, 1))[0]
         stage_params = prediction.memory[stage.index].params.value
-        params = {
+        params = {  # whose gradients a hooked backward accumulates (a tied output weight's: the embedding's)
             "transformer_layer": model.layer_params_on_rank(lay.tp, lay.ep),
             "final_layernorm": model.final_norm_params,
+            "output_layer": 0 if model.tie_embeddings else model.vocab * model.hidden / lay.tp,
         }
         for key, seconds in inside.items():
             op, phase = key.split(".")
             if (op, phase) not in items:
                 continue
-            predicted, how = items[(op, phase)][0], "its row"
-            if phase == "backward" and op in params and accumulation and stage_params:
+            predicted, how = items[(op, phase)][0], ["its row"]
+            collectives = items.get((f"tp_collectives:{op}", phase))
+            if collectives is not None:  # modelled beside a TP=1 row; inside the op in the step
+                predicted += collectives[0]
+                how.append("its modelled TP collectives")
+            if phase == "backward" and params.get(op) and accumulation and stage_params:
                 predicted += accumulation * params[op] / stage_params
-                how = "its row + its gradients' accumulation"
-            pairs.append((stage.index, f"{op} {phase}", predicted, seconds, how))
+                how.append("its gradients' accumulation")
+            pairs.append((stage.index, f"{op} {phase}", predicted, seconds, " + ".join(how)))
         if "stage.forward" in inside and lay.vpp == 1:
             forward = sum(t.seconds * c for n, p, t, c in stage.items if p == "forward" and n != "pp_p2p")
             pairs.append(
