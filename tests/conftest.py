@@ -75,6 +75,21 @@ def nsys_bin() -> str:
 # --- Megatron: one tiny model per test session (Megatron imports once per pytest process) ------
 
 
+# The fewest samples the sampler takes: for tests of files, rows and reports, not of times.
+FAST = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3", "progress=false"]
+
+
+@pytest.fixture(scope="session")
+def tiny_every_op_run(tmp_path_factory) -> Path:
+    """One get_data run of case=tiny, every op at both of its points, with its report: what the file,
+    CLI and report tests read (each test leaves it as it found it)."""
+    from autotuner.main import run
+
+    run_dir = tmp_path_factory.mktemp("tiny_get_data")
+    assert run(["case=tiny", "launcher=get_data", f"hydra.run.dir={run_dir}", *FAST]) == 0
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_spec():
     """The validated RunSpec of case=tiny with every op (CPU, fp32)."""

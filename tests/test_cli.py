@@ -15,10 +15,9 @@ import pytest
 
 from autotuner.main import run
 from autotuner.results import COLUMNS, load_rows
-from tests.conftest import dense_model_ops
+from tests.conftest import FAST, dense_model_ops
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3", "progress=false"]
 
 
 def _check_files(run_dir: Path) -> list[dict]:
@@ -31,10 +30,8 @@ def _check_files(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("tiny_get_data")
-    assert run(["case=tiny", "launcher=get_data", f"hydra.run.dir={run_dir}", *FAST]) == 0
-    return run_dir
+def tiny_run(tiny_every_op_run: Path) -> Path:
+    return tiny_every_op_run
 
 
 @pytest.mark.slow

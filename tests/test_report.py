@@ -22,11 +22,10 @@ import pytest
 from autotuner.main import run
 from autotuner.report.__main__ import main as report_main
 from autotuner.results import load_rows
+from tests.conftest import FAST
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3", "progress=false"]
 DIRECT = ["input_layernorm", "self_attention", "self_attn_bda", "pre_mlp_layernorm", "mlp", "mlp_bda"]
-INNER = ["linear_qkv", "rope", "core_attention", "linear_proj", "linear_fc1", "activation", "linear_fc2"]
 # Pixel sizes the page is laid out for (autotuner/report/style.py SIZES).
 SIZES = {
     "layer_breakdown": (1200, 600),
@@ -95,11 +94,9 @@ def check_report(out_dir: Path, ops: set[str]) -> Page:
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("report_a")
-    ops = ["transformer_layer", *DIRECT, *INNER]
-    assert run(["case=tiny", f"hydra.run.dir={run_dir}", f"ops=[{','.join(ops)}]", *FAST]) == 0
-    return run_dir
+def run_a(tiny_every_op_run: Path) -> Path:
+    """case=tiny, every op (the layer, its direct parts and theirs among them), with its report."""
+    return tiny_every_op_run
 
 
 @pytest.fixture(scope="module")
