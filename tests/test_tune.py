@@ -12,6 +12,7 @@ from autotuner.main import run
 from autotuner.predict.__main__ import main as predict_main
 from autotuner.tune import main as tune_main
 from autotuner.tune import parse_settings, rank
+from tests.conftest import FAST
 
 SETTINGS = ["gpus=4", "global_batch_size=16", "seq_len=32", "dtype=fp32"]
 
@@ -23,7 +24,7 @@ def tiny_run(tmp_path_factory) -> Path:
     # the ops a stage's time is made of (the layer whole, the model's ends, core attention for selective
     # recompute): what the predictor reads first, so the ranking rests on measured rows
     ops = "ops=[embedding,transformer_layer,core_attention,final_layernorm,output_layer]"
-    argv = ["case=tiny", ops, "shapes.seq_len=[32]", "shapes.micro_batch_size=[1,2]", "progress=false"]
+    argv = ["case=tiny", ops, "shapes.seq_len=[32]", "shapes.micro_batch_size=[1,2]", *FAST]
     assert run([*argv, "report=false", f"hydra.run.dir={run_dir}"]) == 0
     return run_dir
 
