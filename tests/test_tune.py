@@ -137,7 +137,7 @@ def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path,
     assert need[0] < need[1] and one.step_seconds < two.step_seconds
     for limit_bytes, depth in ((need[1] * 2, 2), ((need[0] + need[1]) / 2, 1)):
         gb = limit_bytes / 0.9 / 1e9  # less the 10% margin
-        assert deepest_that_fits(runs, layout, None, model, gb).num_layers == depth
+        assert deepest_that_fits(runs, layout, model, gb).num_layers == depth
     argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
     out = tmp_path / "deeper.json"
     assert predict_main([*argv, "num_layers=3", "--json", str(out)]) == 0

@@ -109,6 +109,7 @@ def _on_device_of(tensor: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return bridge
 
 
+@functools.cache  # the module's names are fixed once it is imported; asked on every router call
 def _megatron_gating_runs() -> bool:
     """Whether Megatron's ``router_gating_linear`` can run: its module binds ``te_general_gemm``."""
     from megatron.core.transformer.moe import moe_utils

@@ -88,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
         if out.is_dir() or not out.parent.is_dir():
             raise UserError(f"--json {out}: give a file in an existing folder")
-        model = _model_at_depth(runs, layout, calibration, settings_depth, gpu_memory_gb)
+        profiled = ModelShape.from_environment(runs.env)
+        model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
         pred = predict(runs, layout, calibration, model)
         print(render(pred))
         record = pred.to_json()
@@ -97,11 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from autotuner.predict.validate import render as render_validation
 
             case = str(runs.env.get("case") or pred.model.case)
-            overrides = model_overrides(Path(dirs[0]))
-            if pred.model.num_layers != ModelShape.from_environment(runs.env).num_layers:
-                overrides = [o for o in overrides if not o.startswith("hf.num_hidden_layers=")]
-                overrides.append(f"hf.num_hidden_layers={pred.model.num_layers}")
-            checked = validate(pred, case, overrides, repeats=repeats)
+            depth = pred.model.num_layers if pred.model.num_layers != profiled.num_layers else None
+            checked = validate(pred, case, model_overrides(Path(dirs[0]), depth), repeats=repeats)
             print("\n" + render_validation(checked))
             record["validation"] = checked.to_json()
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
@@ -124,10 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _model_at_depth(
-    runs: Any, layout: Layout, calibration: Any, depth: str | None, gpu_memory_gb: float | None
+    runs: Any, layout: Layout, model: ModelShape, depth: str | None, gpu_memory_gb: float | None
 ) -> ModelShape:
-    """The runs' model, at ``num_layers`` when given (a count, or ``fit``)."""
-    model = ModelShape.from_environment(runs.env)
+    """The runs' ``model``, at ``num_layers`` when given (a count, or ``fit``)."""
     if depth is None:
         return model
     if depth == "fit":
@@ -135,7 +132,7 @@ def _model_at_depth(
             raise UserError(
                 "num_layers=fit needs the GPU's memory: give gpu_memory_gb=<GB>, e.g. gpu_memory_gb=80"
             )
-        deepest = deepest_that_fits(runs, layout, calibration, model, gpu_memory_gb)
+        deepest = deepest_that_fits(runs, layout, model, gpu_memory_gb)
         fits = f"{deepest.num_layers} layers fit {gpu_memory_gb:g} GB"
         print(f"num_layers=fit: {fits} (the runs' model has {model.num_layers})")
         return deepest

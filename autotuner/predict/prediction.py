@@ -212,21 +212,28 @@ def _missing(model: ModelShape, layout: Layout, items: Sequence[Missing], runs: 
     return out
 
 
-def deepest_that_fits(
-    runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None, model: ModelShape, gpu_memory_gb: float
-) -> ModelShape:
+def _memory_measurements(runs: Runs, layout: Layout) -> tuple[Measurements, Measurements | None]:
+    """The rows the memory is read from, either cache mode: at the layout's ep, and (ep > 1) at ep=1."""
+    single = Measurements(runs.rows, layout.dtype, ep=1) if layout.ep > 1 else None
+    return Measurements(runs.rows, layout.dtype, ep=layout.ep), single
+
+
+def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_gb: float) -> ModelShape:
     """The runs' model at the largest depth, up to its case's own (a multiple of pp * vpp layers), whose
     fullest GPU is predicted within ``gpu_memory_gb`` less MEMORY_MARGIN: what a one-GPU validation of a
     real-width model can hold. UserError (one line) when not even pp * vpp layers fit."""
     limit = gpu_memory_gb * 1e9 * (1 - MEMORY_MARGIN)
     step = layout.pp * layout.vpp
     full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
+    meas, single = _memory_measurements(runs, layout)
     best = None
-    for depth in range(step, max(full, step) + 1, step):
-        candidate = model.at_depth(depth)
-        if max(m.total for m in predict(runs, layout, calibration, candidate).memory) > limit:
-            break  # memory grows with every layer: no deeper model fits either
-        best = candidate
+    with warnings.catch_warnings():  # the prediction at the depth chosen says what it must
+        warnings.simplefilter("ignore")
+        for depth in range(step, max(full, step) + 1, step):
+            candidate = model.at_depth(depth)
+            if max(m.total for m in _memory(meas, candidate, layout, single)) > limit:
+                break  # memory grows with every layer: no deeper model fits either
+            best = candidate
     if best is None:
         raise UserError(
             f"not even {step} layer{'s' if step > 1 else ''} of {model.case} fit {gpu_memory_gb:g} GB less a "
@@ -246,8 +253,7 @@ def predict(
         warnings.simplefilter("always")
         # the memory first (no cache mode changes it); which rows each visit of an op wants follows from
         # the bytes of the stage's ops (autotuner.predict.timing.cache_plan)
-        single = Measurements(runs.rows, layout.dtype, ep=1) if layout.ep > 1 else None
-        either_cache = Measurements(runs.rows, layout.dtype, ep=layout.ep)
+        either_cache, single = _memory_measurements(runs, layout)
         memory = _memory(either_cache, model, layout, single)
         activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]

@@ -40,9 +40,10 @@ _LAYOUT_OWNED = (
 _MODEL_KEYS = ("hf.", "tf.", "seed=", "device=")
 
 
-def model_overrides(run_dir: Path) -> list[str]:
+def model_overrides(run_dir: Path, num_layers: int | None = None) -> list[str]:
     """The overrides of a profiled run that shape its model (hf./tf. fields, seed, device), from the
-    ``.hydra/overrides.yaml`` Hydra keeps in the run directory; [] for a run without one."""
+    ``.hydra/overrides.yaml`` Hydra keeps in the run directory; [] for a run without one. With
+    ``num_layers``, the model is built at that depth instead of the run's (``num_layers=`` of predict)."""
     path = Path(run_dir) / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return []
@@ -52,6 +53,9 @@ def model_overrides(run_dir: Path) -> list[str]:
         text = str(item).lstrip("+")
         if text.startswith(_MODEL_KEYS) and not text.startswith(_LAYOUT_OWNED):
             out.append(text)
+    if num_layers is not None:
+        out = [o for o in out if not o.startswith("hf.num_hidden_layers=")]
+        out.append(f"hf.num_hidden_layers={num_layers}")
     return out
 
 
