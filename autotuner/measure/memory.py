@@ -7,12 +7,20 @@
   excluded. The op's own inputs count when saved: inside the model they are activations too.
 * ``peak_bytes``: the highest memory in use during the phase above what was in use when it began.
   On CUDA from the caching allocator's counters (``max_memory_allocated`` after a peak reset). On CPU
-  from the allocation and free events that ``torch.profiler`` records with ``profile_memory=True``: the
-  running sum of their sizes, whose maximum is the peak. Two guards keep memory that predates the phase
-  out of it: a garbage collection first, so no cycle left by earlier work is freed in the middle; and
-  a free counts only against an allocation of the same size made during the phase (the events carry no
-  address), so releasing an older block never hides a peak. Process RSS would also count the
-  allocator's caching, Python objects and pages the OS has not reclaimed, so it is not used.
+  from the allocations and frees that ``torch.profiler`` records with ``profile_memory=True``, each with
+  its block's address: the running sum of the blocks allocated during the phase and not yet freed,
+  whose maximum is the peak. A garbage collection first, so no cycle left by earlier work is freed in
+  the middle; a free of a block allocated before the phase is not counted, so releasing older memory
+  never hides a peak. The profiler misses a free made on a thread it does not follow: a gloo
+  collective's worker thread, when it drops its reference to a tensor after the caller's (seen: a
+  DP=2 distributed-optimizer step whose reduce-scatter's 21 MB copy was never freed by the events,
+  which read a 42 MB peak in 2 of 6 identical runs and 21.7 MB in the others; the tiny model's TP=2
+  step, whose layers all-reduce over gloo, 1.86-2.26 MB on its ranks over 8 runs). Such a block is known
+  freed when the allocator hands its address out again, so a new block at a held address retires the
+  old one first (the same TP=2 step: 1.83-1.96 MB over 12 ranks' runs); one never handed out
+  again stays counted to the end, so a phase with collectives can still read high. Process RSS would
+  also count the allocator's caching, Python objects and pages the OS has not reclaimed, so it is not
+  used.
 """
 
 from __future__ import annotations
@@ -21,7 +29,6 @@ import gc
 import os
 import sys
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -92,30 +99,54 @@ def _kineto_quiet() -> Iterator[None]:
 
 def peak_bytes(run: Callable[[], Any], device: torch.device) -> int:
     """Peak bytes in use during ``run()`` above the bytes in use when it started."""
+    return peak_and_held_bytes(run, device)[0]
+
+
+def peak_and_held_bytes(run: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+    """The peak bytes in use during ``run()`` above the bytes in use when it started, and the bytes it
+    left in use at its end (the next phase's start, for phases metered one after another)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         run()
         torch.cuda.synchronize()
-        return max(0, torch.cuda.max_memory_allocated(device) - before)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        return max(0, peak), torch.cuda.memory_allocated(device) - before
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
     with _kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())  # stable: equal stamps keep the recorded order
-    outstanding: Counter[int] = Counter()
+    return peak_and_live(_allocator_events(prof))
+
+
+def peak_and_live(events: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """The highest and the last sum of the blocks allocated during a phase and not yet freed, from its
+    allocator events in time order, (address, bytes: + allocated, - freed) (module docstring)."""
+    held: dict[int, int] = {}  # address -> bytes of the blocks allocated during the phase
     live = peak = 0
-    for event in events:
-        size = event.nbytes()
+    for address, size in events:
+        live -= held.pop(address, 0)  # freed, or (a new block there) freed where the events missed it
         if size > 0:
-            outstanding[size] += 1
-        elif outstanding[-size] > 0:
-            outstanding[-size] -= 1
-        else:
-            continue  # a block allocated before the phase
-        live += size
-        peak = max(peak, live)
-    return peak
+            held[address] = size
+            live += size
+            peak = max(peak, live)
+    return peak, live
+
+
+def _allocator_events(prof: Any) -> list[tuple[int, int]]:
+    """(address, bytes: + allocated, - freed) of each CPU allocator event the profiler recorded, in time
+    order (its event tree holds them under the op that made them, with their addresses)."""
+    from torch._C._profiler import _EventType
+
+    found: list[tuple[int, int, int]] = []
+    nodes = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while nodes:  # depth first, each node's children in their recorded order
+        node = nodes.pop()
+        nodes.extend(reversed(node.children))
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    found.sort(key=lambda event: event[0])  # stable: equal stamps keep the recorded order
+    return [(address, size) for _, address, size in found]
