@@ -9,11 +9,15 @@ as the get_data launcher:
 * on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory;
 * the optimizer step: ``torch.optim.Adam.step`` (torch's default implementation for the device, the one
   autotuner.predict.steps trains with) over fp32 parameters and gradients, in seconds per parameter
-  (``adam_seconds_per_parameter``, with ``adam_parameters``, the count it was timed at). Megatron keeps
-  fp32 main parameters and gradients whatever the model's dtype, so the fp32 rate is the one a step
-  pays; autotuner.predict scales it by a stage's parameters. An Adam step makes several passes over its
-  four fp32 tensors (torch's foreach kernels on a CPU took what copying about 70 B per parameter takes,
-  not the 28 B of one fused pass), so a bandwidth model undercounts it there;
+  and per tensor (``adam_seconds_per_parameter``, with ``adam_parameters``, the count it was timed at;
+  ``adam_seconds_per_tensor``): two steps, one over a layer-shaped set of a few large tensors and one
+  over many small ones, solved for the two. Megatron keeps fp32 main parameters and gradients whatever
+  the model's dtype, so the fp32 rate is the one a step pays; autotuner.predict scales it by a stage's
+  parameters and its tensors. An Adam step makes several passes over its four fp32 tensors (on a CPU
+  what copying about 70 B per parameter takes, not the 28 B of one fused pass), so a bandwidth model
+  undercounts it there; and on a CPU torch's Adam loops over the tensors, a dozen small ops each (about
+  40 us a tensor on this project's VM), which the tiny model's step, 1 ms of Adam against 0.3 predicted
+  from the rate per parameter alone, showed;
 * the gradient accumulation a training step makes per micro-batch: ``main_grad.add_(grad)``, a gradient
   of each dtype added into an fp32 gradient of ``buffer_bytes`` (``grad_accumulation_seconds_per_parameter``,
   per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it
@@ -67,6 +71,7 @@ from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.calibration import (
+    ADAM_PER_TENSOR,
     ADAM_TOGETHER,
     COLLECTIVES,
     GRAD_ACCUMULATION,
@@ -91,6 +96,9 @@ MATMUL_SIZE = {
 # sizes matters on a CPU: on this project's 2-core VM one Adam step took 1.1-1.4 ns per parameter over
 # equal 256K-element tensors and 2.1-2.7 over a layer's mixed sizes (the llama-shaped model's own: 2.2).
 ADAM_LAYERS = {"cuda": (4096, 11008, 1), "cpu": (512, 1408, 4)}
+# The Adam step's second set: many small tensors (count, elements each), whose step is mostly the cost
+# per tensor that a set of a few large ones hides.
+ADAM_SMALL_TENSORS = (256, 256)
 
 # Host transfer sizes tried for the pageable ceilings (the best rate is kept).
 TRANSFER_SIZES = (16 * 2**20, 64 * 2**20, 256 * 2**20)
@@ -126,8 +134,9 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         "warm_cache_bytes": warm_cache_bytes(device),
         "shared_cache_bytes": last_level_cache_bytes(device),
     }
-    seconds, count = adam_step_seconds(device, policy)
-    result["adam_seconds_per_parameter"] = seconds / count
+    per_parameter, per_tensor, count = adam_rates(device, policy)
+    result["adam_seconds_per_parameter"] = per_parameter
+    result[ADAM_PER_TENSOR] = per_tensor
     result["adam_parameters"] = count
     result[GRAD_ACCUMULATION] = grad_accumulation_seconds(device, policy, size)
     if device.type == "cuda":
@@ -143,24 +152,49 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     return result
 
 
-def adam_step_seconds(
+def adam_rates(
     device: torch.device,
     policy: SamplingPolicy,
     timer: DeviceTimer | None = None,
     agreement: RankAgreement | None = None,
-) -> tuple[float, int]:
-    """(median seconds of one ``torch.optim.Adam.step``, parameters it updated) over the fp32 weights
-    of ``ADAM_LAYERS`` with gradients (the states are made by an untimed first step). Under torchrun
-    with a barrier ``timer`` and an ``agreement``: every rank's steps at once."""
+) -> tuple[float, float, int]:
+    """(seconds per parameter, seconds per tensor, parameters of the large set) of ``torch.optim.Adam.step``
+    over fp32 weights with gradients: a step over the layers of ``ADAM_LAYERS`` (few large tensors) and
+    one over ``ADAM_SMALL_TENSORS`` (many small ones), solved for the two costs (module docstring). Under
+    torchrun with a barrier ``timer`` and an ``agreement``: every rank's steps at once."""
     h, f, layers = ADAM_LAYERS[device.type]
-    shapes = [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
+    large = [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
+    count, numel = ADAM_SMALL_TENSORS
+    small = [(numel,)] * count
+    (t_large, p_large), (t_small, p_small) = (
+        _adam_step_seconds(shapes, device, policy, timer, agreement) for shapes in (large, small)
+    )
+    # t = tensors * per_tensor + parameters * per_parameter, for both sets
+    n_large, n_small = len(large), len(small)
+    per_parameter = (t_large * n_small - t_small * n_large) / (p_large * n_small - p_small * n_large)
+    per_tensor = max(0.0, (t_small - p_small * per_parameter) / n_small)  # noise can push a tiny one below 0
+    return (t_large - n_large * per_tensor) / p_large, per_tensor, p_large
+
+
+def _adam_step_seconds(
+    shapes: list[tuple[int, ...]],
+    device: torch.device,
+    policy: SamplingPolicy,
+    timer: DeviceTimer | None,
+    agreement: RankAgreement | None,
+) -> tuple[float, int]:
+    """(median seconds of one ``torch.optim.Adam.step``, parameters it updated) over fp32 weights of
+    ``shapes`` with gradients (the states are made by an untimed first step)."""
     params = [torch.zeros(shape, device=device, requires_grad=True) for shape in shapes]
     for param in params:
         param.grad = torch.full_like(param, 1e-3)
     optimizer = torch.optim.Adam(params, lr=1e-6)
     optimizer.step()  # allocates exp_avg and exp_avg_sq: not part of a step in training
     measured = sample(timer or DeviceTimer(device), optimizer.step, policy, agreement=agreement)
-    return measured.median_ns * 1e-9, sum(p.numel() for p in params)
+    seconds = measured.median_ns * 1e-9
+    if agreement is not None:
+        seconds = agreement.max(seconds)[0]  # every rank's step at once: the slowest rank's
+    return seconds, sum(p.numel() for p in params)
 
 
 def grad_accumulation_seconds(device: torch.device, policy: SamplingPolicy, nbytes: int) -> dict[str, float]:
@@ -250,8 +284,7 @@ def calibrate_collectives(
                 f"({', '.join(f'{b / 1e9:.2f}' for b in bus)} GB/s): the plateau may lie beyond {sizes[-1]} B"
             )
     if device.type == "cpu":
-        seconds, count = adam_step_seconds(device, policy, timer, agreement)
-        result[ADAM_TOGETHER] = {link: agreement.max(seconds)[0] / count}
+        result[ADAM_TOGETHER] = {link: adam_rates(device, policy, timer, agreement)[0]}
     return result, notes
 
 
@@ -347,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")
     print(f"copy          {result['memory_bandwidth'] / 1e9:10.2f} GB/s")
     print(f"Adam step     {result['adam_seconds_per_parameter'] * 1e9:10.3f} ns per parameter")
+    print(f"Adam step     {result[ADAM_PER_TENSOR] * 1e6:10.3f} us per tensor")
     for dtype, rate in result[GRAD_ACCUMULATION].items():
         print(f"grad += {dtype:5} {rate * 1e12:10.3f} ps per parameter (into fp32)")
     for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):

@@ -218,3 +218,16 @@ def test_the_dry_run_costs_every_attention_op(variant):
             assert cost.flops is None and cost.error.startswith("OpNotApplicable: "), cost
     matmuls = [c for c in costs if c.op.endswith("proj") and c.flops is not None]
     assert matmuls and all(c.flops > 0 for c in matmuls)
+
+
+def test_the_predictors_tensor_count_is_the_built_mla_attentions(mla):
+    """autotuner.predict.inputs.layer_tensors (what torch's Adam loops over) counts MLA's projections and
+    norms, with and without the q LoRA, as Megatron builds them."""
+    from autotuner.predict.inputs import layer_tensors
+
+    _, _, ctx = mla
+    layer = ctx.layer
+    tensors, routed = layer_tensors(vars(ctx.config))
+    if hasattr(layer.mlp, "router"):  # the MoE layer's experts are counted in test_moe_ops
+        assert routed == len(list(layer.mlp.experts.parameters()))
+    assert tensors == len(list(layer.parameters()))

@@ -298,3 +298,15 @@ def test_dry_run_of_a_published_moe_model(case: str, no_shared: bool):
     for op in ["transformer_layer", *ROUTED_OPS]:
         lines = [line for line in text.splitlines() if line.split()[:1] == [op]]
         assert len(lines) == 2 and not any("n/a" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("case", ["tiny_moe", "tiny_mla"])
+def test_the_predictors_tensor_count_is_the_built_moe_layers(sessions, case):
+    """autotuner.predict.inputs.layer_tensors counts the router, every routed expert's linears and the
+    shared experts' (with their gate) as Megatron builds the MoE layer."""
+    from autotuner.predict.inputs import layer_tensors
+
+    _, ctx = sessions[case]
+    tensors, routed = layer_tensors(vars(ctx.config))
+    assert routed == len(list(ctx.layer.mlp.experts.parameters())) == 2 * ctx.config.num_moe_experts
+    assert tensors == len(list(ctx.layer.parameters()))

@@ -11,6 +11,7 @@ from autotuner.model.hf_to_megatron import layer_parameter_count, model_paramete
 from autotuner.op_mapping import OP_ORDER, model_parts, needs_model, resolve_ops
 from autotuner.ops_test.base import REGISTRY, OpNotApplicable, ShapePoint
 from autotuner.ops_test.places import op_tree
+from autotuner.predict.inputs import ModelShape
 
 
 def test_chained_sub_ops_reproduce_the_layer(tiny_session):
@@ -78,6 +79,10 @@ def test_built_model_parameters_match_the_mapping(tiny_session, tiny_spec):
     assert built == model_parameter_count(tf, args.vocab_size, args.tie_word_embeddings)
     layer = model.decoder.layers[0]
     assert sum(p.numel() for p in layer.parameters()) == layer_parameter_count(tf)
+    # the tensors torch's Adam loops over (autotuner.predict.inputs), the layer's and the whole model's
+    shape = ModelShape.from_config("tiny", vars(tf), args.vocab_size, args.tie_word_embeddings)
+    assert shape.layer_tensors == len(list(layer.parameters()))
+    assert shape.stage_tensors(ep=1, pp=1, stage=0) == len(list(model.parameters()))
 
 
 def test_names_aliases_and_selection():

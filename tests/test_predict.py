@@ -148,6 +148,18 @@ def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tm
         timed.step.optimizer_source.detail
     )
     assert not any("Adam" in w for w in timed.warnings)
+    assert "cost per tensor not timed" in timed.step.optimizer_source.detail
+    # with its cost per tensor: torch's Adam loops over the parameter tensors, here 6 per layer (two
+    # RMSNorms, linear_qkv, linear_proj, fc1, fc2), the embedding, the final norm, the output layer
+    looped_cal = {**cal, "adam_seconds_per_tensor": 5e-5}
+    runs = load_runs([make_run(tmp_path, base_rows(), "looped", calibration=looped_cal)])
+    looped = predict(runs, layout, looped_cal)
+    assert looped.step.optimizer == pytest.approx(params * 2e-9 + (4 * 6 + 3) * 5e-5 + zeroing)
+    assert "50 us per tensor x 27 parameter tensors" in looped.step.optimizer_source.detail
+    # the distributed optimizer steps one share of each flat buffer (autotuner.predict.steps)
+    zero = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32", distributed_optimizer=True)
+    sharded = predict(runs, zero, looped_cal)
+    assert "x 1 flat buffer shares" in sharded.step.optimizer_source.detail
     bare = predict(load_runs([make_run(tmp_path, base_rows(), "bare")]), layout, CAL)
     assert bare.step.optimizer == pytest.approx(adam_seconds(params))
     assert bare.step.optimizer_source.kind == "modelled"
@@ -440,20 +452,23 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     assert pred["step"]["bubble_fraction"] == pytest.approx(1 / 4)
 
 
-def test_calibration_times_adam_per_parameter_and_checks_the_new_entries(tmp_path):
+def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_entries(tmp_path):
     import torch
 
-    from autotuner.calibrate import ADAM_LAYERS, MATMUL_SIZE, adam_step_seconds, grad_accumulation_seconds
+    from autotuner.calibrate import ADAM_LAYERS, MATMUL_SIZE, adam_rates, grad_accumulation_seconds
     from autotuner.errors import UserError
     from autotuner.measure.timer import SamplingPolicy
     from autotuner.results.calibration import load
 
     policy = SamplingPolicy(warmup=1, min_samples=3, max_samples=5, budget_s=0.5, target_rel_ci=0.5)
-    seconds, count = adam_step_seconds(torch.device("cpu"), policy)
+    per_parameter, per_tensor, count = adam_rates(torch.device("cpu"), policy)
     h, f, layers = ADAM_LAYERS["cpu"]
     assert count == layers * (3 * h * h + h * h + 2 * f * h + h * f)
     # an Adam step reads and writes at least 28 B per fp32 parameter: not faster than the copy ceiling
-    assert 28 * count / 1e12 < seconds < 60.0
+    assert 28 / 1e12 < per_parameter < 1e-6
+    # torch's Adam on a CPU loops over the tensors, a dozen small ops each: microseconds, not nothing
+    assert 1e-6 < per_tensor < 1e-3
+    seconds = per_parameter * count
     nbytes = 2**24
     added = grad_accumulation_seconds(torch.device("cpu"), policy, nbytes)
     assert set(added) == set(MATMUL_SIZE["cpu"])
@@ -467,8 +482,13 @@ def test_calibration_times_adam_per_parameter_and_checks_the_new_entries(tmp_pat
     }
     (tmp_path / "good.json").write_text(json.dumps(good))
     assert load(tmp_path / "good.json")["adam_seconds_per_parameter"] == pytest.approx(seconds / count)
+    good["adam_seconds_per_tensor"] = per_tensor
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert load(tmp_path / "good.json")["adam_seconds_per_tensor"] == per_tensor
     for key, value in (
         ("adam_seconds_per_parameter", -1),
+        ("adam_seconds_per_tensor", -1e-6),
+        ("adam_seconds_per_tensor", "slow"),
         ("warm_cache_bytes", "big"),
         ("grad_accumulation_seconds_per_parameter", {"bf16": 0}),
         ("grad_accumulation_seconds_per_parameter", 3e-12),

@@ -58,6 +58,10 @@ class ModelShape:
     layer_active_params: int
     final_norm_params: int
     expert_params: int = 0  # of a layer's routed experts (all of them), within layer_params
+    # a layer's parameter tensors and, of them, its routed experts' (all of them): what torch's Adam,
+    # unfused, loops over (:func:`layer_tensors`)
+    layer_tensors: int = 0
+    expert_tensors: int = 0
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def at_depth(self, num_layers: int) -> ModelShape:
@@ -119,6 +123,7 @@ class ModelShape:
             params = base + routed + h * experts + shared
             active = base + int(tc.get("moe_router_topk") or 1) * mlp(expert_width) + h * experts + shared
         norm = h if tc.get("normalization") == "RMSNorm" else 2 * h
+        tensors, expert_tensors = layer_tensors(tc)
         return cls(
             case=case,
             num_layers=int(ns.num_layers),
@@ -134,6 +139,8 @@ class ModelShape:
             layer_active_params=active,
             final_norm_params=norm,
             expert_params=routed,
+            layer_tensors=tensors,
+            expert_tensors=expert_tensors,
             config=dict(tc),
         )
 
@@ -145,6 +152,18 @@ class ModelShape:
     def stage_expert_params(self, tp: int, ep: int, pp: int) -> float:
         """The routed-expert parameters on one GPU of a pipeline stage (its num_layers/pp layers)."""
         return self.expert_params_on_rank(tp, ep) * (self.num_layers // pp)
+
+    def stage_tensors(self, ep: int, pp: int, stage: int) -> int:
+        """The parameter tensors on one GPU of ``stage`` (TP splits tensors, it does not add any): its
+        layers' (the routed experts' over ep), the embedding's table on the first stage, the final norm
+        and the output layer (untied) on the last."""
+        layer = self.layer_tensors - self.expert_tensors + self.expert_tensors // max(1, ep)
+        count = layer * (self.num_layers // pp)
+        if stage == 0:
+            count += 1
+        if stage == pp - 1:
+            count += (1 if self.config.get("normalization") == "RMSNorm" else 2) + (not self.tie_embeddings)
+        return count
 
     def layer_params_on_rank(self, tp: int, ep: int) -> float:
         """A layer's parameters on one GPU: everything but the routed experts / tp, plus their share."""
@@ -175,6 +194,33 @@ class ModelShape:
         """All parameters: embedding, layers, final norm, output layer (unless tied)."""
         out = 0 if self.tie_embeddings else self.vocab * self.hidden
         return self.vocab * self.hidden + self.num_layers * self.layer_params + self.final_norm_params + out
+
+
+def layer_tensors(tc: Mapping[str, Any]) -> tuple[int, int]:
+    """(parameter tensors of one TransformerLayer, of them the routed experts'), from TransformerConfig
+    fields, as Megatron-Core builds the layer: a norm is a weight (RMSNorm) or a weight and a bias, a
+    linear a weight and a bias with ``add_bias_linear``; attention is linear_qkv and linear_proj (q/k
+    norms with ``qk_layernorm``), or Multi-Latent Attention's projections and norms; the MLP fc1 and fc2,
+    or an MoE layer's router, two linears per routed expert (SequentialMLP, and Transformer-Engine's
+    grouped linears keep one weight per expert too) and the shared experts' MLP (with its gate)."""
+    norm = 1 if tc.get("normalization") == "RMSNorm" else 2
+    linear = 2 if tc.get("add_bias_linear") else 1
+    if tc.get("multi_latent_attention"):
+        query = 2 * linear + norm if tc.get("q_lora_rank") else linear  # down, its norm, up; or one
+        attention = query + 2 * linear + norm + linear  # kv down, its norm, kv up; the output projection
+    else:
+        qkv = 2 if (tc.get("add_bias_linear") or tc.get("add_qkv_bias")) else 1
+        attention = qkv + linear + (2 * norm if tc.get("qk_layernorm") else 0)
+    experts = int(tc.get("num_moe_experts") or 0)
+    routed = experts * 2 * linear
+    if experts:
+        shared = 0
+        if tc.get("moe_shared_expert_intermediate_size"):
+            shared = 2 * linear + (1 if tc.get("moe_shared_expert_gate") else 0)
+        mlp = 1 + routed + shared
+    else:
+        mlp = 2 * linear
+    return 2 * norm + attention + mlp, routed
 
 
 # What expert parallelism changes: the MoE layer's expert work (each rank computes its experts' share)

@@ -95,8 +95,10 @@ ranks holding the same experts; with the distributed optimizer reduce-scatter of
 all-gather of the parameters) and the Adam step (bytes read and written per parameter over the
 calibrated memory bandwidth), or, where the calibration timed it, the Adam step's measured time per
 parameter (``adam_seconds_per_parameter``; for a layout of several CPU processes, which share one
-memory, the rate timed with all of them at it) x the stage's parameters, plus zeroing the gradients for
-the next step
+memory, the rate timed with all of them at it) x the stage's parameters, plus its measured time per
+tensor (``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors) x the tensors it
+steps (the stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed optimizer each
+flat buffer's share, as autotuner.predict.steps runs it), plus zeroing the gradients for the next step
 (4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters into the model's
 dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
 """
@@ -121,7 +123,7 @@ from autotuner.predict.inputs import (
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 from autotuner.predict.memory import GRAD_BYTES
-from autotuner.results.calibration import ADAM_TOGETHER, GRAD_ACCUMULATION, link_key
+from autotuner.results.calibration import ADAM_PER_TENSOR, ADAM_TOGETHER, GRAD_ACCUMULATION, link_key
 
 PHASES = ("forward", "backward")
 ATTENTION_OPS = frozenset({"core_attention"})
@@ -843,7 +845,8 @@ def step_time(
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
     dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
-    optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest])
+    tensors = tm.model.stage_tensors(lay.ep, lay.pp, largest)
+    optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest], tensors)
     return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula)
 
 
@@ -881,9 +884,9 @@ def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[fl
     return seconds, Source("modelled", "; ".join(details))
 
 
-def optimizer_step(tm: TimeModel, params: float, expert_params: float) -> tuple[float, Source]:
+def optimizer_step(tm: TimeModel, params: float, expert_params: float, tensors: int) -> tuple[float, Source]:
     """The optimizer's part of a step on the GPU holding ``params`` parameters, ``expert_params`` of them
-    routed experts' (module docstring)."""
+    routed experts', in ``tensors`` parameter tensors (module docstring)."""
     lay = tm.layout
     bw, said = tm.memory_bandwidth()
     per_rank = lay.optimizer_params(params, expert_params)
@@ -916,6 +919,18 @@ def optimizer_step(tm: TimeModel, params: float, expert_params: float) -> tuple[
             )
     adam = per_rank * rate
     detail = f"{how} x {per_rank:.4g} params = {adam:.4g} s"
+    per_tensor = tm.calibration.get(ADAM_PER_TENSOR)
+    if per_tensor is None:
+        detail += (
+            " (its cost per tensor not timed by this calibration: python -m autotuner.calibrate times it)"
+        )
+    elif per_tensor > 0:
+        # what Adam loops over: each parameter tensor, or with the distributed optimizer each flat
+        # buffer's share (dense, routed experts), as autotuner.predict.steps steps them
+        stepped = (1 + (expert_params > 0)) if lay.distributed_optimizer else tensors
+        adam += stepped * per_tensor
+        what = "flat buffer shares" if lay.distributed_optimizer else "parameter tensors"
+        detail += f"; + {per_tensor * 1e6:.3g} us per tensor x {stepped} {what}"
     # Zeroing every gradient for the next step; mixed precision also casts the updated fp32 main
     # parameters into the model's copy (read 4 B, write 2 B).
     extra = 4 * params + (6 * per_rank if lay.dtype in ("bf16", "fp16") else 0)

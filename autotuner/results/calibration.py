@@ -10,6 +10,7 @@ other accepts too. The file is plain JSON::
      "h2d_pinned": <bytes/s>, ...,                           on a GPU, the host-transfer ceilings
      "adam_seconds_per_parameter": <s>,                      optional: torch's Adam step per fp32
      "adam_parameters": <count>,                             parameter, and the count timed
+     "adam_seconds_per_tensor": <s>,                         optional: its cost per tensor (>= 0)
      "grad_accumulation_seconds_per_parameter": {"bf16": <s>, ...},  optional: a gradient of that
                                                              dtype added into an fp32 one, per parameter
      "warm_cache_bytes": <bytes>,                            optional: the GPU's L2, a CPU core's own
@@ -51,6 +52,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
 # Per-link entries besides the bandwidths (the same "<backend>:<world>" keys, positive numbers).
 ADAM_TOGETHER = "adam_seconds_per_parameter_together"
+# Seconds per tensor of torch's Adam step, besides its seconds per parameter (zero where it hides).
+ADAM_PER_TENSOR = "adam_seconds_per_tensor"
 # Per gradient dtype ("fp32", "bf16", ...): seconds per parameter of adding it into an fp32 gradient.
 GRAD_ACCUMULATION = "grad_accumulation_seconds_per_parameter"
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
@@ -94,6 +97,16 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
             f"seconds per parameter): {_FIX}"
+        )
+    per_tensor = data.get(ADAM_PER_TENSOR, 0.0)
+    if (
+        isinstance(per_tensor, bool)
+        or not isinstance(per_tensor, (int, float))
+        or not 0 <= per_tensor < math.inf
+    ):
+        raise UserError(
+            f"calibration file {path} has a bad {ADAM_PER_TENSOR}: it needs a number of seconds >= 0 "
+            f"(e.g. 4e-05): {_FIX}"
         )
     accumulation = data.get(GRAD_ACCUMULATION, {})
     if not isinstance(accumulation, dict) or not all(
