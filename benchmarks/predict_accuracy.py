@@ -177,7 +177,8 @@ def main() -> int:
         cal = json.loads(calibration.read_text())
         print(
             f"calibration: copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam "
-            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter (two processes at once: "
+            f"{cal['adam_seconds_per_parameter'] * 1e9:.2f} ns/parameter + "
+            f"{cal['adam_seconds_per_tensor'] * 1e6:.1f} us/tensor (two processes at once: "
             f"{cal['adam_seconds_per_parameter_together']['gloo:2'] * 1e9:.2f}), send_recv (gloo:2) "
             f"{cal['send_recv_bandwidth']['gloo:2'] / 1e9:.2f} GB/s"
         )
