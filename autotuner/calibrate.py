@@ -15,9 +15,9 @@ as the get_data launcher:
   the model's dtype, so the fp32 rate is the one a step pays; autotuner.predict scales it by a stage's
   parameters and its tensors. An Adam step makes several passes over its four fp32 tensors (on a CPU
   what copying about 70 B per parameter takes, not the 28 B of one fused pass), so a bandwidth model
-  undercounts it there; and on a CPU torch's Adam loops over the tensors, a dozen small ops each (about
-  40 us a tensor on this project's VM), which the tiny model's step, 1 ms of Adam against 0.3 predicted
-  from the rate per parameter alone, showed;
+  undercounts it there; and on a CPU torch's Adam loops over the tensors, a dozen small ops each (22 us
+  a tensor on this project's VM, two threads or one), which the tiny model's steps showed: 1.3-1.6 ms of
+  Adam against 0.5 predicted from the rate per parameter alone;
 * the gradient accumulation a training step makes per micro-batch: ``main_grad.add_(grad)``, a gradient
   of each dtype added into an fp32 gradient of ``buffer_bytes`` (``grad_accumulation_seconds_per_parameter``,
   per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it
