@@ -162,7 +162,8 @@ class ModelShape:
         if stage == 0:
             count += 1
         if stage == pp - 1:
-            count += (1 if self.config.get("normalization") == "RMSNorm" else 2) + (not self.tie_embeddings)
+            # the final norm's tensors: a weight per hidden unit, and a bias for a LayerNorm
+            count += self.final_norm_params // self.hidden + (not self.tie_embeddings)
         return count
 
     def layer_params_on_rank(self, tp: int, ep: int) -> float:
