@@ -69,6 +69,24 @@ def test_peak_counts_temporaries_and_ignores_older_memory():
     assert peak_bytes(op, CPU) == 3 * 4000 + 4
 
 
+def test_a_backward_peak_is_net_of_the_saved_activations_it_frees():
+    """As inside a training step: the forward's saved tensor (the exp's result, B bytes) is freed as the
+    backward consumes it, before the input's gradient is made, so the peak is B, not B + the gradient."""
+    rows, cols, copies = 64, 128, 8
+    saved = rows * cols * copies * FP32
+
+    class RepeatExp(torch.nn.Module):
+        def forward(self, x):
+            return x.repeat(1, copies).exp().sum(dim=1)  # exp saves its result; repeat and sum save sizes
+
+    observer = GetDataObserver(CPU, SamplingPolicy(warmup=1, min_samples=3, max_samples=3), [])
+    phase = Phase("backward", OpCall(RepeatExp(), (torch.randn(rows, cols, requires_grad=True),)), seed=0)
+    row = observer.observe(None, ShapePoint(rows, 1), phase)
+    assert row["peak_bytes"] == saved  # the exp's input gradient, while its saved result still lives
+    phase.prepare()  # a forward made before the meter's session: its saved result's free is not seen
+    assert peak_bytes(phase.run, CPU) == saved + rows * cols * FP32
+
+
 def test_saved_tensor_meter_counts_each_storage_once():
     x = torch.randn(64, 64, requires_grad=True)
     weight = torch.nn.Parameter(torch.randn(64, 64))
@@ -319,6 +337,8 @@ def test_peak_retires_a_block_whose_free_the_profiler_missed_when_its_address_co
     assert peak_and_live(events) == (96, 64)
     # a free the events missed and whose address never comes back stays counted (said in the docstring)
     assert peak_and_live([(1, 64), (3, 64)]) == (128, 128)
+    # what prepare() left (blocks 1 and 2, 150 B) is the phase's baseline, and its frees are seen
+    assert peak_and_live([(1, 100), (2, 50), (3, 40), (1, -100), (4, 80)], metered_from=2) == (40, 20)
 
 
 def test_peak_and_held_bytes_returns_what_the_phase_left_in_use():

@@ -5,31 +5,35 @@
   hooks. Each storage is counted once, whole: a view saved for backward keeps its entire base alive.
   Parameters saved for backward (a linear saves its weight) are weights, not activations, and are
   excluded. The op's own inputs count when saved: inside the model they are activations too.
-* ``peak_bytes``: the highest memory in use during the phase above what was in use when it began.
-  On CUDA from the caching allocator's counters (``max_memory_allocated`` after a peak reset). On CPU
-  from the allocations and frees that ``torch.profiler`` records with ``profile_memory=True``, each with
-  its block's address: the running sum of the blocks allocated during the phase and not yet freed,
-  whose maximum is the peak. A garbage collection first, so no cycle left by earlier work is freed in
-  the middle; a free of a block allocated before the phase is not counted, so releasing older memory
-  never hides a peak. The profiler misses a free made on a thread it does not follow: a gloo
-  collective's worker thread, when it drops its reference to a tensor after the caller's (seen: a
-  DP=2 distributed-optimizer step whose reduce-scatter's 21 MB copy was never freed by the events,
-  which read a 42 MB peak in 2 of 6 identical runs and 21.7 MB in the others; the tiny model's TP=2
-  step, whose layers all-reduce over gloo, 1.86-2.26 MB on its ranks over 8 runs). Such a block is known
-  freed when the allocator hands its address out again, so a new block at a held address retires the
-  old one first (the same TP=2 step: 1.83-1.96 MB over 12 ranks' runs); one never handed out
-  again stays counted to the end, so a phase with collectives can still read high. Process RSS would
-  also count the allocator's caching, Python objects and pages the OS has not reclaimed, so it is not
-  used.
+* ``peak_bytes``: the highest memory in use during the phase above what was in use when it began. On CUDA
+  from the caching allocator's counters (``max_memory_allocated`` after a peak reset). On CPU from the
+  allocations and frees that ``torch.profiler`` records with ``profile_memory=True``, each with its block's
+  address: the running sum of the blocks allocated in the profiling session and not yet freed, whose maximum
+  above its value when the phase began is the peak. The profiler reports the free of a block only if it saw
+  the block allocated (CPU allocator: a block from before the session has no recorded size), so the phase's
+  untimed ``prepare`` (a backward's forward) runs inside the session: the saved activations it leaves are
+  then seen freed as the backward consumes them, as inside a training step, and the CPU figure is the net
+  rise the CUDA counters give. A garbage collection first, so no cycle left by earlier work is freed in the
+  middle; a free of a block from before the session is not seen (it cannot lower the peak, which on CUDA it
+  could). The profiler misses a free made on a thread it does not follow: a gloo collective's worker thread,
+  when it drops its reference to a tensor after the caller's (seen: a DP=2 distributed-optimizer step whose
+  reduce-scatter's 21 MB copy was never freed by the events, which read a 42 MB peak in 2 of 6 identical
+  runs and 21.7 MB in the others; the tiny model's TP=2 step, whose layers all-reduce over gloo, 1.86-2.26
+  MB on its ranks over 8 runs). Such a block is known freed when the allocator hands its address out again,
+  so a new block at a held address retires the old one first (the same TP=2 step: 1.83-1.96 MB over 12
+  ranks' runs); one never handed out again stays counted to the end, so a phase with collectives can still
+  read high. Process RSS would also count the allocator's caching, Python objects and pages the OS has not
+  reclaimed, so it is not used.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -74,7 +78,17 @@ class SavedTensorsMeter:
         self._hooks.__exit__(*exc)
 
 
-# Freeing a block allocated before profiling began is expected here and handled in peak_bytes.
+def gradient_buffers(params: Iterable[torch.Tensor]) -> None:
+    """A zeroed gradient for each parameter that needs one, before a metered backward: inside a training
+    step Megatron's DDP accumulates gradients into buffers that exist before the step (the predictor
+    counts them as the gradients' memory), so the weight gradient a backward computes is a temporary,
+    freed once added, not memory the backward keeps."""
+    for param in params:
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+
+
+# Freeing a block allocated before the profiling session is expected here (module docstring).
 _EXPECTED_WARNING = "Memory block of unknown size was allocated before the profiling started"
 
 
@@ -97,15 +111,25 @@ def _kineto_quiet() -> Iterator[None]:
                     sys.stderr.write(line)
 
 
-def peak_bytes(run: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes in use during ``run()`` above the bytes in use when it started."""
-    return peak_and_held_bytes(run, device)[0]
+def peak_bytes(run: Callable[[], Any], device: torch.device, prepare: Callable[[], Any] | None = None) -> int:
+    """Peak bytes in use during ``run()`` above the bytes in use when it started (after ``prepare()``)."""
+    return peak_and_held_bytes(run, device, prepare)[0]
 
 
-def peak_and_held_bytes(run: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+# The record_function that marks where the metered part of a profiling session begins.
+_METERED = "autotuner::metered"
+
+
+def peak_and_held_bytes(
+    run: Callable[[], Any], device: torch.device, prepare: Callable[[], Any] | None = None
+) -> tuple[int, int]:
     """The peak bytes in use during ``run()`` above the bytes in use when it started, and the bytes it
-    left in use at its end (the next phase's start, for phases metered one after another)."""
+    left in use at its end (the next phase's start, for phases metered one after another).
+    ``prepare()`` runs first, unmetered, but (on CPU) profiled, so that the frees of what it allocated
+    are seen (module docstring)."""
     if device.type == "cuda":
+        if prepare is not None:
+            prepare()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -113,40 +137,54 @@ def peak_and_held_bytes(run: Callable[[], Any], device: torch.device) -> tuple[i
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device) - before
         return max(0, peak), torch.cuda.memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
     with _kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    return peak_and_live(_allocator_events(prof))
+        if prepare is not None:
+            prepare()
+        with record_function(_METERED):
+            run()
+    return peak_and_live(*_allocator_events(prof))
 
 
-def peak_and_live(events: Iterable[tuple[int, int]]) -> tuple[int, int]:
-    """The highest and the last sum of the blocks allocated during a phase and not yet freed, from its
-    allocator events in time order, (address, bytes: + allocated, - freed) (module docstring)."""
-    held: dict[int, int] = {}  # address -> bytes of the blocks allocated during the phase
-    live = peak = 0
-    for address, size in events:
+def peak_and_live(events: Sequence[tuple[int, int]], metered_from: int = 0) -> tuple[int, int]:
+    """From a session's allocator events in time order, (address, bytes: + allocated, - freed), of which
+    those from index ``metered_from`` on are the phase's: the highest and the last sum of the blocks
+    allocated in the session and not yet freed, above that sum when the phase began (module docstring)."""
+    held: dict[int, int] = {}  # address -> bytes of the blocks allocated in the session
+    live = base = peak = 0
+    for i, (address, size) in enumerate(events):
+        if i == metered_from:
+            base = live
         live -= held.pop(address, 0)  # freed, or (a new block there) freed where the events missed it
         if size > 0:
             held[address] = size
             live += size
-            peak = max(peak, live)
-    return peak, live
+            if i >= metered_from:
+                peak = max(peak, live - base)
+    if metered_from >= len(events):
+        base = live
+    return peak, live - base
 
 
-def _allocator_events(prof: Any) -> list[tuple[int, int]]:
+def _allocator_events(prof: Any) -> tuple[list[tuple[int, int]], int]:
     """(address, bytes: + allocated, - freed) of each CPU allocator event the profiler recorded, in time
-    order (its event tree holds them under the op that made them, with their addresses)."""
+    order (its event tree holds them under the op that made them, with their addresses), and the index
+    of the first one inside the _METERED range (0 without one: all of them, which never reads low)."""
     from torch._C._profiler import _EventType
 
     found: list[tuple[int, int, int]] = []
+    metered_ns = None
     nodes = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while nodes:  # depth first, each node's children in their recorded order
         node = nodes.pop()
         nodes.extend(reversed(node.children))
+        if node.name == _METERED and metered_ns is None:
+            metered_ns = node.start_time_ns
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             fields = node.extra_fields
             found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
     found.sort(key=lambda event: event[0])  # stable: equal stamps keep the recorded order
-    return [(address, size) for _, address, size in found]
+    start = 0 if metered_ns is None else bisect.bisect_left([t for t, _, _ in found], metered_ns)
+    return [(address, size) for _, address, size in found], start

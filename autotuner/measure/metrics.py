@@ -16,11 +16,13 @@ dependency order and otherwise in the order registered; a metric that returns No
 out. So the same function serves get_data, torch_profiler and nsys, each where it applies (``tflops``
 needs ``flops``, which nsys's rows do not have, so nsys rows have no ``tflops``).
 
-Sensors are metrics that run the phase once more, each under its own meter: activation bytes (one
-forward under autograd's saved-tensor hooks), peak bytes (the device's memory sensor), FLOPs (torch's
-FLOP counter). The observer calls :func:`fill` after its timing pass, so no sensor's pass is timed, and
-each sensor has a run of its own, so none disturbs another's figure. They are registered in that order
-before the metrics computed from their columns.
+Sensors are metrics that run the phase once more, each under its own meter: activation bytes (one forward
+under autograd's saved-tensor hooks), peak bytes (the device's memory sensor; a backward as a training step
+runs it: its forward's saved activations freed as it consumes them, the weight gradients added into buffers
+that exist before it: autotuner.measure.memory), FLOPs (torch's FLOP counter). The observer calls
+:func:`fill` after its timing pass, so no sensor's pass is timed, and each sensor has a run of its own, so
+none disturbs another's figure. They are registered in that order before the metrics computed from their
+columns.
 
 Metrics of one launcher alone live with it (the nsys kernel columns in autotuner.launchers.nsys_rows);
 the shared ones are here.
@@ -33,7 +35,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from autotuner.measure.flops import count_flops
-from autotuner.measure.memory import SavedTensorsMeter, peak_bytes, weight_bytes
+from autotuner.measure.memory import SavedTensorsMeter, gradient_buffers, peak_bytes, weight_bytes
 from autotuner.results import SCHEMA
 from autotuner.results.calibration import roofline
 
@@ -198,8 +200,16 @@ def _activation_bytes(row: dict[str, Any], seen: Observed) -> int:
 @register_metric("peak_bytes", needs=("phase", "device"), launchers=("get_data", "torch_profiler", "nsys"))
 def _peak_bytes(row: dict[str, Any], seen: Observed) -> int:
     assert seen.device is not None
-    device = seen.device
-    return seen.once(lambda run: peak_bytes(run, device))
+    phase = seen.phase
+    assert phase is not None
+
+    def prepare() -> None:
+        if phase.prepare is not None:
+            phase.prepare()
+        if phase.name == "backward":
+            gradient_buffers(phase.parameters)
+
+    return peak_bytes(phase.run, seen.device, prepare)
 
 
 @register_metric("flops", needs=("phase",), launchers=("get_data", "torch_profiler", "nsys"))

@@ -23,18 +23,16 @@ Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
   row's ``activation_bytes``: the fp32 logits the cross-entropy keeps and the layer's input), else
   s*b*vocab/tp x 4 B;
 * **in flight**: memory an op allocates while it runs beyond what stays saved (its rows' ``peak_bytes``:
-  a backward's input and weight gradients and temporaries, the embedding's dense table gradient, a
-  forward's intermediates), less what is not live at that moment: walking the stage's ops of one
-  micro-batch (embedding, layers, final norm, output layer), the forward of op k runs before the ops
-  after it have saved anything, and the backward of op k after they have freed theirs and while it
-  frees its own (autograd drops a node's saved tensors as it runs it). So the term is max over k of
-  (peak_k - saved_k - saved bytes of the ops after k), at least 0: a lower bound, since an op's backward
-  may reach its peak before freeing all it saved. The upper bound (an op's backward frees nothing of its
-  own first) is in the source. On this project's CPU (benchmarks/predict_accuracy.py) the lower bound
-  put the peak of the six validated layouts at 0.92-0.98 of the measured, the upper bound at 0.97-1.23
-  (tiny's first stage at PP=2, whose layer's backward peak exceeds what it saves). An op without a row
-  adds nothing here (said in the source).
-
+  a forward's intermediates; a backward's input gradients and temporaries, each weight gradient until
+  it is added into the gradient buffers, the embedding's dense table gradient, net of the saved
+  activations the backward frees as autograd consumes them, which the meter sees as they happen inside
+  a training step: autotuner.measure.memory), less what is not live at that moment: walking the stage's
+  ops of one micro-batch (embedding, layers, final norm, output layer), the forward of op k runs before
+  the ops after it have saved anything (and its peak includes what it saves itself), the backward of op
+  k after they have freed theirs. So the term is max over k of (forward peak_k - saved_k, backward
+  peak_k) less the saved bytes of the ops after k, at least 0. A CPU row measured before the meter saw
+  a backward's frees (it read the backward as keeping all it saved and every weight gradient) makes the
+  term an upper bound. An op without a row adds nothing here (said in the source).
 
 Side by side, the closed form of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4, Table 2), the estimate Megatron's theoretical-memory report uses, per
@@ -203,17 +201,16 @@ def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None 
     return OpMemory(op, saved, peak("forward"), peak("backward"), describe_row(forward), exact)
 
 
-def in_flight_bytes(ops: list[OpMemory], frees_own: bool = True) -> float:
+def in_flight_bytes(ops: list[OpMemory]) -> float:
     """max over the ops of one micro-batch of (the op's peak - the saved bytes not live when it runs), at
-    least 0 (module docstring); ``frees_own=False``: the upper bound, an op's backward freeing nothing of
-    its own before its peak."""
+    least 0 (module docstring)."""
     worst = 0.0
     for k, op in enumerate(ops):
         after = sum(o.saved for o in ops[k + 1 :])
         if op.forward_peak is not None:  # the forward of k: its own saved bytes are part of its peak
             worst = max(worst, op.forward_peak - op.saved - after)
         if op.backward_peak is not None:  # the backward of k: the ops after it have freed theirs
-            worst = max(worst, op.backward_peak - (op.saved if frees_own else 0.0) - after)
+            worst = max(worst, op.backward_peak - after)
     return worst
 
 
@@ -351,11 +348,7 @@ def stage_memory(
         for o in (embedding, *[layer_op] * (per_layer_chunk * layout.vpp), final_norm, head)
         if o is not None
     ]
-    upper = in_flight_bytes(walk, frees_own=False)
-    said = (
-        "max over one micro-batch's ops of (peak_bytes - saved bytes not live then, its own included); "
-        f"if a backward freed nothing of its own before its peak: {upper:.4g} B"
-    )
+    said = "max over one micro-batch's ops of (peak_bytes - saved bytes not live then)"
     if lacking:
         said += f"; no rows for {', '.join(lacking)}: they add nothing"
     exact = not lacking and all(o.exact for o in walk)
