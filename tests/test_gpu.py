@@ -62,6 +62,23 @@ def test_linear_figures_from_the_caching_allocator_are_exact():
     assert row["peak_bytes"] == N * IN * FP32 + IN * OUT * FP32  # grad of the input and of the weight
 
 
+def test_a_backward_peak_on_the_gpu_is_what_the_cpu_meter_reads():
+    """tests/test_sensors.py's backward on CUDA: the caching allocator's counters see the forward's saved
+    result freed as the backward consumes it, as the CPU meter now does, so both read B, not B + the
+    input's gradient (sizes multiples of 512 B)."""
+    rows, cols, copies = 64, 128, 8
+
+    class RepeatExp(torch.nn.Module):
+        def forward(self, x):
+            return x.repeat(1, copies).exp().sum(dim=1)
+
+    x = torch.randn(rows, cols, device=CUDA, requires_grad=True)
+    row = GetDataObserver(CUDA, QUICK, []).observe(
+        None, ShapePoint(rows, 1), Phase("backward", OpCall(RepeatExp(), (x,)), 0)
+    )
+    assert row["peak_bytes"] == rows * cols * copies * FP32
+
+
 def test_graph_replay_computes_what_eager_computes():
     eager, linear = _linear_phase("backward")
     eager.prepare()
