@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,11 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
     record = json.loads((tiny_run / "environment.json").read_text())
     env = record["environment"]
     assert env["torch"] and env["megatron_core"] and env["transformers"] and env["device_name"]
+    # which autotuner measured it: its version, and in a git checkout the commit (what a meter's rule was)
+    assert env["autotuner"] == metadata.version("autotuner")
+    if (REPO / ".git").exists():
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert head.stdout.startswith(env["autotuner_revision"].removesuffix("-dirty"))
     assert record["transformer_config"]["num_query_groups"] == 2
     assert (tiny_run / ".hydra" / "config.yaml").exists() and (
         tiny_run / ".hydra" / "overrides.yaml"

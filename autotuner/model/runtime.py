@@ -200,6 +200,32 @@ def _version(package: str) -> str | None:
         return None
 
 
+@functools.cache
+def source_revision() -> str | None:
+    """The git revision of the autotuner source this process runs (``git describe --always --dirty``:
+    the commit, with ``-dirty`` when the tree has uncommitted changes), None outside a git checkout (an
+    installed wheel: its version says it). What a row measured means can change between revisions (a
+    meter's rule), so a run records which one measured it."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    revision = done.stdout.strip()
+    return revision if done.returncode == 0 and revision else None
+
+
 def environment(device: torch.device, tools: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     """What a reader needs to reproduce a run: versions, device, threads, host and command line.
 
@@ -211,6 +237,8 @@ def environment(device: torch.device, tools: dict[str, tuple[str, str]] | None =
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
         "command": [sys.executable, *sys.argv],
+        "autotuner": _version("autotuner"),
+        "autotuner_revision": source_revision(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "megatron_core": _version("megatron-core"),
