@@ -63,7 +63,8 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
     assert env["autotuner"] == metadata.version("autotuner")
     if (REPO / ".git").exists():
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-        assert head.stdout.startswith(env["autotuner_revision"].removesuffix("-dirty"))
+        if head.returncode == 0:  # git usable here: it was for the run too
+            assert head.stdout.startswith(env["autotuner_revision"].removesuffix("-dirty"))
     assert record["transformer_config"]["num_query_groups"] == 2
     assert (tiny_run / ".hydra" / "config.yaml").exists() and (
         tiny_run / ".hydra" / "overrides.yaml"
