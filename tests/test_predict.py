@@ -617,3 +617,18 @@ def test_expert_parallel_layouts_from_ep1_rows_or_measured_at_their_ep(tmp_path)
     measured = predict(load_runs([single, _moe_run(tmp_path, at_ep, "ep2", 2, cal)]), layout, cal)
     layer = measured.stages[0].items[0][2]
     assert layer.seconds == pytest.approx(700 * US) and layer.source.kind == "measured"
+
+
+def test_the_accuracy_benchmark_judges_the_median_by_its_confidence_interval():
+    """benchmarks.predict_accuracy's verdict: the median's 95% interval over the rounds inside the 5% band
+    is met, wholly outside it missed, across an edge inconclusive; fewer than 6 rounds give no interval."""
+    from benchmarks.predict_accuracy import verdict
+
+    assert verdict([0.97, 0.98, 1.0, 1.01, 0.99, 1.02]) == ("met", (0.97, 1.02))
+    assert verdict([0.80, 0.85, 0.90, 0.88, 0.86, 0.84]) == ("missed", (0.80, 0.90))
+    assert verdict([1.06, 1.2, 1.1, 1.08, 1.3, 1.07]) == ("missed", (1.06, 1.3))
+    # a median of 1.0 whose interval reaches 0.90: the rounds cannot tell a 5% error from none
+    assert verdict([0.90, 1.0, 1.02, 0.97, 1.01, 0.99])[0] == "inconclusive"
+    assert verdict([1.0, 1.0, 1.0]) == ("too few rounds", None)
+    # more rounds narrow the interval to inner order statistics: one outlier each side no longer decides
+    assert verdict([0.80, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.20]) == ("met", (0.97, 1.02))
