@@ -20,11 +20,12 @@ milliseconds spent sleeping (the virtual core halts) or spinning (it keeps runni
 stage waits for its neighbour between its forwards and backwards.
 
 What it showed on this project's VM (2-core AMD EPYC, a Firecracker microVM; session 14, otherwise
-quiet; docs/predictor_accuracy.md): within 10 s the GEMMs' and the copy's block medians moved by 6-17%
-(90th over 10th percentile), the small ops' by 1.5%; beside a second process only the copy slowed
-(1.44x), so the two virtual cores are not one core's hyper-threads; and the MLP's first call after 5 ms
-took 1.85-2.2x its back-to-back time, after 20 ms 2.65-3.0x, asleep or spinning alike: a waiting core
-does not keep its cache here, which is what a pipeline stage's ops pay after each wait for a neighbour.
+quiet; docs/predictor_accuracy.md): within 10 s the GEMMs' and the copy's block medians moved by 6-19%
+(90th over 10th percentile), the small ops' by 1.5-2%; beside a second process only the copy slowed
+(1.44-1.61x), so the two virtual cores are not one core's hyper-threads; and the MLP's first call after
+5 ms asleep took 1.5-2.2x its back-to-back time, after 20 ms 2.7-3.0x (1.2-1.9x and 1.45-2.65x
+spinning; two runs): a waiting core does not keep its cache here, which is what a pipeline stage's ops
+pay after each wait for a neighbour.
 """
 
 from __future__ import annotations
