@@ -45,7 +45,19 @@ PROBES = ("l2_gemm", "l3_gemm", "dram_copy", "dispatch")
 RESUMES = 100
 
 
-def make_probe(name: str) -> Callable[[], object]:
+def make_probe(name: str, cpu: int) -> Callable[[], object]:
+    """The call ``name`` names (PROBES, or ``small_mlp``: the waits' probe), this process pinned to core
+    ``cpu`` with one intra-op thread."""
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    if name == "small_mlp":  # a SwiGLU MLP forward: h=64, FFN 176, 128 tokens
+        x, up, down = torch.randn(128, 64), torch.randn(2 * 176, 64), torch.randn(64, 176)
+
+        def mlp() -> torch.Tensor:
+            gate, value = torch.nn.functional.linear(x, up).chunk(2, dim=-1)
+            return torch.nn.functional.linear(torch.nn.functional.silu(gate) * value, down)
+
+        return mlp
     if name in ("l2_gemm", "l3_gemm"):
         x = torch.randn(128, 256)
         weight = torch.randn(512 if name == "l2_gemm" else 4096, 256)
@@ -66,9 +78,7 @@ def make_probe(name: str) -> Callable[[], object]:
 def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = None) -> list[float]:
     """Median seconds of a call, per block of ``block`` calls, for ``seconds`` on core ``cpu`` (``warm``, an
     event: set once warmed up)."""
-    os.sched_setaffinity(0, {cpu})
-    torch.set_num_threads(1)
-    call = make_probe(name)
+    call = make_probe(name, cpu)
     for _ in range(3 * block):  # warm: the allocator, the caches, the CPU's clock
         call()
     if warm is not None:
@@ -86,16 +96,9 @@ def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = N
 
 
 def resumed_calls(gap_s: float, spin: bool, cpu: int) -> tuple[float, float]:
-    """(median seconds of the first call after a gap of ``gap_s``, of the calls back to back) of a small
-    SwiGLU MLP forward (h=64, FFN 176, 128 tokens) on core ``cpu``."""
-    os.sched_setaffinity(0, {cpu})
-    torch.set_num_threads(1)
-    x, up, down = torch.randn(128, 64), torch.randn(2 * 176, 64), torch.randn(64, 176)
-
-    def mlp() -> torch.Tensor:
-        gate, value = torch.nn.functional.linear(x, up).chunk(2, dim=-1)
-        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * value, down)
-
+    """(median seconds of the first call after a gap of ``gap_s``, of the calls back to back) of the
+    ``small_mlp`` probe on core ``cpu``."""
+    mlp = make_probe("small_mlp", cpu)
     for _ in range(1000):
         mlp()
     first, after = [], []

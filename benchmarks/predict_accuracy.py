@@ -172,9 +172,8 @@ def calibrate_machine(calibration: Path) -> str:
     )
 
 
-def one_round(
-    name: str, layout_name: str, repeats: int, calibration: Path, calibrate: bool
-) -> tuple[Any, ...]:
+def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None) -> tuple[Any, ...]:
+    """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself."""
     case, parallel = CASES[name], LAYOUTS[layout_name]
     dp = parallel.get("dp", 1)
     layout = Layout(
@@ -184,8 +183,10 @@ def one_round(
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
         # the steps before the profiles and (validate) after them: the machine's drift over the round
         before = run_steps(*steps_args, layout, Path(folder) / "before.json", repeats=repeats).step_s
-        if calibrate:  # the machine as the profiles find it: one calibration shared by every round would
-            calibration = Path(folder) / "calibration.json"  # bias them all alike, past any interval
+        if calibration is None:
+            # the machine as the profiles find it: one calibration shared by every round would bias them
+            # all alike, past any interval
+            calibration = Path(folder) / "calibration.json"
             calibrate_machine(calibration)
         run_dirs = [Path(folder) / mode for mode in ("warm", "cold")]
         for run_dir in run_dirs:
@@ -224,8 +225,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
-        calibration = Path(folder) / "calibration.json"
-        if args.calibrate == "once":
+        calibration = Path(folder) / "calibration.json" if args.calibrate == "once" else None
+        if calibration is not None:
             print(f"calibration, once for the run: {calibrate_machine(calibration)}")
         else:
             print("calibration: afresh in every round, inside its bracket (the Adam rates below each layout)")
@@ -250,8 +251,7 @@ def main() -> int:
         for name in args.cases.split(","):
             for layout_name in [n for n in DEFAULT[name] if not args.layouts or n in args.layouts.split(",")]:
                 results = [
-                    one_round(name, layout_name, args.repeats, calibration, args.calibrate == "round")
-                    for _ in range(args.rounds)
+                    one_round(name, layout_name, args.repeats, calibration) for _ in range(args.rounds)
                 ]
                 step = [r[0] for r in results]
                 memory = [r[1] for r in results]
