@@ -82,16 +82,19 @@ class TimingConfig(SamplingPolicy):
     whose docstring and module explain each field and guard) plus the guards around it.
 
     ``flush_cache`` evicts the last-level cache before every sample; otherwise ``rotate_inputs`` cycles
-    copies of inputs that fit in it. ``threads``: torch intra-op threads (0 keeps torch's default); the
-    rows record the number used. ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than
-    ``cuda_graph_below_us`` as CUDA-graph replays, without host launch overhead (autotuner.measure.graphs);
-    the rows say which were. ``hide_launch`` (CUDA only) queues a spin kernel before each sample so the
-    sample's kernels are queued before its start event runs (autotuner.measure.timer); the rows record
-    it in ``launch_hidden``.
+    copies of inputs that fit in it. ``idle_before_ms`` pauses (sleeps, the device idle) that long before
+    every sample, which is then one call: the op as it runs after a wait (a pipeline stage's first op after
+    its neighbour's hand-over; autotuner.measure.timer); 0, the default, pauses never.
+    ``threads``: torch intra-op threads (0 keeps torch's default); the rows record the number used.
+    ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than ``cuda_graph_below_us`` as
+    CUDA-graph replays, without host launch overhead (autotuner.measure.graphs); the rows say which were.
+    ``hide_launch`` (CUDA only) queues a spin kernel before each sample so the sample's kernels are queued
+    before its start event runs (autotuner.measure.timer); the rows record it in ``launch_hidden``.
     """
 
     hide_launch: bool = True
     flush_cache: bool = False
+    idle_before_ms: float = 0.0
     rotate_inputs: bool = True
     threads: int = 0
     cuda_graph: bool = False

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 from autotuner.main import run
 from autotuner.measure.timer import median_ci
@@ -172,7 +172,24 @@ def calibrate_machine(calibration: Path) -> str:
     )
 
 
-def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None) -> tuple[Any, ...]:
+class Round(NamedTuple):
+    """What one round of a case and layout gives."""
+
+    step_ratio: float  # predicted step / the bracket of the measured steps
+    memory_ratio: float  # predicted peak / measured peak
+    step_noise: float  # the measured steps' IQR / median
+    predicted_s: float
+    measured_s: float  # the bracket: the mean of the steps before and after the profiles
+    phases: tuple[tuple[str, float, float], ...]  # (phase, predicted s, measured s)
+    drift: float  # the steps after the profiles / before them
+    in_step: tuple[tuple[int, str, float, float, str], ...]  # autotuner.predict.validate.Validation.in_step
+    adam_rate: float  # the round's calibrated Adam seconds per parameter
+    between_ops: tuple[tuple[int, float, float], ...]  # per rank: (rank, between ops s, forward-backward s)
+    handovers: tuple[float, ...]  # a 1F1B pipeline's hand-overs a stage waited for, s
+    predicted_transfer_s: float | None  # the predictor's pp_p2p per hand-over
+
+
+def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None) -> Round:
     """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself."""
     case, parallel = CASES[name], LAYOUTS[layout_name]
     dp = parallel.get("dp", 1)
@@ -196,16 +213,19 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         checked = validate(pred, *steps_args, repeats=repeats)
         adam_rate = json.loads(calibration.read_text())["adam_seconds_per_parameter"]
     bracket = (before + checked.measured_step_s) / 2
-    return (
-        checked.predicted_step_s / bracket,
-        checked.memory_error + 1,
-        checked.measured_step_iqr_s / checked.measured_step_s,
-        checked.predicted_step_s,
-        bracket,
-        checked.phases,
-        checked.measured_step_s / before,
-        checked.in_step,
-        adam_rate,
+    return Round(
+        step_ratio=checked.predicted_step_s / bracket,
+        memory_ratio=checked.memory_error + 1,
+        step_noise=checked.measured_step_iqr_s / checked.measured_step_s,
+        predicted_s=checked.predicted_step_s,
+        measured_s=bracket,
+        phases=checked.phases,
+        drift=checked.measured_step_s / before,
+        in_step=checked.in_step,
+        adam_rate=adam_rate,
+        between_ops=tuple((r.rank, r.between_ops_s, r.forward_backward_s) for r in checked.timeline),
+        handovers=tuple(seconds for _, seconds in checked.handovers),
+        predicted_transfer_s=checked.predicted_transfer_s,
     )
 
 
@@ -253,24 +273,27 @@ def main() -> int:
                 results = [
                     one_round(name, layout_name, args.repeats, calibration) for _ in range(args.rounds)
                 ]
-                step = [r[0] for r in results]
-                memory = [r[1] for r in results]
-                noise = statistics.median(r[2] for r in results)
+                step = [r.step_ratio for r in results]
+                memory = [r.memory_ratio for r in results]
+                noise = statistics.median(r.step_noise for r in results)
                 # A/A: the same prediction (fresh profiles) and the same steps (fresh processes) repeated,
                 # largest over smallest: how far a ratio can move with nothing changed
-                aa_pred, aa_meas = (max(r[i] for r in results) / min(r[i] for r in results) for i in (3, 4))
+                aa_pred, aa_meas = (
+                    max(values) / min(values)
+                    for values in ([r.predicted_s for r in results], [r.measured_s for r in results])
+                )
                 worst = max(worst, abs(statistics.median(step) - 1), abs(statistics.median(memory) - 1))
                 spread = [f"{statistics.median(v):8.3f} [{min(v):.3f}, {max(v):.3f}]" for v in (step, memory)]
                 # where a step's error comes from: each phase's predicted and measured time (medians)
                 phases = ", ".join(
-                    f"{statistics.median(r[5][i][1] for r in results) * 1e3:.3g}/"
-                    f"{statistics.median(r[5][i][2] for r in results) * 1e3:.3g}"
-                    for i in range(len(results[0][5]))
+                    f"{statistics.median(r.phases[i][1] for r in results) * 1e3:.3g}/"
+                    f"{statistics.median(r.phases[i][2] for r in results) * 1e3:.3g}"
+                    for i in range(len(results[0].phases))
                 )
                 # the same steps after the profiles over before them, each round: how far the machine
                 # moved while the round ran; the rounds within DRIFT_CALM of 1 judge the step alone
-                drift = [r[6] for r in results]
-                calm = [r[0] for r in results if abs(r[6] - 1) <= DRIFT_CALM]
+                drift = [r.drift for r in results]
+                calm = [r.step_ratio for r in results if abs(r.drift - 1) <= DRIFT_CALM]
                 calm_said = f"{statistics.median(calm):.3f} ({len(calm)})" if calm else "none"
                 print(
                     f"{name:12} {layout_name:7} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
@@ -279,15 +302,38 @@ def main() -> int:
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}
                 for r in results:
-                    for stage, what, predicted, measured, _ in r[7]:
+                    for stage, what, predicted, measured, _ in r.in_step:
                         inside.setdefault((stage, what), []).append((predicted, measured))
                 for (stage, what), pairs in inside.items():
                     pred_ms = statistics.median(p for p, _ in pairs) * 1e3
                     meas_ms = statistics.median(m for _, m in pairs) * 1e3
                     ratio = pred_ms / meas_ms
                     print(f"{'':21} stage {stage} {what:27} {pred_ms:8.3f} / {meas_ms:8.3f} ms  {ratio:6.3f}")
+                # the time between a rank's ops in its median step: waits, transfers, the schedule
+                between: dict[int, list[tuple[float, float]]] = {}
+                for r in results:
+                    for rank, gap, fb in r.between_ops:
+                        between.setdefault(rank, []).append((gap, fb))
+                if between:
+                    print(
+                        f"{'':21} between the ops (ms of the forward-backward, medians): "
+                        + ", ".join(
+                            f"rank {rank} {statistics.median(g for g, _ in v) * 1e3:.3g} of "
+                            f"{statistics.median(f for _, f in v) * 1e3:.3g}"
+                            for rank, v in sorted(between.items())
+                        )
+                    )
+                handed = [s for r in results for s in r.handovers]
+                if handed:
+                    transfer = statistics.median(r.predicted_transfer_s or 0.0 for r in results)
+                    median = statistics.median(handed)
+                    print(
+                        f"{'':21} hand-overs a stage waited for: median {median * 1e3:.3g} ms "
+                        f"over {len(handed)} [{min(handed) * 1e3:.3g}, {max(handed) * 1e3:.3g}]; predicted "
+                        f"transfer {transfer * 1e3:.3g} ms"
+                    )
                 if args.calibrate == "round":
-                    adam = [r[8] * 1e9 for r in results]
+                    adam = [r.adam_rate * 1e9 for r in results]
                     print(f"{'':21} Adam in the rounds' calibrations: {min(adam):.2f}-{max(adam):.2f} ns")
                 said = []
                 for what, ratios in (("step", step), ("memory", memory)):

@@ -229,6 +229,27 @@ def test_generator_flush_and_calibration_from_the_command_line(tmp_path):
     assert json.loads((run_dir / "calibration.json").read_text())["memory_bandwidth"] == 1e10
 
 
+def test_a_pause_before_every_sample_is_taken_and_recorded(tmp_path, capsys):
+    """timing.idle_before_ms: every sample is one call after the pause (the op as a pipeline stage runs it
+    after a wait), the rows say so, and the run lasts at least its pauses; a negative pause is refused."""
+    run_dir = tmp_path / "run"
+    overrides = ["ops=[activation]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]"]
+    started = time.perf_counter()
+    assert run(["case=tiny", f"hydra.run.dir={run_dir}", *overrides, "timing.idle_before_ms=50", *FAST]) == 0
+    elapsed = time.perf_counter() - started
+    rows = [r for r in _check_files(run_dir) if r["status"] == "ok"]
+    assert {(r["phase"], r["idle_before_ms"], r["calls_per_sample"], r["cache_flush"]) for r in rows} == {
+        ("forward", 50.0, 1, False),
+        ("backward", 50.0, 1, False),
+    }
+    pauses = sum(r["samples"] + 1 for r in rows)  # and one warm-up call each (FAST)
+    assert elapsed >= pauses * 0.050
+    assert run(["case=tiny", f"hydra.run.dir={tmp_path / 'bad'}", "timing.idle_before_ms=-1", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "idle_before_ms" in err[0] and "fix timing." in err[0]
+    assert not (tmp_path / "bad").exists()
+
+
 def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypatch):
     import torch
 

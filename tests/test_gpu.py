@@ -284,3 +284,8 @@ def test_the_steps_time_their_ops_inside_with_cuda_events(tmp_path: Path):
     parts += inside["final_layernorm.forward"] + inside["output_layer.forward"]
     assert parts < 1.2 * inside["stage.forward"], inside
     assert 4 * inside["stage.forward"] < measured.forward_backward_s
+    # the median step's visits: device time from an event recorded at the step's start
+    (rank,) = measured.ranks
+    fb = rank.forward_backward_s[measured.timeline_step]
+    assert sum(1 for key, *_ in rank.timeline if key == "transformer_layer.forward") == 2 * 4
+    assert all(0 <= start < end <= fb * 1.01 for _, _, start, end in rank.timeline), (fb, rank.timeline)

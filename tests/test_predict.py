@@ -296,6 +296,24 @@ def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
     assert not any("cache" in w for w in pred.warnings)
 
 
+def test_rows_timed_after_a_pause_never_stand_in_for_back_to_back_ones(tmp_path):
+    """timing.idle_before_ms times another condition (an op after a wait), not more samples of the same:
+    the predictor leaves such rows out, and a run of them alone does not hold its point for the plan."""
+    from autotuner.predict.plan import Need, measured
+
+    paused = [{**r, "idle_before_ms": 2.0, "median_us": r["median_us"] * 3} for r in base_rows()]
+    layout = Layout(seq_len=32, dtype="fp32")
+    both = load_runs([make_run(tmp_path, base_rows(), "plain"), make_run(tmp_path, paused, "paused")])
+    assert predict(both, layout, CAL).stages[0].items[0][2].seconds == pytest.approx(1000 * US)
+    alone = predict(load_runs([make_run(tmp_path, paused, "alone")]), layout, CAL)
+    assert alone.stages[0].items[0][2].source.kind != "measured"
+    assert any(
+        m["command"] and "s32_b1" in f"s{m['seq_len']}_b{m['micro_batch_size']}" for m in alone.missing
+    )
+    assert measured([tmp_path / "plain"]) == {Need("synthetic", 32, 1, 1, 1, False, "fp32")}
+    assert measured([tmp_path / "alone"]) == set()
+
+
 def test_memory_terms(tmp_path):
     runs = load_runs([make_run(tmp_path, base_rows())])
     pred = predict(

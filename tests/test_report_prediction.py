@@ -16,6 +16,7 @@ from autotuner.predict.prediction import load_runs, predict
 from autotuner.report.prediction import (
     MEMORY_TERMS,
     load_prediction,
+    measured_timeline_figure,
     memory_figure,
     timeline_figure,
     validation_figure,
@@ -153,6 +154,47 @@ def test_validation_bars_hold_the_record(tmp_path):
     ]
     text = " ".join(Page(write_prediction_page(rec, tmp_path / "in_step.html").read_text()).text)
     assert "in the step, stage 0: transformer_layer backward (x)" in text and "-17.5%" in text
+
+
+def test_the_measured_steps_op_visits_are_drawn_per_rank(tmp_path):
+    """The validation's timeline (autotuner.predict.validate.RankTimeline, as validate=true records it):
+    each rank's op visits as boxes at their times, rank 0 on top, the stage's own span (which holds the
+    ops) not drawn, and the time between the ops in the caption."""
+    from autotuner.predict.validate import RankTimeline
+
+    rec = prediction(tmp_path, pp=2, global_batch_size=8)
+    assert measured_timeline_figure(rec) is None
+    first = RankTimeline(0, 0, 0, 0, 0.010, (
+        ("stage.forward", 0, 0.0, 0.003),
+        ("embedding.forward", 0, 0.0, 0.001),
+        ("transformer_layer.forward", 1, 0.001, 0.003),
+        ("transformer_layer.backward", 1, 0.006, 0.009),
+    ))  # fmt: skip
+    second = RankTimeline(1, 1, 0, 0, 0.009, (
+        ("transformer_layer.forward", 2, 0.0035, 0.005),
+        ("output_layer.forward", 0, 0.005, 0.006),
+        ("output_layer.backward", 0, 0.0062, 0.0065),
+        ("transformer_layer.backward", 2, 0.0065, 0.0075),
+    ))  # fmt: skip
+    assert first.between_ops_s == pytest.approx(0.010 - 0.006)
+    assert second.between_ops_s == pytest.approx(0.009 - 0.0038)
+    rec["validation"] = {
+        "predicted_step_s": 0.05, "measured_step_s": 0.04, "measured_step_iqr_s": 0.002, "step_error": 0.25,
+        "predicted_peak_bytes": 3e6, "measured_peak_bytes": 4e6, "memory_error": -0.25, "command": ["x"],
+        "timeline": [first.to_json(), second.to_json()],
+    }  # fmt: skip
+    boxes = {
+        gid: (a.get_x(), a.get_x() + a.get_width(), a.get_y())
+        for gid, a in drawn(measured_timeline_figure(rec)).items()
+        if gid.startswith("visit:")
+    }
+    assert len(boxes) == 7 and not any("stage." in gid for gid in boxes)
+    layer = boxes["visit:0:transformer_layer.forward:1:0.001"]
+    assert layer[:2] == pytest.approx((0.001, 0.003))
+    assert layer[2] > boxes["visit:1:transformer_layer.forward:2:0.0035"][2]  # rank 0 above rank 1
+    page = Page(write_prediction_page(rec, tmp_path / "measured.html").read_text())
+    assert "The measured step, op by op" in page.headings and page.images == 4
+    assert "Between the ops: rank 0 4.00 ms of 10.0 ms; rank 1 5.20 ms of 9.00 ms." in " ".join(page.text)
 
 
 class Page(HTMLParser):

@@ -70,6 +70,85 @@ def test_a_single_process_step_is_a_real_training_step(single):
     assert 4 * inside["stage.forward"] < single.forward_backward_s
 
 
+def test_the_median_steps_op_visits_are_its_timeline(single):
+    """One timed step's visits (the one whose forward-backward is the median), each op of each
+    micro-batch once, in time order inside that step's forward-backward, without two ops at once."""
+    from autotuner.predict.in_step import inside_ops_s
+
+    timed = single.ranks[0].forward_backward_s[single.warmup + 1 :]
+    step = single.timeline_step
+    assert (
+        single.warmup < step
+        and single.ranks[0].forward_backward_s[step] == sorted(timed)[(len(timed) - 1) // 2]
+    )
+    visits = single.ranks[0].timeline
+    m = single.layout.microbatches
+    counts = {key: sum(1 for v in visits if v[0] == key) for key in IN_STEP_KEYS}
+    assert counts == {k: (2 * m if k.startswith("transformer_layer") else m) for k in IN_STEP_KEYS}
+    assert (
+        sorted(layer for key, layer, _, _ in visits if key == "transformer_layer.forward")
+        == [1] * m + [2] * m
+    )
+    fb = single.ranks[0].forward_backward_s[step]
+    assert all(0 <= start < end <= fb for _, _, start, end in visits)
+    ops = [v for v in visits if not v[0].startswith("stage.")]
+    assert inside_ops_s(ops) == pytest.approx(sum(end - start for _, _, start, end in ops), rel=0.02)
+    # forward before backward for each micro-batch: the layer 2 forward of one micro-batch ends before its
+    # backward starts, and the layers' backwards run last layer first
+    forwards = sorted(v for v in visits if v[0] == "transformer_layer.forward")
+    backwards = sorted((v for v in visits if v[0] == "transformer_layer.backward"), key=lambda v: v[2])
+    assert [v[1] for v in backwards[:2]] == [2, 1]
+    assert max(v[3] for v in forwards if v[1] == 2 and v[2] < backwards[0][2]) <= backwards[0][2]
+
+
+def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
+    """Two stages, two micro-batches, one layer each: stage 1 waits 0.5 for micro-batch 1's activation;
+    micro-batch 2's arrives while it runs its backward (busy: not a hand-over it waited for); stage 0
+    waits 1.5 and 1.0 for the two gradients."""
+    from autotuner.predict.in_step import handovers
+
+    first = [
+        ("stage.forward", 0, 0.0, 2.0),
+        ("embedding.forward", 0, 0.0, 0.5),
+        ("transformer_layer.forward", 1, 0.5, 2.0),
+        ("stage.forward", 0, 2.1, 4.0),
+        ("embedding.forward", 0, 2.1, 2.4),
+        ("transformer_layer.forward", 1, 2.4, 4.0),
+        ("transformer_layer.backward", 1, 10.0, 12.0),
+        ("transformer_layer.backward", 1, 14.0, 16.0),
+    ]
+    second = [
+        ("stage.forward", 0, 2.5, 5.0),
+        ("transformer_layer.forward", 2, 2.5, 4.0),
+        ("output_layer.forward", 0, 4.0, 5.0),
+        ("output_layer.backward", 0, 5.2, 5.5),
+        ("transformer_layer.backward", 2, 5.5, 8.5),
+        ("stage.forward", 0, 9.0, 11.0),
+        ("transformer_layer.forward", 2, 9.0, 10.5),
+        ("output_layer.forward", 0, 10.5, 11.0),
+        ("transformer_layer.backward", 2, 11.5, 13.0),
+    ]
+    found = handovers([first, second], layers=1)
+    assert [(phase, round(seconds, 9)) for phase, seconds in found] == [
+        ("forward", 0.5),
+        ("backward", 1.5),
+        ("backward", 1.0),
+    ]
+
+
+def test_visits_are_merged_as_the_time_inside_some_op():
+    from autotuner.predict.in_step import inside_ops_s
+
+    visits = [
+        ("stage.forward", 0, 0.0, 10.0),  # holds the ops: not counted
+        ("transformer_layer.forward", 1, 1.0, 3.0),
+        ("transformer_layer.forward", 2, 2.5, 4.0),  # overlapping another rank's hooks would: counted once
+        ("output_layer.forward", 0, 6.0, 7.0),
+    ]
+    assert inside_ops_s(visits) == pytest.approx(3.0 + 1.0)
+    assert inside_ops_s([]) == 0.0
+
+
 def test_full_recompute_trains_the_same_and_holds_less(single):
     """Megatron's activation recompute on the CPU (cpu_bridges 12): the same losses, a lower peak (each
     layer keeps only its input; the re-run forward happens inside the backward)."""
@@ -179,6 +258,29 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     assert "embedding.forward" in result.in_step(0) and "output_layer.backward" not in result.in_step(0)
     assert "output_layer.backward" in result.in_step(1) and "embedding.forward" not in result.in_step(1)
     assert result.in_step(1)["transformer_layer.backward"] > 0
+    # the two ranks' timelines share a clock (the step starts when both leave the barrier): stage 1's
+    # layer forward of the first micro-batch starts only after stage 0's ended and handed it over
+    assert {visit[1] for visit in first.timeline} == {0, 1}  # its layer 1, and the embedding
+    assert {visit[1] for visit in last.timeline} == {0, 2}
+
+    def layer_forwards(rank):
+        return sorted(v for v in rank.timeline if v[0] == "transformer_layer.forward")
+
+    assert len(layer_forwards(first)) == len(layer_forwards(last)) == 4
+    for sent, received in zip(layer_forwards(first), layer_forwards(last), strict=True):
+        assert sent[3] <= received[2], (sent, received)
+    # the hand-overs a stage waited for: stage 1 at least for the first micro-batch's activation
+    from autotuner.predict.validate import RankTimeline, pipeline_handovers
+
+    step = result.timeline_step
+    timelines = [
+        RankTimeline(r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[step], r.timeline)
+        for r in result.ranks
+    ]
+    found = pipeline_handovers(timelines, result.layout, layers=1)
+    assert "forward" in {phase for phase, _ in found} and all(
+        0 < s < timelines[1].forward_backward_s for _, s in found
+    )
 
 
 @pytest.mark.torchrun

@@ -115,6 +115,13 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     )
     assert inside["transformer_layer backward"]["how"] == "its row + its gradients' accumulation"
     assert "    inside the steps, per visit" in printed and "stage 0 transformer_layer backward" in printed
+    # and the median step op by op: the one process's visits, and the time between them
+    (rank,) = record["timeline"]
+    assert rank["rank"] == 0 and 0 <= rank["between_ops_s"] < rank["forward_backward_s"]
+    assert (
+        sum(1 for key, *_ in rank["visits"] if key == "transformer_layer.forward") == 3 * 2
+    )  # 3 layers, m=2
+    assert "rank 0 (stage 0, tp 0, dp 0)" in printed and "+ between" in printed
 
 
 def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):

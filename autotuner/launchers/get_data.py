@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,33 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
+class IdlePause:
+    """The untimed pause before a sample (``timing.idle_before_ms``): the device finishes its queue, then
+    the process sleeps, as a pipeline stage sleeps in its receive while its neighbour computes
+    (autotuner.measure.timer, "Back to back is not how every op runs")."""
+
+    def __init__(self, timer: DeviceTimer, seconds: float) -> None:
+        self.timer, self.seconds = timer, seconds
+
+    def __call__(self) -> None:
+        self.timer.synchronize()
+        time.sleep(self.seconds)
+
+
+def _in_turn(steps: list[Callable[[], None]]) -> Callable[[], None] | None:
+    """One callable running ``steps`` in order (None when there are none)."""
+    if not steps:
+        return None
+    if len(steps) == 1:
+        return steps[0]
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
 class GetDataObserver:
     name = "get_data"
 
@@ -49,6 +77,7 @@ class GetDataObserver:
         dtype: str = "fp32",
         cuda_graph_below_us: float | None = None,
         hide_launch: bool = True,
+        idle_before_ms: float = 0.0,
     ) -> None:
         self.cuda_graph_below_us = cuda_graph_below_us if device.type == "cuda" else None
         self.graphs_off = ""  # set after a failed capture: the reason later rows give
@@ -61,7 +90,10 @@ class GetDataObserver:
         # Under torchrun every choice that changes how often a rank calls the op is the group's.
         self.agreement = RankAgreement(device)
         self.model_parameters = model_parameters
-        self.flush = CacheFlusher(device) if flush_cache else None
+        self.flush_cache, self.idle_before_ms = flush_cache, idle_before_ms
+        steps = [CacheFlusher(device) if flush_cache else None]
+        steps += [IdlePause(self.timer, idle_before_ms * 1e-3) if idle_before_ms > 0 else None]
+        self.flush = _in_turn([s for s in steps if s is not None])  # the untimed step before each sample
         self.rotate_inputs = rotate_inputs and not flush_cache
         self.cache_bytes = last_level_cache_bytes(device)
 
@@ -128,7 +160,8 @@ class GetDataObserver:
             **measurement.columns(),
             "calls_per_sample": measurement.calls_per_sample,
             "input_sets": len(phase.input_sets),
-            "cache_flush": self.flush is not None,
+            "cache_flush": self.flush_cache,
+            "idle_before_ms": self.idle_before_ms,
             "cuda_graph": graphed,
             "launch_hidden": self.timer.hide_launch,
         }
@@ -197,6 +230,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
         dtype=spec.dtype,
         cuda_graph_below_us=timing.cuda_graph_below_us if timing.cuda_graph else None,
         hide_launch=timing.hide_launch,
+        idle_before_ms=timing.idle_before_ms,
     )
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

@@ -29,6 +29,14 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   host issues more slowly than the GPU runs it also reads its GPU time: the host's time per call is kept
   (``host_median_us``), and a row where it exceeds the GPU time is flagged ``launch_bound``; in a step
   such an op costs the host's time unless the host is running ahead.
+* Back to back is not how every op runs. Samples follow each other at once, so they time an op whose
+  core (or GPU) has just run it; a pipeline stage calls an op after waiting for its neighbour.
+  ``timing.idle_before_ms`` (autotuner.launchers.get_data.IdlePause) puts a pause, untimed, before every
+  sample, and the rows record it (on this project's CPU VM the tiny case's layer forward, one thread,
+  took 3.0-3.3 ms after 2 ms asleep against 2.1-2.8 back to back and 3.3 with the caches flushed). The
+  predictor leaves such rows out of a step's back-to-back ops (autotuner.predict.inputs.Measurements):
+  inside real pipeline steps the visits after a wait did not run as after a sleep
+  (docs/predictor_accuracy.md, "Pipeline stages on a CPU").
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
   run before any sample is kept.
 

@@ -12,6 +12,11 @@ hooks each model chunk of a rank (Megatron's GPTModel) while its training steps 
   their accumulation into the kept fp32 gradients (Megatron's DDP hook), which an op row does not hold;
 * the stage's forward per micro-batch: the chunk's forward, the loss included on the last stage.
 
+Each timed step's visits are kept too, as a timeline (:data:`Visit`: the key, the layer's number, start
+and end from the step's start mark, which follows the barrier every rank leaves together), so that the
+gaps between a rank's ops (waits for another rank, transfers, the schedule's own work) show beside the
+ops: the validation keeps one step's (autotuner.predict.steps) and the prediction page draws it.
+
 The modules: the embedding (forward only: its input, token ids, has no gradient to mark its backward's
 end), every decoder layer (``transformer_layer``), the final norm, and the output layer with the loss
 after it, as the op row ``output_layer`` times them (its forward ends when GPTModel's
@@ -26,11 +31,17 @@ time inside the backward. A step with it records nothing (the validation says so
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
+
+# One op visit in a step's timeline: (an IN_STEP_KEYS key, the layer's number, 1-based as Megatron counts
+# the whole model's layers, 0 for other modules; start and end seconds from the step's start mark).
+Visit = tuple[str, int, float, float]
 
 # What a rank reports, in this order (a fixed list, so that ranks can exchange it as numbers): the
 # median seconds per visit over the timed steps, NaN where the rank has no such module or phase.
@@ -46,6 +57,58 @@ IN_STEP_KEYS = (
 )
 
 
+def inside_ops_s(visits: Sequence[Visit]) -> float:
+    """The seconds of a timeline inside some op visit (the union of their spans; the stage's forward,
+    which holds the ops, left out): the rest of the rank's forward-backward is between its ops."""
+    spans = sorted((start, end) for key, _, start, end in visits if not key.startswith("stage."))
+    total, reached = 0.0, -math.inf
+    for start, end in spans:
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+def handovers(stages: Sequence[Sequence[Visit]], layers: int) -> list[tuple[str, float]]:
+    """A 1F1B pipeline's hand-overs that one stage waited for, from one step's timelines of consecutive
+    stages (one rank each, the same tp and dp rank; ``layers`` per stage; not the interleaved schedule):
+    ("forward" | "backward", seconds from the sender's last op of a micro-batch to the receiver's first).
+
+    A rank runs its micro-batches' forwards in order, each inside one ``stage.forward``, and their
+    backwards in order, each its ``layers`` layer backwards in a row; so the k-th of each on two
+    neighbouring stages is the same micro-batch. A hand-over counts only where the receiver had nothing
+    left to run when the sender finished (its previous visit ended before): then the gap is the transfer,
+    both ends' schedule work and the receiver's wake-up, not work of its own."""
+
+    def forwards(visits: Sequence[Visit]) -> list[tuple[float, float]]:
+        return sorted((start, end) for key, _, start, end in visits if key == "stage.forward")
+
+    def backwards(visits: Sequence[Visit]) -> list[tuple[float, float]]:
+        spans = sorted((start, end) for key, _, start, end in visits if key == "transformer_layer.backward")
+        return [
+            (group[0][0], group[-1][1])
+            for group in (spans[i : i + layers] for i in range(0, len(spans), layers))
+        ]
+
+    def idle_before(visits: Sequence[Visit], moment: float, start: float) -> bool:
+        """Nothing of the receiver's ran between ``moment`` and its visit at ``start``."""
+        return not any(
+            moment < end < start or moment < begin < start
+            for key, _, begin, end in visits
+            if not key.startswith("stage.")
+        )
+
+    found = []
+    for sender, receiver in itertools.pairwise(stages):
+        for (_, sent), (received, _) in zip(forwards(sender), forwards(receiver), strict=True):
+            if sent < received and idle_before(receiver, sent, received):
+                found.append(("forward", received - sent))
+        for (_, sent), (received, _) in zip(backwards(receiver), backwards(sender), strict=True):
+            if sent < received and idle_before(sender, sent, received):
+                found.append(("backward", received - sent))
+    return found
+
+
 class ModuleClock:
     """Hooks on one rank's model chunks; ``recording`` on for the timed steps only; :meth:`collect` after
     each timed step's synchronize; :meth:`medians` at the end."""
@@ -56,8 +119,10 @@ class ModuleClock:
         self._torch = torch
         self._cuda = device.type == "cuda"
         self.recording = False
-        self._open: list[tuple[str, Any, Any]] = []  # (key, start mark, end mark) not yet read
+        self._open: list[tuple[str, int, Any, Any]] = []  # (key, layer, start, end mark) not yet read
         self._spans: dict[str, list[float]] = defaultdict(list)
+        self._step_start: Any = None
+        self.timelines: list[list[Visit]] = []  # per timed step, its visits in the order they ended
         for chunk in chunks:
             model = getattr(chunk, "module", chunk)  # past a DDP-style wrapper
             if getattr(model, "pre_process", False):
@@ -77,12 +142,18 @@ class ModuleClock:
             return event
         return time.perf_counter()
 
-    def _span(self, key: str, start: Any) -> None:
-        self._open.append((key, start, self._mark()))
+    def start_step(self) -> None:
+        """Mark a timed step's start (its visits' time origin) and record its visits from here."""
+        self._step_start = self._mark()
+        self.recording = True
+
+    def _span(self, key: str, start: Any, layer: int = 0) -> None:
+        self._open.append((key, layer, start, self._mark()))
 
     def _hook(self, module: Any, name: str, backward: bool = True) -> None:
         torch = self._torch
         started: dict[str, Any] = {}  # this module's open forward, then its open backward
+        layer = int(getattr(module, "layer_number", 0) or 0) if name == "transformer_layer" else 0
 
         def before(_module: Any, args: tuple, kwargs: dict) -> None:
             if not self.recording:
@@ -92,12 +163,12 @@ class ModuleClock:
                 return
             given = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
             if torch.is_tensor(given) and given.requires_grad:
-                given.register_hook(lambda _grad: self._end_backward(name, started))
+                given.register_hook(lambda _grad: self._end_backward(name, started, layer))
 
         def after(_module: Any, _args: tuple, _kwargs: dict, output: Any) -> None:
             if not self.recording or "forward" not in started:
                 return
-            self._span(f"{name}.forward", started.pop("forward"))
+            self._span(f"{name}.forward", started.pop("forward"), layer)
             out = output[0] if isinstance(output, tuple) else output
             if backward and torch.is_tensor(out) and out.requires_grad:
                 out.register_hook(lambda _grad: started.__setitem__("backward", self._mark()))
@@ -130,15 +201,26 @@ class ModuleClock:
         model.output_layer.register_forward_pre_hook(before, with_kwargs=True)
         model.compute_language_model_loss = loss
 
-    def _end_backward(self, name: str, started: dict[str, Any]) -> None:
+    def _end_backward(self, name: str, started: dict[str, Any], layer: int = 0) -> None:
         if "backward" in started:
-            self._span(f"{name}.backward", started.pop("backward"))
+            self._span(f"{name}.backward", started.pop("backward"), layer)
+
+    def _seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self._cuda else end - start
 
     def collect(self) -> None:
-        """Read the spans marked since the last call (on a GPU: after the device was synchronized)."""
-        for key, start, end in self._open:
-            self._spans[key].append(start.elapsed_time(end) / 1e3 if self._cuda else end - start)
+        """Read the spans marked since the last call (on a GPU: after the device was synchronized); with
+        a step's start mark (:meth:`start_step`), they are that step's timeline."""
+        visits = []
+        for key, layer, start, end in self._open:
+            self._spans[key].append(self._seconds(start, end))
+            if self._step_start is not None:
+                origin = self._step_start
+                visits.append((key, layer, self._seconds(origin, start), self._seconds(origin, end)))
+        if self._step_start is not None:
+            self.timelines.append(visits)
         self._open.clear()
+        self._step_start = None
 
     def medians(self) -> tuple[float, ...]:
         """Per IN_STEP_KEYS, the median seconds per visit (NaN where nothing was timed)."""

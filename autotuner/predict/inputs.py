@@ -265,7 +265,9 @@ class Measurements:
     single process's row. With ``ep``, rows of the ops expert parallelism changes
     (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A row measured with the
     cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured the other way;
-    otherwise later runs' rows replace earlier ones at the same key."""
+    otherwise later runs' rows replace earlier ones at the same key. Rows timed after a pause
+    (``idle_before_ms`` above 0) are left out: they time another condition than a step's back-to-back
+    ops, not another sample of the same."""
 
     def __init__(
         self,
@@ -286,6 +288,8 @@ class Measurements:
             if row.get("status") != "ok" or row.get("median_us") is None or row.get("dtype") != dtype:
                 continue
             if row.get("rank") not in (None, 0, "0", "max"):
+                continue
+            if float(row.get("idle_before_ms") or 0) > 0:
                 continue
             if ep is not None and row.get("op") in EP_COMPOSITE_OPS | EP_LEAF_OPS:
                 if row_expert_parallel(row) != ep:

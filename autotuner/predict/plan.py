@@ -128,7 +128,10 @@ def measured(run_dirs: Iterable[str | Path]) -> set[Need]:
                 {
                     (r["case"], r["seq_len"], r["micro_batch_size"], r.get("dtype"))
                     for r in file_rows
-                    if r.get("status") == "ok" and r.get("seq_len") and r.get("micro_batch_size")
+                    if r.get("status") == "ok"
+                    and r.get("seq_len")
+                    and r.get("micro_batch_size")
+                    and not float(r.get("idle_before_ms") or 0) > 0  # another condition (Measurements)
                 }
             )
         points = set.intersection(*per_file)

@@ -103,12 +103,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.in_step import IN_STEP_KEYS, ModuleClock
+from autotuner.predict.in_step import IN_STEP_KEYS, ModuleClock, Visit
 from autotuner.predict.layout import Layout
 
 OPTIMIZER = "torch.optim.Adam"
@@ -136,6 +136,9 @@ class RankSteps:
     # the ops' median seconds per visit inside the timed steps (autotuner.predict.in_step.IN_STEP_KEYS,
     # those this rank has); empty with activation recompute
     in_step_s: dict[str, float] = field(default_factory=dict)
+    # one timed step's op visits (autotuner.predict.in_step.Visit), the step StepMeasurement.timeline_step
+    # names, the same on every rank; empty with activation recompute
+    timeline: tuple[Visit, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -156,6 +159,7 @@ class StepMeasurement:
     optimizer: str
     schedule: str  # the Megatron-Core schedule get_forward_backward_func chose
     ranks: tuple[RankSteps, ...]
+    timeline_step: int = -1  # the step whose visits RankSteps.timeline holds (-1: none kept)
 
     @property
     def _timed_steps(self) -> range:
@@ -249,7 +253,10 @@ class StepMeasurement:
         layout_fields = {f.name for f in fields(Layout)}
         layout = Layout(**{k: v for k, v in data["layout"].items() if k in layout_fields})
         ranks = tuple(
-            RankSteps(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
+            RankSteps(
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in r.items() if k != "timeline"},
+                timeline=tuple(tuple(visit) for visit in r.get("timeline", ())),
+            )
             for r in data["ranks"]
         )
         own = {f.name for f in fields(cls)} - {"layout", "ranks"}
@@ -670,13 +677,14 @@ def measure_steps(
             store = stored[0]
         else:
             sync()
-            if clock is not None:
-                clock.recording = True
+            timed = clock is not None and step > warmup  # the hooks time the timed steps alone
+            if timed:
+                clock.start_step()
             start = time.perf_counter()
             store = forward_backward_step()
             sync()
             backward_done = time.perf_counter()
-            if clock is not None:
+            if timed:
                 clock.recording = False
                 clock.collect()
             reduce_step()
@@ -708,6 +716,18 @@ def measure_steps(
         in_step_s=_present(clock.medians()) if clock is not None else {},
     )
     ranks = _gather(mine, world, len(fb_s)) if world > 1 else (mine,)
+    # the timeline of the timed step whose forward-backward (the slowest rank's) is the median: every
+    # rank picks the same from the gathered times
+    slowest = sorted(
+        range(warmup + 1, warmup + 1 + repeats),
+        key=lambda i: (max(r.forward_backward_s[i] for r in ranks), i),
+    )
+    chosen = slowest[(len(slowest) - 1) // 2]
+    if clock is not None and clock.timelines:
+        visits = tuple(clock.timelines[chosen - warmup - 1])
+        ranks = (
+            _gather_timelines(ranks, visits, spec.rank) if world > 1 else (replace(mine, timeline=visits),)
+        )
     return StepMeasurement(
         case=case,
         overrides=tuple(overrides),
@@ -721,6 +741,7 @@ def measure_steps(
         + (", sharded over the data-parallel ranks (distributed optimizer)" if sharded else ""),
         schedule=f"megatron.core.pipeline_parallel.schedules.{forward_backward.__name__}",
         ranks=ranks,
+        timeline_step=chosen,
     )
 
 
@@ -774,6 +795,31 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
             )
         )
     return tuple(sorted(ranks, key=lambda r: r.rank))
+
+
+def _gather_timelines(
+    ranks: tuple[RankSteps, ...], mine: tuple[Visit, ...], rank: int
+) -> tuple[RankSteps, ...]:
+    """Every rank's timeline on every rank: each visit as four numbers (its key's index in IN_STEP_KEYS,
+    the layer, start, end), padded with NaN to the longest rank's, in one float64 all-gather."""
+    import torch
+    import torch.distributed as dist
+
+    longest = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    local = torch.full((int(longest.item()), 4), math.nan, dtype=torch.float64)
+    for row, (key, layer, start, end) in enumerate(mine):
+        local[row] = torch.tensor([IN_STEP_KEYS.index(key), layer, start, end], dtype=torch.float64)
+    everyone = [torch.empty_like(local) for _ in ranks]
+    dist.all_gather(everyone, local)
+    by_rank = {}
+    for who, packed in enumerate(everyone):
+        by_rank[who] = tuple(
+            (IN_STEP_KEYS[int(k)], int(layer), start, end)
+            for k, layer, start, end in packed.tolist()
+            if not math.isnan(k)
+        )
+    return tuple(replace(r, timeline=by_rank[r.rank]) for r in ranks)
 
 
 def run_steps(

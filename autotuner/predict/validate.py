@@ -20,6 +20,7 @@ parallelism inside them, and the interleaved schedule and the distributed optimi
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,37 @@ def model_overrides(run_dir: Path, num_layers: int | None = None) -> list[str]:
 
 
 @dataclass(frozen=True)
+class RankTimeline:
+    """One rank's op visits in one measured step (autotuner.predict.in_step.Visit) and that step's
+    forward-backward on the rank: what is not inside an op is between them (waits for other ranks,
+    transfers, the schedule's own work)."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    forward_backward_s: float
+    visits: tuple[tuple[str, int, float, float], ...]
+
+    @property
+    def between_ops_s(self) -> float:
+        from autotuner.predict.in_step import inside_ops_s
+
+        return self.forward_backward_s - inside_ops_s(self.visits)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
+            "dp_rank": self.dp_rank,
+            "forward_backward_s": self.forward_backward_s,
+            "between_ops_s": self.between_ops_s,
+            "visits": [list(v) for v in self.visits],
+        }
+
+
+@dataclass(frozen=True)
 class Validation:
     """A prediction and the measured steps of the same layout."""
 
@@ -76,6 +108,12 @@ class Validation:
     # (stage, what, predicted s, measured s, how): the ops per visit against their times inside the
     # measured step (autotuner.predict.in_step), where the error sits inside the forward-backward
     in_step: tuple[tuple[int, str, float, float, str], ...] = ()
+    # each rank's op visits in the measured step whose forward-backward was the median
+    timeline: tuple[RankTimeline, ...] = ()
+    # a 1F1B pipeline's hand-overs that a stage waited for, in that step (autotuner.predict.in_step.
+    # handovers: "forward" | "backward", seconds), and the predicted transfer per hand-over (pp_p2p)
+    handovers: tuple[tuple[str, float], ...] = ()
+    predicted_transfer_s: float | None = None
 
     @property
     def step_error(self) -> float:
@@ -103,6 +141,9 @@ class Validation:
                 {"stage": stage, "what": what, "predicted_s": predicted, "measured_s": measured, "how": how}
                 for stage, what, predicted, measured, how in self.in_step
             ],
+            "timeline": [r.to_json() for r in self.timeline],
+            "handovers": [{"phase": phase, "seconds": seconds} for phase, seconds in self.handovers],
+            "predicted_transfer_s": self.predicted_transfer_s,
             "command": list(self.command),
         }
 
@@ -115,6 +156,14 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
     layout = prediction.layout
     with tempfile.TemporaryDirectory(prefix="autotuner-validate-") as folder:
         measured = run_steps(case, overrides, layout, Path(folder) / "steps.json", repeats=repeats)
+    timeline = tuple(
+        RankTimeline(
+            r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[measured.timeline_step], r.timeline
+        )
+        for r in measured.ranks
+        if r.timeline
+    )
+    transfer = next((t.seconds for n, _, t, _ in prediction.stages[0].items if n == "pp_p2p"), None)
     return Validation(
         layout=layout,
         predicted_step_s=prediction.step_seconds,
@@ -130,7 +179,30 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
             ("optimizer", prediction.step.optimizer, measured.optimizer_s),
         ),
         in_step=tuple(in_step_pairs(prediction, measured)),
+        timeline=timeline,
+        handovers=tuple(pipeline_handovers(timeline, layout, prediction.model.num_layers // layout.pp)),
+        predicted_transfer_s=transfer,
     )
+
+
+def pipeline_handovers(
+    timeline: Sequence[RankTimeline], layout: Layout, layers: int
+) -> list[tuple[str, float]]:
+    """The hand-overs a stage waited for (autotuner.predict.in_step.handovers) along each pipeline of
+    ranks with the same tp and dp rank; none off a pipeline or with the interleaved schedule (whose
+    chunks a rank's visits do not tell apart in order)."""
+    from autotuner.predict.in_step import handovers
+
+    if layout.pp == 1 or layout.vpp > 1:
+        return []
+    lines: dict[tuple[int, int], list[RankTimeline]] = {}
+    for r in timeline:
+        lines.setdefault((r.tp_rank, r.dp_rank), []).append(r)
+    found = []
+    for ranks in lines.values():
+        if len(ranks) == layout.pp:
+            found += handovers([r.visits for r in sorted(ranks, key=lambda r: r.pp_rank)], layers)
+    return found
 
 
 def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float, float, str]]:
@@ -201,11 +273,41 @@ def render(result: Validation) -> str:
                 f"{human_time(measured * 1e6):>10}  {100 * (predicted / measured - 1):+6.1f}%  ({how})"
                 for stage, what, predicted, measured, how in result.in_step
             ),
+            *_timeline_lines(result),
             f"  peak memory  predicted {human_bytes(result.predicted_peak_bytes):>10}  measured "
             f"{human_bytes(result.measured_peak_bytes):>10}  error {100 * result.memory_error:+.1f}%",
             "  measured by: " + " ".join(result.command),
         ]
     )
+
+
+def _timeline_lines(result: Validation) -> list[str]:
+    import statistics
+
+    from autotuner.results.units import human_time
+
+    if not result.timeline:
+        return []
+    lines = [
+        "    the median step's forward-backward per rank: inside its ops, and between them (waits for other "
+        "ranks, transfers, the schedule's own work)"
+    ]
+    for r in result.timeline:
+        inside = r.forward_backward_s - r.between_ops_s
+        lines.append(
+            f"      rank {r.rank} (stage {r.pp_rank}, tp {r.tp_rank}, dp {r.dp_rank})  "
+            f"{human_time(r.forward_backward_s * 1e6):>10} = ops {human_time(inside * 1e6):>10} + between "
+            f"{human_time(r.between_ops_s * 1e6):>10}"
+        )
+    if result.handovers:
+        median = statistics.median(seconds for _, seconds in result.handovers)
+        predicted = result.predicted_transfer_s
+        lines.append(
+            f"      hand-overs a stage waited for: median {human_time(median * 1e6)} over "
+            f"{len(result.handovers)} (the sender's last op to the receiver's first); predicted transfer "
+            + (f"{human_time(predicted * 1e6)} (pp_p2p)" if predicted is not None else "none")
+        )
+    return lines
 
 
 def _in_step_header(result: Validation) -> list[str]:

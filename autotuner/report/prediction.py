@@ -31,6 +31,8 @@ al.'s closed-form activation estimate from the same base, and the GPU's memory a
 measured bars for step time (with the measured IQR) and peak memory, and between them each phase of
 the step (``validation_phases``: forward-backward, gradient reduction, optimizer), where the error
 comes from; its table adds each op inside the step (autotuner.predict.in_step) beside its prediction.
+Below them the measured step op by op (``measured_timeline_figure``): each rank's op visits in the median
+step, on the schedule's time axis, with what lies between them.
 """
 
 from __future__ import annotations
@@ -216,20 +218,27 @@ def timeline_figure(record: Mapping[str, Any]) -> Figure:
         + f" m={record['layout']['microbatches']}: bubble {bubble:.1%} of the compute",
         fontsize=10,
     )
+    _phase_legend(
+        ax, Patch(facecolor="white", edgecolor="grey", hatch="//", label="waits for the slowest stage")
+    )
+    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.22, top=0.9)
+    return figure
+
+
+def _phase_legend(ax: Any, third: Patch) -> None:
+    """The timelines' legend under the axis: forward, backward, and what else the boxes show."""
     ax.legend(
         handles=[
             Patch(facecolor=PHASE_COLOURS["forward"], label="forward"),
             Patch(facecolor=PHASE_COLOURS["backward"], label="backward"),
-            Patch(facecolor="white", edgecolor="grey", hatch="//", label="waits for the slowest stage"),
+            third,
         ],
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.14),
+        bbox_to_anchor=(0.5, -0.15),
         ncol=3,
         fontsize=8,
         frameon=False,
     )
-    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.22, top=0.9)
-    return figure
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -393,6 +402,47 @@ def validation_figure(record: Mapping[str, Any]) -> Figure | None:
         ax.grid(axis="y", alpha=0.3)
     figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.88, wspace=0.35)
     figure.suptitle("Predicted against measured steps (validate=true)")
+    return figure
+
+
+def measured_timeline_figure(record: Mapping[str, Any]) -> Figure | None:
+    """The validated step's op visits, one row per rank (rank 0 on top), on the same time axis as the
+    pipeline schedule: forwards blue, backwards orange, layers solid and the other ops (embedding, final
+    norm, output layer with the loss) lighter; the white between them is time outside every op. None
+    without a timeline (a record from before it, or a step with recompute)."""
+    ranks = (record.get("validation") or {}).get("timeline") or []
+    if not ranks:
+        return None
+    figure = new_figure("prediction_measured_timeline")
+    ax = figure.subplots()
+    n = len(ranks)
+    for row, r in enumerate(ranks):
+        y = n - 1 - row
+        for key, layer, start, end in r["visits"]:
+            op, phase = key.split(".")
+            if op == "stage":
+                continue
+            box = Rectangle(
+                (start, y - 0.4),
+                end - start,
+                0.8,
+                facecolor=PHASE_COLOURS[phase],
+                alpha=1.0 if op == "transformer_layer" else 0.45,
+                edgecolor="none",
+            )
+            box.set_gid(f"visit:{r['rank']}:{key}:{layer}:{start:.6g}")
+            ax.add_patch(box)
+        ax.plot([r["forward_backward_s"]] * 2, [y - 0.45, y + 0.45], color="black", linewidth=1)
+    pipeline = float(record["step"]["pipeline_s"])
+    ax.axvline(pipeline, color="black", linestyle="--", linewidth=1)
+    ax.set_xlim(0, max(pipeline, *(r["forward_backward_s"] for r in ranks)) * 1.01)
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.set_yticks(range(n), [f"rank {r['rank']} (stage {r['pp_rank']})" for r in reversed(ranks)], fontsize=8)
+    ax.xaxis.set_major_formatter(EngFormatter(unit="s"))
+    ax.set_xlabel("time in the measured step (bar: each rank's forward-backward end; dashed: predicted)")
+    ax.set_title("Measured: the op visits of the median step, per rank", fontsize=10)
+    _phase_legend(ax, Patch(facecolor="grey", alpha=0.45, label="embedding, final norm, output layer + loss"))
+    figure.subplots_adjust(left=0.14, right=0.98, bottom=0.24, top=0.9)
     return figure
 
 
@@ -633,6 +683,7 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
             "predicted: this prediction; measured: the real training steps" if validation else "none",
         ),
         _validation_table(validation) if validation else "",
+        _measured_timeline_section(record),
     ]
     if record.get("missing"):
         commands = dict.fromkeys(item["command"] for item in record["missing"])
@@ -645,6 +696,30 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         )
     parts += [_sources(record), "</body></html>"]
     return "\n".join(parts) + "\n"
+
+
+def _measured_timeline_section(record: Mapping[str, Any]) -> str:
+    figure = measured_timeline_figure(record)
+    if figure is None:
+        return ""
+    ranks = record["validation"]["timeline"]
+    between = "; ".join(
+        f"rank {r['rank']} {_t(r['between_ops_s'])} of {_t(r['forward_backward_s'])}" for r in ranks
+    )
+    caption = (
+        "The real step beside the schedule above: each box one op's visit as module hooks timed it inside "
+        "the step (autotuner.predict.in_step), in the step whose forward-backward was the median. White "
+        "between the boxes is outside every op: on a pipeline the waits for the neighbour stage and the "
+        "transfers, under tensor parallelism the collectives outside the layers, and everywhere the "
+        f"schedule's own work. Between the ops: {between}."
+    )
+    return _figure(
+        "measured-timeline",
+        "The measured step, op by op",
+        figure,
+        caption,
+        "measured: module hooks inside the validated steps",
+    )
 
 
 def write_prediction_page(record: Mapping[str, Any], path: Path, gpu_memory_gb: float | None = None) -> Path:

@@ -25,6 +25,7 @@ SIZES = {
     "prediction_timeline": (1200, 500),
     "prediction_memory": (1000, 550),
     "prediction_validation": (900, 450),
+    "prediction_measured_timeline": (1200, 450),
 }
 MARKERS = ("o", "s", "D", "v", "^", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")

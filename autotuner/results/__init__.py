@@ -129,6 +129,11 @@ class Row:
         "copies of the inputs the samples cycled through (cache-resident inputs)"
     )
     cache_flush: bool | None = _column("whether the last-level cache was flushed before every sample")
+    idle_before_ms: float | None = _number(
+        "get_data: the pause (device idle, process asleep) before every sample; 0: none "
+        "(timing.idle_before_ms)",
+        "ms",
+    )
     launch_hidden: bool | None = _column(
         "get_data on CUDA: a spin kernel was queued before every sample, so the host's delay before the "
         "first kernel is not in the sample (timing.hide_launch; autotuner.measure.timer)"

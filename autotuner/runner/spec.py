@@ -76,12 +76,15 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         timing.warmup < 0
         or timing.min_samples < 1
         or timing.max_samples < timing.min_samples
-        or min(timing.budget_s, timing.target_rel_ci, timing.min_block_s, timing.threads) < 0
+        or min(
+            timing.budget_s, timing.target_rel_ci, timing.min_block_s, timing.threads, timing.idle_before_ms
+        )
+        < 0
         or timing.check_every < 1
     ):
         raise UserError(
             "timing needs warmup >= 0, 1 <= min_samples <= max_samples, check_every >= 1 and budget_s, "
-            "target_rel_ci, min_block_s, threads >= 0: fix timing.*"
+            "target_rel_ci, min_block_s, threads, idle_before_ms >= 0: fix timing.*"
         )
     cpus = usable_cpus()
     if timing.threads > cpus:
