@@ -195,6 +195,15 @@ def test_the_measured_steps_op_visits_are_drawn_per_rank(tmp_path):
     page = Page(write_prediction_page(rec, tmp_path / "measured.html").read_text())
     assert "The measured step, op by op" in page.headings and page.images == 4
     assert "Between the ops: rank 0 4.00 ms of 10.0 ms; rank 1 5.20 ms of 9.00 ms." in " ".join(page.text)
+    assert "Hand-overs" not in " ".join(page.text)
+    # a pipeline's hand-overs a stage waited for, beside the predicted transfer
+    rec["validation"]["handovers"] = [
+        {"phase": "forward", "seconds": 0.0005},
+        {"phase": "backward", "seconds": 0.0007},
+    ]
+    rec["validation"]["predicted_transfer_s"] = 0.0001
+    text = " ".join(Page(write_prediction_page(rec, tmp_path / "handed.html").read_text()).text)
+    assert "median 600 us over 2, against a predicted transfer of 100 us." in text
 
 
 class Page(HTMLParser):

@@ -258,8 +258,14 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     assert "embedding.forward" in result.in_step(0) and "output_layer.backward" not in result.in_step(0)
     assert "output_layer.backward" in result.in_step(1) and "embedding.forward" not in result.in_step(1)
     assert result.in_step(1)["transformer_layer.backward"] > 0
-    # the two ranks' timelines share a clock (the step starts when both leave the barrier): stage 1's
-    # layer forward of the first micro-batch starts only after stage 0's ended and handed it over
+    # the two ranks' timelines on one time axis (the wall clock at each one's start: they leave the barrier
+    # apart): each rank's visits inside its own forward-backward, and stage 1's layer forward of a
+    # micro-batch starts only after stage 0's ended and handed it over
+    step = result.timeline_step
+    assert min(r.timeline_start_s for r in result.ranks) == 0.0
+    for r in result.ranks:
+        begin, finish = r.timeline_start_s, r.timeline_start_s + r.forward_backward_s[step]
+        assert all(begin <= start < end <= finish + 1e-4 for _, _, start, end in r.timeline)
     assert {visit[1] for visit in first.timeline} == {0, 1}  # its layer 1, and the embedding
     assert {visit[1] for visit in last.timeline} == {0, 2}
 
@@ -272,9 +278,16 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     # the hand-overs a stage waited for: stage 1 at least for the first micro-batch's activation
     from autotuner.predict.validate import RankTimeline, pipeline_handovers
 
-    step = result.timeline_step
     timelines = [
-        RankTimeline(r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[step], r.timeline)
+        RankTimeline(
+            r.rank,
+            r.pp_rank,
+            r.tp_rank,
+            r.dp_rank,
+            r.forward_backward_s[step],
+            r.timeline,
+            r.timeline_start_s,
+        )
         for r in result.ranks
     ]
     found = pipeline_handovers(timelines, result.layout, layers=1)

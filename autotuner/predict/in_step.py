@@ -13,9 +13,13 @@ hooks each model chunk of a rank (Megatron's GPTModel) while its training steps 
 * the stage's forward per micro-batch: the chunk's forward, the loss included on the last stage.
 
 Each timed step's visits are kept too, as a timeline (:data:`Visit`: the key, the layer's number, start
-and end from the step's start mark, which follows the barrier every rank leaves together), so that the
-gaps between a rank's ops (waits for another rank, transfers, the schedule's own work) show beside the
-ops: the validation keeps one step's (autotuner.predict.steps) and the prediction page draws it.
+and end from the rank's mark at the step's start), so that the gaps between a rank's ops (waits for
+another rank, transfers, the schedule's own work) show beside the ops: the validation keeps one step's
+(autotuner.predict.steps) and the prediction page draws it. The ranks' timelines go on one time axis by
+the wall clock read at each rank's start mark (one clock for the processes of a machine; across
+machines as close as their clocks are kept): the ranks leave the barrier before a step up to
+milliseconds apart on this project's VM, and a timeline from each rank's own start put a stage's first
+forward before the forward of the stage that feeds it.
 
 The modules: the embedding (forward only: its input, token ids, has no gradient to mark its backward's
 end), every decoder layer (``transformer_layer``), the final norm, and the output layer with the loss
@@ -122,7 +126,9 @@ class ModuleClock:
         self._open: list[tuple[str, int, Any, Any]] = []  # (key, layer, start, end mark) not yet read
         self._spans: dict[str, list[float]] = defaultdict(list)
         self._step_start: Any = None
+        self._step_wall = 0.0
         self.timelines: list[list[Visit]] = []  # per timed step, its visits in the order they ended
+        self.step_walls: list[float] = []  # per timed step, the wall clock (time.time) at its start mark
         for chunk in chunks:
             model = getattr(chunk, "module", chunk)  # past a DDP-style wrapper
             if getattr(model, "pre_process", False):
@@ -144,6 +150,7 @@ class ModuleClock:
 
     def start_step(self) -> None:
         """Mark a timed step's start (its visits' time origin) and record its visits from here."""
+        self._step_wall = time.time()
         self._step_start = self._mark()
         self.recording = True
 
@@ -219,6 +226,7 @@ class ModuleClock:
                 visits.append((key, layer, self._seconds(origin, start), self._seconds(origin, end)))
         if self._step_start is not None:
             self.timelines.append(visits)
+            self.step_walls.append(self._step_wall)
         self._open.clear()
         self._step_start = None
 

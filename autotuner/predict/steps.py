@@ -139,6 +139,9 @@ class RankSteps:
     # one timed step's op visits (autotuner.predict.in_step.Visit), the step StepMeasurement.timeline_step
     # names, the same on every rank; empty with activation recompute
     timeline: tuple[Visit, ...] = ()
+    # when this rank's timeline starts, from the earliest rank's start (the wall clock at each rank's
+    # start mark: autotuner.predict.in_step); its visits are counted from that earliest start
+    timeline_start_s: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -725,9 +728,8 @@ def measure_steps(
     chosen = slowest[(len(slowest) - 1) // 2]
     if clock is not None and clock.timelines:
         visits = tuple(clock.timelines[chosen - warmup - 1])
-        ranks = (
-            _gather_timelines(ranks, visits, spec.rank) if world > 1 else (replace(mine, timeline=visits),)
-        )
+        wall = clock.step_walls[chosen - warmup - 1]
+        ranks = _gather_timelines(ranks, visits, wall) if world > 1 else (replace(mine, timeline=visits),)
     return StepMeasurement(
         case=case,
         overrides=tuple(overrides),
@@ -798,28 +800,34 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
 
 
 def _gather_timelines(
-    ranks: tuple[RankSteps, ...], mine: tuple[Visit, ...], rank: int
+    ranks: tuple[RankSteps, ...], mine: tuple[Visit, ...], wall: float
 ) -> tuple[RankSteps, ...]:
-    """Every rank's timeline on every rank: each visit as four numbers (its key's index in IN_STEP_KEYS,
-    the layer, start, end), padded with NaN to the longest rank's, in one float64 all-gather."""
+    """Every rank's timeline on every rank, on one time axis: the wall clock at each rank's start mark
+    (``wall``) minus the earliest rank's shifts its visits (autotuner.predict.in_step). One float64
+    all-gather: a first row with the wall clock, then each visit as four numbers (its key's index in
+    IN_STEP_KEYS, the layer, start, end), padded with NaN to the longest rank's."""
     import torch
     import torch.distributed as dist
 
     longest = torch.tensor([len(mine)], dtype=torch.int64)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-    local = torch.full((int(longest.item()), 4), math.nan, dtype=torch.float64)
-    for row, (key, layer, start, end) in enumerate(mine):
+    local = torch.full((int(longest.item()) + 1, 4), math.nan, dtype=torch.float64)
+    local[0, 0] = wall
+    for row, (key, layer, start, end) in enumerate(mine, start=1):
         local[row] = torch.tensor([IN_STEP_KEYS.index(key), layer, start, end], dtype=torch.float64)
     everyone = [torch.empty_like(local) for _ in ranks]
     dist.all_gather(everyone, local)
+    origin = min(float(packed[0, 0]) for packed in everyone)
     by_rank = {}
     for who, packed in enumerate(everyone):
-        by_rank[who] = tuple(
-            (IN_STEP_KEYS[int(k)], int(layer), start, end)
-            for k, layer, start, end in packed.tolist()
+        shift = float(packed[0, 0]) - origin
+        visits = tuple(
+            (IN_STEP_KEYS[int(k)], int(layer), start + shift, end + shift)
+            for k, layer, start, end in packed[1:].tolist()
             if not math.isnan(k)
         )
-    return tuple(replace(r, timeline=by_rank[r.rank]) for r in ranks)
+        by_rank[who] = (visits, shift)
+    return tuple(replace(r, timeline=by_rank[r.rank][0], timeline_start_s=by_rank[r.rank][1]) for r in ranks)
 
 
 def run_steps(

@@ -23,11 +23,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from autotuner.predict.layout import Layout
+
+if TYPE_CHECKING:
+    from autotuner.predict.in_step import Visit
 
 # Overrides the steps take from the layout, not from the profiled run (they set the parallel layout).
 _LAYOUT_OWNED = (
@@ -62,16 +65,18 @@ def model_overrides(run_dir: Path, num_layers: int | None = None) -> list[str]:
 
 @dataclass(frozen=True)
 class RankTimeline:
-    """One rank's op visits in one measured step (autotuner.predict.in_step.Visit) and that step's
-    forward-backward on the rank: what is not inside an op is between them (waits for other ranks,
-    transfers, the schedule's own work)."""
+    """One rank's op visits in one measured step (autotuner.predict.in_step.Visit, from the earliest
+    rank's start) and that step's forward-backward on the rank, which began ``start_s`` after the
+    earliest rank's: what is not inside an op is between them (waits for other ranks, transfers, the
+    schedule's own work)."""
 
     rank: int
     pp_rank: int
     tp_rank: int
     dp_rank: int
     forward_backward_s: float
-    visits: tuple[tuple[str, int, float, float], ...]
+    visits: tuple[Visit, ...]
+    start_s: float = 0.0
 
     @property
     def between_ops_s(self) -> float:
@@ -85,6 +90,7 @@ class RankTimeline:
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
             "dp_rank": self.dp_rank,
+            "start_s": self.start_s,
             "forward_backward_s": self.forward_backward_s,
             "between_ops_s": self.between_ops_s,
             "visits": [list(v) for v in self.visits],
@@ -158,7 +164,13 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
         measured = run_steps(case, overrides, layout, Path(folder) / "steps.json", repeats=repeats)
     timeline = tuple(
         RankTimeline(
-            r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[measured.timeline_step], r.timeline
+            r.rank,
+            r.pp_rank,
+            r.tp_rank,
+            r.dp_rank,
+            r.forward_backward_s[measured.timeline_step],
+            r.timeline,
+            r.timeline_start_s,
         )
         for r in measured.ranks
         if r.timeline

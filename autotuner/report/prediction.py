@@ -41,6 +41,7 @@ import base64
 import io
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
@@ -432,14 +433,16 @@ def measured_timeline_figure(record: Mapping[str, Any]) -> Figure | None:
             )
             box.set_gid(f"visit:{r['rank']}:{key}:{layer}:{start:.6g}")
             ax.add_patch(box)
-        ax.plot([r["forward_backward_s"]] * 2, [y - 0.45, y + 0.45], color="black", linewidth=1)
+        ends = [r.get("start_s", 0.0), r.get("start_s", 0.0) + r["forward_backward_s"]]
+        for x in ends:  # the rank's forward-backward, from its own start (ranks leave the barrier apart)
+            ax.plot([x, x], [y - 0.45, y + 0.45], color="black", linewidth=1)
     pipeline = float(record["step"]["pipeline_s"])
     ax.axvline(pipeline, color="black", linestyle="--", linewidth=1)
-    ax.set_xlim(0, max(pipeline, *(r["forward_backward_s"] for r in ranks)) * 1.01)
+    ax.set_xlim(0, max(pipeline, *(r.get("start_s", 0.0) + r["forward_backward_s"] for r in ranks)) * 1.01)
     ax.set_ylim(-0.6, n - 0.4)
     ax.set_yticks(range(n), [f"rank {r['rank']} (stage {r['pp_rank']})" for r in reversed(ranks)], fontsize=8)
     ax.xaxis.set_major_formatter(EngFormatter(unit="s"))
-    ax.set_xlabel("time in the measured step (bar: each rank's forward-backward end; dashed: predicted)")
+    ax.set_xlabel("time in the measured step (bars: each rank's forward-backward; dashed: predicted)")
     ax.set_title("Measured: the op visits of the median step, per rank", fontsize=10)
     _phase_legend(ax, Patch(facecolor="grey", alpha=0.45, label="embedding, final norm, output layer + loss"))
     figure.subplots_adjust(left=0.14, right=0.98, bottom=0.24, top=0.9)
@@ -706,12 +709,21 @@ def _measured_timeline_section(record: Mapping[str, Any]) -> str:
     between = "; ".join(
         f"rank {r['rank']} {_t(r['between_ops_s'])} of {_t(r['forward_backward_s'])}" for r in ranks
     )
+    handed = [h["seconds"] for h in record["validation"].get("handovers") or []]
+    transfer = record["validation"].get("predicted_transfer_s")
+    handovers = (
+        f" Hand-overs a stage waited for (the sender's last op of a micro-batch to the receiver's first): "
+        f"median {_t(statistics.median(handed))} "
+        f"over {len(handed)}, against a predicted transfer of {_t(transfer or 0.0)}."
+        if handed
+        else ""
+    )
     caption = (
         "The real step beside the schedule above: each box one op's visit as module hooks timed it inside "
         "the step (autotuner.predict.in_step), in the step whose forward-backward was the median. White "
         "between the boxes is outside every op: on a pipeline the waits for the neighbour stage and the "
         "transfers, under tensor parallelism the collectives outside the layers, and everywhere the "
-        f"schedule's own work. Between the ops: {between}."
+        f"schedule's own work. Between the ops: {between}.{handovers}"
     )
     return _figure(
         "measured-timeline",
