@@ -240,6 +240,19 @@ def test_tensor_and_data_parallel_steps_under_torchrun(tmp_path, single, split):
     assert result.losses == pytest.approx(single.losses, rel=1e-4)
 
 
+def test_a_failed_step_run_says_why_not_torchruns_banner():
+    from autotuner.predict.steps import _worker_error
+
+    banner = "\n".join(["Traceback (most recent call last):", "  File x", "ChildFailedError: ", "=" * 60])
+    worker = (
+        "autotuner: error: invalid HF config for case: heads: fix the case file or the hf.<field> overrides"
+    )
+    assert _worker_error(f"warning\n{worker}\n{worker}\n{banner}") == worker
+    crash = "Traceback (most recent call last):\n  File y\nRuntimeError: Connection reset by peer"
+    assert _worker_error(f"{crash}\n{banner}") == "RuntimeError: Connection reset by peer"
+    assert _worker_error("just this\n") == "just this" and _worker_error("") == ""
+
+
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):

@@ -846,9 +846,24 @@ def run_steps(
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        raise RuntimeError(f"measured steps failed ({proc.returncode}): {lines[-1] if lines else ''}")
+        raise RuntimeError(f"measured steps failed ({proc.returncode}): {_worker_error(proc.stderr)}")
     return StepMeasurement.from_json(json.loads(Path(out).read_text()))
+
+
+def _worker_error(stderr: str) -> str:
+    """The line of a failed run's stderr that says why: a worker's own one-line error, else the last
+    exception a worker printed (not torchrun's summary of the failure, whose last line is a rule of
+    ``=``), else the last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("autotuner: error:"):
+            return line
+    raised = [
+        line
+        for line in lines
+        if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line
+    ]
+    return raised[-1] if raised else (lines[-1] if lines else "")
 
 
 def _value(text: str) -> Any:
