@@ -93,7 +93,7 @@ class GetDataObserver:
         self.flush_cache, self.idle_before_ms = flush_cache, idle_before_ms
         steps = [CacheFlusher(device) if flush_cache else None]
         steps += [IdlePause(self.timer, idle_before_ms * 1e-3) if idle_before_ms > 0 else None]
-        self.flush = _in_turn([s for s in steps if s is not None])  # the untimed step before each sample
+        self.before_sample = _in_turn([s for s in steps if s is not None])  # untimed, before each sample
         self.rotate_inputs = rotate_inputs and not flush_cache
         self.cache_bytes = last_level_cache_bytes(device)
 
@@ -148,11 +148,11 @@ class GetDataObserver:
         replay, graph_warning = self._graphed(phase, label)
         graphed = replay is not None
         if replay is not None:
-            measurement = sample(self.timer, replay, self.policy, None, self.flush, self.agreement)
+            measurement = sample(self.timer, replay, self.policy, None, self.before_sample, self.agreement)
         else:
             phase.rotate(self._input_sets(phase))
             measurement = sample(
-                self.timer, phase.run, self.policy, phase.prepare, self.flush, self.agreement
+                self.timer, phase.run, self.policy, phase.prepare, self.before_sample, self.agreement
             )
         replay_empty = replay is not None and replay.empty
         del replay  # frees the graph and its memory pool before the memory passes

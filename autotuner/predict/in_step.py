@@ -218,14 +218,16 @@ class ModuleClock:
     def collect(self) -> None:
         """Read the spans marked since the last call (on a GPU: after the device was synchronized); with
         a step's start mark (:meth:`start_step`), they are that step's timeline."""
-        visits = []
-        for key, layer, start, end in self._open:
+        origin = self._step_start
+        for key, _, start, end in self._open:
             self._spans[key].append(self._seconds(start, end))
-            if self._step_start is not None:
-                origin = self._step_start
-                visits.append((key, layer, self._seconds(origin, start), self._seconds(origin, end)))
-        if self._step_start is not None:
-            self.timelines.append(visits)
+        if origin is not None:
+            self.timelines.append(
+                [
+                    (key, layer, self._seconds(origin, s), self._seconds(origin, e))
+                    for key, layer, s, e in self._open
+                ]
+            )
             self.step_walls.append(self._step_wall)
         self._open.clear()
         self._step_start = None

@@ -419,22 +419,22 @@ def measured_timeline_figure(record: Mapping[str, Any]) -> Figure | None:
     n = len(ranks)
     for row, r in enumerate(ranks):
         y = n - 1 - row
-        for key, layer, start, end in r["visits"]:
+        for key, layer, begin, end in r["visits"]:
             op, phase = key.split(".")
             if op == "stage":
                 continue
             box = Rectangle(
-                (start, y - 0.4),
-                end - start,
+                (begin, y - 0.4),
+                end - begin,
                 0.8,
                 facecolor=PHASE_COLOURS[phase],
                 alpha=1.0 if op == "transformer_layer" else 0.45,
                 edgecolor="none",
             )
-            box.set_gid(f"visit:{r['rank']}:{key}:{layer}:{start:.6g}")
+            box.set_gid(f"visit:{r['rank']}:{key}:{layer}:{begin:.6g}")
             ax.add_patch(box)
-        ends = [r.get("start_s", 0.0), r.get("start_s", 0.0) + r["forward_backward_s"]]
-        for x in ends:  # the rank's forward-backward, from its own start (ranks leave the barrier apart)
+        start = r.get("start_s", 0.0)  # the rank's own start: ranks leave the barrier apart
+        for x in (start, start + r["forward_backward_s"]):  # its forward-backward
             ax.plot([x, x], [y - 0.45, y + 0.45], color="black", linewidth=1)
     pipeline = float(record["step"]["pipeline_s"])
     ax.axvline(pipeline, color="black", linestyle="--", linewidth=1)
