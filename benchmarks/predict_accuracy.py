@@ -186,7 +186,8 @@ class Round(NamedTuple):
     adam_rate: float  # the round's calibrated Adam seconds per parameter
     between_ops: tuple[tuple[int, float, float], ...]  # per rank: (rank, between ops s, forward-backward s)
     handovers: tuple[float, ...]  # a 1F1B pipeline's hand-overs a stage waited for, s
-    predicted_transfer_s: float | None  # the predictor's pp_p2p per hand-over
+    predicted_transfer_s: float | None  # the predictor's pp_p2p per exchange
+    replay: float | None  # the schedule model on the measured forwards and backwards / their measured span
 
 
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None) -> Round:
@@ -226,6 +227,9 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         between_ops=tuple((r.rank, r.between_ops_s, r.forward_backward_s) for r in checked.timeline),
         handovers=tuple(seconds for _, seconds in checked.handovers),
         predicted_transfer_s=checked.predicted_transfer_s,
+        replay=checked.replayed_s / checked.measured_span_s
+        if checked.replayed_s and checked.measured_span_s
+        else None,
     )
 
 
@@ -330,7 +334,14 @@ def main() -> int:
                     print(
                         f"{'':21} hand-overs a stage waited for: median {median * 1e3:.3g} ms "
                         f"over {len(handed)} [{min(handed) * 1e3:.3g}, {max(handed) * 1e3:.3g}]; predicted "
-                        f"transfer {transfer * 1e3:.3g} ms"
+                        f"exchange {transfer * 1e3:.3g} ms"
+                    )
+                replays = [r.replay for r in results if r.replay is not None]
+                if replays:
+                    print(
+                        f"{'':21} the schedule model on the measured forwards, backwards and hand-overs / "
+                        f"the measured span: {statistics.median(replays):.3f} "
+                        f"[{min(replays):.3f}, {max(replays):.3f}]"
                     )
                 if args.calibrate == "round":
                     adam = [r.adam_rate * 1e9 for r in results]

@@ -105,7 +105,7 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
     """Two stages, two micro-batches, one layer each: stage 1 waits 0.5 for micro-batch 1's activation;
     micro-batch 2's arrives while it runs its backward (busy: not a hand-over it waited for); stage 0
     waits 1.5 and 1.0 for the two gradients."""
-    from autotuner.predict.in_step import handovers
+    from autotuner.predict.in_step import handovers, replay
 
     first = [
         ("stage.forward", 0, 0.0, 2.0),
@@ -134,6 +134,12 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
         ("backward", 1.5),
         ("backward", 1.0),
     ]
+    # The same step replayed by the predictor's schedule, each forward and backward taking its measured
+    # time (stage 0: 2, 1.9 and 2, 2; stage 1: 2.5, 2 and 3.3 with the output layer's, 1.5), 0.5 per
+    # exchange: stage 1 runs [2.5, 5], [5, 8.3], [8.8, 10.8], [10.8, 12.3]; stage 0's last backward
+    # waits for its gradient: [12.8, 14.8]. Measured: 0 to 16, the gaps the schedule's model leaves out.
+    assert replay([first, second], layers=1, microbatches=2, exchange_s=0.5) == pytest.approx(14.8)
+    assert replay([first, second], layers=1, microbatches=3, exchange_s=0.5) is None
 
 
 def test_visits_are_merged_as_the_time_inside_some_op():
@@ -307,6 +313,19 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     assert "forward" in {phase for phase, _ in found} and all(
         0 < s < timelines[1].forward_backward_s for _, s in found
     )
+    # each rank's visits make its 4 forwards and 4 backwards, and the predictor's schedule, given their
+    # measured times and the median hand-over, ends near the measured span (it leaves out the schedule's
+    # own work between a rank's ops: under it, not far)
+    from autotuner.predict.in_step import microbatch_spans
+    from autotuner.predict.validate import pipeline_replay
+
+    for r in result.ranks:
+        assert {phase: len(v) for phase, v in microbatch_spans(r.timeline, 1).items()} == {
+            "forward": 4,
+            "backward": 4,
+        }
+    replayed, span = pipeline_replay(timelines, result.layout, 1, found)
+    assert 0.7 * span < replayed < 1.1 * span, (replayed, span)
 
 
 @pytest.mark.torchrun

@@ -73,26 +73,33 @@ def inside_ops_s(visits: Sequence[Visit]) -> float:
     return total
 
 
+def microbatch_spans(visits: Sequence[Visit], layers: int) -> dict[str, list[tuple[float, float]]]:
+    """A rank's forwards and backwards of its micro-batches, in the order it ran them, each from its
+    first op's start to its last op's end (one model chunk; ``layers`` on the rank): a forward is one
+    ``stage.forward``; a backward the backward visits up to and with the ``layers``-th layer backward
+    (on the last stage the output layer's and the final norm's come first; the embedding's backward is
+    not hooked, so a first stage's ends with its first layer's)."""
+    forwards = sorted((start, end) for key, _, start, end in visits if key == "stage.forward")
+    backwards, group, counted = [], [], 0
+    for key, _, start, end in sorted((v for v in visits if v[0].endswith(".backward")), key=lambda v: v[2]):
+        group.append((start, end))
+        counted += key == "transformer_layer.backward"
+        if counted == layers:
+            backwards.append((group[0][0], max(e for _, e in group)))
+            group, counted = [], 0
+    return {"forward": forwards, "backward": backwards}
+
+
 def handovers(stages: Sequence[Sequence[Visit]], layers: int) -> list[tuple[str, float]]:
     """A 1F1B pipeline's hand-overs that one stage waited for, from one step's timelines of consecutive
     stages (one rank each, the same tp and dp rank; ``layers`` per stage; not the interleaved schedule):
     ("forward" | "backward", seconds from the sender's last op of a micro-batch to the receiver's first).
 
-    A rank runs its micro-batches' forwards in order, each inside one ``stage.forward``, and their
-    backwards in order, each its ``layers`` layer backwards in a row; so the k-th of each on two
-    neighbouring stages is the same micro-batch. A hand-over counts only where the receiver had nothing
-    left to run when the sender finished (its previous visit ended before): then the gap is the transfer,
-    both ends' schedule work and the receiver's wake-up, not work of its own."""
-
-    def forwards(visits: Sequence[Visit]) -> list[tuple[float, float]]:
-        return sorted((start, end) for key, _, start, end in visits if key == "stage.forward")
-
-    def backwards(visits: Sequence[Visit]) -> list[tuple[float, float]]:
-        spans = sorted((start, end) for key, _, start, end in visits if key == "transformer_layer.backward")
-        return [
-            (group[0][0], group[-1][1])
-            for group in (spans[i : i + layers] for i in range(0, len(spans), layers))
-        ]
+    A rank runs its micro-batches' forwards in order and their backwards in order
+    (:func:`microbatch_spans`); so the k-th of each on two neighbouring stages is the same micro-batch.
+    A hand-over counts only where the receiver had nothing left to run when the sender finished (its
+    previous visit ended before): then the gap is the transfer, both ends' schedule work and the
+    receiver's wake-up, not work of its own."""
 
     def idle_before(visits: Sequence[Visit], moment: float, start: float) -> bool:
         """Nothing of the receiver's ran between ``moment`` and its visit at ``start``."""
@@ -104,13 +111,33 @@ def handovers(stages: Sequence[Sequence[Visit]], layers: int) -> list[tuple[str,
 
     found = []
     for sender, receiver in itertools.pairwise(stages):
-        for (_, sent), (received, _) in zip(forwards(sender), forwards(receiver), strict=True):
+        ahead, behind = microbatch_spans(sender, layers), microbatch_spans(receiver, layers)
+        for (_, sent), (received, _) in zip(ahead["forward"], behind["forward"], strict=True):
             if sent < received and idle_before(receiver, sent, received):
                 found.append(("forward", received - sent))
-        for (_, sent), (received, _) in zip(backwards(receiver), backwards(sender), strict=True):
+        for (_, sent), (received, _) in zip(behind["backward"], ahead["backward"], strict=True):
             if sent < received and idle_before(sender, sent, received):
                 found.append(("backward", received - sent))
     return found
+
+
+def replay(
+    stages: Sequence[Sequence[Visit]], layers: int, microbatches: int, exchange_s: float
+) -> float | None:
+    """The measured step's forwards and backwards (:func:`microbatch_spans`, one rank per stage, 1F1B
+    without interleaving) placed by the predictor's schedule (autotuner.predict.schedule) with
+    ``exchange_s`` per exchange: seconds from the first box's start to the last one's end; None where a
+    rank's visits do not make ``microbatches`` of each. Beside the measured span from the first op's start
+    to the last op's end it tests the schedule model alone, each box taking the time it took."""
+    from autotuner.predict.schedule import simulate
+
+    own = {}
+    for s, visits in enumerate(stages):
+        for phase, spans in microbatch_spans(visits, layers).items():
+            if len(spans) != microbatches:
+                return None
+            own.update({(s, phase, mb): end - start for mb, (start, end) in enumerate(spans)})
+    return simulate(lambda key: own[key[:3]], len(stages), 1, microbatches, exchange_s).end
 
 
 class ModuleClock:

@@ -147,8 +147,11 @@ class Prediction:
                 "total_s": s.total,
                 "pipeline_s": s.pipeline,
                 "formula": s.formula,
+                "closed_form_s": s.closed_form,
                 "bubble_fraction": s.bubble_fraction,
                 "slowest_stage": s.slowest_stage,
+                "exchange": s.exchange.to_json() if s.exchange else None,
+                "schedule": s.schedule.to_json(),
                 "dp_reduction": Figure(s.dp_reduction, "s", s.dp_source).to_json(),
                 "optimizer": Figure(s.optimizer, "s", s.optimizer_source).to_json(),
                 "overlap": OVERLAP,
@@ -379,8 +382,8 @@ def render(pred: Prediction) -> str:
     s = pred.step
     out += [
         f"step time        {_t(s.total)}  (upper bound: {OVERLAP})",
-        f"  pipeline       {_t(s.pipeline)}  {s.formula}, t = stage {s.slowest_stage}; bubble (p-1)/"
-        f"{'(v*m)' if lay.vpp > 1 else 'm'} = {s.bubble_fraction:.1%}",
+        f"  pipeline       {_t(s.pipeline)}  {s.formula}; bubble and exchanges {s.bubble_fraction:.1%} "
+        f"of stage {s.slowest_stage}'s m x (t_f + t_b)",
         f"  DP reduction   {_t(s.dp_reduction)}  [{s.dp_source.kind}] {s.dp_source.detail}",
         f"  optimizer      {_t(s.optimizer)}  [{s.optimizer_source.kind}] {s.optimizer_source.detail}",
         f"  TP collectives {pred.tp_note}",

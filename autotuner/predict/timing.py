@@ -43,11 +43,11 @@ run that would measure it (never a silent zero).
 **A stage's time per micro-batch**: layers per stage (L/pp) x the layer's forward and backward, plus the
 embedding on the first stage and the final norm + output layer on the last; recompute adds the forward it
 re-runs inside the backward (full: every layer's forward; selective: core attention's forward, as
-Megatron's ``recompute_granularity=selective``). With pp > 1 each stage also exchanges one micro-batch's
-s*b*h activations (forward) or their gradients (backward) with its neighbours per phase: Megatron's 1F1B
-batches a stage's send and receive, so one transfer's time per phase (``pp_p2p``, *modelled* from the
-link calibration's ``send_recv``, that exchange timed between two processes); with the interleaved
-schedule a stage holds vpp model chunks and each chunk exchanges its micro-batch: vpp transfers.
+Megatron's ``recompute_granularity=selective``). With pp > 1 the stages exchange one micro-batch's s*b*h
+activations (forward) or their gradients (backward): Megatron's 1F1B batches a stage's send and receive
+into one call, one transfer's time (``pp_p2p``, *modelled* from the link calibration's ``send_recv``,
+that exchange timed between two processes), which the schedule charges where it happens (below), not
+inside a stage's time.
 
 The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
 batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
@@ -86,21 +86,23 @@ llama-shaped forward-backward by 6-25%. On a GPU a real model's layer exceeds th
 flushed row.
 Where the runs hold only one kind of row, it stands in for the other and the prediction warns.
 
-**The step** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
-section 2.2): 1F1B with m micro-batches on p stages takes (m + p - 1) x (t_f + t_b) of the slowest stage,
-bubble fraction (p-1)/m; interleaved with v virtual stages per rank the bubble shrinks to (p-1)/(v*m), so
-the step is m * (t_f + t_b) * (1 + (p-1)/(v*m)). Then the data-parallel gradient reduction after the
-backward (all-reduce of the stage's dense gradients over dp and of its routed experts' over the tp*dp/ep
-ranks holding the same experts; with the distributed optimizer reduce-scatter of the gradients +
-all-gather of the parameters) and the Adam step (bytes read and written per parameter over the
-calibrated memory bandwidth), or, where the calibration timed it, the Adam step's measured time per
-parameter (``adam_seconds_per_parameter``; for a layout of several CPU processes, which share one
-memory, the rate timed with all of them at it) x the stage's parameters, plus its measured time per
-tensor (``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors) x the tensors it
-steps (the stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed optimizer each
-flat buffer's share, as autotuner.predict.steps runs it), plus zeroing the gradients for the next step
-(4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters into the model's
-dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
+**The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
+placed in the order Megatron-Core's 1F1B schedule (interleaved with vpp) runs them, each taking its own
+stage's time (/vpp per model chunk), each waiting for its input from the neighbour stage, and every
+exchange charged to both ends; the pipeline time is where the last box ends. For equal stages and free
+exchanges that is Narayanan et al. 2021's (m + p - 1) x (t_f + t_b), m * (t_f + t_b) * (1 + (p-1)/(v*m))
+interleaved (section 2.2; printed beside it), which paces every stage at the slowest one. Then the
+data-parallel gradient reduction after the backward (all-reduce of the stage's dense gradients over dp
+and of its routed experts' over the tp*dp/ep ranks holding the same experts; with the distributed
+optimizer reduce-scatter of the gradients + all-gather of the parameters) and the Adam step (bytes read
+and written per parameter over the calibrated memory bandwidth), or, where the calibration timed it, the
+Adam step's measured time per parameter (``adam_seconds_per_parameter``; for a layout of several CPU
+processes, which share one memory, the rate timed with all of them at it) x the stage's parameters, plus
+its measured time per tensor (``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors)
+x the tensors it steps (the stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed
+optimizer each flat buffer's share, as autotuner.predict.steps runs it), plus zeroing the gradients for
+the next step (4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters into
+the model's dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from autotuner.ops.naming import PHASES
 from autotuner.ops_test.places import OpTree, op_tree
 from autotuner.predict.inputs import (
     EP_LEAF_OPS,
@@ -123,9 +126,10 @@ from autotuner.predict.inputs import (
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 from autotuner.predict.memory import GRAD_BYTES
+from autotuner.predict.schedule import Schedule, closed_form_s, simulate
 from autotuner.results.calibration import ADAM_PER_TENSOR, ADAM_TOGETHER, GRAD_ACCUMULATION, link_key
+from autotuner.results.units import human_time
 
-PHASES = ("forward", "backward")
 ATTENTION_OPS = frozenset({"core_attention"})
 # What Megatron keeps whole on every TP rank unless sequence parallelism splits the sequence.
 REPLICATED_WITHOUT_SP = frozenset(
@@ -735,7 +739,6 @@ def stage_times(
     an op's visits that find their data cached take its warm rows, the others its flushed ones."""
     lay, model = tm.layout, tm.model
     per_stage = model.num_layers // lay.pp
-    transfer = pipeline_transfer(tm) if lay.pp > 1 else None  # the same on every stage
     stages = []
     for index in range(lay.pp):
         plan = warm[index] if warm_tm is not None and warm else {}
@@ -767,8 +770,6 @@ def stage_times(
                         count,
                     )
                 )
-        if transfer is not None:
-            items += [("pp_p2p", phase, transfer, lay.vpp) for phase in PHASES]  # one per model chunk
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
         if accumulate is not None:
             items.append(("grad_accumulation", "backward", accumulate, 1))
@@ -804,28 +805,30 @@ def _dominant(tm: TimeModel, items: list[tuple[str, str, OpTime, int]]) -> str:
 
 @dataclass(frozen=True)
 class StepTime:
-    """The step: pipeline (with bubble), DP gradient reduction, optimizer; all in seconds."""
+    """The step: pipeline (simulated schedule), DP gradient reduction, optimizer; all in seconds."""
 
     pipeline: float
-    bubble_fraction: float
+    bubble_fraction: float  # the pipeline over the slowest stage's m * (t_f + t_b), less 1
     slowest_stage: int
     dp_reduction: float
     dp_source: Source
     optimizer: float
     optimizer_source: Source
     formula: str
+    schedule: Schedule
+    closed_form: float  # Narayanan et al.'s pipeline time, for comparison (module docstring)
+    exchange: OpTime | None = None  # one pipeline exchange (pp_p2p); None at pp = 1
 
     @property
     def total(self) -> float:
         return self.pipeline + self.dp_reduction + self.optimizer
 
 
-def pipeline_seconds(stage_totals: list[float], microbatches: int, pp: int, vpp: int) -> tuple[float, float]:
-    """(pipeline time, bubble fraction): m * t * (1 + (p-1)/(v*m)) with t the slowest stage's t_f + t_b;
-    for v=1 that is (m + p - 1) * t (Narayanan et al. 2021, section 2.2)."""
-    slowest = max(stage_totals)
-    bubble = (pp - 1) / (vpp * microbatches)
-    return microbatches * slowest * (1 + bubble), bubble
+def pipeline_schedule(stages: list[StageTime], lay: Layout, exchange_s: float) -> Schedule:
+    """Each stage's forwards and backwards placed by Megatron-Core's schedule (module docstring), a box
+    per micro-batch and model chunk, the chunk's share (1/vpp) of its stage's time."""
+    own = {(st.index, phase): getattr(st, phase) / lay.vpp for st in stages for phase in PHASES}
+    return simulate(lambda key: own[(key[0], key[1])], lay.pp, lay.vpp, lay.microbatches, exchange_s)
 
 
 def step_time(
@@ -834,20 +837,28 @@ def step_time(
     """The step from the stages; ``stage_params``: parameters each stage's GPU holds (after TP and EP),
     ``stage_expert_params``: how many of them are routed experts'."""
     lay = tm.layout
-    pipe, bubble = pipeline_seconds([s.total for s in stages], lay.microbatches, lay.pp, lay.vpp)
+    exchange = pipeline_transfer(tm) if lay.pp > 1 else None
+    sched = pipeline_schedule(stages, lay, exchange.seconds if exchange else 0.0)
     slowest = max(range(len(stages)), key=lambda i: stages[i].total)
-    if lay.vpp > 1:
-        formula = (
-            f"m*t*(1+(p-1)/(v*m)) = {lay.microbatches}*t*(1+{lay.pp - 1}/({lay.vpp}*{lay.microbatches}))"
-        )
+    pace = stages[slowest].total
+    closed = closed_form_s(pace, lay.pp, lay.vpp, lay.microbatches)
+    pipe = sched.end
+    if exchange is None:  # Megatron's forward_backward_no_pipelining: the micro-batches in turn
+        formula = f"no pipeline: m x (t_f + t_b) = {lay.microbatches} x t"
     else:
-        formula = f"(m+p-1)*t = ({lay.microbatches}+{lay.pp}-1)*t"
+        name = "m*t*(1+(p-1)/(v*m))" if lay.vpp > 1 else "(m+p-1)*t"
+        formula = (
+            f"Megatron's {'interleaved ' if lay.vpp > 1 else ''}1F1B order simulated, each stage its own "
+            f"time, {human_time(exchange.seconds * 1e6)} per exchange (Narayanan's {name} with t of stage "
+            f"{slowest}: {human_time(closed * 1e6)})"
+        )
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
     dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
     tensors = tm.model.stage_tensors(lay.ep, lay.pp, largest)
     optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest], tensors)
-    return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula)
+    bubble = pipe / (lay.microbatches * pace) - 1 if pace > 0 else 0.0
+    return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula, sched, closed, exchange)
 
 
 def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[float, Source]:

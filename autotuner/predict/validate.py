@@ -19,6 +19,7 @@ parallelism inside them, and the interleaved schedule and the distributed optimi
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,6 +121,10 @@ class Validation:
     # handovers: "forward" | "backward", seconds), and the predicted transfer per hand-over (pp_p2p)
     handovers: tuple[tuple[str, float], ...] = ()
     predicted_transfer_s: float | None = None
+    # that step replayed by the predictor's schedule (autotuner.predict.in_step.replay: the measured
+    # forwards and backwards, the median hand-over per exchange) and the span it replays, first op to last
+    replayed_s: float | None = None
+    measured_span_s: float | None = None
 
     @property
     def step_error(self) -> float:
@@ -150,6 +155,8 @@ class Validation:
             "timeline": [r.to_json() for r in self.timeline],
             "handovers": [{"phase": phase, "seconds": seconds} for phase, seconds in self.handovers],
             "predicted_transfer_s": self.predicted_transfer_s,
+            "replayed_s": self.replayed_s,
+            "measured_span_s": self.measured_span_s,
             "command": list(self.command),
         }
 
@@ -175,7 +182,10 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
         for r in measured.ranks
         if r.timeline
     )
-    transfer = next((t.seconds for n, _, t, _ in prediction.stages[0].items if n == "pp_p2p"), None)
+    exchange = prediction.step.exchange
+    layers = prediction.model.num_layers // layout.pp
+    handed = pipeline_handovers(timeline, layout, layers)
+    replayed = pipeline_replay(timeline, layout, layers, handed)
     return Validation(
         layout=layout,
         predicted_step_s=prediction.step_seconds,
@@ -192,8 +202,10 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
         ),
         in_step=tuple(in_step_pairs(prediction, measured)),
         timeline=timeline,
-        handovers=tuple(pipeline_handovers(timeline, layout, prediction.model.num_layers // layout.pp)),
-        predicted_transfer_s=transfer,
+        handovers=tuple(handed),
+        predicted_transfer_s=exchange.seconds if exchange else None,
+        replayed_s=replayed[0] if replayed else None,
+        measured_span_s=replayed[1] if replayed else None,
     )
 
 
@@ -215,6 +227,28 @@ def pipeline_handovers(
         if len(ranks) == layout.pp:
             found += handovers([r.visits for r in sorted(ranks, key=lambda r: r.pp_rank)], layers)
     return found
+
+
+def pipeline_replay(
+    timeline: Sequence[RankTimeline], layout: Layout, layers: int, handed: Sequence[tuple[str, float]]
+) -> tuple[float, float] | None:
+    """The pipeline of tp and dp rank 0 replayed (autotuner.predict.in_step.replay) with the median of
+    the hand-overs measured, and its span measured from the first op's start to the last op's end; None
+    off a 1F1B pipeline without interleaving or without hand-overs."""
+    from autotuner.predict.in_step import replay
+
+    ranks = sorted((r for r in timeline if r.tp_rank == r.dp_rank == 0), key=lambda r: r.pp_rank)
+    if layout.pp == 1 or layout.vpp > 1 or not handed or len(ranks) != layout.pp:
+        return None
+    visits = [[v for v in r.visits if not v[0].startswith("stage.")] for r in ranks]
+    if not all(visits):
+        return None
+    exchange = statistics.median(seconds for _, seconds in handed)
+    replayed = replay([r.visits for r in ranks], layers, layout.microbatches, exchange)
+    if replayed is None:
+        return None
+    span = max(v[3] for vs in visits for v in vs) - min(v[2] for vs in visits for v in vs)
+    return replayed, span
 
 
 def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float, float, str]]:
@@ -253,9 +287,8 @@ def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float,
                 how.append("its gradients' accumulation")
             pairs.append((stage.index, f"{op} {phase}", predicted, seconds, " + ".join(how)))
         if "stage.forward" in inside and lay.vpp == 1:
-            forward = sum(t.seconds * c for n, p, t, c in stage.items if p == "forward" and n != "pp_p2p")
             pairs.append(
-                (stage.index, "forward per micro-batch", forward, inside["stage.forward"], "the stage")
+                (stage.index, "forward per micro-batch", stage.forward, inside["stage.forward"], "the stage")
             )
             if lay.pp == 1:
                 rest = measured.forward_backward_s / lay.microbatches - inside["stage.forward"]
@@ -294,8 +327,6 @@ def render(result: Validation) -> str:
 
 
 def _timeline_lines(result: Validation) -> list[str]:
-    import statistics
-
     from autotuner.results.units import human_time
 
     if not result.timeline:
@@ -316,8 +347,14 @@ def _timeline_lines(result: Validation) -> list[str]:
         predicted = result.predicted_transfer_s
         lines.append(
             f"      hand-overs a stage waited for: median {human_time(median * 1e6)} over "
-            f"{len(result.handovers)} (the sender's last op to the receiver's first); predicted transfer "
+            f"{len(result.handovers)} (the sender's last op to the receiver's first); predicted exchange "
             + (f"{human_time(predicted * 1e6)} (pp_p2p)" if predicted is not None else "none")
+        )
+    if result.replayed_s is not None and result.measured_span_s:
+        lines.append(
+            f"      the schedule model with the measured forwards, backwards and median hand-over: "
+            f"{human_time(result.replayed_s * 1e6)} against {human_time(result.measured_span_s * 1e6)} "
+            f"measured, first op to last ({100 * (result.replayed_s / result.measured_span_s - 1):+.1f}%)"
         )
     return lines
 

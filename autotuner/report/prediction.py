@@ -2,26 +2,11 @@
 the predicted against the measured steps, made from ``prediction.json`` alone (plain data: the results
 side never imports the predictor, so a page can be remade wherever the file is).
 
-**Timeline** (``schedule``). The predictor's pipeline time is Narayanan et al. 2021's (section 2.2): the
-slowest stage sets the pace, m * t * (1 + (p-1)/(v*m)) with t its forward + backward per micro-batch.
-The timeline draws exactly that model: every forward box is a slot of the slowest stage's forward (/v
-per virtual chunk), every backward box a slot of its backward, placed by the 1F1B order each rank runs
-and the data dependencies between ranks, as Megatron-Core's ``forward_backward_pipelining_*``:
-
-* non-interleaved (v = 1): stage i runs min(p-i-1, m) warm-up forwards, then pairs of one forward and one
-  backward, then the remaining backwards (cool-down);
-* interleaved (v > 1): virtual micro-batch k is micro-batch (k // (p*v))*p + k % p of chunk (k // p) % v
-  (forwards; the backwards visit the chunks in reverse), rank i runs min((p-i-1)*2 + (v-1)*p, m*v)
-  warm-up forwards (``get_pp_rank_microbatches`` and ``get_schedule_table``, groups of p micro-batches),
-  then the same pairs and cool-down;
-* a forward waits for the same micro-batch's forward on the stage before (chunk c on the first rank waits
-  for chunk c-1 on the last), a backward for the stage after (chunk c on the last rank for chunk c+1 on
-  the first; the last chunk's backward for its own forward).
-
-With equal slots the last backward ends at (m*v + p - 1) * t / v, the prediction's pipeline time; the
-gaps are the bubble. Inside each slot the stage's own time is filled and the rest hatched: a stage
-faster than the slowest waits for it. A stage whose own forward (or backward) is longer than the
-slowest stage's is drawn clipped, and the caption says so: there the formula's pace is optimistic.
+**Timeline** (``schedule``): the boxes the predictor placed (``step.schedule`` in ``prediction.json``;
+autotuner.predict.schedule simulates Megatron-Core's 1F1B order, interleaved with vpp, each stage its
+own forward and backward, every exchange charged to both ends), a row per stage. The gaps are the
+bubble: a stage waiting for its neighbour, and the exchanges. The caption gives the closed form the
+simulation replaces (Narayanan et al. 2021, section 2.2: every stage paced at the slowest one).
 
 **Memory** (``memory_stack``): per stage, the six terms the predictor adds (weights, gradients,
 optimizer states, activations, logits, in flight) stacked to its total; beside each, Korthikanti et
@@ -71,7 +56,6 @@ TERM_COLOURS = {
 }
 PHASE_COLOURS = {"forward": "#4c9be8", "backward": "#f28e2b"}
 KINDS = ("measured", "scaled", "modelled")
-REL = 1e-9  # float tolerance of "ends at the pipeline time"
 
 
 def load_prediction(path: Path) -> dict[str, Any]:
@@ -91,121 +75,53 @@ def load_prediction(path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Box:
-    """One forward or backward of one micro-batch (and virtual chunk) on one stage: its slot in the
-    schedule, and the stage's own time inside it (``busy``, from the slot's start)."""
-
-    stage: int
-    phase: str
-    microbatch: int
-    chunk: int
-    start: float
-    end: float
-    busy: float
-
-
-@dataclass(frozen=True)
 class Schedule:
-    boxes: list[Box]
+    boxes: list[
+        dict[str, Any]
+    ]  # one per forward or backward: stage, phase, microbatch, chunk, start_s, end_s
     pipeline_s: float  # the prediction's
     interleaved: bool
-    clipped: list[str]  # stages whose own phase time exceeds the slot (drawn clipped)
 
     @property
     def end(self) -> float:
-        return max(b.end for b in self.boxes)
-
-
-def rank_order(stage: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
-    """The (phase, micro-batch, chunk) sequence rank ``stage`` runs (module docstring)."""
-    total = m * v
-    if v == 1:
-        warmup = min(p - stage - 1, m)
-    else:
-        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
-
-    def which(k: int, phase: str) -> tuple[str, int, int]:
-        group = (k // p) % v
-        return phase, (k // (p * v)) * p + k % p, group if phase == "forward" else v - 1 - group
-
-    order = [which(k, "forward") for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [which(warmup + k, "forward"), which(k, "backward")]
-    order += [which(k, "backward") for k in range(total - warmup, total)]
-    return order
-
-
-def _dependency(key: tuple[int, str, int, int], p: int, v: int) -> tuple[int, str, int, int] | None:
-    stage, phase, mb, chunk = key
-    if phase == "forward":
-        if stage > 0:
-            return stage - 1, phase, mb, chunk
-        return (p - 1, phase, mb, chunk - 1) if chunk > 0 else None
-    if stage < p - 1:
-        return stage + 1, phase, mb, chunk
-    return (0, phase, mb, chunk + 1) if chunk < v - 1 else (stage, "forward", mb, chunk)
+        return max(b["end_s"] for b in self.boxes)
 
 
 def schedule(record: Mapping[str, Any]) -> Schedule:
     """The boxes of the prediction's pipeline schedule (module docstring)."""
-    layout, step, stages = record["layout"], record["step"], record["stages"]
-    p, v, m = int(layout["pp"]), int(layout["vpp"]), int(layout["microbatches"])
-    pace = stages[int(step["slowest_stage"])]
-    slot = {"forward": pace["forward_s"] / v, "backward": pace["backward_s"] / v}
-    own = {(st["stage"], ph): st[f"{ph}_s"] / v for st in stages for ph in ("forward", "backward")}
-    clipped = sorted({f"stage {s} {ph}" for (s, ph), t in own.items() if t > slot[ph] * (1 + REL)})
-    orders = [rank_order(s, p, v, m) for s in range(p)]
-    done: dict[tuple[int, str, int, int], float] = {}
-    free, position, boxes = [0.0] * p, [0] * p, []
-    # Each pass places, on every rank, the ops whose dependency has ended; a pass that places nothing
-    # would be a deadlock of the order above (a bug), not a property of the layout.
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        placed = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                phase, mb, chunk = orders[s][position[s]]
-                dep = _dependency((s, phase, mb, chunk), p, v)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[s], done[dep] if dep is not None else 0.0)
-                end = start + slot[phase]
-                boxes.append(Box(s, phase, mb, chunk, start, end, min(own[(s, phase)], slot[phase])))
-                done[(s, phase, mb, chunk)] = free[s] = end
-                position[s] += 1
-                placed = True
-        if not placed:
-            raise RuntimeError(f"the 1F1B order deadlocks at p={p} v={v} m={m}")
-    return Schedule(boxes, float(step["pipeline_s"]), v > 1, clipped)
+    layout, step = record["layout"], record["step"]
+    placed = step.get("schedule")
+    if not placed:
+        raise UserError(
+            "this prediction.json has no schedule (an older autotuner wrote it): run python -m "
+            "autotuner.predict again for the page"
+        )
+    boxes = [dict(zip(placed["columns"], row, strict=True)) for row in placed["boxes"]]
+    return Schedule(boxes, float(step["pipeline_s"]), int(layout["vpp"]) > 1)
 
 
 def timeline_figure(record: Mapping[str, Any]) -> Figure:
-    """One row per stage (stage 0 on top), each box a slot with the stage's own time filled."""
+    """One row per stage (stage 0 on top), each box a forward or backward as the predictor placed it."""
     sched = schedule(record)
     p = int(record["layout"]["pp"])
     figure = new_figure("prediction_timeline")
     ax = figure.subplots()
     for box in sched.boxes:
-        y = p - 1 - box.stage
-        colour = PHASE_COLOURS[box.phase]
-        slot = Rectangle(
-            (box.start, y - 0.4),
-            box.end - box.start,
+        y = p - 1 - box["stage"]
+        start, end = box["start_s"], box["end_s"]
+        drawn = Rectangle(
+            (start, y - 0.4),
+            end - start,
             0.8,
-            facecolor="white",
-            edgecolor=colour,
-            hatch="//",
-            linewidth=0.6,
+            facecolor=PHASE_COLOURS[box["phase"]],
+            edgecolor="white",
+            linewidth=0.4,
         )
-        slot.set_gid(f"{box.phase}:{box.stage}:{box.microbatch}:{box.chunk}")
-        ax.add_patch(slot)
-        busy = Rectangle(
-            (box.start, y - 0.4), box.busy, 0.8, facecolor=colour, edgecolor=colour, linewidth=0.6
-        )
-        busy.set_gid(f"busy:{slot.get_gid()}")
-        ax.add_patch(busy)
+        drawn.set_gid(f"{box['phase']}:{box['stage']}:{box['microbatch']}:{box['chunk']}")
+        ax.add_patch(drawn)
         if len(sched.boxes) <= 100 * p:  # numbers stay legible up to about a hundred boxes a row
-            label = str(box.microbatch + 1) + (f".{box.chunk}" if sched.interleaved else "")
-            ax.text((box.start + box.end) / 2, y, label, ha="center", va="center", fontsize=6)
+            label = str(box["microbatch"] + 1) + (f".{box['chunk']}" if sched.interleaved else "")
+            ax.text((start + end) / 2, y, label, ha="center", va="center", fontsize=6)
     ax.axvline(sched.pipeline_s, color="black", linestyle="--", linewidth=1)
     ax.set_xlim(0, max(sched.end, sched.pipeline_s) * 1.01 or 1.0)
     ax.set_ylim(-0.6, p - 0.4)
@@ -216,11 +132,12 @@ def timeline_figure(record: Mapping[str, Any]) -> Figure:
     ax.set_title(
         f"{'interleaved ' if sched.interleaved else ''}1F1B, p={p}"
         + (f" v={record['layout']['vpp']}" if sched.interleaved else "")
-        + f" m={record['layout']['microbatches']}: bubble {bubble:.1%} of the compute",
+        + f" m={record['layout']['microbatches']}: bubble and exchanges {bubble:.1%} of the slowest stage's"
+        + " compute",
         fontsize=10,
     )
     _phase_legend(
-        ax, Patch(facecolor="white", edgecolor="grey", hatch="//", label="waits for the slowest stage")
+        ax, Patch(facecolor="white", edgecolor="grey", label="gaps: waits for a neighbour, exchanges")
     )
     figure.subplots_adjust(left=0.08, right=0.98, bottom=0.22, top=0.9)
     return figure
@@ -489,7 +406,12 @@ def _step_table(record: Mapping[str, Any]) -> str:
     slow_kinds = _kinds([i["source"] for i in slow["items"]])
     parts = [
         ("pipeline compute", compute, slow_kinds, f"m x (t_f + t_b) of stage {step['slowest_stage']}"),
-        ("pipeline bubble", step["pipeline_s"] - compute, "modelled", f"{step['formula']} less the compute"),
+        (
+            "pipeline bubble and exchanges",
+            step["pipeline_s"] - compute,
+            "modelled",
+            f"{step['formula']}, less the compute",
+        ),
         (
             "DP gradient reduction",
             step["dp_reduction"]["value"],
@@ -585,6 +507,12 @@ def _sources(record: Mapping[str, Any]) -> str:
         for st in record["stages"]
         for i in st["items"]
     ]
+    exchange = record["step"].get("exchange")
+    if exchange:
+        lines.append(
+            f"pipeline exchange (each end, per box that sends or receives): {_t(exchange['seconds'])} "
+            f"[{exchange['source']['kind']}] {exchange['source']['detail']}"
+        )
     for m in record["memory"]:
         lines += [
             f"stage {m['stage']} {t}: [{m[t]['source']['kind']}] {m[t]['source']['detail']}"
@@ -617,15 +545,11 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         + ", in the order the rank runs it under 1F1B"
         + (" interleaved over virtual chunks" if sched.interleaved else "")
         + ": warm-up forwards, then one forward and one backward in turn, then the cool-down backwards. "
-        "The prediction paces every stage at the slowest one (stage "
-        f"{step['slowest_stage']}): each box is that stage's time, the stage's own time filled, the rest "
-        "hatched (waiting for the slowest stage). White gaps are the pipeline bubble. The schedule ends at "
-        f"{_t(sched.end)}; the prediction's pipeline time ({step['formula']}) is {_t(sched.pipeline_s)}."
-        + (
-            f" Clipped (own time longer than the slowest stage's): {', '.join(sched.clipped)}."
-            if sched.clipped
-            else ""
-        )
+        "Each box takes its own stage's time and starts when its rank is free and its input has "
+        "arrived; an exchange with a neighbour stage costs both ends"
+        + (f" {_t(step['exchange']['seconds'])} (pp_p2p)" if step.get("exchange") else "")
+        + ". White gaps are the bubble: a stage waiting for its neighbour, and the exchanges. The pipeline "
+        f"ends at {_t(sched.end)} ({step['formula']})."
     )
     stage_sources = [i["source"] for st in record["stages"] for i in st["items"]]
     memory_sources = [m[t]["source"] for m in record["memory"] for t in MEMORY_TERMS]
@@ -665,7 +589,7 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
             "Pipeline schedule",
             timeline_figure(record),
             timeline_caption,
-            f"stage times {_kinds(stage_sources)}; the schedule modelled (1F1B order, slowest stage's pace)",
+            f"stage times {_kinds(stage_sources)}; the schedule modelled (Megatron-Core's order, simulated)",
         ),
         _figure(
             "memory",
@@ -718,12 +642,19 @@ def _measured_timeline_section(record: Mapping[str, Any]) -> str:
         if handed
         else ""
     )
+    v = record["validation"]
+    replayed = (
+        f" The schedule model, given these forwards and backwards and the median hand-over per exchange, "
+        f"ends {_t(v['replayed_s'])} after the first op, against {_t(v['measured_span_s'])} measured."
+        if v.get("replayed_s") is not None and v.get("measured_span_s")
+        else ""
+    )
     caption = (
         "The real step beside the schedule above: each box one op's visit as module hooks timed it inside "
         "the step (autotuner.predict.in_step), in the step whose forward-backward was the median. White "
         "between the boxes is outside every op: on a pipeline the waits for the neighbour stage and the "
         "transfers, under tensor parallelism the collectives outside the layers, and everywhere the "
-        f"schedule's own work. Between the ops: {between}.{handovers}"
+        f"schedule's own work. Between the ops: {between}.{handovers}{replayed}"
     )
     return _figure(
         "measured-timeline",

@@ -1,0 +1,168 @@
+"""Megatron-Core's pipeline schedules, simulated: where each stage's forwards and backwards fall in a step.
+
+The predictor's pipeline time is the end of the last box this module places (:func:`simulate`), not a
+closed form. Narayanan et al. 2021 (section 2.2) give one for equal stages, (m + p - 1) x (t_f + t_b),
+or m (t_f + t_b)(1 + (p-1)/(v m)) interleaved; with no exchange cost and equal stages the simulation
+ends exactly there (tested). Real stages are not equal: the first holds the embedding, the last the
+final norm, the output layer and the loss; the closed form paces every slot, the warm-up and cool-down
+too, at the slowest stage, and over-counts a pipeline whose other stages are faster (by one slowest
+stage's lead per stage at the ends). Each stage's boxes here take its own forward and backward.
+
+**The order** each rank runs (:func:`rank_order`), as Megatron-Core's schedules do:
+
+* non-interleaved (v = 1, ``forward_backward_pipelining_without_interleaving``): stage i runs
+  min(p-i-1, m) warm-up forwards, then pairs of one forward and one backward, then the remaining
+  backwards (cool-down);
+* interleaved (v > 1, ``forward_backward_pipelining_with_interleaving``): virtual micro-batch k is
+  micro-batch (k // (p*v))*p + k % p of chunk (k // p) % v (forwards; the backwards visit the chunks in
+  reverse), rank i runs min((p-i-1)*2 + (v-1)*p, m*v) warm-up forwards (``get_pp_rank_microbatches``
+  and ``get_schedule_table``, groups of p micro-batches), then the same pairs and cool-down.
+
+**The dependencies** (:func:`dependency`): a forward waits for the same micro-batch's forward on the
+stage before (chunk c on the first rank for chunk c-1 on the last), a backward for the stage after
+(chunk c on the last rank for chunk c+1 on the first; the last chunk's backward for its own forward).
+
+**The exchanges.** Between two consecutive boxes of a rank, Megatron's schedule communicates when the
+first sends (a forward's activation to the next stage, a backward's gradient to the one before) or the
+second receives (:func:`exchanges`); it batches the two into one call (``send_forward_recv_backward``
+and the like) and waits for both. So an exchange costs both ends: a rank's next box starts an
+exchange's time after its previous one ends, and a box that receives starts an exchange's time after
+its sender's box ends, whichever is later. One exchange's time is the predictor's ``pp_p2p`` (one s*b*h
+transfer, the calibrated batched send and receive). The sending end is what the closed form leaves out:
+in tiny PP2's measured steps (session 16) the last stage started its next forward 0.69-0.74 ms after
+its backward ended though that forward's input had arrived milliseconds before, while the stage before
+waited in the same exchange for the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# A box's key: (stage, phase, micro-batch, chunk).
+Key = tuple[int, str, int, int]
+BOX_COLUMNS = ("stage", "phase", "microbatch", "chunk", "start_s", "end_s")
+
+
+@dataclass(frozen=True)
+class Box:
+    """One forward or backward of one micro-batch (and virtual chunk) on one stage."""
+
+    stage: int
+    phase: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+    def row(self) -> list[Any]:
+        """The box as plain data, in :data:`BOX_COLUMNS` order (``prediction.json``'s schedule)."""
+        return [self.stage, self.phase, self.microbatch, self.chunk, self.start, self.end]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    boxes: tuple[Box, ...]
+    exchange_s: float  # one exchange's time, as the simulation charged it
+
+    @property
+    def end(self) -> float:
+        return max(box.end for box in self.boxes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "columns": list(BOX_COLUMNS),
+            "boxes": [box.row() for box in self.boxes],
+            "exchange_s": self.exchange_s,
+        }
+
+
+def rank_order(stage: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """The (phase, micro-batch, chunk) sequence rank ``stage`` runs (module docstring)."""
+    total = m * v
+    if v == 1:
+        warmup = min(p - stage - 1, m)
+    else:
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+    def which(k: int, phase: str) -> tuple[str, int, int]:
+        group = (k // p) % v
+        return phase, (k // (p * v)) * p + k % p, group if phase == "forward" else v - 1 - group
+
+    order = [which(k, "forward") for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [which(warmup + k, "forward"), which(k, "backward")]
+    order += [which(k, "backward") for k in range(total - warmup, total)]
+    return order
+
+
+def dependency(key: Key, p: int, v: int) -> Key | None:
+    """The box whose output ``key`` needs (module docstring); None for the first stage's first chunk's
+    forward, which reads the data."""
+    stage, phase, mb, chunk = key
+    if phase == "forward":
+        if stage > 0:
+            return stage - 1, phase, mb, chunk
+        return (p - 1, phase, mb, chunk - 1) if chunk > 0 else None
+    if stage < p - 1:
+        return stage + 1, phase, mb, chunk
+    return (0, phase, mb, chunk + 1) if chunk < v - 1 else (stage, "forward", mb, chunk)
+
+
+def _sends(stage: int, phase: str, chunk: int, p: int, v: int) -> bool:
+    if phase == "forward":
+        return not (stage == p - 1 and chunk == v - 1)  # the model's last chunk ends in the loss
+    return not (stage == 0 and chunk == 0)  # the first chunk's input gradient goes nowhere
+
+
+def _receives(stage: int, phase: str, chunk: int, p: int, v: int) -> bool:
+    if phase == "forward":
+        return not (stage == 0 and chunk == 0)
+    return not (stage == p - 1 and chunk == v - 1)
+
+
+def exchanges(stage: int, before: tuple[str, int, int], after: tuple[str, int, int], p: int, v: int) -> bool:
+    """Whether the schedule communicates between two consecutive boxes (phase, micro-batch, chunk) of a
+    rank: the first sends its output or the second receives its input (one batched call)."""
+    if p == 1:
+        return False
+    return _sends(stage, before[0], before[2], p, v) or _receives(stage, after[0], after[2], p, v)
+
+
+def simulate(duration: Callable[[Key], float], p: int, v: int, m: int, exchange_s: float = 0.0) -> Schedule:
+    """Place every box of the schedule (module docstring): each as early as its rank's previous box and
+    its input allow; ``duration(key)`` is the box's own time, ``exchange_s`` one exchange's."""
+    orders = [rank_order(s, p, v, m) for s in range(p)]
+    done: dict[Key, float] = {}
+    free, position, boxes = [0.0] * p, [0] * p, []
+    # Each pass places, on every rank, the boxes whose input is ready; a pass that places nothing would
+    # be a deadlock of the order above (a bug), not a property of the layout.
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        placed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                step = orders[s][position[s]]
+                key = (s, *step)
+                needs = dependency(key, p, v)
+                if needs is not None and needs not in done:
+                    break
+                start = free[s]
+                if position[s] and exchanges(s, orders[s][position[s] - 1], step, p, v):
+                    start += exchange_s
+                if needs is not None:
+                    start = max(start, done[needs] + (exchange_s if needs[0] != s else 0.0))
+                end = start + duration(key)
+                boxes.append(Box(s, step[0], step[1], step[2], start, end))
+                done[key] = free[s] = end
+                position[s] += 1
+                placed = True
+        if not placed:
+            raise RuntimeError(f"the 1F1B order deadlocks at p={p} v={v} m={m}")
+    return Schedule(tuple(boxes), exchange_s)
+
+
+def closed_form_s(slowest: float, p: int, v: int, m: int) -> float:
+    """Narayanan et al.'s pipeline time, m t (1 + (p-1)/(v m)) with t the slowest stage's forward +
+    backward per micro-batch: what :func:`simulate` gives for equal stages and free exchanges."""
+    return m * slowest * (1 + (p - 1) / (v * m))
