@@ -33,7 +33,10 @@ sampler's: autotuner.measure.timer.median_ci, from 6 rounds): "met" when the int
 [0.95, 1.05], "missed" when it lies outside, "inconclusive" when it straddles an edge: on a machine
 whose own A/A spread exceeds the target, a median of a few rounds can neither pass nor fail it. Under
 each case and layout, the ops inside the forward-backward: each hooked op's predicted time per visit /
-its time inside the measured steps (autotuner.predict.in_step), medians over the rounds.
+its time inside the measured steps (autotuner.predict.in_step), medians over the rounds; then per rank
+the time between its ops in its median step, and on a pipeline the hand-overs a stage waited for beside
+the predicted exchange, and the measured step replayed through the predictor's schedule simulation over
+its measured span (autotuner.predict.in_step.replay: the schedule model alone).
 """
 
 from __future__ import annotations

@@ -76,3 +76,24 @@ def test_no_exchanges_without_a_pipeline():
     sched = simulate(own_times([1.0], [2.0]), 1, 1, 4, exchange_s=10.0)
     assert sched.end == pytest.approx(12.0)
     assert sched.to_json()["columns"] == ["stage", "phase", "microbatch", "chunk", "start_s", "end_s"]
+
+
+def test_overlapped_exchanges_cost_only_the_receiving_box():
+    """Megatron-LM's interleaved schedule posts its exchanges and waits only before the box that needs the
+    data: no rank pays between its own boxes, every box that receives pays one exchange after its input."""
+    p, v, m, x = 2, 2, 4, 0.25
+    sched = simulate(own_times([1.0, 1.5], [2.0, 2.5], v), p, v, m, exchange_s=x, overlapped=True)
+    at = {(b.stage, b.phase, b.microbatch, b.chunk): b for b in sched.boxes}
+    for s in range(p):
+        mine = [at[(s, *step)] for step in rank_order(s, p, v, m)]
+        for before, after in zip(mine, mine[1:], strict=False):
+            assert after.start >= before.end - REL
+        for box in mine:
+            key = (s, box.phase, box.microbatch, box.chunk)
+            needs = dependency(key, p, v)
+            ready = 0.0 if needs is None else at[needs].end + (x if needs[0] != s else 0.0)
+            previous = max((b.end for b in mine if b.end <= box.start + REL), default=0.0)
+            assert box.start == pytest.approx(max(ready, previous))  # as early as rank and input allow
+    both = simulate(own_times([1.0, 1.5], [2.0, 2.5], v), p, v, m, exchange_s=x)
+    free = simulate(own_times([1.0, 1.5], [2.0, 2.5], v), p, v, m)
+    assert free.end < sched.end < both.end

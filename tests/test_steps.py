@@ -128,18 +128,66 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
         ("output_layer.forward", 0, 10.5, 11.0),
         ("transformer_layer.backward", 2, 11.5, 13.0),
     ]
-    found = handovers([first, second], layers=1)
-    assert [(phase, round(seconds, 9)) for phase, seconds in found] == [
-        ("forward", 0.5),
-        ("backward", 1.5),
+    found = handovers([first, second], v=1, layers=2)
+    assert sorted((phase, round(seconds, 9)) for phase, seconds in found) == [
         ("backward", 1.0),
+        ("backward", 1.5),
+        ("forward", 0.5),
     ]
     # The same step replayed by the predictor's schedule, each forward and backward taking its measured
     # time (stage 0: 2, 1.9 and 2, 2; stage 1: 2.5, 2 and 3.3 with the output layer's, 1.5), 0.5 per
     # exchange: stage 1 runs [2.5, 5], [5, 8.3], [8.8, 10.8], [10.8, 12.3]; stage 0's last backward
     # waits for its gradient: [12.8, 14.8]. Measured: 0 to 16, the gaps the schedule's model leaves out.
-    assert replay([first, second], layers=1, microbatches=2, exchange_s=0.5) == pytest.approx(14.8)
-    assert replay([first, second], layers=1, microbatches=3, exchange_s=0.5) is None
+    assert replay([first, second], v=1, layers=2, microbatches=2, exchange_s=0.5) == pytest.approx(14.8)
+    assert replay([first, second], v=1, layers=2, microbatches=3, exchange_s=0.5) is None
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 4), (2, 2, 4), (4, 1, 4), (2, 3, 4)])
+def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, v, m):
+    """A step made by the schedule itself (each box's visits as the hooks record them: a chunk's forward
+    one stage.forward around its layers' forwards, the embedding first and the head last; its backward the
+    head's, then its layers' in reverse) cuts back into the same boxes, its hand-overs are the exchanges,
+    and replayed with that exchange it ends where it ended."""
+    from autotuner.predict.in_step import handovers, measured_boxes, replay
+    from autotuner.predict.schedule import simulate
+
+    per_chunk, x = 2, 0.25
+    layers = p * v * per_chunk
+
+    def duration(key):
+        return (1.0 if key[1] == "forward" else 2.0) * (1 + 0.1 * key[0])
+
+    sched = simulate(duration, p, v, m, x, overlapped=v > 1)
+    stages = [[] for _ in range(p)]
+    for box in sched.boxes:
+        first = (box.chunk * p + box.stage) * per_chunk + 1
+        own = list(range(first, first + per_chunk))
+        head = box.stage == p - 1 and box.chunk == v - 1
+        lead = box.stage == 0 and box.chunk == 0
+        step = (box.end - box.start) / (per_chunk + 2)
+        at = box.start
+        visits = []
+        if box.phase == "forward":
+            names = [("embedding.forward", 0)] * lead + [("transformer_layer.forward", n) for n in own]
+            names += [("output_layer.forward", 0)] * head
+            stages[box.stage].append(("stage.forward", 0, box.start, box.end))
+        else:
+            names = [("output_layer.backward", 0)] * head
+            names += [("transformer_layer.backward", n) for n in reversed(own)]
+        for i, (key, layer) in enumerate(names):
+            start = box.start if i == 0 else at
+            end = box.end if i == len(names) - 1 else start + step
+            visits.append((key, layer, start, end))
+            at = end
+        stages[box.stage] += visits
+    for s in range(p):
+        cut = measured_boxes(stages[s], p, v, layers)
+        mine = {(b.phase, b.microbatch, b.chunk): (b.start, b.end) for b in sched.boxes if b.stage == s}
+        assert cut is not None and set(cut) == set(mine)
+        assert all(cut[key] == pytest.approx(mine[key]) for key in mine)
+    found = handovers(stages, v, layers)
+    assert found and all(seconds == pytest.approx(x) for _, seconds in found)
+    assert replay(stages, v, layers, m, x, overlapped=v > 1) == pytest.approx(sched.end)
 
 
 def test_visits_are_merged_as_the_time_inside_some_op():
@@ -309,22 +357,22 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
         )
         for r in result.ranks
     ]
-    found = pipeline_handovers(timelines, result.layout, layers=1)
+    found = pipeline_handovers(timelines, result.layout, layers=2)
     assert "forward" in {phase for phase, _ in found} and all(
         0 < s < timelines[1].forward_backward_s for _, s in found
     )
     # each rank's visits make its 4 forwards and 4 backwards, and the predictor's schedule, given their
     # measured times and the median hand-over, ends near the measured span (it leaves out the schedule's
     # own work between a rank's ops: under it, not far)
-    from autotuner.predict.in_step import microbatch_spans
+    from autotuner.predict.in_step import measured_boxes
     from autotuner.predict.validate import pipeline_replay
 
     for r in result.ranks:
-        assert {phase: len(v) for phase, v in microbatch_spans(r.timeline, 1).items()} == {
-            "forward": 4,
-            "backward": 4,
-        }
-    replayed, span = pipeline_replay(timelines, result.layout, 1, found)
+        boxes = measured_boxes(r.timeline, 2, 1, 2)
+        assert boxes is not None and sorted(boxes) == [
+            (ph, mb, 0) for ph in ("backward", "forward") for mb in range(4)
+        ]
+    replayed, span = pipeline_replay(timelines, result.layout, 2, found, "cpu")
     assert 0.7 * span < replayed < 1.1 * span, (replayed, span)
 
 
@@ -335,16 +383,34 @@ def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path):
     interleaved schedule); every activation and gradient crosses between the two ranks in both
     directions, so a mismatched exchange (an activation received as a gradient) would change the loss."""
     four = [*CPU, "hf.num_hidden_layers=4"]
-    alone = measure_steps("tiny", four, Layout(**BATCH), repeats=1, warmup=1)
+    alone = measure_steps("tiny", four, Layout(**BATCH), repeats=3, warmup=1)
     layout = Layout(pp=2, vpp=2, **BATCH)
+    # 3 timed steps: the timeline is the median one's (a single step on a busy machine can hold a stall)
     result = run_steps(
-        "tiny", four, layout, tmp_path / "vpp2.json", repeats=1, warmup=1, timeout_s=WATCHDOG_S
+        "tiny", four, layout, tmp_path / "vpp2.json", repeats=3, warmup=1, timeout_s=WATCHDOG_S
     )
     assert result.schedule.endswith(".forward_backward_pipelining_with_interleaving")
     assert result.losses[0] == pytest.approx(alone.losses[0], rel=1e-6)
     assert result.losses == pytest.approx(alone.losses, rel=1e-4)
     # each rank holds half of the layers, the first the embedding, the last the output layer
     assert all(r.parameter_bytes < alone.ranks[0].parameter_bytes for r in result.ranks)
+    # each rank's median step cuts into its chunks' forwards and backwards (4 micro-batches x 2 chunks
+    # each), and the predictor's interleaved schedule replays them near the measured span
+    from autotuner.predict.in_step import measured_boxes
+    from autotuner.predict.validate import RankTimeline, pipeline_handovers, pipeline_replay
+
+    step = result.timeline_step
+    timelines = [
+        RankTimeline(r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[step], r.timeline)
+        for r in result.ranks
+    ]
+    for r in timelines:
+        boxes = measured_boxes(r.visits, 2, 2, 4)
+        assert boxes is not None and len(boxes) == 2 * 4 * 2
+    found = pipeline_handovers(timelines, layout, 4)
+    assert found
+    replayed, span = pipeline_replay(timelines, layout, 4, found, "cpu")
+    assert 0.7 * span < replayed < 1.1 * span, (replayed, span)
 
 
 @pytest.mark.torchrun

@@ -35,7 +35,6 @@ time inside the backward. A step with it records nothing (the validation says so
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -73,71 +72,107 @@ def inside_ops_s(visits: Sequence[Visit]) -> float:
     return total
 
 
-def microbatch_spans(visits: Sequence[Visit], layers: int) -> dict[str, list[tuple[float, float]]]:
-    """A rank's forwards and backwards of its micro-batches, in the order it ran them, each from its
-    first op's start to its last op's end (one model chunk; ``layers`` on the rank): a forward is one
-    ``stage.forward``; a backward the backward visits up to and with the ``layers``-th layer backward
-    (on the last stage the output layer's and the final norm's come first; the embedding's backward is
-    not hooked, so a first stage's ends with its first layer's)."""
-    forwards = sorted((start, end) for key, _, start, end in visits if key == "stage.forward")
-    backwards, group, counted = [], [], 0
-    for key, _, start, end in sorted((v for v in visits if v[0].endswith(".backward")), key=lambda v: v[2]):
-        group.append((start, end))
-        counted += key == "transformer_layer.backward"
-        if counted == layers:
-            backwards.append((group[0][0], max(e for _, e in group)))
-            group, counted = [], 0
-    return {"forward": forwards, "backward": backwards}
+# A rank's forward or backward of one micro-batch and model chunk, as it ran: (phase, micro-batch, chunk)
+# -> (start, end), the key of autotuner.predict.schedule's boxes less the stage.
+Boxes = dict[tuple[str, int, int], tuple[float, float]]
 
 
-def handovers(stages: Sequence[Sequence[Visit]], layers: int) -> list[tuple[str, float]]:
-    """A 1F1B pipeline's hand-overs that one stage waited for, from one step's timelines of consecutive
-    stages (one rank each, the same tp and dp rank; ``layers`` per stage; not the interleaved schedule):
-    ("forward" | "backward", seconds from the sender's last op of a micro-batch to the receiver's first).
+def measured_boxes(visits: Sequence[Visit], p: int, v: int, layers: int) -> Boxes | None:
+    """One rank's timeline cut into the boxes of the pipeline schedule, each from its first op's start to
+    its last op's end; ``layers`` in the whole model, p * v chunks of them (Megatron numbers them across
+    the chunks: virtual stage g = chunk * p + rank holds layers g * layers/(p v) + 1 onwards). None where
+    the visits do not cut so (a step with recompute, which times none).
 
-    A rank runs its micro-batches' forwards in order and their backwards in order
-    (:func:`microbatch_spans`); so the k-th of each on two neighbouring stages is the same micro-batch.
-    A hand-over counts only where the receiver had nothing left to run when the sender finished (its
-    previous visit ended before): then the gap is the transfer, both ends' schedule work and the
-    receiver's wake-up, not work of its own."""
+    A forward is one ``stage.forward`` (the chunk's model forward, the loss in the last chunk's), its
+    chunk the one whose layers run inside it; a backward is a chunk's backward visits up to and with its
+    last layer's (on the model's last chunk the output layer's and the final norm's come first; the
+    embedding's backward is not hooked, so the first chunk's ends with its first layer's). A rank runs a
+    chunk's micro-batches in order, so the k-th box of a chunk and phase is micro-batch k."""
+    per_chunk = layers // (p * v)
+    if per_chunk == 0:
+        return None
 
-    def idle_before(visits: Sequence[Visit], moment: float, start: float) -> bool:
-        """Nothing of the receiver's ran between ``moment`` and its visit at ``start``."""
-        return not any(
-            moment < end < start or moment < begin < start
-            for key, _, begin, end in visits
-            if not key.startswith("stage.")
-        )
+    def chunk_of(layer: int) -> int:
+        return (layer - 1) // per_chunk // p
 
+    layer_visits = [x for x in visits if x[0].startswith("transformer_layer.")]
+    found: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for _, _, start, end in sorted(x for x in visits if x[0] == "stage.forward"):
+        inside = [x[1] for x in layer_visits if x[0].endswith(".forward") and start <= x[2] <= end]
+        if not inside:
+            return None
+        found[("forward", chunk_of(inside[0]))].append((start, end))
+    last_chunk = v - 1
+    groups: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    counted: dict[int, int] = defaultdict(int)
+    for key, layer, start, end in sorted(
+        (x for x in visits if x[0].endswith(".backward")), key=lambda x: x[2]
+    ):
+        chunk = chunk_of(layer) if key.startswith("transformer_layer.") else last_chunk
+        groups[chunk].append((start, end))
+        counted[chunk] += key.startswith("transformer_layer.")
+        if counted[chunk] == per_chunk:
+            found[("backward", chunk)].append((groups[chunk][0][0], max(e for _, e in groups[chunk])))
+            groups[chunk], counted[chunk] = [], 0
+    boxes: Boxes = {}
+    for (phase, chunk), spans in found.items():
+        boxes.update({(phase, mb, chunk): span for mb, span in enumerate(spans)})
+    return boxes
+
+
+def handovers(stages: Sequence[Sequence[Visit]], v: int, layers: int) -> list[tuple[str, float]]:
+    """A pipeline's hand-overs that a stage waited for, from one step's timelines of its stages (one rank
+    each, the same tp and dp rank, in stage order; ``layers`` in the model, ``v`` chunks a rank): for each
+    box whose input comes from another stage (autotuner.predict.schedule.dependency), ("forward" |
+    "backward", seconds from the sender's box's end to the receiver's box's start), counted only where the
+    receiver had nothing left to run when the sender finished (nothing of its own ran in between): then
+    the gap is the exchange, both ends' schedule work and the receiver's wake-up, not work of its own."""
+    from autotuner.predict.schedule import dependency
+
+    p = len(stages)
+    cut = [measured_boxes(visits, p, v, layers) for visits in stages]
+    if any(boxes is None for boxes in cut):
+        return []
     found = []
-    for sender, receiver in itertools.pairwise(stages):
-        ahead, behind = microbatch_spans(sender, layers), microbatch_spans(receiver, layers)
-        for (_, sent), (received, _) in zip(ahead["forward"], behind["forward"], strict=True):
-            if sent < received and idle_before(receiver, sent, received):
-                found.append(("forward", received - sent))
-        for (_, sent), (received, _) in zip(behind["backward"], ahead["backward"], strict=True):
-            if sent < received and idle_before(sender, sent, received):
-                found.append(("backward", received - sent))
+    for s, boxes in enumerate(cut):
+        for (phase, mb, chunk), (received, _) in boxes.items():
+            needs = dependency((s, phase, mb, chunk), p, v)
+            if needs is None or needs[0] == s or needs[1:] not in cut[needs[0]]:
+                continue
+            sent = cut[needs[0]][needs[1:]][1]
+            idle = not any(  # nothing of the receiver's own ran after the sender's box ended
+                end > sent and begin < received
+                for key, _, begin, end in stages[s]
+                if not key.startswith("stage.")
+            )
+            if sent < received and idle:
+                found.append((phase, received - sent))
     return found
 
 
 def replay(
-    stages: Sequence[Sequence[Visit]], layers: int, microbatches: int, exchange_s: float
+    stages: Sequence[Sequence[Visit]],
+    v: int,
+    layers: int,
+    microbatches: int,
+    exchange_s: float,
+    overlapped: bool = False,
 ) -> float | None:
-    """The measured step's forwards and backwards (:func:`microbatch_spans`, one rank per stage, 1F1B
-    without interleaving) placed by the predictor's schedule (autotuner.predict.schedule) with
-    ``exchange_s`` per exchange: seconds from the first box's start to the last one's end; None where a
-    rank's visits do not make ``microbatches`` of each. Beside the measured span from the first op's start
-    to the last op's end it tests the schedule model alone, each box taking the time it took."""
+    """The measured step's boxes (:func:`measured_boxes`, one rank per stage) placed by the predictor's
+    schedule (autotuner.predict.schedule; ``overlapped`` as there) with ``exchange_s`` per exchange:
+    seconds from the first box's start to the last one's end; None where a rank's visits do not make
+    every box. Beside the measured span from the first op's start to the last op's end it tests the
+    schedule model alone, each box taking the time it took."""
     from autotuner.predict.schedule import simulate
 
+    p = len(stages)
     own = {}
     for s, visits in enumerate(stages):
-        for phase, spans in microbatch_spans(visits, layers).items():
-            if len(spans) != microbatches:
-                return None
-            own.update({(s, phase, mb): end - start for mb, (start, end) in enumerate(spans)})
-    return simulate(lambda key: own[key[:3]], len(stages), 1, microbatches, exchange_s).end
+        boxes = measured_boxes(visits, p, v, layers)
+        if boxes is None or len(boxes) != 2 * microbatches * v:
+            return None
+        own.update({(s, *key): end - start for key, (start, end) in boxes.items()})
+    return simulate(lambda key: own[key], p, v, microbatches, exchange_s, overlapped).end
 
 
 class ModuleClock:

@@ -89,11 +89,12 @@ Where the runs hold only one kind of row, it stands in for the other and the pre
 **The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
 placed in the order Megatron-Core's 1F1B schedule (interleaved with vpp) runs them, each taking its own
 stage's time (/vpp per model chunk), each waiting for its input from the neighbour stage, and every
-exchange charged to both ends; the pipeline time is where the last box ends. For equal stages and free
-exchanges that is Narayanan et al. 2021's (m + p - 1) x (t_f + t_b), m * (t_f + t_b) * (1 + (p-1)/(v*m))
-interleaved (section 2.2; printed beside it), which paces every stage at the slowest one. Then the
-data-parallel gradient reduction after the backward (all-reduce of the stage's dense gradients over dp
-and of its routed experts' over the tp*dp/ep ranks holding the same experts; with the distributed
+exchange charged to both ends (interleaved on GPUs: to the receiving box, the exchanges overlapped with
+compute as Megatron-LM runs that schedule); the pipeline time is where the last box ends. For equal
+stages and free exchanges that is Narayanan et al. 2021's (m + p - 1) x (t_f + t_b), m * (t_f + t_b) * (1
++ (p-1)/(v*m)) interleaved (section 2.2; printed beside it), which paces every stage at the slowest one.
+Then the data-parallel gradient reduction after the backward (all-reduce of the stage's dense gradients
+over dp and of its routed experts' over the tp*dp/ep ranks holding the same experts; with the distributed
 optimizer reduce-scatter of the gradients + all-gather of the parameters) and the Adam step (bytes read
 and written per parameter over the calibrated memory bandwidth), or, where the calibration timed it, the
 Adam step's measured time per parameter (``adam_seconds_per_parameter``; for a layout of several CPU
@@ -126,7 +127,7 @@ from autotuner.predict.inputs import (
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 from autotuner.predict.memory import GRAD_BYTES
-from autotuner.predict.schedule import Schedule, closed_form_s, simulate
+from autotuner.predict.schedule import Schedule, closed_form_s, overlaps_exchanges, simulate
 from autotuner.results.calibration import ADAM_PER_TENSOR, ADAM_TOGETHER, GRAD_ACCUMULATION, link_key
 from autotuner.results.units import human_time
 
@@ -824,11 +825,14 @@ class StepTime:
         return self.pipeline + self.dp_reduction + self.optimizer
 
 
-def pipeline_schedule(stages: list[StageTime], lay: Layout, exchange_s: float) -> Schedule:
+def pipeline_schedule(stages: list[StageTime], lay: Layout, exchange_s: float, overlapped: bool) -> Schedule:
     """Each stage's forwards and backwards placed by Megatron-Core's schedule (module docstring), a box
-    per micro-batch and model chunk, the chunk's share (1/vpp) of its stage's time."""
+    per micro-batch and model chunk, the chunk's share (1/vpp) of its stage's time; ``overlapped``: the
+    exchanges cost the receiving box alone (autotuner.predict.schedule.overlaps_exchanges)."""
     own = {(st.index, phase): getattr(st, phase) / lay.vpp for st in stages for phase in PHASES}
-    return simulate(lambda key: own[(key[0], key[1])], lay.pp, lay.vpp, lay.microbatches, exchange_s)
+    return simulate(
+        lambda key: own[(key[0], key[1])], lay.pp, lay.vpp, lay.microbatches, exchange_s, overlapped
+    )
 
 
 def step_time(
@@ -838,7 +842,8 @@ def step_time(
     ``stage_expert_params``: how many of them are routed experts'."""
     lay = tm.layout
     exchange = pipeline_transfer(tm) if lay.pp > 1 else None
-    sched = pipeline_schedule(stages, lay, exchange.seconds if exchange else 0.0)
+    overlapped = overlaps_exchanges(lay.vpp, "cpu" if tm.meas.devices == {"cpu"} else "cuda")
+    sched = pipeline_schedule(stages, lay, exchange.seconds if exchange else 0.0, overlapped)
     slowest = max(range(len(stages)), key=lambda i: stages[i].total)
     pace = stages[slowest].total
     closed = closed_form_s(pace, lay.pp, lay.vpp, lay.microbatches)
@@ -847,10 +852,11 @@ def step_time(
         formula = f"no pipeline: m x (t_f + t_b) = {lay.microbatches} x t"
     else:
         name = "m*t*(1+(p-1)/(v*m))" if lay.vpp > 1 else "(m+p-1)*t"
+        charged = "to the receiver (overlapped)" if overlapped else "to both ends"
         formula = (
             f"Megatron's {'interleaved ' if lay.vpp > 1 else ''}1F1B order simulated, each stage its own "
-            f"time, {human_time(exchange.seconds * 1e6)} per exchange (Narayanan's {name} with t of stage "
-            f"{slowest}: {human_time(closed * 1e6)})"
+            f"time, {human_time(exchange.seconds * 1e6)} per exchange {charged} (Narayanan's {name} with t "
+            f"of stage {slowest}: {human_time(closed * 1e6)})"
         )
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])

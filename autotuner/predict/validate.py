@@ -117,7 +117,7 @@ class Validation:
     in_step: tuple[tuple[int, str, float, float, str], ...] = ()
     # each rank's op visits in the measured step whose forward-backward was the median
     timeline: tuple[RankTimeline, ...] = ()
-    # a 1F1B pipeline's hand-overs that a stage waited for, in that step (autotuner.predict.in_step.
+    # a pipeline's hand-overs that a stage waited for, in that step (autotuner.predict.in_step.
     # handovers: "forward" | "backward", seconds), and the predicted transfer per hand-over (pp_p2p)
     handovers: tuple[tuple[str, float], ...] = ()
     predicted_transfer_s: float | None = None
@@ -183,9 +183,9 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
         if r.timeline
     )
     exchange = prediction.step.exchange
-    layers = prediction.model.num_layers // layout.pp
-    handed = pipeline_handovers(timeline, layout, layers)
-    replayed = pipeline_replay(timeline, layout, layers, handed)
+    handed = pipeline_handovers(timeline, layout, prediction.model.num_layers)
+    device_type = measured.device.split(":")[0]
+    replayed = pipeline_replay(timeline, layout, prediction.model.num_layers, handed, device_type)
     return Validation(
         layout=layout,
         predicted_step_s=prediction.step_seconds,
@@ -213,11 +213,10 @@ def pipeline_handovers(
     timeline: Sequence[RankTimeline], layout: Layout, layers: int
 ) -> list[tuple[str, float]]:
     """The hand-overs a stage waited for (autotuner.predict.in_step.handovers) along each pipeline of
-    ranks with the same tp and dp rank; none off a pipeline or with the interleaved schedule (whose
-    chunks a rank's visits do not tell apart in order)."""
+    ranks with the same tp and dp rank (``layers`` in the model); none off a pipeline."""
     from autotuner.predict.in_step import handovers
 
-    if layout.pp == 1 or layout.vpp > 1:
+    if layout.pp == 1:
         return []
     lines: dict[tuple[int, int], list[RankTimeline]] = {}
     for r in timeline:
@@ -225,26 +224,36 @@ def pipeline_handovers(
     found = []
     for ranks in lines.values():
         if len(ranks) == layout.pp:
-            found += handovers([r.visits for r in sorted(ranks, key=lambda r: r.pp_rank)], layers)
+            stages = [r.visits for r in sorted(ranks, key=lambda r: r.pp_rank)]
+            found += handovers(stages, layout.vpp, layers)
     return found
 
 
 def pipeline_replay(
-    timeline: Sequence[RankTimeline], layout: Layout, layers: int, handed: Sequence[tuple[str, float]]
+    timeline: Sequence[RankTimeline],
+    layout: Layout,
+    layers: int,
+    handed: Sequence[tuple[str, float]],
+    device_type: str,
 ) -> tuple[float, float] | None:
-    """The pipeline of tp and dp rank 0 replayed (autotuner.predict.in_step.replay) with the median of
-    the hand-overs measured, and its span measured from the first op's start to the last op's end; None
-    off a 1F1B pipeline without interleaving or without hand-overs."""
+    """The pipeline of tp and dp rank 0 replayed (autotuner.predict.in_step.replay; ``layers`` in the
+    model) with the median of the hand-overs measured, its exchanges charged as the predictor charges
+    them on ``device_type``, and its span measured from the first op's start to the last op's end; None
+    off a pipeline or without hand-overs."""
     from autotuner.predict.in_step import replay
+    from autotuner.predict.schedule import overlaps_exchanges
 
     ranks = sorted((r for r in timeline if r.tp_rank == r.dp_rank == 0), key=lambda r: r.pp_rank)
-    if layout.pp == 1 or layout.vpp > 1 or not handed or len(ranks) != layout.pp:
+    if layout.pp == 1 or not handed or len(ranks) != layout.pp:
         return None
     visits = [[v for v in r.visits if not v[0].startswith("stage.")] for r in ranks]
     if not all(visits):
         return None
     exchange = statistics.median(seconds for _, seconds in handed)
-    replayed = replay([r.visits for r in ranks], layers, layout.microbatches, exchange)
+    overlapped = overlaps_exchanges(layout.vpp, device_type)
+    replayed = replay(
+        [r.visits for r in ranks], layout.vpp, layers, layout.microbatches, exchange, overlapped
+    )
     if replayed is None:
         return None
     span = max(v[3] for vs in visits for v in vs) - min(v[2] for vs in visits for v in vs)

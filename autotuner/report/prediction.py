@@ -4,7 +4,8 @@ side never imports the predictor, so a page can be remade wherever the file is).
 
 **Timeline** (``schedule``): the boxes the predictor placed (``step.schedule`` in ``prediction.json``;
 autotuner.predict.schedule simulates Megatron-Core's 1F1B order, interleaved with vpp, each stage its
-own forward and backward, every exchange charged to both ends), a row per stage. The gaps are the
+own forward and backward, every exchange charged to both ends or, interleaved, to the receiving box), a
+row per stage. The gaps are the
 bubble: a stage waiting for its neighbour, and the exchanges. The caption gives the closed form the
 simulation replaces (Narayanan et al. 2021, section 2.2: every stage paced at the slowest one).
 
@@ -546,7 +547,8 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         + (" interleaved over virtual chunks" if sched.interleaved else "")
         + ": warm-up forwards, then one forward and one backward in turn, then the cool-down backwards. "
         "Each box takes its own stage's time and starts when its rank is free and its input has "
-        "arrived; an exchange with a neighbour stage costs both ends"
+        "arrived; an exchange with a neighbour stage costs "
+        + ("the receiving box (overlapped with compute)" if sched.interleaved else "both ends")
         + (f" {_t(step['exchange']['seconds'])} (pp_p2p)" if step.get("exchange") else "")
         + ". White gaps are the bubble: a stage waiting for its neighbour, and the exchanges. The pipeline "
         f"ends at {_t(sched.end)} ({step['formula']})."
