@@ -19,7 +19,9 @@ another rank, transfers, the schedule's own work) show beside the ops: the valid
 the wall clock read at each rank's start mark (one clock for the processes of a machine; across
 machines as close as their clocks are kept): the ranks leave the barrier before a step up to
 milliseconds apart on this project's VM, and a timeline from each rank's own start put a stage's first
-forward before the forward of the stage that feeds it.
+forward before the forward of the stage that feeds it. Cut into the pipeline schedule's boxes
+(:func:`measured_boxes`), a step's timelines give the hand-overs a stage waited for (:func:`handovers`)
+and can be replayed through the predictor's schedule (:func:`replay`), which tests that model alone.
 
 The modules: the embedding (forward only: its input, token ids, has no gradient to mark its backward's
 end), every decoder layer (``transformer_layer``), the final norm, and the output layer with the loss
@@ -81,7 +83,7 @@ def measured_boxes(visits: Sequence[Visit], p: int, v: int, layers: int) -> Boxe
     """One rank's timeline cut into the boxes of the pipeline schedule, each from its first op's start to
     its last op's end; ``layers`` in the whole model, p * v chunks of them (Megatron numbers them across
     the chunks: virtual stage g = chunk * p + rank holds layers g * layers/(p v) + 1 onwards). None where
-    the visits do not cut so (a step with recompute, which times none).
+    a chunk's forward holds no layer's or the model has fewer layers than chunks.
 
     A forward is one ``stage.forward`` (the chunk's model forward, the loss in the last chunk's), its
     chunk the one whose layers run inside it; a backward is a chunk's backward visits up to and with its
