@@ -72,6 +72,9 @@ class Box:
 
 @dataclass(frozen=True)
 class Schedule:
+    """Every box of one step's pipeline, in the order they were placed; the step's pipeline time is
+    :attr:`end`."""
+
     boxes: tuple[Box, ...]
     exchange_s: float  # one exchange's time, as the simulation charged it
 
