@@ -3,14 +3,15 @@
     python -m autotuner.tune [RUN_DIR ...] case=llama7b gpus=16 gpu_memory_gb=80 global_batch_size=512 \\
         seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [calibration=FILE] [--explain N] [--slurm DIR]
 
-Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, layers,
-experts and batch) is predicted from the runs' measured ops (autotuner.predict.prediction); a layout
-whose largest stage would need more than ``gpu_memory_gb`` less the safety ``margin`` (a fraction, shown)
-is dropped; the rest are ranked by predicted step time, ties by memory. The top ``top`` are printed with
-time, MFU, tokens/s per GPU, memory, the op that decides the slowest stage and how much of the
-prediction is measured; ``--explain N`` prints the whole prediction of the N-th. Where the ranking rests
-on figures that were not measured, the profiling runs that would measure them (for the layouts shown)
-are printed as commands, and with ``--slurm DIR`` written as SLURM array task files.
+Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, experts and
+batch, the layers' split over the pipeline ranks, uneven ones near the even split included) is predicted
+from the runs' measured ops (autotuner.predict.prediction); a layout whose largest stage would need more
+than ``gpu_memory_gb`` less the safety ``margin`` (a fraction, shown) is dropped; the rest are ranked by
+predicted step time, ties by memory. The top ``top`` are printed with time, MFU, tokens/s per GPU,
+memory, the op that decides the slowest stage and how much of the prediction is measured; ``--explain
+N`` prints the whole prediction of the N-th. Where the ranking rests on figures that were not measured,
+the profiling runs that would measure them (for the layouts shown) are printed as commands, and with
+``--slurm DIR`` written as SLURM array task files.
 
 Without run directories every figure is modelled from the case's sizes and the calibration (and says
 so): the profiling plan then lists everything to measure. Layouts with expert parallelism are ranked

@@ -82,7 +82,9 @@ def test_built_model_parameters_match_the_mapping(tiny_session, tiny_spec):
     # the tensors torch's Adam loops over (autotuner.predict.inputs), the layer's and the whole model's
     shape = ModelShape.from_config("tiny", vars(tf), args.vocab_size, args.tie_word_embeddings)
     assert shape.layer_tensors == len(list(layer.parameters()))
-    assert shape.stage_tensors(ep=1, pp=1, stage=0) == len(list(model.parameters()))
+    assert shape.stage_tensors(ep=1, layers=shape.num_layers, first=True, last=True) == len(
+        list(model.parameters())
+    )
 
 
 def test_names_aliases_and_selection():

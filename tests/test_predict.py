@@ -325,6 +325,29 @@ def test_rows_timed_after_a_pause_never_stand_in_for_back_to_back_ones(tmp_path)
     assert measured([tmp_path / "alone"]) == set()
 
 
+def test_an_uneven_split_puts_its_layers_where_megatron_does(tmp_path):
+    """pp=2 with last_stage_layers=1 (Megatron's num_layers_in_last_pipeline_stage): stage 0 holds the
+    embedding and 3 layers, stage 1 one layer and the head; each stage's time, parameters, optimizer and
+    held activations follow its own count, and the schedule runs each stage at its own time."""
+    runs = load_runs([make_run(tmp_path, base_rows())])
+    lay = Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32", last_stage_layers=1)
+    pred = predict(runs, lay, CAL)
+    params = [3 * LAYER_PARAMS + VOCAB * H, LAYER_PARAMS + H + VOCAB * H]
+    assert [st.layers for st in pred.stages] == [3, 1]
+    assert [m.params.value for m in pred.memory] == pytest.approx(params)
+    f0, b0 = (3 * 1000 + 100) * US, (3 * 2000 + 100) * US + accumulation(params[0])
+    f1, b1 = (1000 + 10 + 300) * US, (2000 + 20 + 600) * US + accumulation(params[1])
+    assert pred.stages[0].forward == pytest.approx(f0) and pred.stages[0].backward == pytest.approx(b0)
+    assert pred.stages[1].forward == pytest.approx(f1) and pred.stages[1].backward == pytest.approx(b1)
+    own = {(0, "forward"): f0, (0, "backward"): b0, (1, "forward"): f1, (1, "backward"): b1}
+    assert pred.step.pipeline == pytest.approx(simulate(lambda key: own[key[:2]], 2, 1, 8, P2P).end)
+    assert pred.step.slowest_stage == 0  # the stage with the embedding and 3 layers
+    # 1F1B: stage 0 holds 2 micro-batches of its 3 layers, stage 1 one of its 1
+    assert [m.activations.value for m in pred.memory] == pytest.approx([5000 * 3 * 2, 5000 * 1 * 1])
+    assert pred.step.optimizer == pytest.approx(adam_seconds(params[0]))  # the larger stage's
+    assert "last=1" in lay.describe() and pred.to_json()["layout"]["last_stage_layers"] == 1
+
+
 def test_memory_terms(tmp_path):
     runs = load_runs([make_run(tmp_path, base_rows())])
     pred = predict(
@@ -439,6 +462,10 @@ def test_tp_from_tp1_rows_adds_modelled_all_reduces(tmp_path):
     [
         (["tp=3"], "does not divide the 4 attention heads"),
         (["pp=3"], "does not divide the 4 layers"),
+        (["pp=3", "first_stage_layers=1"], "leaves 3 of the 4 layers to the 2 other pipeline ranks"),
+        (["pp=2", "first_stage_layers=2", "last_stage_layers=1"], "must add up to the 4 layers"),
+        (["first_stage_layers=2"], "needs pipeline parallelism"),
+        (["pp=2", "vpp=2", "global_batch_size=2", "last_stage_layers=1"], "each must be a multiple of 2"),
         (["global_batch_size=3", "dp=2"], "not a multiple"),
         (["bogus=1"], "unknown setting"),
         (["recompute=some"], "recompute"),
@@ -666,3 +693,16 @@ def test_the_accuracy_benchmark_judges_the_median_by_its_confidence_interval():
     assert verdict([1.0, 1.0, 1.0]) == ("too few rounds", None)
     # more rounds narrow the interval to inner order statistics: one outlier each side no longer decides
     assert verdict([0.80, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.20]) == ("met", (0.97, 1.02))
+
+
+def test_the_ranking_benchmark_judges_the_order_by_the_measured_interval():
+    """benchmarks.layout_ranking's verdict: the measured ratio's 95% interval wholly on the predicted side
+    of 1 is right, wholly on the other wrong, holding 1 unresolved; fewer than 6 rounds, no interval."""
+    from benchmarks.layout_ranking import order_verdict
+
+    faster = [0.88, 0.90, 0.91, 0.93, 0.94, 0.95]
+    assert order_verdict(0.9, faster) == ("right", (0.88, 0.95))
+    assert order_verdict(1.1, faster) == ("wrong", (0.88, 0.95))
+    assert order_verdict(1.1, [1.02, 1.05, 1.04, 1.2, 1.1, 1.08])[0] == "right"
+    assert order_verdict(0.9, [0.9, 0.95, 1.0, 1.02, 1.05, 0.97])[0] == "unresolved"
+    assert order_verdict(0.9, [0.9, 0.9]) == ("too few rounds", None)

@@ -26,6 +26,15 @@ def single() -> StepMeasurement:
     return measure_steps("tiny", CPU, Layout(**BATCH))
 
 
+FOUR = [*CPU, "hf.num_hidden_layers=4"]  # a 4-layer tiny, for the interleaved and uneven pipelines
+
+
+@pytest.fixture(scope="module")
+def four_layers() -> StepMeasurement:
+    """The 4-layer tiny in one process, 1 warm-up and 3 timed steps (the pipelines below train it)."""
+    return measure_steps("tiny", FOUR, Layout(**BATCH), repeats=3, warmup=1)
+
+
 def test_phases_are_the_waited_for_ranks():
     """A rank whose backward ends first waits in the DP reduction for the other: the reduction's time is
     the collective's on the rank the others waited for, not the waiting rank's (which holds the other's
@@ -128,7 +137,7 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
         ("output_layer.forward", 0, 10.5, 11.0),
         ("transformer_layer.backward", 2, 11.5, 13.0),
     ]
-    found = handovers([first, second], v=1, layers=2)
+    found = handovers([first, second], places=((0, 0), (1, 0)))
     assert sorted((phase, round(seconds, 9)) for phase, seconds in found) == [
         ("backward", 1.0),
         ("backward", 1.5),
@@ -138,12 +147,17 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
     # time (stage 0: 2, 1.9 and 2, 2; stage 1: 2.5, 2 and 3.3 with the output layer's, 1.5), 0.5 per
     # exchange: stage 1 runs [2.5, 5], [5, 8.3], [8.8, 10.8], [10.8, 12.3]; stage 0's last backward
     # waits for its gradient: [12.8, 14.8]. Measured: 0 to 16, the gaps the schedule's model leaves out.
-    assert replay([first, second], v=1, layers=2, microbatches=2, exchange_s=0.5) == pytest.approx(14.8)
-    assert replay([first, second], v=1, layers=2, microbatches=3, exchange_s=0.5) is None
+    places = ((0, 0), (1, 0))
+    assert replay([first, second], places, microbatches=2, exchange_s=0.5) == pytest.approx(14.8)
+    assert replay([first, second], places, microbatches=3, exchange_s=0.5) is None
 
 
-@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 4), (2, 2, 4), (4, 1, 4), (2, 3, 4)])
-def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, v, m):
+@pytest.mark.parametrize(
+    ("p", "v", "m", "first", "last"),
+    [(2, 1, 4, None, None), (2, 2, 4, None, None), (4, 1, 4, None, None), (2, 3, 4, None, None)]
+    + [(2, 1, 4, 3, None), (4, 2, 4, 2, 2), (3, 1, 3, None, 1)],  # uneven: Megatron's first/last options
+)
+def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, v, m, first, last):
     """A step made by the schedule itself (each box's visits as the hooks record them: a chunk's forward
     one stage.forward around its layers' forwards, the embedding first and the head last; its backward the
     head's, then its layers' in reverse) cuts back into the same boxes, its hand-overs are the exchanges,
@@ -151,8 +165,12 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
     from autotuner.predict.in_step import handovers, measured_boxes, replay
     from autotuner.predict.schedule import simulate
 
-    per_chunk, x = 2, 0.25
-    layers = p * v * per_chunk
+    x = 0.25
+    split = Layout(
+        seq_len=8, pp=p, vpp=v, global_batch_size=m, first_stage_layers=first, last_stage_layers=last
+    )
+    layers = {(2, 1): 4, (4, 2): 12, (3, 1): 5}[(p, v)] if first or last else p * v * 2
+    places = split.layer_places(layers)
 
     def duration(key):
         return (1.0 if key[1] == "forward" else 2.0) * (1 + 0.1 * key[0])
@@ -160,11 +178,10 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
     sched = simulate(duration, p, v, m, x, overlapped=v > 1)
     stages = [[] for _ in range(p)]
     for box in sched.boxes:
-        first = (box.chunk * p + box.stage) * per_chunk + 1
-        own = list(range(first, first + per_chunk))
+        own = [n + 1 for n, place in enumerate(places) if place == (box.stage, box.chunk)]
         head = box.stage == p - 1 and box.chunk == v - 1
         lead = box.stage == 0 and box.chunk == 0
-        step = (box.end - box.start) / (per_chunk + 2)
+        step = (box.end - box.start) / (len(own) + 2)
         at = box.start
         visits = []
         if box.phase == "forward":
@@ -181,13 +198,13 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
             at = end
         stages[box.stage] += visits
     for s in range(p):
-        cut = measured_boxes(stages[s], p, v, layers)
+        cut = measured_boxes(stages[s], places, s)
         mine = {(b.phase, b.microbatch, b.chunk): (b.start, b.end) for b in sched.boxes if b.stage == s}
         assert cut is not None and set(cut) == set(mine)
         assert all(cut[key] == pytest.approx(mine[key]) for key in mine)
-    found = handovers(stages, v, layers)
+    found = handovers(stages, places)
     assert found and all(seconds == pytest.approx(x) for _, seconds in found)
-    assert replay(stages, v, layers, m, x, overlapped=v > 1) == pytest.approx(sched.end)
+    assert replay(stages, places, m, x, overlapped=v > 1) == pytest.approx(sched.end)
 
 
 def test_visits_are_merged_as_the_time_inside_some_op():
@@ -368,7 +385,7 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     from autotuner.predict.validate import pipeline_replay
 
     for r in result.ranks:
-        boxes = measured_boxes(r.timeline, 2, 1, 2)
+        boxes = measured_boxes(r.timeline, result.layout.layer_places(2), r.pp_rank)
         assert boxes is not None and sorted(boxes) == [
             (ph, mb, 0) for ph in ("backward", "forward") for mb in range(4)
         ]
@@ -378,12 +395,11 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
 
 @pytest.mark.torchrun
 @pytest.mark.slow
-def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path):
+def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path, four_layers):
     """pp=2 vpp=2 on a 4-layer tiny: rank 0 holds layers 1 and 3, rank 1 layers 2 and 4 (Megatron's
     interleaved schedule); every activation and gradient crosses between the two ranks in both
     directions, so a mismatched exchange (an activation received as a gradient) would change the loss."""
-    four = [*CPU, "hf.num_hidden_layers=4"]
-    alone = measure_steps("tiny", four, Layout(**BATCH), repeats=3, warmup=1)
+    four, alone = FOUR, four_layers
     layout = Layout(pp=2, vpp=2, **BATCH)
     # 3 timed steps: the timeline is the median one's (a single step on a busy machine can hold a stall)
     result = run_steps(
@@ -405,10 +421,77 @@ def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path):
         for r in result.ranks
     ]
     for r in timelines:
-        boxes = measured_boxes(r.visits, 2, 2, 4)
+        boxes = measured_boxes(r.visits, layout.layer_places(4), r.pp_rank)
         assert boxes is not None and len(boxes) == 2 * 4 * 2
     found = pipeline_handovers(timelines, layout, 4)
     assert found
+    replayed, span = pipeline_replay(timelines, layout, 4, found, "cpu")
+    assert 0.7 * span < replayed < 1.1 * span, (replayed, span)
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "vpp", "first", "last"),
+    [(12, 4, 2, 2, 2), (4, 2, 1, 3, None), (5, 3, 1, None, 1), (8, 2, 2, None, None), (10, 3, 1, 4, None)],
+)
+def test_layer_places_are_where_megatron_builds_the_layers(layers, pp, vpp, first, last):
+    """Layout.layer_places against Megatron-Core's own offset and count per (rank, chunk)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+        pipeline_dtype=torch.float32,
+    )
+    theirs: list = [None] * layers
+    for rank in range(pp):
+        for chunk in range(vpp):
+            vp_stage = chunk if vpp > 1 else None
+            offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
+            for index in range(offset, offset + get_num_layers_to_build(config, vp_stage, rank)):
+                assert theirs[index] is None
+                theirs[index] = (rank, chunk)
+    split = Layout(
+        seq_len=8, pp=pp, vpp=vpp, global_batch_size=2 * pp, first_stage_layers=first, last_stage_layers=last
+    )
+    assert split.layer_places(layers) == tuple(theirs)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_an_uneven_pipeline_split_trains_what_one_process_trains(tmp_path, four_layers):
+    """pp=2 with first_stage_layers=3 on the 4-layer tiny (Megatron's num_layers_in_first_pipeline_stage):
+    rank 0 holds the embedding and layers 1-3, rank 1 layer 4 and the head; the same training as one
+    process, the split where the layout says, and the timelines cut into the schedule's boxes."""
+    from autotuner.predict.in_step import measured_boxes
+    from autotuner.predict.validate import RankTimeline, pipeline_handovers, pipeline_replay
+
+    layout = Layout(pp=2, first_stage_layers=3, **BATCH)
+    result = run_steps(
+        "tiny", FOUR, layout, tmp_path / "uneven.json", repeats=3, warmup=1, timeout_s=WATCHDOG_S
+    )
+    first, last = result.ranks
+    assert last.losses == pytest.approx(four_layers.losses, rel=1e-4)
+    assert {v[1] for v in first.timeline if v[0].startswith("transformer_layer")} == {1, 2, 3}
+    assert {v[1] for v in last.timeline if v[0].startswith("transformer_layer")} == {4}
+    places = layout.layer_places(4)
+    assert places == ((0, 0), (0, 0), (0, 0), (1, 0))
+    for r in result.ranks:
+        boxes = measured_boxes(r.timeline, places, r.pp_rank)
+        assert boxes is not None and len(boxes) == 2 * 4
+    step = result.timeline_step
+    timelines = [
+        RankTimeline(r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[step], r.timeline)
+        for r in result.ranks
+    ]
+    found = pipeline_handovers(timelines, layout, 4)
     replayed, span = pipeline_replay(timelines, layout, 4, found, "cpu")
     assert 0.7 * span < replayed < 1.1 * span, (replayed, span)
 

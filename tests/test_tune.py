@@ -157,6 +157,14 @@ def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path,
     gb = need[0] * 0.5 / 1e9
     assert predict_main([*argv, "num_layers=fit", f"gpu_memory_gb={gb}", "--json", str(out)]) == 2
     assert "not even 1 layer of tiny fit" in capsys.readouterr().err
+    # an uneven split: the depths it can split; none up to the case's own is one line saying why
+    uneven = Layout(seq_len=32, pp=2, global_batch_size=2, dtype="fp32", last_stage_layers=1)
+    assert deepest_that_fits(runs, uneven, model, need[1] * 4 / 0.9 / 1e9).num_layers == 2
+    split = ["pp=2", "first_stage_layers=2", "num_layers=fit", "gpu_memory_gb=80"]
+    assert predict_main([*argv, *split, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "first_stage_layers=2 leaves 0 of the 2 layers to the 1 other pipeline rank" in err
+    assert len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("depth", ["num_layers=0", "num_layers=deep", "num_layers=fit"])

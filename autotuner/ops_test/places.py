@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import autotuner.ops_test  # noqa: F401  (registers every op)
@@ -52,14 +53,21 @@ class OpTree:
     order: tuple[str, ...]
     parents: Mapping[str, str | None]
 
-    @property
+    @cached_property  # the tree is frozen; the predictor asks for children millions of times in a tune
     def model_order(self) -> tuple[str, ...]:
         """The ops with a place in the model, in the order of the forward pass."""
         return tuple(name for name in self.order if name in self.parents)
 
+    @cached_property
+    def _children(self) -> dict[str | None, tuple[str, ...]]:
+        found: dict[str | None, list[str]] = {}
+        for name in self.model_order:
+            found.setdefault(self.parents[name], []).append(name)
+        return {parent: tuple(names) for parent, names in found.items()}
+
     def children(self, op: str) -> tuple[str, ...]:
         """The ops directly inside ``op``, in model order."""
-        return tuple(name for name in self.model_order if self.parents[name] == op)
+        return self._children.get(op, ())
 
     def half(self, op: str) -> str | None:
         """The half of the layer ``op`` needs built (ATTENTION or MLP), or None (both, or no layer)."""

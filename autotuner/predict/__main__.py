@@ -1,7 +1,8 @@
 """Predict a layout's step time and memory from profiled runs.
 
     python -m autotuner.predict RUN_DIR [RUN_DIR ...] seq_len=2048 tp=2 pp=4 dp=8 micro_batch_size=1 \\
-        global_batch_size=512 [vpp=1] [recompute=none|selective|full] [sequence_parallel=false] \\
+        global_batch_size=512 [vpp=1] [first_stage_layers=N] [last_stage_layers=N] \\
+        [recompute=none|selective|full] [sequence_parallel=false] \\
         [distributed_optimizer=false] [dtype=bf16] [calibration=FILE] [validate=false] [repeats=5] \\
         [report=true] [gpu_memory_gb=80] [num_layers=N|fit] [--json OUT]
 
@@ -34,7 +35,10 @@ from autotuner.predict.prediction import deepest_that_fits, load_calibration_for
 from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text
 
-INT_KEYS = ("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats")
+INT_KEYS = (
+    *("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats"),
+    *("first_stage_layers", "last_stage_layers"),
+)
 BOOL_KEYS = ("sequence_parallel", "distributed_optimizer", "validate", "report")
 STR_KEYS = ("recompute", "dtype", "calibration", "num_layers")
 FLOAT_KEYS = ("gpu_memory_gb",)

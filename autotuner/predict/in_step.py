@@ -40,13 +40,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 # One op visit in a step's timeline: (an IN_STEP_KEYS key, the layer's number, 1-based as Megatron counts
 # the whole model's layers, 0 for other modules; start and end seconds from the step's start mark).
 Visit = tuple[str, int, float, float]
+# Where a layer runs: (pipeline rank, model chunk on it), as autotuner.predict.layout.Layout.layer_places.
+Place = tuple[int, int]
 
 # What a rank reports, in this order (a fixed list, so that ranks can exchange it as numbers): the
 # median seconds per visit over the timed steps, NaN where the rank has no such module or phase.
@@ -79,23 +81,24 @@ def inside_ops_s(visits: Sequence[Visit]) -> float:
 Boxes = dict[tuple[str, int, int], tuple[float, float]]
 
 
-def measured_boxes(visits: Sequence[Visit], p: int, v: int, layers: int) -> Boxes | None:
-    """One rank's timeline cut into the boxes of the pipeline schedule, each from its first op's start to
-    its last op's end; ``layers`` in the whole model, p * v chunks of them (Megatron numbers them across
-    the chunks: virtual stage g = chunk * p + rank holds layers g * layers/(p v) + 1 onwards). None where
-    a chunk's forward holds no layer's or the model has fewer layers than chunks.
+def measured_boxes(visits: Sequence[Visit], places: Sequence[Place], stage: int) -> Boxes | None:
+    """Pipeline rank ``stage``'s timeline cut into the boxes of the pipeline schedule, each from its first
+    op's start to its last op's end; ``places``: each layer's (rank, chunk), in Megatron's numbering
+    (``Layout.layer_places``). None where a chunk's forward holds no layer's or a chunk of the rank holds
+    no layer.
 
     A forward is one ``stage.forward`` (the chunk's model forward, the loss in the last chunk's), its
     chunk the one whose layers run inside it; a backward is a chunk's backward visits up to and with its
     last layer's (on the model's last chunk the output layer's and the final norm's come first; the
     embedding's backward is not hooked, so the first chunk's ends with its first layer's). A rank runs a
     chunk's micro-batches in order, so the k-th box of a chunk and phase is micro-batch k."""
-    per_chunk = layers // (p * v)
-    if per_chunk == 0:
+    v = 1 + max(chunk for _, chunk in places)
+    per_chunk = Counter(chunk for rank, chunk in places if rank == stage)
+    if len(per_chunk) < v:
         return None
 
     def chunk_of(layer: int) -> int:
-        return (layer - 1) // per_chunk // p
+        return places[layer - 1][1]
 
     layer_visits = [x for x in visits if x[0].startswith("transformer_layer.")]
     found: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
@@ -113,7 +116,7 @@ def measured_boxes(visits: Sequence[Visit], p: int, v: int, layers: int) -> Boxe
         chunk = chunk_of(layer) if key.startswith("transformer_layer.") else last_chunk
         groups[chunk].append((start, end))
         counted[chunk] += key.startswith("transformer_layer.")
-        if counted[chunk] == per_chunk:
+        if counted[chunk] == per_chunk[chunk]:
             found[("backward", chunk)].append((groups[chunk][0][0], max(e for _, e in groups[chunk])))
             groups[chunk], counted[chunk] = [], 0
     boxes: Boxes = {}
@@ -122,17 +125,17 @@ def measured_boxes(visits: Sequence[Visit], p: int, v: int, layers: int) -> Boxe
     return boxes
 
 
-def handovers(stages: Sequence[Sequence[Visit]], v: int, layers: int) -> list[tuple[str, float]]:
+def handovers(stages: Sequence[Sequence[Visit]], places: Sequence[Place]) -> list[tuple[str, float]]:
     """A pipeline's hand-overs that a stage waited for, from one step's timelines of its stages (one rank
-    each, the same tp and dp rank, in stage order; ``layers`` in the model, ``v`` chunks a rank): for each
+    each, the same tp and dp rank, in stage order; ``places`` as for :func:`measured_boxes`): for each
     box whose input comes from another stage (autotuner.predict.schedule.dependency), ("forward" |
     "backward", seconds from the sender's box's end to the receiver's box's start), counted only where the
     receiver had nothing left to run when the sender finished (nothing of its own ran in between): then
     the gap is the exchange, both ends' schedule work and the receiver's wake-up, not work of its own."""
     from autotuner.predict.schedule import dependency
 
-    p = len(stages)
-    cut = [measured_boxes(visits, p, v, layers) for visits in stages]
+    p, v = len(stages), 1 + max(chunk for _, chunk in places)
+    cut = [measured_boxes(visits, places, s) for s, visits in enumerate(stages)]
     if any(boxes is None for boxes in cut):
         return []
     found = []
@@ -154,8 +157,7 @@ def handovers(stages: Sequence[Sequence[Visit]], v: int, layers: int) -> list[tu
 
 def replay(
     stages: Sequence[Sequence[Visit]],
-    v: int,
-    layers: int,
+    places: Sequence[Place],
     microbatches: int,
     exchange_s: float,
     overlapped: bool = False,
@@ -167,10 +169,10 @@ def replay(
     schedule model alone, each box taking the time it took."""
     from autotuner.predict.schedule import simulate
 
-    p = len(stages)
+    p, v = len(stages), 1 + max(chunk for _, chunk in places)
     own = {}
     for s, visits in enumerate(stages):
-        boxes = measured_boxes(visits, p, v, layers)
+        boxes = measured_boxes(visits, places, s)
         if boxes is None or len(boxes) != 2 * microbatches * v:
             return None
         own.update({(s, *key): end - start for key, (start, end) in boxes.items()})

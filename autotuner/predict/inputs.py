@@ -149,19 +149,19 @@ class ModelShape:
         ep=1 (with ep > 1 the project runs expert_tensor_parallel_size=1: autotuner.runner.spec)."""
         return self.expert_params / (ep if ep > 1 else tp)
 
-    def stage_expert_params(self, tp: int, ep: int, pp: int) -> float:
-        """The routed-expert parameters on one GPU of a pipeline stage (its num_layers/pp layers)."""
-        return self.expert_params_on_rank(tp, ep) * (self.num_layers // pp)
+    def stage_expert_params(self, tp: int, ep: int, layers: int) -> float:
+        """The routed-expert parameters on one GPU of a pipeline stage holding ``layers`` layers."""
+        return self.expert_params_on_rank(tp, ep) * layers
 
-    def stage_tensors(self, ep: int, pp: int, stage: int) -> int:
-        """The parameter tensors on one GPU of ``stage`` (TP splits tensors, it does not add any): its
-        layers' (the routed experts' over ep), the embedding's table on the first stage, the final norm
-        and the output layer (untied) on the last."""
+    def stage_tensors(self, ep: int, layers: int, first: bool, last: bool) -> int:
+        """The parameter tensors on one GPU of a stage of ``layers`` layers (TP splits tensors, it does not
+        add any): its layers' (the routed experts' over ep), the embedding's table on the ``first``
+        stage, the final norm and the output layer (untied) on the ``last``."""
         layer = self.layer_tensors - self.expert_tensors + self.expert_tensors // max(1, ep)
-        count = layer * (self.num_layers // pp)
-        if stage == 0:
+        count = layer * layers
+        if first:
             count += 1
-        if stage == pp - 1:
+        if last:
             # the final norm's tensors: a weight per hidden unit, and a bias for a LayerNorm
             count += self.final_norm_params // self.hidden + (not self.tie_embeddings)
         return count

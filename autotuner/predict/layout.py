@@ -10,8 +10,12 @@ Megatron-Core's rules, kept here so that a layout Megatron would refuse is refus
 - world size = tp * pp * dp (``parallel_state.initialize_model_parallel``); expert parallelism lives
   inside dp * tp, so ep must divide tp * dp, and ep must divide the number of experts;
 - tp divides the attention heads and the query groups (each rank holds whole heads);
-- pp * vpp divides the layers (each virtual stage holds the same number of layers; Megatron's
-  uneven-first/last-stage options are not modelled), and the interleaved schedule needs pp > 1;
+- the layers split over the pipeline ranks evenly (pp * vpp divides them: every virtual stage holds the
+  same number), or, with Megatron's ``num_layers_in_first_pipeline_stage`` /
+  ``num_layers_in_last_pipeline_stage`` (``first_stage_layers`` / ``last_stage_layers`` here), the first
+  and/or the last rank hold as many as given and the ranks between them share the rest evenly (a whole
+  number each, and none left over when no rank lies between); with vpp, every rank's count is a multiple
+  of vpp (:func:`split_layers`, ``Layout.layer_places``); the interleaved schedule needs pp > 1;
 - the global batch is a whole number of (micro-batch size * dp): the micro-batches per step
   (``get_num_microbatches``); with the interleaved schedule that number is a multiple of pp;
 - sequence parallelism needs tp > 1 (Megatron turns it off otherwise).
@@ -74,6 +78,40 @@ def worst_kind(sources: list[Source]) -> str:
     return "measured"
 
 
+def split_layers(
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """The layers on each of ``pp`` pipeline ranks (``vpp`` chunks each), as Megatron-Core's
+    ``get_num_layers_to_build`` splits ``num_layers``: evenly, or the ``first`` and/or ``last`` rank as
+    given (``num_layers_in_first/last_pipeline_stage``) and the ranks between the rest evenly. A one-line
+    UserError, naming the fix, for a split it refuses."""
+    if first is None and last is None:
+        if num_layers % (pp * vpp):
+            raise UserError(
+                f"pp*vpp = {pp}*{vpp} does not divide the {num_layers} layers: give pp and vpp whose product "
+                f"divides {num_layers}, or first_stage_layers / last_stage_layers"
+            )
+        return (num_layers // pp,) * pp
+    given = {stage: n for stage, n in ((0, first), (pp - 1, last)) if n is not None}
+    between = pp - len(given)
+    rest = num_layers - sum(given.values())
+    split = ", ".join(f"{'first' if s == 0 else 'last'}_stage_layers={n}" for s, n in given.items())
+    if between == 0 and rest != 0:
+        raise UserError(f"{split} must add up to the {num_layers} layers: change them")
+    if between and (rest < between or rest % between):
+        raise UserError(
+            f"{split} leaves {rest} of the {num_layers} layers to the {between} other pipeline "
+            f"rank{'s' if between > 1 else ''}: give counts that leave a positive multiple of {between}"
+        )
+    counts = tuple(given.get(stage, rest // between if between else 0) for stage in range(pp))
+    if any(n % vpp for n in counts):
+        raise UserError(
+            f"{split} gives the pipeline ranks {list(counts)} layers: with vpp={vpp} each must be a "
+            f"multiple of {vpp}"
+        )
+    return counts
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout and batch; see the module docstring for Megatron-Core's rules."""
@@ -90,6 +128,8 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     dtype: str = "bf16"
+    first_stage_layers: int | None = None  # Megatron's num_layers_in_first_pipeline_stage
+    last_stage_layers: int | None = None  # Megatron's num_layers_in_last_pipeline_stage
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size"):
@@ -116,6 +156,14 @@ class Layout:
             )
         if self.vpp > 1 and self.pp == 1:
             raise UserError(f"vpp={self.vpp} needs pipeline parallelism: give pp>1 or vpp=1")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"layout {name}={value!r} must be a positive integer: give e.g. {name}=1")
+            if self.pp == 1:
+                raise UserError(f"{name}={value} needs pipeline parallelism: give pp>1, or leave {name} out")
         if self.vpp > 1 and self.microbatches % self.pp:
             raise UserError(
                 f"the interleaved schedule (vpp={self.vpp}) needs the micro-batches per step "
@@ -171,11 +219,7 @@ class Layout:
             raise UserError(
                 f"tp={self.tp} does not divide the {groups} query groups: give a tp that divides {groups}"
             )
-        if num_layers % (self.pp * self.vpp):
-            raise UserError(
-                f"pp*vpp = {self.pp}*{self.vpp} does not divide the {num_layers} layers: give pp and vpp "
-                f"whose product divides {num_layers}"
-            )
+        self.stage_layers(num_layers)
         if experts:
             if experts % self.ep:
                 raise UserError(
@@ -186,6 +230,22 @@ class Layout:
                 f"ep={self.ep} needs a mixture-of-experts model: this model has no experts, give ep=1"
             )
 
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers on each pipeline rank (all its virtual stages together), as Megatron-Core splits
+        ``num_layers`` (:func:`split_layers`); a one-line UserError for a split it refuses."""
+        return split_layers(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+
+    def layer_places(self, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """(pipeline rank, model chunk) of each layer, in Megatron's numbering (layer_number - 1): the
+        chunks in turn, chunk c of rank 0 first, then c of rank 1, ... (``get_transformer_layer_offset``);
+        without vpp, rank 0's layers, then rank 1's."""
+        places = []
+        per_chunk = [n // self.vpp for n in self.stage_layers(num_layers)]
+        for chunk in range(self.vpp):
+            for stage, count in enumerate(per_chunk):
+                places += [(stage, chunk)] * count
+        return tuple(places)
+
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "gpus": self.gpus, "microbatches": self.microbatches}
 
@@ -195,5 +255,8 @@ class Layout:
             f"tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} ep={self.ep} mbs={self.micro_batch_size} "
             f"gbs={self.global_batch_size} s={self.seq_len} recompute={self.recompute} "
             f"sp={str(self.sequence_parallel).lower()} distopt={str(self.distributed_optimizer).lower()} "
-            f"{self.dtype} ({self.gpus} GPUs, {self.microbatches} micro-batches)"
+            f"{self.dtype}"
+            + (f" first={self.first_stage_layers}" if self.first_stage_layers is not None else "")
+            + (f" last={self.last_stage_layers}" if self.last_stage_layers is not None else "")
+            + f" ({self.gpus} GPUs, {self.microbatches} micro-batches)"
         )

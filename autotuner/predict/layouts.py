@@ -7,10 +7,14 @@ The rules, each what Megatron-Core checks (or fails on) when it builds the model
   ``TransformerConfig``/``divide`` in the attention's column-parallel projections), the dense MLP's
   ``ffn_hidden_size`` and the routed experts' ``moe_ffn_hidden_size`` (``ColumnParallelLinear`` divides
   its output size by tp);
-* ``pp`` divides the layers, and with the interleaved schedule ``pp * vpp`` does (every virtual stage
-  holds the same number of layers: ``TransformerConfig`` refuses an uneven split unless the
-  first/last-stage options, not enumerated here, say otherwise); ``vpp > 1`` only with ``pp > 1``, and
-  then the micro-batches per step are a multiple of ``pp`` (the interleaved 1F1B schedule's rule);
+* the layers split over the ``pp`` ranks as ``Layout.stage_layers`` says Megatron splits them: evenly,
+  or with the first and/or last rank's own count (``num_layers_in_first_pipeline_stage`` /
+  ``..._last_...``) and the ranks between sharing the rest evenly; with the interleaved schedule every
+  rank's count a multiple of ``vpp``. Of the uneven splits, those whose ranks' layers per model chunk
+  differ by at most :data:`UNEVEN_SPREAD` (:func:`pipeline_splits`): a pp that does not divide the layers,
+  or a first or last stage relieved of the embedding's or the output layer's time; ``vpp > 1`` only with
+  ``pp > 1``, and then the micro-batches per step are a multiple of ``pp`` (the interleaved 1F1B
+  schedule's rule);
 * ``dp = gpus / (tp * pp)``, a whole number (``initialize_model_parallel``);
 * the global batch is a whole number of ``micro_batch_size * dp`` (``get_num_microbatches``);
 * MoE models: ``ep`` divides the experts and ``dp * tp`` (the expert-parallel groups are carved out of
@@ -22,20 +26,26 @@ The rules, each what Megatron-Core checks (or fails on) when it builds the model
   full, ``distributed_optimizer`` off and on.
 
 The order is deterministic: the loops nest in the order of :class:`~autotuner.predict.layout.Layout`'s
-fields (tp, pp, vpp, ep, micro-batch size, recompute, sequence parallel, distributed optimizer), each
-in ascending order (False before True), so two runs list (and tie-break) the same layouts alike.
+fields (tp, pp, vpp, the split, ep, micro-batch size, recompute, sequence parallel, distributed
+optimizer), each in ascending order (False before True; the even split first), so two runs list (and
+tie-break) the same layouts alike.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.layout import RECOMPUTE, Layout
+from autotuner.predict.layout import RECOMPUTE, Layout, split_layers
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# The most the pipeline ranks' layers per model chunk may differ in an enumerated uneven split: enough to
+# relieve the first or last stage by a layer or two, or to split a depth pp does not divide, without
+# listing every split (a 32-layer model at pp=4: the even one and 7-9-9-7, of 225 that Megatron accepts).
+UNEVEN_SPREAD = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,33 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int | None, int | None]]:
+    """The (first_stage_layers, last_stage_layers) of the splits of ``num_layers`` over ``pp`` ranks with
+    ``vpp`` chunks each that Megatron accepts (:func:`~autotuner.predict.layout.split_layers`), whose
+    per-chunk layer counts differ by at most UNEVEN_SPREAD, and whose first and last ranks, which hold the
+    embedding and the output layer besides, hold no more layers than the ranks between (at pp=2 either
+    may hold more); (None, None) is the even split, listed first where it exists. A rank's own count is
+    given only where it differs from the ranks between (at pp=2 the first rank's alone)."""
+    if pp == 1:
+        return [(None, None)] if num_layers % vpp == 0 else []
+    counts_given = [None, *range(vpp, num_layers, vpp)]
+    found = []
+    for first, last in itertools.product(counts_given, counts_given if pp > 2 else [None]):
+        try:
+            counts = split_layers(num_layers, pp, vpp, first, last)
+        except UserError:
+            continue
+        middle = counts[1] if pp > 2 else None  # the ranks between the ends (none at pp=2)
+        if first is not None and first == counts[1] or last is not None and last == middle:
+            continue  # the split of fewer counts given (at pp=2 first == last: the even one)
+        if (max(counts) - min(counts)) // vpp > UNEVEN_SPREAD:
+            continue
+        if middle is not None and max(counts[0], counts[-1]) > middle:  # an end loaded beyond the others
+            continue
+        found.append((first, last))
+    return found
+
+
 def _tp_fits(model: ModelDims, tp: int) -> bool:
     sizes = (model.heads, model.query_groups, model.ffn_hidden_size, model.moe_ffn_hidden_size)
     return all(size % tp == 0 for size in sizes if size)
@@ -102,12 +139,15 @@ def _iter_layouts(
         if not _tp_fits(model, tp):
             continue
         for pp in _divisors(gpus // tp):
-            if model.num_layers % pp:
+            if pp > model.num_layers:
                 continue
             dp = gpus // (tp * pp)
-            vpps = [1] + ([v for v in _divisors(model.num_layers // pp) if v > 1] if pp > 1 else [])
+            vpps = [1] + (
+                [v for v in _divisors(model.num_layers) if 1 < v <= model.num_layers // pp] if pp > 1 else []
+            )
             eps = [e for e in _divisors(model.experts) if (dp * tp) % e == 0] if model.experts else [1]
-            for vpp in vpps:
+            splits = [(v, split) for v in vpps for split in pipeline_splits(model.num_layers, pp, v)]
+            for vpp, (first, last) in splits:
                 for ep in eps:
                     for mbs in sorted(micro_batch_sizes):
                         if global_batch_size % (mbs * dp):
@@ -133,6 +173,8 @@ def _iter_layouts(
                                         sequence_parallel=sp,
                                         distributed_optimizer=distopt,
                                         dtype=dtype,
+                                        first_stage_layers=first,
+                                        last_stage_layers=last,
                                     )
 
 

@@ -222,7 +222,7 @@ def stage_params(meas: Measurements, model: ModelShape, layout: Layout, stage: i
     else counted from the config), the embedding on the first stage, the final norm and the output layer
     (a copy of the embedding when tied and pp > 1, as Megatron keeps) on the last; all divided by tp."""
     tp = layout.tp
-    per_stage = model.num_layers // layout.pp
+    per_stage = layout.stage_layers(model.num_layers)[stage]
     layer, how = model.layer_params_on_rank(tp, layout.ep), "counted from the model config"
     if layout.ep > 1:
         how += f", routed experts / ep={layout.ep}, whole on each TP rank"
@@ -268,7 +268,8 @@ def stage_memory(
     weights = Figure(p * nbytes, "B", Source(psrc.kind, f"params x {nbytes} B ({layout.dtype})"))
     grads = Figure(p * GRAD_BYTES, "B", Source(psrc.kind, "params x 4 B (DDP's fp32 main grads)"))
     opt_per = OPTIMIZER_BYTES[layout.dtype]
-    kept = layout.optimizer_params(p, model.stage_expert_params(tp, layout.ep, layout.pp))
+    layers = layout.stage_layers(model.num_layers)[stage]
+    kept = layout.optimizer_params(p, model.stage_expert_params(tp, layout.ep, layers))
     shards = ""
     if layout.distributed_optimizer:
         shards = f" / dp={layout.dp}" + (
@@ -282,7 +283,7 @@ def stage_memory(
             f"params x {opt_per} B (Adam m, v" + (", fp32 master" if opt_per == 12 else "") + ")" + shards,
         ),
     )
-    per_layer_chunk = model.num_layers // (layout.pp * layout.vpp)
+    per_layer_chunk = layers // layout.vpp
     held = held_microbatches(stage, layout.pp, layout.vpp, layout.microbatches)
     layers_held = held * per_layer_chunk
     act = layer_activation(meas, model, layout, without_ep)

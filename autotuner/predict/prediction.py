@@ -221,18 +221,30 @@ def _memory_measurements(runs: Runs, layout: Layout) -> tuple[Measurements, Meas
     return Measurements(runs.rows, layout.dtype, ep=layout.ep), single
 
 
+def _splits(layout: Layout, num_layers: int) -> bool:
+    try:
+        layout.stage_layers(num_layers)
+    except UserError:
+        return False
+    return True
+
+
 def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_gb: float) -> ModelShape:
-    """The runs' model at the largest depth, up to its case's own (a multiple of pp * vpp layers), whose
-    fullest GPU is predicted within ``gpu_memory_gb`` less MEMORY_MARGIN: what a one-GPU validation of a
-    real-width model can hold. UserError (one line) when not even pp * vpp layers fit."""
+    """The runs' model at the largest depth, up to its case's own (one the layout can split:
+    ``Layout.stage_layers``), whose fullest GPU is predicted within ``gpu_memory_gb`` less MEMORY_MARGIN:
+    what a one-GPU validation of a real-width model can hold. UserError (one line) when not even the
+    shallowest such depth fits."""
     limit = gpu_memory_gb * 1e9 * (1 - MEMORY_MARGIN)
-    step = layout.pp * layout.vpp
     full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
+    depths = [d for d in range(1, max(full, layout.pp * layout.vpp) + 1) if _splits(layout, d)]
+    if not depths:
+        layout.stage_layers(full)  # no depth splits as the layout says, the case's own neither: why
+    step = depths[0]
     meas, single = _memory_measurements(runs, layout)
     best = None
     with warnings.catch_warnings():  # the prediction at the depth chosen says what it must
         warnings.simplefilter("ignore")
-        for depth in range(step, max(full, step) + 1, step):
+        for depth in depths:
             candidate = model.at_depth(depth)
             if max(m.total for m in _memory(meas, candidate, layout, single)) > limit:
                 break  # memory grows with every layer: no deeper model fits either
@@ -275,8 +287,8 @@ def predict(
         meas = tm.meas
         warm_tm = time_model(False) if cold and wants_warm else None
         stages = stage_times(tm, [m.params.value for m in memory], warm_tm, warm)
-        experts = model.stage_expert_params(layout.tp, layout.ep, layout.pp)
-        step = step_time(tm, stages, [m.params.value for m in memory], [experts] * len(memory))
+        experts = [model.stage_expert_params(layout.tp, layout.ep, st.layers) for st in stages]
+        step = step_time(tm, stages, [m.params.value for m in memory], experts)
     models = [tm, *([warm_tm] if warm_tm else [])]
     cache = [said for said in (t.cache_warning() for t in models) if said]
     notes = list(

@@ -323,7 +323,11 @@ def steps_command(
         f"repeats={repeats}",
         f"warmup={warmup}",
         f"lr={lr}",
-        *(f"layout.{f.name}={_text(getattr(layout, f.name))}" for f in fields(Layout)),
+        *(
+            f"layout.{f.name}={_text(getattr(layout, f.name))}"
+            for f in fields(Layout)
+            if getattr(layout, f.name) is not None  # an unset option: its default stands
+        ),
         *overrides,
     ]
     world = layout.gpus
@@ -359,6 +363,8 @@ def _stage_model(spec: Any, layout: Layout, device: Any) -> list[Any]:
         config,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=vpp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         # Megatron-LM's defaults for the interleaved schedule: pp micro-batches on a chunk before the next,
         # and the exchange overlapped with compute, unbatched (each direction on its own communicator: with
         # pp=2 both neighbours are one rank, and a batched exchange could match an activation with a gradient)

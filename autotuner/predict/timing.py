@@ -40,7 +40,8 @@ in this order, each result carrying its ``Source``:
 A figure that is not measured at the exact point and TP also yields a ``Missing`` record: the profiling
 run that would measure it (never a silent zero).
 
-**A stage's time per micro-batch**: layers per stage (L/pp) x the layer's forward and backward, plus the
+**A stage's time per micro-batch**: the stage's layers (L/pp, or Megatron's uneven split:
+``Layout.stage_layers``) x the layer's forward and backward, plus the
 embedding on the first stage and the final norm + output layer on the last; recompute adds the forward it
 re-runs inside the backward (full: every layer's forward; selective: core attention's forward, as
 Megatron's ``recompute_granularity=selective``). With pp > 1 the stages exchange one micro-batch's s*b*h
@@ -245,6 +246,7 @@ class TimeModel:
         self.warnings: list[str] = []
         self.cold, self.cache_reason = True, "assumed: the step's data exceeds the cache"
         self.other_cache_rows: set[str] = set()  # rows used that were measured the other way
+        self._absent_ops: dict[str, bool] = {}  # _absent's answers: fixed by the rows and the model
 
     # -- calibration ----------------------------------------------------------------------------------
     def peak_flops(self) -> tuple[float, str]:
@@ -334,6 +336,11 @@ class TimeModel:
         """Whether ``op`` is not part of this model: a run skipped it, the op says so of the model's
         config (its ``missing_from``: the dense MLP of an all-MoE model, shared experts of a model
         without), or an alternative at its place was measured."""
+        if op not in self._absent_ops:
+            self._absent_ops[op] = self._is_absent(op)
+        return self._absent_ops[op]
+
+    def _is_absent(self, op: str) -> bool:
         if op in self.meas.skipped or self._alternative_measured(op):
             return True
         try:
@@ -584,7 +591,7 @@ def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations
         if stage == 0
         else []
     )
-    per_stage = model.num_layers // layout.pp
+    per_stage = layout.stage_layers(model.num_layers)[stage]
     ops += [SweepOp("transformer_layer", layer * per, layer * GRAD_BYTES, layer_activations)] * per_stage
     if stage == layout.pp - 1:
         norm = model.final_norm_params
@@ -739,9 +746,8 @@ def stage_times(
     warm ones, ``tm``'s the flushed ones) and ``warm``, each stage's warm visits (:func:`cache_plan`),
     an op's visits that find their data cached take its warm rows, the others its flushed ones."""
     lay, model = tm.layout, tm.model
-    per_stage = model.num_layers // lay.pp
     stages = []
-    for index in range(lay.pp):
+    for index, per_stage in enumerate(lay.stage_layers(model.num_layers)):
         plan = warm[index] if warm_tm is not None and warm else {}
 
         def visited(op: str, phase: str, count: int, plan: dict = plan) -> tuple[str, str, OpTime, int]:
@@ -861,7 +867,7 @@ def step_time(
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
     dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
-    tensors = tm.model.stage_tensors(lay.ep, lay.pp, largest)
+    tensors = tm.model.stage_tensors(lay.ep, stages[largest].layers, largest == 0, largest == lay.pp - 1)
     optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest], tensors)
     bubble = pipe / (lay.microbatches * pace) - 1 if pace > 0 else 0.0
     return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula, sched, closed, exchange)

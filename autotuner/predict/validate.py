@@ -225,7 +225,7 @@ def pipeline_handovers(
     for ranks in lines.values():
         if len(ranks) == layout.pp:
             stages = [r.visits for r in sorted(ranks, key=lambda r: r.pp_rank)]
-            found += handovers(stages, layout.vpp, layers)
+            found += handovers(stages, layout.layer_places(layers))
     return found
 
 
@@ -252,7 +252,7 @@ def pipeline_replay(
     exchange = statistics.median(seconds for _, seconds in handed)
     overlapped = overlaps_exchanges(layout.vpp, device_type)
     replayed = replay(
-        [r.visits for r in ranks], layout.vpp, layers, layout.microbatches, exchange, overlapped
+        [r.visits for r in ranks], layout.layer_places(layers), layout.microbatches, exchange, overlapped
     )
     if replayed is None:
         return None

@@ -29,7 +29,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter, FuncFormatter, MultipleLocator
 
 from autotuner.errors import UserError
+from autotuner.predict.layout import Layout  # plain data and its checks: imports no predictor
 from autotuner.report.style import DPI, new_figure
 from autotuner.report.tables import cell, table
 from autotuner.results.atomic import atomic_write_text
@@ -126,7 +127,14 @@ def timeline_figure(record: Mapping[str, Any]) -> Figure:
     ax.axvline(sched.pipeline_s, color="black", linestyle="--", linewidth=1)
     ax.set_xlim(0, max(sched.end, sched.pipeline_s) * 1.01 or 1.0)
     ax.set_ylim(-0.6, p - 0.4)
-    ax.set_yticks(range(p), [f"stage {p - 1 - y}" for y in range(p)])
+    layers = {int(st["stage"]): st["layers"] for st in record.get("stages", [])}  # an uneven split shows
+    ax.set_yticks(
+        range(p),
+        [
+            f"stage {s}" + (f"\n{layers[s]} layer{'s' if layers[s] != 1 else ''}" if s in layers else "")
+            for s in reversed(range(p))
+        ],
+    )
     ax.xaxis.set_major_formatter(EngFormatter(unit="s"))
     ax.set_xlabel("time in the step (dashed: the predicted pipeline time)")
     bubble = float(record["step"]["bubble_fraction"])
@@ -388,14 +396,8 @@ def _t(seconds: float) -> str:
 
 def describe_layout(layout: Mapping[str, Any]) -> str:
     """The layout in one line, as the predictor prints it (its ``Layout.describe``, from the JSON)."""
-    flag = lambda key: str(bool(layout.get(key))).lower()  # noqa: E731
-    return (
-        f"tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} ep={layout['ep']} "
-        f"mbs={layout['micro_batch_size']} gbs={layout['global_batch_size']} s={layout['seq_len']} "
-        f"recompute={layout['recompute']} sp={flag('sequence_parallel')} "
-        f"distopt={flag('distributed_optimizer')} {layout['dtype']} ({layout['gpus']} GPUs, "
-        f"{layout['microbatches']} micro-batches)"
-    )
+    names = {f.name for f in fields(Layout)}
+    return Layout(**{k: v for k, v in layout.items() if k in names}).describe()
 
 
 def _step_table(record: Mapping[str, Any]) -> str:
