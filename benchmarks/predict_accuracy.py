@@ -1,7 +1,7 @@
 """Prediction accuracy: predicted step time and peak memory / measured, on real training steps.
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 6] [--cases tiny,llama_small,tiny_moe]
-        [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2] [--calibrate round|once]
+        [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once]
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
 TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
@@ -24,19 +24,20 @@ how far the op rows move between processes) and of the measured step (each in fr
 in each round the steps after over the steps before (``drift``), with the median ratio of the rounds
 whose drift stayed within DRIFT_CALM ("calm rounds", their count in brackets). Layouts: TP=1, TP=2
 (torchrun, gloo), PP=2 (Megatron's 1F1B over gloo; with two model chunks per rank, its interleaved
-schedule, for the 4-layer model) and DP=2 (the gradients all-reduced after the backward; for the
-4-layer model also with the distributed optimizer: reduce-scattered, each rank's Adam on its half, the
-parameters all-gathered) for the dense models, DP=2 with EP=2 for the MoE one; 4 micro-batches per
-data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak
-memory, judged on the median's 95% confidence interval over the rounds (order statistics, as the
-sampler's: autotuner.measure.timer.median_ci, from 6 rounds): "met" when the interval lies inside
-[0.95, 1.05], "missed" when it lies outside, "inconclusive" when it straddles an edge: on a machine
-whose own A/A spread exceeds the target, a median of a few rounds can neither pass nor fail it. Under
-each case and layout, the ops inside the forward-backward: each hooked op's predicted time per visit /
-its time inside the measured steps (autotuner.predict.in_step), medians over the rounds; then per rank
-the time between its ops in its median step, and on a pipeline the hand-overs a stage waited for beside
-the predicted exchange, and the measured step replayed through the predictor's schedule simulation over
-its measured span (autotuner.predict.in_step.replay: the schedule model alone).
+schedule, for the 4-layer model) and DP=2 (the gradients all-reduced after the backward; for the 4-layer
+model also with the distributed optimizer: reduce-scattered, each rank's Adam on its half, the
+parameters all-gathered) for the dense models, DP=2 with EP=2 for the MoE one; on request (``--layouts
+pp2last1``) the 4-layer model's PP=2 split unevenly, 3 layers and the embedding on the first stage, 1
+and the output layer on the last; 4 micro-batches per data-parallel rank. Target (issue 17): |ratio - 1|
+<= 0.05 for step time and peak memory, judged on the median's 95% confidence interval over the rounds
+(order statistics, as the sampler's: autotuner.measure.timer.median_ci, from 6 rounds): "met" when the
+interval lies inside [0.95, 1.05], "missed" when it lies outside, "inconclusive" when it straddles an
+edge: on a machine whose own A/A spread exceeds the target, a median of a few rounds can neither pass
+nor fail it. Under each case and layout, the ops inside the forward-backward: each hooked op's predicted
+time per visit / its time inside the measured steps (autotuner.predict.in_step), medians over the
+rounds; then per rank the time between its ops in its median step, and on a pipeline the hand-overs a
+stage waited for beside the predicted exchange, and the measured step replayed through the predictor's
+schedule simulation over its measured span (autotuner.predict.in_step.replay: the schedule model alone).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import NamedTuple
 from autotuner.main import run
 from autotuner.measure.timer import median_ci
 from autotuner.predict.layout import Layout
-from autotuner.predict.prediction import load_calibration_for, load_runs, predict
+from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
 from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
 
@@ -84,6 +85,9 @@ LAYOUTS = {
     "dp2": dict(dp=2),
     "dp2zero": dict(dp=2, distributed_optimizer=True),  # Megatron's distributed optimizer (ZeRO-1)
     "ep2": dict(dp=2, ep=2),
+    # Megatron's uneven split: the last stage holds 1 layer besides the final norm and the output layer
+    "pp2last1": dict(pp=2, last_stage_layers=1),
+    "pp2first1": dict(pp=2, first_stage_layers=1),  # the other way: the first stage holds 1 layer
 }
 # Each case's layouts (--layouts picks among them): the dense models without EP, the MoE one with it.
 DEFAULT = {
@@ -91,6 +95,8 @@ DEFAULT = {
     "llama_small": ("tp1", "tp2", "pp2", "vpp2", "dp2", "dp2zero"),  # 4 layers: 2 stages of 2 chunks
     "tiny_moe": ("ep2",),
 }
+# Layouts run only when --layouts names them (each case's own, beside DEFAULT's).
+ON_REQUEST = {"llama_small": ("pp2last1", "pp2first1")}
 # A round whose steps after the profiles ran within this fraction of the same steps before them.
 DRIFT_CALM = 0.05
 # The target (issue 17): |predicted / measured - 1| within this.
@@ -155,6 +161,29 @@ def profile(case: list[str], layout: Layout, run_dir: Path, calibration: Path, f
     subprocess.run(command, check=True, capture_output=True, timeout=900)
 
 
+def layout_of(name: str) -> Layout:
+    """LAYOUTS[name] at the benchmark's point: s SEQ, MBS per micro-batch, MICROBATCHES per DP rank."""
+    parallel = LAYOUTS[name]
+    dp = parallel.get("dp", 1)
+    return Layout(
+        seq_len=SEQ, micro_batch_size=MBS, global_batch_size=MBS * MICROBATCHES * dp, dtype="fp32", **parallel
+    )
+
+
+def steps_arguments(case: list[str], layout: Layout) -> tuple[str, list[str]]:
+    """The case and overrides of the layout's real steps (autotuner.predict.steps), on the cores' share."""
+    return case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus), "device=cpu"]
+
+
+def profiled_runs(case: list[str], layout: Layout, folder: Path, calibration: Path) -> Runs:
+    """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
+    predictor reads them."""
+    run_dirs = [folder / mode for mode in ("warm", "cold")]
+    for run_dir in run_dirs:
+        profile(case, layout, run_dir, calibration, run_dir.name == "cold")
+    return load_runs(run_dirs)
+
+
 def calibrate_machine(calibration: Path) -> str:
     """Calibrate the device and the links between two processes (gloo) into ``calibration``: the ceilings,
     the Adam step alone and with both processes at it, the pipeline's transfers, the collectives. Returns
@@ -195,12 +224,8 @@ class Round(NamedTuple):
 
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None) -> Round:
     """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself."""
-    case, parallel = CASES[name], LAYOUTS[layout_name]
-    dp = parallel.get("dp", 1)
-    layout = Layout(
-        seq_len=SEQ, micro_batch_size=MBS, global_batch_size=MBS * MICROBATCHES * dp, dtype="fp32", **parallel
-    )
-    steps_args = (case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus), "device=cpu"])
+    case, layout = CASES[name], layout_of(layout_name)
+    steps_args = steps_arguments(case, layout)
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
         # the steps before the profiles and (validate) after them: the machine's drift over the round
         before = run_steps(*steps_args, layout, Path(folder) / "before.json", repeats=repeats).step_s
@@ -209,10 +234,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             # all alike, past any interval
             calibration = Path(folder) / "calibration.json"
             calibrate_machine(calibration)
-        run_dirs = [Path(folder) / mode for mode in ("warm", "cold")]
-        for run_dir in run_dirs:
-            profile(case, layout, run_dir, calibration, run_dir.name == "cold")
-        runs = load_runs(run_dirs)
+        runs = profiled_runs(case, layout, Path(folder), calibration)
         pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
         checked = validate(pred, *steps_args, repeats=repeats)
         adam_rate = json.loads(calibration.read_text())["adam_seconds_per_parameter"]
@@ -243,7 +265,9 @@ def main() -> int:
         "--rounds", type=int, default=6, help="profile + predict + measure, this many times (6 for a verdict)"
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
-    parser.add_argument("--layouts", help=f"only these of each case's layouts: {DEFAULT}")
+    parser.add_argument(
+        "--layouts", help=f"only these of each case's layouts: {DEFAULT}, and on request {ON_REQUEST}"
+    )
     parser.add_argument(
         "--calibrate",
         choices=("round", "once"),
@@ -276,7 +300,9 @@ def main() -> int:
         worst = 0.0
         verdicts: dict[str, dict[str, list[str]]] = {"step": {}, "memory": {}}
         for name in args.cases.split(","):
-            for layout_name in [n for n in DEFAULT[name] if not args.layouts or n in args.layouts.split(",")]:
+            own = (*DEFAULT[name], *ON_REQUEST.get(name, ()))
+            chosen = [n for n in own if n in args.layouts.split(",")] if args.layouts else DEFAULT[name]
+            for layout_name in chosen:
                 results = [
                     one_round(name, layout_name, args.repeats, calibration) for _ in range(args.rounds)
                 ]
