@@ -250,3 +250,23 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "not.json").write_text("{}")
     with pytest.raises(UserError, match="not a prediction"):
         load_prediction(tmp_path / "not.json")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(seq_len=8, pp=2, last_stage_layers=1, global_batch_size=4),
+        Layout(seq_len=8, pp=4, first_stage_layers=2, last_stage_layers=2, global_batch_size=4),
+        Layout(
+            seq_len=8, tp=2, dp=2, global_batch_size=4, sequence_parallel=True, distributed_optimizer=True
+        ),
+    ],
+)
+def test_the_pages_layout_line_is_the_predictors(layout):
+    """The page reads the layout from prediction.json without importing the predictor (the results side's
+    layering): its line must still be the predictor's own."""
+    import json
+
+    from autotuner.report.prediction import describe_layout
+
+    assert describe_layout(json.loads(json.dumps(layout.to_json()))) == layout.describe()

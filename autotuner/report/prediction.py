@@ -29,7 +29,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,6 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter, FuncFormatter, MultipleLocator
 
 from autotuner.errors import UserError
-from autotuner.predict.layout import Layout  # plain data and its checks: imports no predictor
 from autotuner.report.style import DPI, new_figure
 from autotuner.report.tables import cell, table
 from autotuner.results.atomic import atomic_write_text
@@ -395,9 +394,21 @@ def _t(seconds: float) -> str:
 
 
 def describe_layout(layout: Mapping[str, Any]) -> str:
-    """The layout in one line, as the predictor prints it (its ``Layout.describe``, from the JSON)."""
-    names = {f.name for f in fields(Layout)}
-    return Layout(**{k: v for k, v in layout.items() if k in names}).describe()
+    """The layout in one line, as the predictor prints it (its ``Layout.describe``, from the JSON: the
+    results side imports no predictor)."""
+    flag = lambda key: str(bool(layout.get(key))).lower()  # noqa: E731
+    split = "".join(
+        f" {end}={layout[f'{end}_stage_layers']}"
+        for end in ("first", "last")
+        if layout.get(f"{end}_stage_layers")
+    )
+    return (
+        f"tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} ep={layout['ep']} "
+        f"mbs={layout['micro_batch_size']} gbs={layout['global_batch_size']} s={layout['seq_len']} "
+        f"recompute={layout['recompute']} sp={flag('sequence_parallel')} "
+        f"distopt={flag('distributed_optimizer')} {layout['dtype']}{split} ({layout['gpus']} GPUs, "
+        f"{layout['microbatches']} micro-batches)"
+    )
 
 
 def _step_table(record: Mapping[str, Any]) -> str:
