@@ -153,11 +153,11 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
 
 
 @pytest.mark.parametrize(
-    ("p", "v", "m", "first", "last"),
-    [(2, 1, 4, None, None), (2, 2, 4, None, None), (4, 1, 4, None, None), (2, 3, 4, None, None)]
-    + [(2, 1, 4, 3, None), (4, 2, 4, 2, 2), (3, 1, 3, None, 1)],  # uneven: Megatron's first/last options
+    ("p", "v", "m", "layers", "first", "last"),
+    [(2, 1, 4, 4, None, None), (2, 2, 4, 8, None, None), (4, 1, 4, 8, None, None), (2, 3, 4, 12, None, None)]
+    + [(2, 1, 4, 4, 3, None), (4, 2, 4, 12, 2, 2), (3, 1, 3, 5, None, 1)],  # uneven: Megatron's first/last
 )
-def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, v, m, first, last):
+def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, v, m, layers, first, last):
     """A step made by the schedule itself (each box's visits as the hooks record them: a chunk's forward
     one stage.forward around its layers' forwards, the embedding first and the head last; its backward the
     head's, then its layers' in reverse) cuts back into the same boxes, its hand-overs are the exchanges,
@@ -169,7 +169,6 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
     split = Layout(
         seq_len=8, pp=p, vpp=v, global_batch_size=m, first_stage_layers=first, last_stage_layers=last
     )
-    layers = {(2, 1): 4, (4, 2): 12, (3, 1): 5}[(p, v)] if first or last else p * v * 2
     places = split.layer_places(layers)
 
     def duration(key):
