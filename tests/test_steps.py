@@ -108,6 +108,13 @@ def test_the_median_steps_op_visits_are_its_timeline(single):
     backwards = sorted((v for v in visits if v[0] == "transformer_layer.backward"), key=lambda v: v[2])
     assert [v[1] for v in backwards[:2]] == [2, 1]
     assert max(v[3] for v in forwards if v[1] == 2 and v[2] < backwards[0][2]) <= backwards[0][2]
+    # the embedding's backward (ended by its table's accumulated gradient) closes each micro-batch's
+    # backward: after the first layer's starts, before the next micro-batch's forward
+    embedding = sorted(v for v in visits if v[0] == "embedding.backward")
+    firsts = sorted(v for v in backwards if v[1] == 1)
+    starts = sorted(v[2] for v in visits if v[0] == "stage.forward")
+    for n, (layer, table) in enumerate(zip(firsts, embedding, strict=True)):
+        assert layer[2] < table[2] and (n + 1 == m or table[3] <= starts[n + 1])
 
 
 def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
@@ -160,8 +167,8 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
 def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, v, m, layers, first, last):
     """A step made by the schedule itself (each box's visits as the hooks record them: a chunk's forward
     one stage.forward around its layers' forwards, the embedding first and the head last; its backward the
-    head's, then its layers' in reverse) cuts back into the same boxes, its hand-overs are the exchanges,
-    and replayed with that exchange it ends where it ended."""
+    head's, then its layers' in reverse, then the embedding's) cuts back into the same boxes, its
+    hand-overs are the exchanges, and replayed with that exchange it ends where it ended."""
     from autotuner.predict.in_step import handovers, measured_boxes, replay
     from autotuner.predict.schedule import simulate
 
@@ -190,6 +197,7 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
         else:
             names = [("output_layer.backward", 0)] * head
             names += [("transformer_layer.backward", n) for n in reversed(own)]
+            names += [("embedding.backward", 0)] * lead
         for i, (key, layer) in enumerate(names):
             start = box.start if i == 0 else at
             end = box.end if i == len(names) - 1 else start + step
@@ -237,6 +245,8 @@ def test_a_bf16_model_keeps_fp32_main_gradients_and_master_weights(single):
     assert rank.parameter_bytes == single.ranks[0].parameter_bytes // 2
     assert 9 * rank.parameter_bytes <= rank.resident_bytes <= 9 * rank.parameter_bytes + 4 * 64
     assert result.optimizer.endswith("over fp32 master weights")
+    # the embedding's backward ends after its table's main-gradient add (the clock's hook runs last)
+    assert result.in_step(0)["embedding.backward"] > 0
     assert result.losses == pytest.approx(single.losses[:3], abs=0.01)
     assert result.losses[-1] < result.losses[0] - 0.05
 

@@ -23,10 +23,11 @@ forward before the forward of the stage that feeds it. Cut into the pipeline sch
 (:func:`measured_boxes`), a step's timelines give the hand-overs a stage waited for (:func:`handovers`)
 and can be replayed through the predictor's schedule (:func:`replay`), which tests that model alone.
 
-The modules: the embedding (forward only: its input, token ids, has no gradient to mark its backward's
-end), every decoder layer (``transformer_layer``), the final norm, and the output layer with the loss
-after it, as the op row ``output_layer`` times them (its forward ends when GPTModel's
-``compute_language_model_loss`` returns, its backward starts when the per-token loss's gradient arrives).
+The modules: the embedding (its input, token ids, has no gradient to mark its backward's end: that ends when
+its table's gradient has been accumulated, a parameter hook), every decoder layer (``transformer_layer``),
+the final norm, and the output layer with the loss after it, as the op row ``output_layer`` times them (its
+forward ends when GPTModel's ``compute_language_model_loss`` returns, its backward starts when the per-token
+loss's gradient arrives).
 A mark is ``time.perf_counter`` on a CPU and a recorded CUDA event on a GPU, so a GPU's span is device
 time between the two points of its stream, read after the step's synchronize; the host cost of a hook is
 a few microseconds, below the noise of the millisecond ops it times.
@@ -54,6 +55,7 @@ Place = tuple[int, int]
 # median seconds per visit over the timed steps, NaN where the rank has no such module or phase.
 IN_STEP_KEYS = (
     "embedding.forward",
+    "embedding.backward",
     "transformer_layer.forward",
     "transformer_layer.backward",
     "final_layernorm.forward",
@@ -62,6 +64,11 @@ IN_STEP_KEYS = (
     "output_layer.backward",
     "stage.forward",
 )
+
+
+def chunks_of(places: Sequence[Place]) -> int:
+    """The model chunks per pipeline rank (vpp) that ``places`` lay the layers out in."""
+    return 1 + max(chunk for _, chunk in places)
 
 
 def inside_ops_s(visits: Sequence[Visit]) -> float:
@@ -89,10 +96,10 @@ def measured_boxes(visits: Sequence[Visit], places: Sequence[Place], stage: int)
 
     A forward is one ``stage.forward`` (the chunk's model forward, the loss in the last chunk's), its
     chunk the one whose layers run inside it; a backward is a chunk's backward visits up to and with its
-    last layer's (on the model's last chunk the output layer's and the final norm's come first; the
-    embedding's backward is not hooked, so the first chunk's ends with its first layer's). A rank runs a
+    last layer's (on the model's last chunk the output layer's and the final norm's come first; on its
+    first, the embedding's ends it, where timed). A rank runs a
     chunk's micro-batches in order, so the k-th box of a chunk and phase is micro-batch k."""
-    v = 1 + max(chunk for _, chunk in places)
+    v = chunks_of(places)
     per_chunk = Counter(chunk for rank, chunk in places if rank == stage)
     if len(per_chunk) < v:
         return None
@@ -110,13 +117,19 @@ def measured_boxes(visits: Sequence[Visit], places: Sequence[Place], stage: int)
     last_chunk = v - 1
     groups: dict[int, list[tuple[float, float]]] = defaultdict(list)
     counted: dict[int, int] = defaultdict(int)
+    # the model's first chunk (pipeline rank 0's first) ends with the embedding's backward where timed
+    lead = any(x[0] == "embedding.backward" for x in visits)
     for key, layer, start, end in sorted(
         (x for x in visits if x[0].endswith(".backward")), key=lambda x: x[2]
     ):
-        chunk = chunk_of(layer) if key.startswith("transformer_layer.") else last_chunk
+        if key.startswith("transformer_layer."):
+            chunk = chunk_of(layer)
+        else:
+            chunk = 0 if key.startswith("embedding.") else last_chunk
         groups[chunk].append((start, end))
         counted[chunk] += key.startswith("transformer_layer.")
-        if counted[chunk] == per_chunk[chunk]:
+        ends = key.startswith("embedding.") if lead and chunk == 0 else counted[chunk] == per_chunk[chunk]
+        if ends:
             found[("backward", chunk)].append((groups[chunk][0][0], max(e for _, e in groups[chunk])))
             groups[chunk], counted[chunk] = [], 0
     boxes: Boxes = {}
@@ -134,7 +147,7 @@ def handovers(stages: Sequence[Sequence[Visit]], places: Sequence[Place]) -> lis
     the gap is the exchange, both ends' schedule work and the receiver's wake-up, not work of its own."""
     from autotuner.predict.schedule import dependency
 
-    p, v = len(stages), 1 + max(chunk for _, chunk in places)
+    p, v = len(stages), chunks_of(places)
     cut = [measured_boxes(visits, places, s) for s, visits in enumerate(stages)]
     if any(boxes is None for boxes in cut):
         return []
@@ -169,7 +182,7 @@ def replay(
     schedule model alone, each box taking the time it took."""
     from autotuner.predict.schedule import simulate
 
-    p, v = len(stages), 1 + max(chunk for _, chunk in places)
+    p, v = len(stages), chunks_of(places)
     own = {}
     for s, visits in enumerate(stages):
         boxes = measured_boxes(visits, places, s)
@@ -198,7 +211,9 @@ class ModuleClock:
         for chunk in chunks:
             model = getattr(chunk, "module", chunk)  # past a DDP-style wrapper
             if getattr(model, "pre_process", False):
-                self._hook(model.embedding, "embedding", backward=False)
+                # its input, token ids, has no gradient: the table's gradient accumulated ends its backward
+                table = model.embedding.word_embeddings.weight
+                self._hook(model.embedding, "embedding", ends_with=table)
             for layer in model.decoder.layers:
                 self._hook(layer, "transformer_layer")
             if getattr(model, "post_process", False):
@@ -223,16 +238,21 @@ class ModuleClock:
     def _span(self, key: str, start: Any, layer: int = 0) -> None:
         self._open.append((key, layer, start, self._mark()))
 
-    def _hook(self, module: Any, name: str, backward: bool = True) -> None:
+    def _hook(self, module: Any, name: str, backward: bool = True, ends_with: Any = None) -> None:
+        """Time ``module``'s forward and (``backward``) its backward, which ends when the gradient of its
+        input is complete or, with ``ends_with`` (a parameter), when that parameter's gradient has been
+        accumulated (its last hook: the ones registered before it, as the main-gradient add, run first)."""
         torch = self._torch
         started: dict[str, Any] = {}  # this module's open forward, then its open backward
         layer = int(getattr(module, "layer_number", 0) or 0) if name == "transformer_layer" else 0
+        if ends_with is not None:
+            ends_with.register_post_accumulate_grad_hook(lambda _p: self._end_backward(name, started, layer))
 
         def before(_module: Any, args: tuple, kwargs: dict) -> None:
             if not self.recording:
                 return
             started["forward"] = self._mark()
-            if not backward:
+            if not backward or ends_with is not None:
                 return
             given = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
             if torch.is_tensor(given) and given.requires_grad:

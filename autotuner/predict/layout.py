@@ -112,6 +112,16 @@ def split_layers(
     return counts
 
 
+def split_or_none(
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> tuple[int, ...] | None:
+    """:func:`split_layers`, or None for a split Megatron-Core refuses: for callers that try several."""
+    try:
+        return split_layers(num_layers, pp, vpp, first, last)
+    except UserError:
+        return None
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout and batch; see the module docstring for Megatron-Core's rules."""
@@ -234,6 +244,13 @@ class Layout:
         """The layers on each pipeline rank (all its virtual stages together), as Megatron-Core splits
         ``num_layers`` (:func:`split_layers`); a one-line UserError for a split it refuses."""
         return split_layers(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+
+    def splits(self, num_layers: int) -> bool:
+        """Whether Megatron-Core accepts this layout's split of ``num_layers`` (:meth:`stage_layers`)."""
+        return (
+            split_or_none(num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
+            is not None
+        )
 
     def layer_places(self, num_layers: int) -> tuple[tuple[int, int], ...]:
         """(pipeline rank, model chunk) of each layer, in Megatron's numbering (layer_number - 1): the

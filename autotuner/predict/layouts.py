@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.layout import RECOMPUTE, Layout, split_layers
+from autotuner.predict.layout import RECOMPUTE, Layout, split_or_none
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # The most the pipeline ranks' layers per model chunk may differ in an enumerated uneven split: enough to
@@ -106,9 +106,8 @@ def pipeline_splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int | None
     counts_given = [None, *range(vpp, num_layers, vpp)]
     found = []
     for first, last in itertools.product(counts_given, counts_given if pp > 2 else [None]):
-        try:
-            counts = split_layers(num_layers, pp, vpp, first, last)
-        except UserError:
+        counts = split_or_none(num_layers, pp, vpp, first, last)
+        if counts is None:
             continue
         middle = counts[1] if pp > 2 else None  # the ranks between the ends (none at pp=2)
         if first is not None and first == counts[1] or last is not None and last == middle:

@@ -221,14 +221,6 @@ def _memory_measurements(runs: Runs, layout: Layout) -> tuple[Measurements, Meas
     return Measurements(runs.rows, layout.dtype, ep=layout.ep), single
 
 
-def _splits(layout: Layout, num_layers: int) -> bool:
-    try:
-        layout.stage_layers(num_layers)
-    except UserError:
-        return False
-    return True
-
-
 def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_gb: float) -> ModelShape:
     """The runs' model at the largest depth, up to its case's own (one the layout can split:
     ``Layout.stage_layers``), whose fullest GPU is predicted within ``gpu_memory_gb`` less MEMORY_MARGIN:
@@ -236,7 +228,7 @@ def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_
     shallowest such depth fits."""
     limit = gpu_memory_gb * 1e9 * (1 - MEMORY_MARGIN)
     full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
-    depths = [d for d in range(1, max(full, layout.pp * layout.vpp) + 1) if _splits(layout, d)]
+    depths = [d for d in range(1, max(full, layout.pp * layout.vpp) + 1) if layout.splits(d)]
     if not depths:
         layout.stage_layers(full)  # no depth splits as the layout says, the case's own neither: why
     step = depths[0]

@@ -7,7 +7,6 @@ much memory it held.
 
 What one step is (as Megatron's ``train_step`` does it, less what a layout here cannot have)::
 
-    zero the gradients (kept allocated in flat buffers, as Megatron's DDP keeps its gradient buffers)
     forward_backward_func = megatron.core.pipeline_parallel.get_forward_backward_func()
     forward_backward_func(...)        # this data-parallel rank's micro-batches: forward, loss, backward;
                                       # PP=1: Megatron's no-pipelining schedule (gradients accumulate),
@@ -21,6 +20,9 @@ What one step is (as Megatron's ``train_step`` does it, less what a layout here 
                                       # with the distributed optimizer a reduce-scatter each instead
     optimizer.step()                  # torch.optim.Adam over this rank's parameters (fp32 masters of a
                                       # bf16/fp16 model's, copied back after), timed on its own
+    zero the gradients                # kept allocated in flat buffers, as Megatron's DDP keeps them; Megatron
+                                      # zeroes them at the next step's start, the same work, timed here
+                                      # with the optimizer, where the prediction counts it
     all-gather the parameters         # distributed optimizer only: each rank stepped its shard; timed
                                       # with the reductions (the data-parallel communication)
 
@@ -124,11 +126,11 @@ class RankSteps:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    forward_backward_s: tuple[float, ...]  # zeroing the grads and the schedule (this rank's micro-batches)
+    forward_backward_s: tuple[float, ...]  # the schedule (this rank's micro-batches)
     # the data-parallel communication: the gradients' reductions (sequence-parallel, data-parallel) and,
     # with the distributed optimizer, the parameters' all-gather after Adam
     reduce_s: tuple[float, ...]
-    optimizer_s: tuple[float, ...]  # Adam's step
+    optimizer_s: tuple[float, ...]  # Adam's step and the zeroing of the gradients for the next one
     losses: tuple[float, ...]  # every step's mean loss over its micro-batches; empty off the last stage
     parameter_bytes: int  # this rank's parameters
     resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
@@ -606,8 +608,6 @@ def measure_steps(
             f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
         )
     chunks = _stage_model(spec, layout, device)
-    # the ops' times inside the steps; not with recompute, whose re-run forward fires the hooks twice
-    clock = ModuleClock(chunks, device) if layout.recompute == "none" else None
     model = torch.nn.ModuleList(chunks)  # every chunk's parameters, for the gradients and the optimizer
     dp_rank = parallel_state.get_data_parallel_rank()
     batches = _batches(spec, layout, device, dp_rank)
@@ -615,6 +615,9 @@ def measure_steps(
     mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main gradients and master weights
     sharded = layout.distributed_optimizer
     buffers = _grad_buffers(model, torch.float32 if mixed else None, sharded)
+    # the ops' times inside the steps; not with recompute, whose re-run forward fires the hooks twice.
+    # After the buffers: a backward timed to a parameter's accumulation holds its main-gradient add.
+    clock = ModuleClock(chunks, device) if layout.recompute == "none" else None
     # what Adam updates, with its gradient: the distributed optimizer's share of each flat buffer, else
     # each parameter (through an fp32 master in bf16/fp16; fp32 parameters carry their .grad already)
     if sharded:
@@ -631,8 +634,6 @@ def measure_steps(
             torch.cuda.synchronize()
 
     def forward_backward_step() -> list[dict[str, Any]]:
-        for buffer in buffers:  # the gradients stay allocated, as in Megatron's DDP buffer
-            buffer.flat.zero_()
         return forward_backward(
             forward_step_func=_forward_step,
             # the interleaved schedule takes a list of chunks and one data iterator per chunk
@@ -655,6 +656,8 @@ def measure_steps(
             with torch.no_grad():
                 for (tensor, _), master in zip(pairs, masters, strict=True):
                     tensor.copy_(master)
+        for buffer in buffers:  # for the next step; the gradients stay allocated (Megatron's DDP buffer)
+            buffer.flat.zero_()
 
     fb_s: list[float] = []
     reduce_s: list[float] = []

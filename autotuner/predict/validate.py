@@ -263,8 +263,8 @@ def pipeline_replay(
 def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float, float, str]]:
     """Per stage, each hooked op's predicted time per visit beside its median inside the measured steps,
     and the stage's forward per micro-batch (without the pipeline's exchange, which is outside the
-    model's forward); at pp = vpp = 1 also the rest of a micro-batch (its backward, the schedule's own
-    work and the zeroing of the gradients: the step's forward-backward / m - that forward). An op's
+    model's forward); at pp = vpp = 1 also the rest of a micro-batch (its backward and the schedule's
+    own work: the step's forward-backward / m - that forward). An op's
     backward in the step holds its gradients' accumulation into the kept fp32 ones (Megatron's DDP
     hook): its predicted share of the stage's ``grad_accumulation`` (by parameters) is added to it, as
     are the TP collectives modelled beside a TP=1 row."""
@@ -278,6 +278,7 @@ def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float,
         accumulation = items.get(("grad_accumulation", "backward"), (0.0, 1))[0]
         stage_params = prediction.memory[stage.index].params.value
         params = {  # whose gradients a hooked backward accumulates (a tied output weight's: the embedding's)
+            "embedding": model.vocab * model.hidden / lay.tp,
             "transformer_layer": model.layer_params_on_rank(lay.tp, lay.ep),
             "final_layernorm": model.final_norm_params,
             "output_layer": 0 if model.tie_embeddings else model.vocab * model.hidden / lay.tp,

@@ -1,0 +1,120 @@
+"""A layer's forward as its row times it (back to back) against as a training step runs it (after its
+backward), on this machine, side by side.
+
+    python -m benchmarks.forward_after_backward [--case tiny|llama_small] [--threads 1] [--samples 600]
+        [--rounds 3]
+
+get_data times an op's forward in back-to-back calls (autotuner.measure.timer), each finding what the
+previous call left in the caches. Inside a training step a layer's forward follows the previous micro-
+batch's backward instead (the no-pipelining and 1F1B schedules alternate them), which touched the layer's
+gradients and saved activations in between and took time. This times one TransformerLayer's forward
+(the case's real Megatron layer, at s128, one sample) after each of these, chosen at random sample by
+sample so that the machine's drift falls on every condition alike:
+
+* ``back to back``: after its own forward, as the row's samples run;
+* ``after its backward``: after a forward and its backward (untimed), as in a training step;
+* ``after a spin``: after spinning as long as that backward takes, touching nothing: the time alone;
+* ``after a flush``: after writing a buffer twice the last-level cache, as a flushed row's samples run.
+
+It prints each condition's median (95% CI, order statistics) and its ratio to back to back. What it
+showed on this project's VM (session 18, three rounds of 600 samples each; docs/predictor_accuracy.md,
+"What the comparisons found"): the tiny layer's forward (one thread, 1.3-1.5 ms back to back) took
+1.16-1.23x that after its backward, 1.16-1.31x after a spin as long, 1.63-1.76x after a flush; the
+llama-shaped layer's (4.5-5.0 ms) 1.04-1.09x after its backward, 1.13-1.18x after a spin, 1.09-1.15x
+after a flush (two threads and one). Time alone, touching nothing, slows the next call as much as the
+backward does: the rows' back-to-back forwards are a lower bound of a step's on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from autotuner.config import compose_config
+from autotuner.measure.cache import last_level_cache_bytes
+from autotuner.measure.timer import median_ci
+from autotuner.ops_test.base import ShapePoint
+from autotuner.runner import Phase
+from autotuner.runner.spec import open_session, resolve_spec
+from benchmarks.predict_accuracy import CASES
+
+POINT = ShapePoint(128, 1)
+CONDITIONS = ("back to back", "after its backward", "after a spin", "after a flush")
+
+
+def layer_phases(case: str, threads: int) -> tuple[Phase, Phase]:
+    """The case's TransformerLayer op, fp32 on the CPU: its forward and backward phases."""
+    spec = resolve_spec(compose_config([*CASES[case], "device=cpu", "dtype=fp32", "ops=[transformer_layer]"]))
+    _, context = open_session(spec)
+    torch.set_num_threads(threads)
+    (test,) = spec.ops
+    call = test.build(context, POINT)
+    return Phase("forward", call, seed=0), Phase("backward", call, seed=0)
+
+
+def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random) -> dict[str, list[float]]:
+    """``samples`` timed forwards, each after a condition drawn at random."""
+    flush = torch.empty(2 * last_level_cache_bytes(torch.device("cpu")) // 4)
+    backward_s = [1e-3]
+
+    def after_backward() -> None:
+        backward.prepare()
+        start = time.perf_counter()
+        backward.run()
+        backward_s.append(time.perf_counter() - start)
+
+    def spin() -> None:
+        until = time.perf_counter() + statistics.median(backward_s[-50:])
+        while time.perf_counter() < until:
+            pass
+
+    before: dict[str, Callable[[], object]] = {
+        "back to back": forward.run,
+        "after its backward": after_backward,
+        "after a spin": spin,
+        "after a flush": lambda: flush.fill_(1.0),
+    }
+    times: dict[str, list[float]] = {name: [] for name in CONDITIONS}
+    for _ in range(samples):
+        name = rng.choice(CONDITIONS)
+        before[name]()
+        start = time.perf_counter()
+        forward.run()
+        times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=("tiny", "llama_small"), default="tiny")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    forward, backward = layer_phases(args.case, args.threads)
+    rng = random.Random(0)
+    one_round(forward, backward, 40, rng)  # warm-up: first calls, the allocator's pools
+    print(
+        f"{args.case} TransformerLayer forward, s{POINT.seq_len} b{POINT.micro_batch_size}, fp32, "
+        f"{args.threads} thread(s); median ms [95% CI] and / back to back"
+    )
+    for index in range(args.rounds):
+        times = one_round(forward, backward, args.samples, rng)
+        base = statistics.median(times["back to back"])
+        cells = []
+        for name in CONDITIONS:
+            ordered = sorted(times[name])
+            median = statistics.median(ordered)
+            ci = median_ci(ordered)
+            interval = f"[{ci[0] * 1e3:.3f}, {ci[1] * 1e3:.3f}]" if ci else "[-]"
+            cells.append(f"{name} {median * 1e3:.3f} {interval} {median / base:.2f}x")
+        print(f"round {index + 1}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
