@@ -303,9 +303,17 @@ def main() -> int:
             own = (*DEFAULT[name], *ON_REQUEST.get(name, ()))
             chosen = [n for n in own if n in args.layouts.split(",")] if args.layouts else DEFAULT[name]
             for layout_name in chosen:
-                results = [
-                    one_round(name, layout_name, args.repeats, calibration) for _ in range(args.rounds)
-                ]
+                results = []
+                for index in range(args.rounds):
+                    results.append(one_round(name, layout_name, args.repeats, calibration))
+                    said = results[-1]
+                    print(  # each round as it ends (on stderr, beside the table): a long run's progress
+                        f"round {index + 1}/{args.rounds} {name} {layout_name}: step predicted "
+                        f"{said.predicted_s * 1e3:.1f} ms / measured {said.measured_s * 1e3:.1f} = "
+                        f"{said.step_ratio:.3f}, drift {said.drift:.3f}, memory {said.memory_ratio:.3f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 step = [r.step_ratio for r in results]
                 memory = [r.memory_ratio for r in results]
                 noise = statistics.median(r.step_noise for r in results)
