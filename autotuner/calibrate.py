@@ -24,6 +24,16 @@ as the get_data launcher:
   took 3.7 ps per parameter (2.7 TB/s of its 10 B) against 2.8 for fp32 (4.3 TB/s of 12 B), the copy
   4.1 TB/s, and a Llama-2-7B layer's backward inside a real step grew by that 0.75 ms (docs/gpu_checks.md).
 
+* on a CPU, a training step's time outside its ops per micro-batch (``host_work_seconds_per_microbatch``,
+  forward and backward: :func:`host_work`): Megatron-Core's schedule (the forward and backward steps, the
+  loss function, autograd's start) and GPTModel's own work (the rotary table, the block's), which no op
+  row holds, a stage's part and a part per layer (the block's own work around each). It is timed by the
+  hooks that time the ops inside the validated steps (autotuner.predict.in_step), on a minimal GPTModel
+  (hidden 32) at one and four layers, whose ops take microseconds: on this project's VM 0.14 ms a
+  micro-batch of it is the schedule alone (around a one-Linear model), and a tiny step (two layers)
+  spent about 0.8-1 ms a micro-batch outside its ops, the llama-shaped one (four) 1.4-1.5 ms. On a GPU
+  the host queues kernels ahead of the device, so the predictor does not add it there.
+
 ``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
 between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
 bus bandwidth of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at a few sizes,
@@ -75,6 +85,7 @@ from autotuner.results.calibration import (
     ADAM_TOGETHER,
     COLLECTIVES,
     GRAD_ACCUMULATION,
+    HOST_WORK,
     LINK_KEYS,
     bus_factor,
     default_path,
@@ -149,6 +160,50 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
                     transfer = transfer_call(direction, pinned, min(nbytes, size), device)
                     rates.append(transfer.bytes_moved["forward"] / _median_s(transfer, device, policy))
                 result[transfer.ceiling] = max(rates)
+    return result
+
+
+# The minimal GPTModels of the host work's steps (case=tiny's architecture), at two depths: their ops take
+# microseconds, and the host work grows with the layers (the block's own work around each).
+HOST_WORK_MODEL = (
+    "hf.hidden_size=32",
+    "hf.num_attention_heads=2",
+    "hf.num_key_value_heads=1",
+    "hf.head_dim=16",
+    "hf.intermediate_size=64",
+    "hf.vocab_size=128",
+)
+HOST_WORK_DEPTHS = (1, 4)
+HOST_WORK_STEPS = {"seq_len": 32, "micro_batch_size": 1, "global_batch_size": 4, "dtype": "fp32"}
+
+
+def host_work() -> dict[str, float]:
+    """A CPU training step's time outside its ops per micro-batch (module docstring), per phase: its part
+    for a stage (``forward``, ``backward``) and per layer of it (``forward_per_layer``,
+    ``backward_per_layer``), a line through the minimal model's steps at HOST_WORK_DEPTHS layers, each
+    run in a fresh process (Megatron is imported there, not here), from its median step's visits
+    (autotuner.predict.in_step.host_work_s)."""
+    import tempfile
+
+    from autotuner.predict.in_step import host_work_s
+    from autotuner.predict.layout import Layout
+    from autotuner.predict.steps import run_steps
+
+    layout = Layout(**HOST_WORK_STEPS)
+    per_depth = []
+    for depth in HOST_WORK_DEPTHS:
+        overrides = [*HOST_WORK_MODEL, f"hf.num_hidden_layers={depth}", "device=cpu", "timing.threads=1"]
+        with tempfile.TemporaryDirectory(prefix="autotuner-host-work-") as folder:
+            measured = run_steps("tiny", overrides, layout, Path(folder) / "steps.json", repeats=9)
+        rank = measured.ranks[0]
+        fb = rank.forward_backward_s[measured.timeline_step]
+        per_depth.append(host_work_s(rank.timeline, fb, layout.microbatches))
+    (low, shallow), (high, deep) = zip(HOST_WORK_DEPTHS, per_depth, strict=True)
+    result = {}
+    for phase, at_low, at_high in zip(("forward", "backward"), shallow, deep, strict=True):
+        per_layer = max(at_high - at_low, 0.0) / (high - low)
+        result[phase] = max(at_low - per_layer * low, 0.0)
+        result[f"{phase}_per_layer"] = per_layer
     return result
 
 
@@ -373,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
         return 2
     result = calibrate(device)
+    if device.type == "cpu":
+        result[HOST_WORK] = host_work()
     out = Path(args.out) if args.out else default_path(device.type, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")  # a run reading it sees all or nothing
@@ -383,6 +440,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Adam step     {result[ADAM_PER_TENSOR] * 1e6:10.3f} us per tensor")
     for dtype, rate in result[GRAD_ACCUMULATION].items():
         print(f"grad += {dtype:5} {rate * 1e12:10.3f} ps per parameter (into fp32)")
+    if HOST_WORK in result:
+        work = {key: seconds * 1e3 for key, seconds in result[HOST_WORK].items()}
+        print(
+            f"host work     {work['forward']:10.3f} + {work['forward_per_layer']:.3f} per layer forward, "
+            f"{work['backward']:.3f} + {work['backward_per_layer']:.3f} backward, ms per micro-batch"
+        )
     for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
         if key in result:
             print(f"{key:13} {result[key] / 1e9:10.2f} GB/s")

@@ -215,6 +215,31 @@ def test_gradient_accumulation_per_micro_batch_unless_fused(tmp_path, monkeypatc
     assert fused.stages[0].backward == pytest.approx(pred.stages[0].backward - accumulation(params))
 
 
+def test_host_work_outside_the_ops_per_micro_batch_on_a_cpu(tmp_path):
+    """The calibration's host work per micro-batch (a stage's part + a part per layer) added to each CPU
+    stage's forward and backward; without it a warning names the command; on a GPU it is not added."""
+    layout = Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32")
+    work = {"forward": 1e-4, "forward_per_layer": 2e-5, "backward": 3e-4, "backward_per_layer": 4e-5}
+    cal = {**CAL, "host_work_seconds_per_microbatch": work}
+    bare = predict(load_runs([make_run(tmp_path, base_rows())]), layout, CAL)
+    assert "host_work" not in [n for st in bare.stages for n, *_ in st.items]
+    assert any("host work outside its ops" in w and "autotuner.calibrate" in w for w in bare.warnings)
+    pred = predict(load_runs([make_run(tmp_path, base_rows(), "timed", cal)]), layout, cal)
+    for bare_stage, stage in zip(bare.stages, pred.stages, strict=True):
+        assert stage.forward == pytest.approx(bare_stage.forward + 1e-4 + 2 * 2e-5)  # 2 layers a stage
+        assert stage.backward == pytest.approx(bare_stage.backward + 3e-4 + 2 * 4e-5)
+        work_items = [(phase, t) for n, phase, t, count in stage.items if n == "host_work" and count == 1]
+        assert [phase for phase, _ in work_items] == ["forward", "backward"]
+        assert all(
+            t.source.kind == "scaled" and "autotuner.calibrate" in t.source.detail for _, t in work_items
+        )
+    assert not any("host work" in w for w in pred.warnings)
+    gpu_rows = [{**r, "device": "cuda"} for r in base_rows()]
+    on_gpu = predict(load_runs([make_run(tmp_path, gpu_rows, "gpu", cal)]), layout, cal)
+    assert "host_work" not in [n for st in on_gpu.stages for n, *_ in st.items]
+    assert not any("host work" in w for w in on_gpu.warnings)
+
+
 def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
     warm = base_rows()
     cold = [{**r, "cache_flush": True, "median_us": r["median_us"] * 1.5} for r in base_rows()]
@@ -519,7 +544,7 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
     from autotuner.calibrate import ADAM_LAYERS, MATMUL_SIZE, adam_rates, grad_accumulation_seconds
     from autotuner.errors import UserError
     from autotuner.measure.timer import SamplingPolicy
-    from autotuner.results.calibration import load
+    from autotuner.results.calibration import HOST_WORK_PARTS, load
 
     policy = SamplingPolicy(warmup=1, min_samples=3, max_samples=5, budget_s=0.5, target_rel_ci=0.5)
     per_parameter, per_tensor, count = adam_rates(torch.device("cpu"), policy)
@@ -553,6 +578,8 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
         ("warm_cache_bytes", "big"),
         ("grad_accumulation_seconds_per_parameter", {"bf16": 0}),
         ("grad_accumulation_seconds_per_parameter", 3e-12),
+        ("host_work_seconds_per_microbatch", {"forward": 1e-4, "backward": 3e-4}),
+        ("host_work_seconds_per_microbatch", dict.fromkeys(HOST_WORK_PARTS, -1e-4)),
     ):
         (tmp_path / "bad.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(UserError, match=key):

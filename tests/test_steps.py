@@ -214,6 +214,41 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
     assert replay(stages, places, m, x, overlapped=v > 1) == pytest.approx(sched.end)
 
 
+def test_host_work_is_the_time_outside_the_ops_split_by_phase():
+    """Two micro-batches in 10 s: each model forward (0-3, 5-8) holds 2 s of ops, so 1 s of its own; the
+    ops take 2 + 2 + 1 + 1 of the backward's time besides; what is left of the 10 s is backward host work."""
+    from autotuner.predict.in_step import host_work_s
+
+    visits = [
+        ("stage.forward", 0, 0.0, 3.0),
+        ("transformer_layer.forward", 1, 0.5, 1.5),
+        ("output_layer.forward", 0, 1.5, 2.5),
+        ("output_layer.backward", 0, 3.5, 4.0),
+        ("transformer_layer.backward", 1, 4.0, 4.5),
+        ("stage.forward", 0, 5.0, 8.0),
+        ("transformer_layer.forward", 1, 5.0, 6.0),
+        ("output_layer.forward", 0, 6.0, 7.0),
+        ("output_layer.backward", 0, 8.5, 9.0),
+        ("transformer_layer.backward", 1, 9.0, 9.5),
+    ]
+    forward, backward = host_work_s(visits, forward_backward_s=10.0, microbatches=2)
+    assert forward == pytest.approx(1.0)  # (3 - 2) per model forward
+    assert backward == pytest.approx((10 - 6) / 2 - 1.0)  # between the ops, less the forward's part
+
+
+def test_a_real_steps_host_work_is_its_time_between_the_ops(single):
+    """On the tiny model's real steps: positive in both phases, the forward's inside the model's forward,
+    and the two together all the time between the ops (the calibration times it so on a smaller model)."""
+    from autotuner.predict.in_step import host_work_s, inside_ops_s
+
+    rank, m = single.ranks[0], single.layout.microbatches
+    fb = rank.forward_backward_s[single.timeline_step]
+    forward, backward = host_work_s(rank.timeline, fb, m)
+    assert 0 < forward < single.in_step(0)["stage.forward"] and backward > 0
+    ops = [v for v in rank.timeline if not v[0].startswith("stage.")]
+    assert (forward + backward) * m == pytest.approx(fb - inside_ops_s(ops))
+
+
 def test_visits_are_merged_as_the_time_inside_some_op():
     from autotuner.predict.in_step import inside_ops_s
 

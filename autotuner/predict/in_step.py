@@ -83,6 +83,22 @@ def inside_ops_s(visits: Sequence[Visit]) -> float:
     return total
 
 
+def host_work_s(visits: Sequence[Visit], forward_backward_s: float, microbatches: int) -> tuple[float, float]:
+    """One rank's time outside its ops per micro-batch, (forward, backward), from a timed step's visits:
+    the forward's is the model forward's span less the ops inside it (GPTModel's own work: the rotary
+    table, the block's); the backward's is the rest of the time between the ops (the loss function, the
+    schedule's forward and backward steps, autograd's start). The calibration times it on a minimal model
+    (autotuner.calibrate), where it is the schedule's and the model's host work, not its ops'."""
+    forwards = [(start, end) for key, _, start, end in visits if key == "stage.forward"]
+    ops = [v for v in visits if not v[0].startswith("stage.")]
+    forward = sum(
+        (end - start) - inside_ops_s([v for v in ops if start <= v[2] and v[3] <= end])
+        for start, end in forwards
+    )
+    between = forward_backward_s - inside_ops_s(ops)
+    return max(forward, 0.0) / microbatches, max(between - forward, 0.0) / microbatches
+
+
 # A rank's forward or backward of one micro-batch and model chunk, as it ran: (phase, micro-batch, chunk)
 # -> (start, end), the key of autotuner.predict.schedule's boxes less the stage.
 Boxes = dict[tuple[str, int, int], tuple[float, float]]

@@ -60,6 +60,14 @@ the copy rate, and a Llama-2-7B layer's backward inside a real step was its row 
 Megatron's ``gradient_accumulation_fusion`` (its fused weight-gradient GEMM on GPUs) accumulates inside
 the GEMM: then this is zero.
 
+**Host work outside the ops.** A training step also spends time outside every op: Megatron's schedule
+(each micro-batch's forward and backward steps, the loss function, autograd's start) and GPTModel's own
+work (the rotary table, the block's own work around each layer). On a CPU, where the host is the device,
+each stage's forward and backward per micro-batch add it (``host_work``, *scaled*): the calibration's
+timed part for a stage plus its part per layer x the stage's layers (``host_work_seconds_per_microbatch``,
+autotuner.calibrate.host_work, timed on a minimal GPTModel at two depths). On a GPU the host queues the
+kernels ahead of the device, which hides this behind them as long as the kernels outlast it: not added.
+
 **Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
 times an op that finds its weights and inputs in the cache from its previous call; one measured with
 ``timing.flush_cache=true`` starts each call with the caches evicted. Inside a step an op finds its data
@@ -129,7 +137,13 @@ from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 from autotuner.predict.memory import GRAD_BYTES
 from autotuner.predict.schedule import Schedule, closed_form_s, overlaps_exchanges, simulate
-from autotuner.results.calibration import ADAM_PER_TENSOR, ADAM_TOGETHER, GRAD_ACCUMULATION, link_key
+from autotuner.results.calibration import (
+    ADAM_PER_TENSOR,
+    ADAM_TOGETHER,
+    GRAD_ACCUMULATION,
+    HOST_WORK,
+    link_key,
+)
 from autotuner.results.units import human_time
 
 ATTENTION_OPS = frozenset({"core_attention"})
@@ -722,6 +736,29 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
 
 
+def host_work(tm: TimeModel, phase: str, layers: int) -> OpTime | None:
+    """The host work outside the ops of one micro-batch's ``phase`` on a stage of ``layers`` layers
+    (module docstring); None on a GPU, and on a CPU without it in the calibration (said in a warning)."""
+    if tm.meas.devices != {"cpu"}:
+        return None
+    timed = tm.calibration.get(HOST_WORK)
+    if not timed:
+        tm._warn(
+            "the calibration did not time a step's host work outside its ops (Megatron's schedule, "
+            "GPTModel's own work; about 1 ms a micro-batch on this project's CPU VM): not added, "
+            "python -m autotuner.calibrate times it"
+        )
+        return None
+    base, per_layer = timed[phase], timed[f"{phase}_per_layer"]
+    seconds = base + per_layer * layers
+    detail = (
+        f"the step's {phase} host work outside its ops (Megatron's schedule, GPTModel's own), timed by "
+        f"autotuner.calibrate on a minimal GPTModel: {human_time(base * 1e6)} + "
+        f"{human_time(per_layer * 1e6)} per layer x {layers} = {human_time(seconds * 1e6)} per micro-batch"
+    )
+    return OpTime(seconds, Source("scaled", detail), {"host_work": seconds})
+
+
 def pipeline_transfer(tm: TimeModel) -> OpTime:
     """One micro-batch's exchange between pipeline stages in one phase (module docstring)."""
     lay = tm.layout
@@ -777,6 +814,10 @@ def stage_times(
                         count,
                     )
                 )
+        for phase in PHASES:
+            work = host_work(tm, phase, per_stage)
+            if work is not None:
+                items.append(("host_work", phase, work, 1))
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
         if accumulate is not None:
             items.append(("grad_accumulation", "backward", accumulate, 1))

@@ -21,8 +21,12 @@ other accepts too. The file is plain JSON::
      "send_recv_bandwidth": {...},                           and the point-to-point exchange's
      "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...},
                                                              the timed sizes behind them
-     "adam_seconds_per_parameter_together": {"gloo:2": <s>}} optional, CPU processes: the Adam step
+     "adam_seconds_per_parameter_together": {"gloo:2": <s>},  optional, CPU processes: the Adam step
                                                              per parameter with every rank at it
+     "host_work_seconds_per_microbatch": {"forward": <s>, "forward_per_layer": <s>, "backward": <s>,
+                                          "backward_per_layer": <s>}}  optional, CPU: a training step's
+                                                             time outside its ops per micro-batch, a
+                                                             stage's part and a part per layer
 
 The link entries are optional (a file written before them, or on one process, is still a calibration);
 where present they are checked like the ceilings. Bus bandwidth is nccl-tests' figure: the data a rank
@@ -56,6 +60,10 @@ ADAM_TOGETHER = "adam_seconds_per_parameter_together"
 ADAM_PER_TENSOR = "adam_seconds_per_tensor"
 # Per gradient dtype ("fp32", "bf16", ...): seconds per parameter of adding it into an fp32 gradient.
 GRAD_ACCUMULATION = "grad_accumulation_seconds_per_parameter"
+# Seconds per micro-batch a training step spends outside its ops (the schedule's and GPTModel's own host
+# work), timed on a CPU (autotuner.calibrate.host_work): per phase a stage's part and a part per layer.
+HOST_WORK = "host_work_seconds_per_microbatch"
+HOST_WORK_PARTS = ("forward", "forward_per_layer", "backward", "backward_per_layer")
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
 _LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
@@ -115,6 +123,19 @@ def load(path: str | Path) -> dict[str, Any]:
         raise UserError(
             f'calibration file {path} has a bad {GRAD_ACCUMULATION}: it needs {{"<dtype>": <seconds per '
             f'parameter>, ...}} with positive numbers (e.g. {{"bf16": 3.7e-12}}): {_FIX}'
+        )
+    host = data.get(HOST_WORK, dict.fromkeys(HOST_WORK_PARTS, 0.0))
+    if (
+        not isinstance(host, dict)
+        or set(host) != set(HOST_WORK_PARTS)
+        or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+            for v in host.values()
+        )
+    ):
+        raise UserError(
+            f"calibration file {path} has a bad {HOST_WORK}: it needs {', '.join(HOST_WORK_PARTS)} as "
+            f'seconds >= 0 (e.g. {{"forward": 2e-4, "forward_per_layer": 5e-5, ...}}): {_FIX}'
         )
     for key in PER_LINK_KEYS:
         links = data.get(key, {})
