@@ -77,6 +77,7 @@ from autotuner.model.runtime import (
     gloo_has_sequence_parallel_collectives,
     resolve_device,
 )
+from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.results.atomic import atomic_write_text
@@ -200,7 +201,7 @@ def host_work() -> dict[str, float]:
         per_depth.append(host_work_s(rank.timeline, fb, layout.microbatches))
     (low, shallow), (high, deep) = zip(HOST_WORK_DEPTHS, per_depth, strict=True)
     result = {}
-    for phase, at_low, at_high in zip(("forward", "backward"), shallow, deep, strict=True):
+    for phase, at_low, at_high in zip(PHASES, shallow, deep, strict=True):
         per_layer = max(at_high - at_low, 0.0) / (high - low)
         result[phase] = max(at_low - per_layer * low, 0.0)
         result[f"{phase}_per_layer"] = per_layer

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from autotuner.config import compose_config
-from autotuner.measure.cache import last_level_cache_bytes
+from autotuner.measure.cache import CacheFlusher
 from autotuner.measure.timer import median_ci
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
@@ -59,7 +59,6 @@ def layer_phases(case: str, threads: int) -> tuple[Phase, Phase]:
 
 def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random) -> dict[str, list[float]]:
     """``samples`` timed forwards, each after a condition drawn at random."""
-    flush = torch.empty(2 * last_level_cache_bytes(torch.device("cpu")) // 4)
     backward_s = [1e-3]
 
     def after_backward() -> None:
@@ -77,7 +76,7 @@ def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random)
         "back to back": forward.run,
         "after its backward": after_backward,
         "after a spin": spin,
-        "after a flush": lambda: flush.fill_(1.0),
+        "after a flush": CacheFlusher(torch.device("cpu")),  # the timer's own flush
     }
     times: dict[str, list[float]] = {name: [] for name in CONDITIONS}
     for _ in range(samples):
