@@ -252,7 +252,13 @@ status() {
         if pid="$(live_pid "$file" "$name")"; then echo "$name: running ($pid)"; else echo "$name: not running"; fi
     done
     echo "SLURM_CONF=$conf"
-    sinfo
+    # sinfo with no controller to answer retries for 9-60 s before it fails: ask it only when there is one
+    if live_pid "$ctld_pid" slurmctld >/dev/null; then
+        sinfo
+    else
+        echo "no slurmctld: the cluster is down ($0 start)" >&2
+        return 1
+    fi
 }
 
 case "${1:-}" in
