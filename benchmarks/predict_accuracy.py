@@ -1,12 +1,17 @@
 """Prediction accuracy: predicted step time and peak memory / measured, on real training steps.
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 6] [--cases tiny,llama_small,tiny_moe]
-        [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once]
+        [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once] [--threads 1]
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
 TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
-one), with each process's share of the cores: on a CPU the ranks share the memory, and an op timed
-alone would run faster than beside them (pipeline stages run staggered: see profile()). Each is
+one): on a CPU the ranks share the memory, and an op timed alone would run faster than beside them
+(pipeline stages run staggered: see profile()). Every process, profiles, steps and the calibration
+alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which was the
+default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual cores,
+and the llama-shaped layer's rows moved 2-4x more between profiles with two threads than with one (ten
+profiles each, alternated: forward and backward 15% and 12% of their mean with two threads, 6.8% and
+2.8% with one), for 1.2-1.3x the speed. Each op is
 profiled once with warm caches and once flushed (the predictor takes, for each visit of an op in the
 step, the kind it runs in: autotuner.predict.timing.cache_plan). The device and the links between two
 processes are calibrated in every round, between its first steps and its profiles (python -m
@@ -126,17 +131,20 @@ def _quiet_run(argv: list[str]) -> int:
         return run(argv)
 
 
-def cpu_share(processes: int) -> list[str]:
-    """Each process's share of the cores, the same in the profile and in the steps: a TP=2 or PP=2 step
-    runs two processes on this machine's cores, so ops profiled with all of them would be too fast."""
-    return [f"timing.threads={max(1, len(os.sched_getaffinity(0)) // processes)}"]
+def cpu_share(processes: int, threads: int = 0) -> list[str]:
+    """Each process's intra-op threads, the same in the profile and in the steps: ``threads``, or (0) the
+    process's share of the cores (a TP=2 or PP=2 step runs two processes on this machine's cores, so ops
+    profiled with all of them would be too fast)."""
+    return [f"timing.threads={threads or max(1, len(os.sched_getaffinity(0)) // processes)}"]
 
 
-def profile(case: list[str], layout: Layout, run_dir: Path, calibration: Path, flush: bool) -> None:
-    """The stage's ops at the layout's point, TP and EP, with the cores the layout's processes share."""
+def profile(
+    case: list[str], layout: Layout, run_dir: Path, calibration: Path, flush: bool, threads: int = 0
+) -> None:
+    """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`)."""
     argv = [
         *case,
-        *cpu_share(layout.gpus),
+        *cpu_share(layout.gpus, threads),
         "device=cpu",
         f"ops=[{','.join(STAGE_OPS)}]",
         f"timing.flush_cache={str(flush).lower()}",
@@ -170,27 +178,32 @@ def layout_of(name: str) -> Layout:
     )
 
 
-def steps_arguments(case: list[str], layout: Layout) -> tuple[str, list[str]]:
-    """The case and overrides of the layout's real steps (autotuner.predict.steps), on the cores' share."""
-    return case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus), "device=cpu"]
+def steps_arguments(case: list[str], layout: Layout, threads: int = 0) -> tuple[str, list[str]]:
+    """The case and overrides of the layout's real steps (autotuner.predict.steps), each process on
+    ``threads`` (:func:`cpu_share`)."""
+    return case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus, threads), "device=cpu"]
 
 
-def profiled_runs(case: list[str], layout: Layout, folder: Path, calibration: Path) -> Runs:
+def profiled_runs(case: list[str], layout: Layout, folder: Path, calibration: Path, threads: int = 0) -> Runs:
     """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
     predictor reads them."""
     run_dirs = [folder / mode for mode in ("warm", "cold")]
     for run_dir in run_dirs:
-        profile(case, layout, run_dir, calibration, run_dir.name == "cold")
+        profile(case, layout, run_dir, calibration, run_dir.name == "cold", threads)
     return load_runs(run_dirs)
 
 
-def calibrate_machine(calibration: Path) -> str:
+def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     """Calibrate the device and the links between two processes (gloo) into ``calibration``: the ceilings,
-    the Adam step alone and with both processes at it, the pipeline's transfers, the collectives. Returns
-    a line of what the predicted steps depend on most."""
+    the Adam step alone and with both processes at it, the pipeline's transfers, the collectives (the
+    device's on ``threads`` intra-op threads, as the steps run; 0: torch's default). Returns a line of
+    what the predicted steps depend on most."""
     quiet = {"check": True, "capture_output": True, "timeout": 600}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     subprocess.run(
-        [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)], **quiet
+        [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)],
+        env=env,
+        **quiet,
     )
     links = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     links += ["-m", "autotuner.calibrate", "--device", "cpu", "--collectives", "--out", str(calibration)]
@@ -222,10 +235,10 @@ class Round(NamedTuple):
     replay: float | None  # the schedule model on the measured forwards and backwards / their measured span
 
 
-def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None) -> Round:
+def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None, threads: int) -> Round:
     """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself."""
     case, layout = CASES[name], layout_of(layout_name)
-    steps_args = steps_arguments(case, layout)
+    steps_args = steps_arguments(case, layout, threads)
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
         # the steps before the profiles and (validate) after them: the machine's drift over the round
         before = run_steps(*steps_args, layout, Path(folder) / "before.json", repeats=repeats).step_s
@@ -233,8 +246,8 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             # the machine as the profiles find it: one calibration shared by every round would bias them
             # all alike, past any interval
             calibration = Path(folder) / "calibration.json"
-            calibrate_machine(calibration)
-        runs = profiled_runs(case, layout, Path(folder), calibration)
+            calibrate_machine(calibration, threads)
+        runs = profiled_runs(case, layout, Path(folder), calibration, threads)
         pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
         checked = validate(pred, *steps_args, repeats=repeats)
         adam_rate = json.loads(calibration.read_text())["adam_seconds_per_parameter"]
@@ -274,11 +287,20 @@ def main() -> int:
         default="round",
         help="calibrate the machine in every round (default) or once for the run",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads of every process, profiles, steps and calibration alike (default 1: see "
+        "the module docstring); 0: each process's share of the cores",
+    )
     args = parser.parse_args()
+    threads = args.threads or "each process's share of the cores"
+    print(f"intra-op threads per process (profiles, steps, calibration): {threads}")
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
         calibration = Path(folder) / "calibration.json" if args.calibrate == "once" else None
         if calibration is not None:
-            print(f"calibration, once for the run: {calibrate_machine(calibration)}")
+            print(f"calibration, once for the run: {calibrate_machine(calibration, args.threads)}")
         else:
             print("calibration: afresh in every round, inside its bracket (the Adam rates below each layout)")
         header = (
@@ -305,7 +327,7 @@ def main() -> int:
             for layout_name in chosen:
                 results = []
                 for index in range(args.rounds):
-                    results.append(one_round(name, layout_name, args.repeats, calibration))
+                    results.append(one_round(name, layout_name, args.repeats, calibration, args.threads))
                     said = results[-1]
                     print(  # each round as it ends (on stderr, beside the table): a long run's progress
                         f"round {index + 1}/{args.rounds} {name} {layout_name}: step predicted "
