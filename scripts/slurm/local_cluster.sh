@@ -10,7 +10,7 @@
 #           line of stdout: clients find the cluster with `export SLURM_CONF=<that path>`.
 #   stop    cancels the cluster's jobs, then stops each daemon this script started, by the PID in its
 #           pid file (never by name: another munged or slurmd on the machine is not ours to stop).
-#   status  prints the daemons' PIDs and `sinfo`; exit code 0 when the node answers.
+#   status  prints the daemons' PIDs and, with slurmctld running, `sinfo`; exit code 0 when the node answers.
 #
 # Environment:
 #   LOCAL_SLURM_DIR    scratch folder for slurm.conf, state, spool, logs, pid files
