@@ -165,12 +165,9 @@ def venv(dists, tmp_path_factory) -> Venv:
     (site / "third_party.pth").write_text(f"{_third_party(base)}\n")
     _ok(_run([env.python, "-m", "pip", "install", "-q", "--no-index", str(dists.wheel)], REPO, timeout=900))
     # torch is the development environment's build, and it was not reinstalled
-    torch_file = _ok(_run([env.python, "-c", "import torch; print(torch.__file__)"], base)).stdout
-    assert (
-        torch.__version__
-        in _ok(_run([env.python, "-c", "import torch; print(torch.__version__)"], base)).stdout
-    )
-    assert Path(torch_file.strip()).is_relative_to(base / "third_party")
+    code = "import torch; print(torch.__version__, torch.__file__)"
+    version, where = _ok(_run([env.python, "-c", code], base)).stdout.split()
+    assert version == torch.__version__ and Path(where).is_relative_to(base / "third_party")
     return env
 
 
