@@ -9,10 +9,8 @@ one): on a CPU the ranks share the memory, and an op timed alone would run faste
 (pipeline stages run staggered: see profile()). Every process, profiles, steps and the calibration
 alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which was the
 default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual cores,
-and the llama-shaped layer's rows moved 2-4x more between profiles with two threads than with one (ten
-profiles each, alternated: forward and backward 15% and 12% of their mean with two threads, 6.8% and
-2.8% with one), for 1.2-1.3x the speed. Each op is
-profiled once with warm caches and once flushed (the predictor takes, for each visit of an op in the
+and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise). Each
+op is profiled once with warm caches and once flushed (the predictor takes, for each visit of an op in the
 step, the kind it runs in: autotuner.predict.timing.cache_plan). The device and the links between two
 processes are calibrated in every round, between its first steps and its profiles (python -m
 autotuner.calibrate, and --collectives under torchrun: the Adam step's time per parameter, alone and
@@ -136,6 +134,13 @@ def cpu_share(processes: int, threads: int = 0) -> list[str]:
     process's share of the cores (a TP=2 or PP=2 step runs two processes on this machine's cores, so ops
     profiled with all of them would be too fast)."""
     return [f"timing.threads={threads or max(1, len(os.sched_getaffinity(0)) // processes)}"]
+
+
+def threads_per_process(text: str) -> int:
+    """--threads: a whole number, 0 for the cores' share."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of threads (0: the cores' share)")
+    return int(text)
 
 
 def profile(
@@ -289,7 +294,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=threads_per_process,
         default=1,
         help="intra-op threads of every process, profiles, steps and calibration alike (default 1: see "
         "the module docstring); 0: each process's share of the cores",

@@ -19,16 +19,13 @@ forward and backward rows moved by 15% and 12% of their mean (largest over small
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from autotuner.main import run
 from autotuner.ops.naming import PHASES
-from benchmarks.predict_accuracy import CASES, MBS, SEQ
+from autotuner.results import load_rows
+from benchmarks.predict_accuracy import CASES, MBS, SEQ, _quiet_run
 
 THREADS = (1, 2)
 
@@ -46,18 +43,26 @@ def profile(case: list[str], op: str, threads: int, run_dir: Path) -> dict[str, 
         "report=false",
         f"hydra.run.dir={run_dir}",
     ]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        if run(argv) != 0:
-            raise SystemExit(f"the profile of {op} failed: python -m autotuner.main {' '.join(argv)}")
-    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line]
-    return {row["phase"]: row["median_us"] / 1e6 for row in rows if row.get("status") == "ok"}
+    if _quiet_run(argv) != 0:
+        raise SystemExit(f"the profile of {op} failed: python -m autotuner.main {' '.join(argv)}")
+    rows = load_rows(run_dir / "results.jsonl")
+    return {row["phase"]: row["median_us"] / 1e6 for row in rows if row["status"] == "ok"}
+
+
+def at_least_two(text: str) -> int:
+    """--profiles: a spread needs two profiles per thread count."""
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of profiles, 2 or more")
+    return int(text)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", default="llama_small", choices=sorted(CASES))
     parser.add_argument("--op", default="transformer_layer")
-    parser.add_argument("--profiles", type=int, default=10, help="profiles per thread count")
+    parser.add_argument(
+        "--profiles", type=at_least_two, default=10, help="profiles per thread count (2 or more)"
+    )
     args = parser.parse_args()
     rows: dict[int, list[dict[str, float]]] = {threads: [] for threads in THREADS}
     with tempfile.TemporaryDirectory(prefix="thread-noise-") as folder:
@@ -69,7 +74,7 @@ def main() -> int:
     for threads, profiles in rows.items():
         for phase in PHASES:
             seconds = [p[phase] for p in profiles if phase in p]
-            if len(seconds) < 2:
+            if len(seconds) < 2:  # the op failed in all profiles but one
                 continue
             spread = statistics.stdev(seconds) / statistics.mean(seconds)
             print(
