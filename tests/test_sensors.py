@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import count, cycle, repeat
+from typing import Any
 
 import pytest
 import torch
@@ -218,7 +220,8 @@ def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
         repeat(10_000), SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001, target_rel_ci=0)
     )
     assert blocked.calls_per_sample == 100 and blocked.times_ns == [10_000.0] * blocked.samples
-    assert len(clock.ran) == 1 + 1 + blocked.samples * 100  # warm-up, probe, the samples' calls
+    # warm-up, probe, one untimed block (it grows the pool for a block's kept results), the samples' calls
+    assert len(clock.ran) == 1 + 1 + 100 + blocked.samples * 100
     # No block under a microsecond op's 1000-call ceiling.
     capped, _ = _scripted(repeat(1), SamplingPolicy(warmup=0, max_samples=5, min_block_s=1.0))
     assert capped.calls_per_sample == 1000
@@ -230,6 +233,57 @@ def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
         prepare=clock.wait(10 * MS),
     )
     assert prepared.calls_per_sample == 1 and prepared.times_ns == [MS] * 3  # the 10 ms prepare is not timed
+
+
+class _Output:
+    """What a forward returns, whose freeing costs ``free_ns`` of the scripted clock (a graph's teardown)."""
+
+    def __init__(self, clock: ScriptedClock, free_ns: int) -> None:
+        weakref.finalize(self, clock.wait(free_ns))
+
+
+@pytest.mark.parametrize("duration_ns", [2 * MS, 10_000], ids=["one_call", "block"])
+def test_what_a_call_returns_is_freed_after_the_end_mark(duration_ns):
+    """A forward's output (its graph, its saved activations) lives until the backward in training: freeing
+    it is not the forward's time, in a sample of one call or in a block of many."""
+    clock = ScriptedClock(repeat(duration_ns))
+
+    def forward() -> _Output:
+        clock.op()
+        return _Output(clock, free_ns=MS)
+
+    policy = SamplingPolicy(warmup=1, max_samples=6, budget_s=60, min_block_s=0.001, target_rel_ci=0)
+    measurement = sample(DeviceTimer(CPU, clock_ns=clock), forward, policy)
+    assert measurement.times_ns == [float(duration_ns)] * measurement.samples
+    assert measurement.samples == 6 and clock.now_ns > 6 * MS  # the frees ran, outside the samples
+
+
+class _HoldsMarker(torch.autograd.Function):
+    """An identity whose graph node keeps a Python object until the node itself is freed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, marker: object) -> torch.Tensor:
+        ctx.marker = marker
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def test_a_backward_sample_leaves_its_spent_graph_to_be_freed_after_the_end_mark():
+    """The backward frees the saved activations as it runs (timed, as in a step); the graph's nodes go
+    when its outputs are dropped, which a step does after the layer's backward: after the end mark."""
+    clock = ScriptedClock(repeat(MS))
+    linear = torch.nn.Linear(4, 4)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _HoldsMarker.apply(linear(x), _Output(clock, free_ns=MS))
+
+    phase = Phase("backward", OpCall(forward, (torch.randn(2, 4, requires_grad=True),), linear), seed=0)
+    phase.prepare()
+    assert DeviceTimer(CPU, clock_ns=clock).time_ns(phase.run) == 0
+    assert clock.now_ns == MS  # the node was freed, after the window
 
 
 def test_warnings_flag_a_noisy_op_and_a_drifting_op():

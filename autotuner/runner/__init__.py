@@ -99,6 +99,9 @@ class Phase:
       from seeded random output gradients. Backward is measured on its own, never as a difference of
       forward+backward and forward.
 
+    Each ``run`` returns what a step would still hold after it (the forward's output; the backward's spent
+    outputs), for the caller to free outside its timed window (autotuner.measure.timer).
+
     :meth:`rotate` makes copies of the inputs that successive calls cycle through, so an op whose inputs
     fit in the cache does not read them from cache in every sample (as it would not inside the model).
     """
@@ -210,9 +213,10 @@ class Phase:
         self._output_grads(outputs)
         self._outputs = outputs
 
-    def _backward(self) -> None:
+    def _backward(self) -> list[torch.Tensor]:
         outputs, self._outputs = self._outputs, []
         torch.autograd.backward(outputs, self._grads)
+        return outputs  # the spent graph's nodes go with them
 
 
 class Observer(Protocol):

@@ -1,0 +1,191 @@
+"""A layer's rows, timed as get_data times them, against the same layers inside real training steps: one
+process, alternated step by step.
+
+    python -m benchmarks.row_in_step [--cases tiny,llama_small] [--rounds 30] [--threads 1]
+
+The layer's forward and backward rows are most of a predicted step (docs/predictor_accuracy.md).
+``benchmarks.predict_accuracy`` compares a profile and real steps taken in different processes, a
+minute apart, where this VM's drift is as large as the error sought. This takes the drift out: one
+process builds the steps' own GPTModel (autotuner.predict.steps: TP1, s128, one sample a micro-batch, 4
+micro-batches, fp32), trains it step by step with the steps' hooks timing every layer's visits
+(autotuner.predict.in_step.ModuleClock), and after each step times each of its layers alone, as get_data
+does (autotuner.runner.Phase and autotuner.measure.timer.DeviceTimer.time_ns: the forward back to back,
+the backward after an untimed forward with the layer's gradients cleared), on the input that layer got
+in the step. Each round is one step and, in a random order, two samples of each layer's forward, its
+backward, and its forward with the output freed inside the timed window (how get_data timed a forward
+before session 20: autotuner.measure.timer, "Freeing what a call returns").
+
+It prints per case, per visit: the in-step median and the rows' medians (ms), and each row over the
+in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least].
+What it showed on this project's VM (session 20, one thread, 30 rounds):
+tiny forward 0.95-0.97 (freed inside: 1.14-1.20), backward 1.03-1.08; llama-shaped forward 0.98-1.01
+(freed inside: 1.04-1.08), backward 0.98-1.00.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autotuner.config import compose_config
+from autotuner.measure.timer import DeviceTimer, median_ci
+from autotuner.model import cpu_bridges
+from autotuner.model.runtime import init_parallel
+from autotuner.ops_test.base import OpCall
+from autotuner.predict import steps
+from autotuner.predict.in_step import ModuleClock
+from autotuner.runner import Phase
+from autotuner.runner.spec import resolve_spec
+from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
+from benchmarks.thread_noise import at_least_two
+
+# each kind: (the phase, whether what its call returns is freed inside the timed window)
+KINDS = {
+    "forward": ("forward", False),
+    "backward": ("backward", False),
+    "forward, output freed inside": ("forward", True),
+    "backward, graph freed inside": ("backward", True),
+}
+IN_STEP = {"forward": "transformer_layer.forward", "backward": "transformer_layer.backward"}
+
+
+class Bench:
+    """The steps' model of one case in this process, its hooks, and get_data's phases of each layer."""
+
+    def __init__(self, case: str, threads: int) -> None:
+        self.layout = layout = layout_of("tp1")
+        name, overrides = CASES[case][0].split("=", 1)[1], CASES[case][1:]
+        options = [*overrides, "device=cpu", f"timing.threads={threads}"]
+        spec = resolve_spec(compose_config(steps._config_overrides(name, options, layout)))
+        torch.set_num_threads(threads)
+        cpu_bridges.apply(spec.device)
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        init_parallel(spec.device, 1, 1, 1, pipeline_parallel=1)
+        (self.model,) = steps._stage_model(spec, layout, spec.device)
+        self.batches = steps._batches(spec, layout, spec.device, 0)
+        # the steps' fp32 gradient buffer: the parameters' .grad are views of it, accumulated in place
+        self.buffers = steps._grad_buffers(torch.nn.ModuleList([self.model]))
+        self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=1e-3)
+        self.clock = ModuleClock([self.model], spec.device)
+        self.layers = list(self.model.decoder.layers)
+        self.timer = DeviceTimer(spec.device)
+        self.forward_backward = get_forward_backward_func()
+        self._inputs: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+        handles = [layer.register_forward_pre_hook(self._capture, with_kwargs=True) for layer in self.layers]
+        self.step(timed=False)  # one untimed step: first calls, and each layer's input in it
+        for handle in handles:
+            handle.remove()
+        self.phases = [self._phases(layer) for layer in self.layers]
+
+    def _capture(self, layer: Any, args: tuple, kwargs: dict) -> None:
+        if id(layer) not in self._inputs:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            rest = {
+                k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items() if k != "hidden_states"
+            }
+            self._inputs[id(layer)] = (hidden.detach().clone().requires_grad_(), rest)
+
+    def _phases(self, layer: Any) -> dict[str, Phase]:
+        hidden, rest = self._inputs[id(layer)]
+        call = OpCall(lambda x: layer(x, **rest), (hidden,), layer)
+        return {name: Phase(name, call, seed=0) for name in ("forward", "backward")}
+
+    def step(self, timed: bool) -> None:
+        if timed:
+            self.clock.start_step()
+        self.forward_backward(
+            forward_step_func=steps._forward_step,
+            data_iterator=iter(self.batches),
+            model=self.model,
+            num_microbatches=self.layout.microbatches,
+            seq_length=self.layout.seq_len,
+            micro_batch_size=self.layout.micro_batch_size,
+            forward_only=False,
+        )
+        if timed:
+            self.clock.recording = False
+            self.clock.collect()
+        self.optimizer.step()
+        for buffer in self.buffers:
+            buffer.flat.zero_()
+
+    def rows(self, rng: random.Random) -> dict[str, list[float]]:
+        """Two samples of each kind for each layer, in a random order; seconds per call."""
+        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for layer, phases in zip(self.layers, self.phases, strict=True):
+            kept = [p.grad for p in layer.parameters()]  # views of the steps' buffer: back after the rows
+            for kind in rng.sample(list(KINDS) * 2, len(KINDS) * 2):
+                name, freed_inside = KINDS[kind]
+                phase = phases[name]
+                if phase.prepare is not None:
+                    phase.prepare()
+                # dropped as the call returns, what the call made is freed inside the window
+                run = functools.partial(_dropped, phase.run) if freed_inside else phase.run
+                times[kind].append(self.timer.time_ns(run) * 1e-9)
+            for param, grad in zip(layer.parameters(), kept, strict=True):
+                param.grad = grad
+        return times
+
+
+def _dropped(run: Callable[[], Any]) -> None:
+    run()
+
+
+def in_step_times(visits: list[tuple[str, int, float, float]]) -> dict[str, list[float]]:
+    return {kind: [end - start for key, _, start, end in visits if key == IN_STEP[kind]] for kind in IN_STEP}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="tiny,llama_small", help="comma-separated: tiny, llama_small")
+    parser.add_argument("--rounds", type=at_least_two, default=30)
+    parser.add_argument("--threads", type=threads_per_process, default=1, help="intra-op threads (0: all)")
+    args = parser.parse_args()
+    cases = args.cases.split(",")
+    for case in cases:
+        if case not in ("tiny", "llama_small"):
+            parser.error(f"--cases {case!r}: give tiny, llama_small or both, comma-separated")
+    threads = args.threads or torch.get_num_threads()
+    rng = random.Random(0)
+    for case in cases:
+        bench = Bench(case, threads)
+        rows: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        ratios: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        inside: dict[str, list[float]] = {kind: [] for kind in IN_STEP}
+        for _ in range(args.rounds):
+            bench.step(timed=True)
+            visits = in_step_times(bench.clock.timelines[-1])
+            times = bench.rows(rng)
+            for kind in KINDS:
+                base = KINDS[kind][0]
+                rows[kind] += times[kind]
+                ratios[kind].append(statistics.median(times[kind]) / statistics.median(visits[base]))
+            for kind in IN_STEP:
+                inside[kind] += visits[kind]
+        print(
+            f"{case} TransformerLayer, TP1 s{bench.layout.seq_len} b{bench.layout.micro_batch_size}, "
+            f"{bench.layout.microbatches} micro-batches, fp32, {threads} thread(s), {args.rounds} rounds: "
+            "per visit, median ms; row / in-step, median over the rounds [95% CI]"
+        )
+        for kind in KINDS:
+            base = KINDS[kind][0]
+            ordered = sorted(ratios[kind])
+            ci = median_ci(ordered)
+            interval = f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "[-]"
+            in_step_ms, row_ms = statistics.median(inside[base]) * 1e3, statistics.median(rows[kind]) * 1e3
+            print(
+                f"  {kind:<30} in-step {in_step_ms:7.3f}  row {row_ms:7.3f}  "
+                f"{statistics.median(ordered):.3f} {interval}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
