@@ -11,15 +11,18 @@ micro-batches, fp32), trains it step by step with the steps' hooks timing every 
 (autotuner.predict.in_step.ModuleClock), and after each step times each of its layers alone, as get_data
 does (autotuner.runner.Phase and autotuner.measure.timer.DeviceTimer.time_ns: the forward back to back,
 the backward after an untimed forward with the layer's gradients cleared), on the input that layer got
-in the step. Each round is one step and, in a random order, two samples of each layer's forward, its
-backward, and its forward with the output freed inside the timed window (how get_data timed a forward
+in the step. Each round is one step and, in a random order, two samples of each layer's forward and
+backward, and of each with what the call returns freed inside the timed window (how get_data timed them
 before session 20: autotuner.measure.timer, "Freeing what a call returns").
 
 It prints per case, per visit: the in-step median and the rows' medians (ms), and each row over the
-in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least].
-What it showed on this project's VM (session 20, one thread, 30 rounds):
-tiny forward 0.95-0.97 (freed inside: 1.14-1.20), backward 1.03-1.08; llama-shaped forward 0.98-1.01
-(freed inside: 1.04-1.08), backward 0.98-1.00.
+in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least]. The rows here are
+two samples at a time, between other samples of the same layer, not get_data's long back-to-back runs.
+What it showed on this project's VM (session 20, one thread, 30 rounds, two runs): tiny's forward 0.988
+and 0.988 (with the output freed inside the window 1.003 and 0.959), backward 1.059 and 1.045 (the graph
+freed inside 1.089 and 1.050); the llama-shaped forward 1.053 and 1.032 (1.068, 1.067), backward 1.020
+and 1.006 (1.026, 1.021). Over seven runs the forward rows' medians read 1.0-11% (tiny) and 1.7-6.7%
+(llama-shaped, median 2.5%) longer with the output freed inside their window; the backward's, under 1%.
 """
 
 from __future__ import annotations

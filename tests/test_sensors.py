@@ -220,8 +220,7 @@ def test_short_forward_calls_are_timed_in_blocks_and_prepare_is_excluded():
         repeat(10_000), SamplingPolicy(warmup=1, max_samples=10, min_block_s=0.001, target_rel_ci=0)
     )
     assert blocked.calls_per_sample == 100 and blocked.times_ns == [10_000.0] * blocked.samples
-    # warm-up, probe, one untimed block (it grows the pool for a block's kept results), the samples' calls
-    assert len(clock.ran) == 1 + 1 + 100 + blocked.samples * 100
+    assert len(clock.ran) == 1 + 1 + blocked.samples * 100  # warm-up, probe, the samples' calls
     # No block under a microsecond op's 1000-call ceiling.
     capped, _ = _scripted(repeat(1), SamplingPolicy(warmup=0, max_samples=5, min_block_s=1.0))
     assert capped.calls_per_sample == 1000
@@ -242,20 +241,36 @@ class _Output:
         weakref.finalize(self, clock.wait(free_ns))
 
 
-@pytest.mark.parametrize("duration_ns", [2 * MS, 10_000], ids=["one_call", "block"])
-def test_what_a_call_returns_is_freed_after_the_end_mark(duration_ns):
+def test_what_a_call_returns_is_freed_after_the_end_mark():
     """A forward's output (its graph, its saved activations) lives until the backward in training: freeing
-    it is not the forward's time, in a sample of one call or in a block of many."""
-    clock = ScriptedClock(repeat(duration_ns))
+    it is not the forward's time."""
+    clock = ScriptedClock(repeat(2 * MS))
 
     def forward() -> _Output:
         clock.op()
         return _Output(clock, free_ns=MS)
 
+    policy = SamplingPolicy(warmup=1, max_samples=6, budget_s=60, target_rel_ci=0)
+    measurement = sample(DeviceTimer(CPU, clock_ns=clock), forward, policy)
+    assert measurement.calls_per_sample == 1 and measurement.samples == 6
+    assert measurement.times_ns == [2.0 * MS] * 6
+    assert clock.now_ns == 7 * (2 * MS + MS)  # warm-up and six samples, each freed: after the window
+
+
+def test_a_block_keeps_its_last_calls_result_past_the_end_mark():
+    """In a block only the last call's result waits for the end mark; the others are freed as they return
+    (keeping them all would make every call write memory no call had just freed)."""
+    clock = ScriptedClock(repeat(10_000))
+
+    def forward() -> _Output:
+        clock.op()
+        return _Output(clock, free_ns=1_000)
+
+    # a 10 us call and a 1 ms block: 100 calls, 99 frees inside each sample
     policy = SamplingPolicy(warmup=1, max_samples=6, budget_s=60, min_block_s=0.001, target_rel_ci=0)
     measurement = sample(DeviceTimer(CPU, clock_ns=clock), forward, policy)
-    assert measurement.times_ns == [float(duration_ns)] * measurement.samples
-    assert measurement.samples == 6 and clock.now_ns > 6 * MS  # the frees ran, outside the samples
+    assert measurement.calls_per_sample == 100
+    assert measurement.times_ns == [(100 * 10_000 + 99 * 1_000) / 100] * measurement.samples
 
 
 class _HoldsMarker(torch.autograd.Function):

@@ -40,17 +40,18 @@ Gotchas this guards against (and records in the row, so a reader knows they were
 * Freeing what a call returns. A forward's output holds its autograd graph and every activation saved
   for the backward; a bare ``run()`` drops it at once, inside the timed window, so the graph's teardown
   and the frees of its tensors were timed as the forward. In training they live until the backward,
-  which frees them (as the backward phase's samples do, inside their window). So :meth:`DeviceTimer.time_ns`
-  keeps every call's result until after its end mark; a backward returns its spent outputs, whose graph
-  nodes go with them, as a step drops them after the layer's backward. On this project's CPU VM (one
-  thread; ``python -m benchmarks.row_in_step`` times both ways side by side, in one process with the
-  steps) a forward freed inside its window read 1.7-6.7% longer for the llama-shaped layer (median 2.5%
-  over seven runs) and 1-11% for tiny's (3%); a backward's spent graph, under 1%. A block of calls keeps
-  its calls' results until it ends, as a step's forward keeps its activations: at most ``min_block_s``
-  worth of outputs.
+  which frees them (as the backward phase's samples do, inside their window). So
+  :meth:`DeviceTimer.time_ns` keeps a sample's result until after its end mark; a backward returns its
+  spent outputs, whose graph nodes go with them, as a step drops them after the layer's backward. On
+  this project's CPU VM (one thread; ``python -m benchmarks.row_in_step`` times both ways side by side,
+  in one process with the steps) a forward freed inside its window read 1.7-6.7% longer for the
+  llama-shaped layer (median 2.5% over seven runs) and 1-11% for tiny's (3%); a backward's spent graph,
+  under 1%. In a block of calls only the last call's result is kept: keeping all of them made every
+  call write memory no call had just freed (and, where glibc had given the heap's top back to the
+  system, fault its pages in again), and short ops read 1-19% slower for it in session 20's runs; the
+  block's other calls free theirs as they return, as before.
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
-  run before any sample is kept; a forward timed in blocks also runs one untimed block first, whose kept
-  results grow the pool to a block's size.
+  run before any sample is kept.
 
 Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` (one by one
 once a sample lasts over a millisecond) until the median is precise enough ("precision"), or the time
@@ -250,6 +251,13 @@ class RankAgreement:
         return self.max(0.0 if flag else 1.0)[0] == 0.0
 
 
+def _last_result(run: Callable[[], Any], calls: int) -> Any:
+    """``calls`` calls of ``run``, the results of all but the last dropped as they return; the last's."""
+    for _ in range(calls - 1):
+        run()
+    return run()
+
+
 class DeviceTimer:
     """Times a single call (or a block of calls) on the device it runs on.
 
@@ -282,7 +290,7 @@ class DeviceTimer:
             torch.distributed.barrier()
 
     def time_ns(self, run: Callable[[], Any], calls: int = 1) -> int:
-        """Total time of ``calls`` back-to-back calls of ``run``. What the calls return is freed after the
+        """Total time of ``calls`` back-to-back calls of ``run``. The last call's result is freed after the
         end mark, not inside the window (module docstring: "Freeing what a call returns")."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -290,17 +298,17 @@ class DeviceTimer:
                 self._spin(SPIN_MARGIN * self._launch_ns)
             launching = self.clock_ns()
             start.record()
-            results = [run() for _ in range(calls)]
+            result = _last_result(run, calls)
             end.record()
             self.last_launch_ns = self.clock_ns() - launching
             self._launch_ns = min(max(self.last_launch_ns, SPIN_FLOOR_NS), SPIN_CEILING_NS)
-            del results
+            del result
             end.synchronize()
             return int(start.elapsed_time(end) * 1e6)
         begin = self.clock_ns()
-        results = [run() for _ in range(calls)]
+        result = _last_result(run, calls)
         elapsed = self.clock_ns() - begin
-        del results
+        del result
         return elapsed
 
     def _spin(self, ns: float) -> None:
@@ -395,8 +403,6 @@ def sample(
             times.append(probe_ns)
             if timer.last_launch_ns is not None:
                 host_times.append(timer.last_launch_ns)
-        elif calls > 1:  # a block keeps its calls' results: its first run grows the pool for them, untimed
-            timer.time_ns(run, calls)
     measurement = Measurement(
         times_ns=times,
         host_times_ns=host_times,
