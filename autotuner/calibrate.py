@@ -70,6 +70,7 @@ import torch
 from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
+from autotuner.model.host_heap import keep_freed_memory
 from autotuner.model.runtime import (
     DTYPES,
     device_name,
@@ -129,6 +130,7 @@ def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> flo
 
 def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dict[str, Any]:
     """Measure the ceilings of ``device`` with the functional ops' calls at peak sizes; plain data."""
+    keep_freed_memory(device)  # as the processes whose rows and steps these rates serve
     policy = policy or SamplingPolicy(warmup=2, min_samples=5, budget_s=1.0, target_rel_ci=0.02)
     peak_flops = {}
     for dtype, n in MATMUL_SIZE[device.type].items():
@@ -364,6 +366,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
         )
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    keep_freed_memory(device)  # the Adam step every rank times at once, as in calibrate()
     rank = int(os.environ.get("RANK", 0))
     # Rank 0 reads the file before anyone measures: a bad file fails every rank now, not after.
     existing: dict[str, Any] | None = None

@@ -222,11 +222,13 @@ def _check_output_dir(argv: list[str], job: list[str]) -> None:
 def _app(cfg: DictConfig) -> None:
     import autotuner.capture.replay  # noqa: F401  (registers capture=<file>; a sweep's job may start here)
     from autotuner.launchers import launch
+    from autotuner.model.host_heap import keep_freed_memory
     from autotuner.runner.spec import resolve_spec
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         spec = resolve_spec(cfg)
+        keep_freed_memory(spec.device)  # before the run's environment records it (autotuner.model.host_heap)
         code = launch(cfg, spec, run_dir)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)

@@ -39,6 +39,7 @@ import torch
 from autotuner.config import compose_config
 from autotuner.measure.timer import DeviceTimer, median_ci
 from autotuner.model import cpu_bridges
+from autotuner.model.host_heap import keep_freed_memory
 from autotuner.model.runtime import init_parallel
 from autotuner.ops_test.base import OpCall
 from autotuner.predict import steps
@@ -67,6 +68,7 @@ class Bench:
         options = [*overrides, "device=cpu", f"timing.threads={threads}"]
         spec = resolve_spec(compose_config(steps._config_overrides(name, options, layout)))
         torch.set_num_threads(threads)
+        keep_freed_memory(spec.device)  # as the profiles and the steps keep theirs
         cpu_bridges.apply(spec.device)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

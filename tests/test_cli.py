@@ -59,6 +59,7 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
     record = json.loads((tiny_run / "environment.json").read_text())
     env = record["environment"]
     assert env["torch"] and env["megatron_core"] and env["transformers"] and env["device_name"]
+    assert env["host_heap"].startswith("glibc, freed memory kept")  # a CPU run (autotuner.model.host_heap)
     # which autotuner measured it: its version, and in a git checkout the commit (what a meter's rule was)
     assert env["autotuner"] == metadata.version("autotuner")
     if (REPO / ".git").exists():

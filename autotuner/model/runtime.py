@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from autotuner.errors import UserError
+from autotuner.model.host_heap import host_heap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -248,6 +249,7 @@ def environment(device: torch.device, tools: dict[str, tuple[str, str]] | None =
         "nvtx": _version("nvtx"),
         "device_type": device.type,
         "num_threads": torch.get_num_threads(),
+        "host_heap": host_heap(),
     }
     info["device_name"] = device_name(device)
     if device.type == "cuda":

@@ -574,6 +574,7 @@ def measure_steps(
     from autotuner.config import compose_config
     from autotuner.measure.memory import peak_and_held_bytes, weight_bytes
     from autotuner.model import cpu_bridges
+    from autotuner.model.host_heap import keep_freed_memory
     from autotuner.model.runtime import init_parallel
     from autotuner.runner.spec import resolve_spec
 
@@ -593,6 +594,7 @@ def measure_steps(
     device = spec.device
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    keep_freed_memory(device)  # as the profiling processes keep theirs (autotuner.model.host_heap)
     cpu_bridges.apply(device)
     init_parallel(
         device,

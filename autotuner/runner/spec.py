@@ -20,6 +20,7 @@ from autotuner.errors import UserError
 from autotuner.measure.timer import PRECISION_RULES
 from autotuner.model import cases
 from autotuner.model.hf_to_megatron import map_hf_config
+from autotuner.model.host_heap import keep_freed_memory
 from autotuner.model.routing import Routing
 from autotuner.model.runtime import (
     DTYPES,
@@ -294,6 +295,7 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    keep_freed_memory(spec.device)
     if spec.session is not None:  # a plan that opens its own session (a capture's generic plan)
         return spec.session(spec)
     cpu_bridges.apply(spec.device)
