@@ -17,7 +17,10 @@ as the get_data launcher:
   what copying about 70 B per parameter takes, not the 28 B of one fused pass), so a bandwidth model
   undercounts it there; and on a CPU torch's Adam loops over the tensors, a dozen small ops each (22 us
   a tensor on this project's VM, two threads or one), which the tiny model's steps showed: 1.3-1.6 ms of
-  Adam against 0.5 predicted from the rate per parameter alone;
+  Adam against 0.5 predicted from the rate per parameter alone. Its temporaries, a tensor's size each,
+  are where a process's heap shows: on a CPU the calibration keeps freed memory, as the profiles and the
+  steps do (autotuner.model.host_heap; with glibc's defaults this set's step took 10,400 page faults and
+  4.1 ns per parameter on this project's VM, where the training steps' Adam took none);
 * the gradient accumulation a training step makes per micro-batch: ``main_grad.add_(grad)``, a gradient
   of each dtype added into an fp32 gradient of ``buffer_bytes`` (``grad_accumulation_seconds_per_parameter``,
   per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it

@@ -18,11 +18,12 @@ before session 20: autotuner.measure.timer, "Freeing what a call returns").
 It prints per case, per visit: the in-step median and the rows' medians (ms), and each row over the
 in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least]. The rows here are
 two samples at a time, between other samples of the same layer, not get_data's long back-to-back runs.
-What it showed on this project's VM (session 20, one thread, 30 rounds, two runs): tiny's forward 0.988
-and 0.988 (with the output freed inside the window 1.003 and 0.959), backward 1.059 and 1.045 (the graph
-freed inside 1.089 and 1.050); the llama-shaped forward 1.053 and 1.032 (1.068, 1.067), backward 1.020
-and 1.006 (1.026, 1.021). Over seven runs the forward rows' medians read 1.0-11% (tiny) and 1.7-6.7%
-(llama-shaped, median 2.5%) longer with the output freed inside their window; the backward's, under 1%.
+What it showed on this project's VM (session 20, one thread, 30 rounds, row / in-step): with the host
+heap kept (autotuner.model.host_heap), two runs: tiny's forward 0.934 and 0.953, backward 1.053 and
+1.062; the llama-shaped forward 1.009 and 1.043, backward 0.994 and 1.025. Before it, two runs: tiny
+0.988 and 0.988, 1.059 and 1.045; llama-shaped 1.053 and 1.032, 1.020 and 1.006. Over seven runs the
+forward rows' medians read 1.0-11% (tiny) and 1.7-6.7% (llama-shaped, median 2.5%) longer with the
+output freed inside their window; the backward's, under 1%.
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   call write memory no call had just freed (and, where glibc had given the heap's top back to the
   system, fault its pages in again), and short ops read 1-19% slower for it in session 20's runs; the
   block's other calls free theirs as they return, as before.
+* The system's page faults. Memory the C library gave back to the system faults its pages in again when
+  written, so whether a sample pays faults depends on what the process freed before it: every process
+  that times on a CPU keeps its freed memory (autotuner.model.host_heap, which names what it cost).
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
   run before any sample is kept.
 
