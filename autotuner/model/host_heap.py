@@ -15,14 +15,14 @@ process timed a SwiGLU activation's forward at 2.26 ms with 1,024 faults a call 
 settled heap, read 0.27 ms.
 
 :func:`keep_freed_memory` fixes glibc's mmap threshold at its ceiling (32 MiB on a 64-bit system) and
-turns trimming off (``mallopt``): a freed block stays in the heap and the next allocation reuses it,
-the state a long training process's heap settles into. It is called by every process that times on a
-CPU: a run's main process and the launchers' sessions (autotuner.main, autotuner.runner.spec.open_session:
-the nsys launcher's worker too), the calibration and the validated training steps (autotuner.predict.steps),
-so rows, rates and the steps they predict share it. A block
-above the ceiling is still mapped per allocation. A C library other than glibc (macOS, musl) is left as
-it is. The run's environment records which (``host_heap``). On a GPU the CUDA caching allocator already
-keeps device memory: the host's heap is left alone there.
+turns trimming off (``mallopt``): a freed block stays in the heap and the next allocation reuses it, the
+state a long training process's heap settles into. Every process that times on a CPU calls it: a run's
+main process and the launchers' sessions (autotuner.main, autotuner.runner.spec.open_session: the nsys
+launcher's worker too), the calibration and the validated training steps (autotuner.predict.steps), so
+rows, rates and the steps they predict share it. A block above the ceiling is still mapped per
+allocation. A C library other than glibc (macOS, musl) is left as it is. The run's environment records
+which (``host_heap``). On a GPU the CUDA caching allocator already keeps device memory: the host's heap
+is left alone there.
 """
 
 from __future__ import annotations
