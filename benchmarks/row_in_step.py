@@ -48,7 +48,6 @@ from autotuner.predict.in_step import ModuleClock
 from autotuner.runner import Phase
 from autotuner.runner.spec import resolve_spec
 from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
-from benchmarks.thread_noise import at_least_two
 
 # each kind: (the phase, whether what its call returns is freed inside the timed window)
 KINDS = {
@@ -140,6 +139,13 @@ class Bench:
         return times
 
 
+def rounds(text: str) -> int:
+    """--rounds: a whole number, 2 or more (6 or more give a confidence interval)."""
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of rounds, 2 or more")
+    return int(text)
+
+
 def _dropped(run: Callable[[], Any]) -> None:
     run()
 
@@ -151,7 +157,7 @@ def in_step_times(visits: list[tuple[str, int, float, float]]) -> dict[str, list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="tiny,llama_small", help="comma-separated: tiny, llama_small")
-    parser.add_argument("--rounds", type=at_least_two, default=30)
+    parser.add_argument("--rounds", type=rounds, default=30)
     parser.add_argument("--threads", type=threads_per_process, default=1, help="intra-op threads (0: all)")
     args = parser.parse_args()
     cases = args.cases.split(",")
