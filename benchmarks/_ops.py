@@ -1,7 +1,9 @@
-"""Shared set-up for the benchmarks: a tiny-family model on the CPU and a few of its ops as callables."""
+"""Shared set-up for the benchmarks: a tiny-family model on the CPU and a few of its ops as callables, and
+the small helpers several benchmarks use."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -28,3 +30,20 @@ def op_callables(names: list[str]) -> list[tuple[str, Callable[[], Any]]]:
         phase = Phase("forward", test.build(context, POINT), seed=0)
         callables.append((f"{test.name}.forward", phase.run))
     return callables
+
+
+def two_or_more(what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of ``what``, 2 or more."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < 2:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of {what}, 2 or more")
+        return int(text)
+
+    return parse
+
+
+def dropping_result(run: Callable[[], Any]) -> None:
+    """``run()`` with what it returns dropped as it returns: freed inside a timed window, as
+    torch.utils.benchmark's loop frees it (get_data's timer frees it after its end mark)."""
+    run()

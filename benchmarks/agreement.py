@@ -32,14 +32,9 @@ import torch
 from torch.utils.benchmark import Timer
 
 from autotuner.measure.timer import DeviceTimer, SamplingPolicy, sample
-from benchmarks._ops import op_callables
+from benchmarks._ops import dropping_result, op_callables
 
 TARGET = 0.03
-
-
-def _dropping_output(fn: Callable[[], Any]) -> None:
-    """``fn`` with its output dropped inside the call, as torch.utils.benchmark's loop drops it."""
-    fn()
 
 
 def main() -> None:
@@ -66,7 +61,7 @@ def main() -> None:
         ratios, controls, ours_all, theirs_all = [], [], [], []
 
         def measure_ours(fn: Callable[[], Any] = fn) -> float:
-            return sample(timer, functools.partial(_dropping_output, fn), policy).median_ns / 1e3
+            return sample(timer, functools.partial(dropping_result, fn), policy).median_ns / 1e3
 
         def measure_theirs(fn: Callable[[], Any] = fn) -> float:
             torch_timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)

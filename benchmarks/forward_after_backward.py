@@ -42,7 +42,7 @@ import torch
 
 from autotuner.config import compose_config
 from autotuner.measure.cache import CacheFlusher
-from autotuner.measure.timer import median_ci
+from autotuner.measure.timer import DeviceTimer, median_ci
 from autotuner.ops_test.base import ShapePoint
 from autotuner.runner import Phase
 from autotuner.runner.spec import open_session, resolve_spec
@@ -65,6 +65,7 @@ def layer_phases(case: str, threads: int) -> tuple[Phase, Phase]:
 def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random) -> dict[str, list[float]]:
     """``samples`` timed forwards, each after a condition drawn at random."""
     backward_s = [1e-3]
+    timer = DeviceTimer(torch.device("cpu"))
 
     def after_backward() -> None:
         backward.prepare()
@@ -87,10 +88,7 @@ def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random)
     for _ in range(samples):
         name = rng.choice(CONDITIONS)
         before[name]()
-        start = time.perf_counter()
-        output = forward.run()
-        times[name].append(time.perf_counter() - start)
-        del output  # freed after the end mark, as the row's timer frees it (autotuner.measure.timer)
+        times[name].append(timer.time_ns(forward.run) * 1e-9)  # the row's timer: output freed after its end
     return times
 
 

@@ -32,7 +32,6 @@ import argparse
 import functools
 import random
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from autotuner.predict import steps
 from autotuner.predict.in_step import ModuleClock
 from autotuner.runner import Phase
 from autotuner.runner.spec import resolve_spec
+from benchmarks._ops import dropping_result, two_or_more
 from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
 
 # each kind: (the phase, whether what its call returns is freed inside the timed window)
@@ -132,22 +132,11 @@ class Bench:
                 if phase.prepare is not None:
                     phase.prepare()
                 # dropped as the call returns, what the call made is freed inside the window
-                run = functools.partial(_dropped, phase.run) if freed_inside else phase.run
+                run = functools.partial(dropping_result, phase.run) if freed_inside else phase.run
                 times[kind].append(self.timer.time_ns(run) * 1e-9)
             for param, grad in zip(layer.parameters(), kept, strict=True):
                 param.grad = grad
         return times
-
-
-def rounds(text: str) -> int:
-    """--rounds: a whole number, 2 or more (6 or more give a confidence interval)."""
-    if not text.isdigit() or int(text) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of rounds, 2 or more")
-    return int(text)
-
-
-def _dropped(run: Callable[[], Any]) -> None:
-    run()
 
 
 def in_step_times(visits: list[tuple[str, int, float, float]]) -> dict[str, list[float]]:
@@ -157,7 +146,7 @@ def in_step_times(visits: list[tuple[str, int, float, float]]) -> dict[str, list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="tiny,llama_small", help="comma-separated: tiny, llama_small")
-    parser.add_argument("--rounds", type=rounds, default=30)
+    parser.add_argument("--rounds", type=two_or_more("rounds"), default=30)
     parser.add_argument("--threads", type=threads_per_process, default=1, help="intra-op threads (0: all)")
     args = parser.parse_args()
     cases = args.cases.split(",")

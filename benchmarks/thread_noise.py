@@ -25,6 +25,7 @@ from pathlib import Path
 
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_rows
+from benchmarks._ops import two_or_more
 from benchmarks.predict_accuracy import CASES, MBS, SEQ, _quiet_run
 
 THREADS = (1, 2)
@@ -49,19 +50,12 @@ def profile(case: list[str], op: str, threads: int, run_dir: Path) -> dict[str, 
     return {row["phase"]: row["median_us"] / 1e6 for row in rows if row["status"] == "ok"}
 
 
-def at_least_two(text: str) -> int:
-    """--profiles: a spread needs two profiles per thread count."""
-    if not text.isdigit() or int(text) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of profiles, 2 or more")
-    return int(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", default="llama_small", choices=sorted(CASES))
     parser.add_argument("--op", default="transformer_layer")
     parser.add_argument(
-        "--profiles", type=at_least_two, default=10, help="profiles per thread count (2 or more)"
+        "--profiles", type=two_or_more("profiles"), default=10, help="profiles per thread count (2 or more)"
     )
     args = parser.parse_args()
     rows: dict[int, list[dict[str, float]]] = {threads: [] for threads in THREADS}
