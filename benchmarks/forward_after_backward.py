@@ -14,7 +14,12 @@ sample so that the machine's drift falls on every condition alike:
 * ``back to back``: after its own forward, as the row's samples run;
 * ``after its backward``: after a forward and its backward (untimed), as in a training step;
 * ``after a spin``: after spinning as long as that backward takes, touching nothing: the time alone;
-* ``after a flush``: after writing a buffer twice the last-level cache, as a flushed row's samples run.
+* ``after a flush``: after writing a buffer twice the last-level cache, as a flushed row's samples run;
+* ``after another layer``: after the forward of a second layer of the same shapes (its own weights, the
+  same code), as each layer's forward in a step follows the previous layer's;
+* ``after a flush, another layer``: the flush, then the other layer's forward, which does not touch this
+  layer's weights: evicted as after the flush, but run after its own code and the memory it recycles
+  (what autotuner.predict.timing's cache rule, "an op that follows itself", rests on).
 
 It prints each condition's median (95% CI, order statistics) and its ratio to back to back. What it
 showed on this project's VM (session 18, three rounds of 600 samples each; docs/predictor_accuracy.md,
@@ -43,26 +48,52 @@ import torch
 from autotuner.config import compose_config
 from autotuner.measure.cache import CacheFlusher
 from autotuner.measure.timer import DeviceTimer, median_ci
-from autotuner.ops_test.base import ShapePoint
+from autotuner.ops_test.base import OpCall, ShapePoint
 from autotuner.runner import Phase
 from autotuner.runner.spec import open_session, resolve_spec
 from benchmarks.predict_accuracy import CASES
 
 POINT = ShapePoint(128, 1)
-CONDITIONS = ("back to back", "after its backward", "after a spin", "after a flush")
+CONDITIONS = (
+    "back to back",
+    "after its backward",
+    "after a spin",
+    "after a flush",
+    "after another layer",
+    "after a flush, another layer",
+)
 
 
-def layer_phases(case: str, threads: int) -> tuple[Phase, Phase]:
-    """The case's TransformerLayer op, fp32 on the CPU: its forward and backward phases."""
+def layer_phases(case: str, threads: int) -> tuple[Phase, Phase, Phase]:
+    """The case's TransformerLayer op, fp32 on the CPU: its forward and backward phases, and the forward
+    of a second layer of the same shapes (built apart: its own weights)."""
     spec = resolve_spec(compose_config([*CASES[case], "device=cpu", "dtype=fp32", "ops=[transformer_layer]"]))
     _, context = open_session(spec)
     torch.set_num_threads(threads)
     (test,) = spec.ops
     call = test.build(context, POINT)
-    return Phase("forward", call, seed=0), Phase("backward", call, seed=0)
+    # the second layer: this layer's code run on weights of its own (copies, bound in for its call only;
+    # a deep copy of a Megatron layer fails on its process groups)
+    params = list(call.module.parameters())
+    twins = [param.detach().clone() for param in params]
+
+    def twin_forward(x: torch.Tensor) -> object:
+        own = [param.data for param in params]
+        for param, twin in zip(params, twins, strict=True):
+            param.data = twin
+        try:
+            return call.fn(x)
+        finally:
+            for param, data in zip(params, own, strict=True):
+                param.data = data
+
+    other = OpCall(twin_forward, (context.hidden(POINT),), call.module)
+    return Phase("forward", call, seed=0), Phase("backward", call, seed=0), Phase("forward", other, seed=1)
 
 
-def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random) -> dict[str, list[float]]:
+def one_round(
+    forward: Phase, backward: Phase, other: Phase, samples: int, rng: random.Random
+) -> dict[str, list[float]]:
     """``samples`` timed forwards, each after a condition drawn at random."""
     backward_s = [1e-3]
     timer = DeviceTimer(torch.device("cpu"))
@@ -78,11 +109,19 @@ def one_round(forward: Phase, backward: Phase, samples: int, rng: random.Random)
         while time.perf_counter() < until:
             pass
 
+    flush = CacheFlusher(torch.device("cpu"))  # the timer's own flush
+
+    def flush_then_other() -> None:
+        flush()
+        other.run()
+
     before: dict[str, Callable[[], object]] = {
         "back to back": forward.run,
         "after its backward": after_backward,
         "after a spin": spin,
-        "after a flush": CacheFlusher(torch.device("cpu")),  # the timer's own flush
+        "after a flush": flush,
+        "after another layer": other.run,
+        "after a flush, another layer": flush_then_other,
     }
     times: dict[str, list[float]] = {name: [] for name in CONDITIONS}
     for _ in range(samples):
@@ -99,15 +138,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    forward, backward = layer_phases(args.case, args.threads)
+    forward, backward, other = layer_phases(args.case, args.threads)
     rng = random.Random(0)
-    one_round(forward, backward, 40, rng)  # warm-up: first calls, the allocator's pools
+    one_round(forward, backward, other, 40, rng)  # warm-up: first calls, the allocator's pools
     print(
         f"{args.case} TransformerLayer forward, s{POINT.seq_len} b{POINT.micro_batch_size}, fp32, "
         f"{args.threads} thread(s); median ms [95% CI] and / back to back"
     )
     for index in range(args.rounds):
-        times = one_round(forward, backward, args.samples, rng)
+        times = one_round(forward, backward, other, args.samples, rng)
         base = statistics.median(times["back to back"])
         cells = []
         for name in CONDITIONS:

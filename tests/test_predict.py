@@ -285,20 +285,28 @@ def test_warm_visits_follow_the_stage_sweep():
     caches = CacheSizes(private=1 * mb, shared=32 * mb)
     # forward distances: embedding 0, layers 9/17/25/33, norm 41 (its own data fits the 1 MB private
     # cache: room 1 MB), output 41; backward: output 0, norm 10, layers 10/18/26/34 (layer 3 first),
-    # embedding 42
+    # embedding 42. The last layer's forward (33 MB) and the first layer's backward (34) follow another
+    # layer's visit in the same phase: warm whatever lies between.
     assert warm_visits(sweep, caches) == {
         ("embedding", "forward"): 1,
         ("embedding", "backward"): 0,
-        ("transformer_layer", "forward"): 3,
-        ("transformer_layer", "backward"): 3,
+        ("transformer_layer", "forward"): 4,
+        ("transformer_layer", "backward"): 4,
         ("final_layernorm", "forward"): 0,
         ("final_layernorm", "backward"): 0,
         ("output_layer", "forward"): 0,
         ("output_layer", "backward"): 1,
     }
+    # an 8.5 MB shared cache holds a layer's own data (forward 5 MB, backward 8) but not what lies between
+    # the first layer's forward and its last visit (the embedding's 9 MB), nor the last layer's backward
+    # and its forward (the norm and the output layer, 10): those follow other ops and go cold; the other
+    # three of each phase follow a layer
+    smaller = warm_visits(sweep, CacheSizes(private=1 * mb, shared=8.5 * mb))
+    assert smaller[("transformer_layer", "forward")] == smaller[("transformer_layer", "backward")] == 3
+    assert smaller[("embedding", "forward")] == 1 and smaller[("output_layer", "backward")] == 0
     # a GPU's L2 is both caches: a layer larger than it finds nothing cached; without sizes, nothing is
-    gpu = CacheSizes(private=5 * mb, shared=5 * mb)
-    assert warm_visits(sweep, gpu)[("transformer_layer", "forward")] == 0
+    gpu = warm_visits(sweep, CacheSizes(private=4.5 * mb, shared=4.5 * mb))
+    assert gpu[("transformer_layer", "forward")] == gpu[("transformer_layer", "backward")] == 0
     assert set(warm_visits(sweep, None).values()) == {0}
 
 
@@ -318,8 +326,10 @@ def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
         "output_layer",
     ]
     assert sweep[1].weights == sweep[1].grads == LAYER_PARAMS * 4 and sweep[1].activations == 5000
-    # a shared cache that holds what the embedding and two layers touch: layers 0-2's forwards are warm
-    room = sweep[0].footprint + 2 * sweep[1].footprint
+    # a shared cache that holds a layer's own data but not the embedding's: the first layer's forward,
+    # after the embedding's, is cold; the other three follow a layer's forward and are warm
+    room = sweep[1].own("backward")
+    assert room < sweep[0].footprint
     cal = {**CAL, "warm_cache_bytes": 1024, "shared_cache_bytes": room}
     assert warm_visits(sweep, CacheSizes(1024, room))[("transformer_layer", "forward")] == 3
     pred = predict(both, layout, cal)

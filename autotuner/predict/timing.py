@@ -81,18 +81,27 @@ forward saves, from the model's sizes and the layer's measured ``activation_byte
 :func:`warm_visits`). A visit takes the op's warm row when
 those bytes fit the cache its warm row ran from: a core's own cache (calibration ``warm_cache_bytes``: a
 CPU core's L2, a GPU's L2) for an op that fits there, else the shared last-level cache
-(``shared_cache_bytes``: the L3 of a CPU; a GPU's L2 again), and never for an op larger than that; other
-visits take its flushed row, and an op visited both ways (the layers of a stage) the mean of the two by
-its visits (:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The
-rule is LRU-like and ignores that a cache keeps some of a larger working set; it is what the
-measurements showed on this project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped
-model's layers, timed by hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward,
-their warm rows 2.82 and 4.30, their flushed rows 4.07 and 5.72, while the rule puts 3 of 4 layer visits
-(and the output layer's backward, right after its forward) warm; the tiny model's layers took 1.27-1.46
-and 1.24 ms against warm rows of 1.18 and 1.24 and flushed ones of 2.06 and 1.61. The stage-wide choice
-this replaced took the flushed rows for both (their memory exceeds a core's L2) and over-predicted the
-llama-shaped forward-backward by 6-25%. On a GPU a real model's layer exceeds the L2 and takes its
-flushed row.
+(``shared_cache_bytes``: the L3 of a CPU; a GPU's L2 again); and, whatever lies between, when the visit
+right before it is the same op's in the same phase (a layer's forward after the previous layer's, its
+backward after the next layer's); never for an op larger than the shared cache. Other visits take its
+flushed row, and an op visited both ways the mean of the two by its visits (:func:`blend`, said in its
+source). Without cache sizes every visit is assumed cold. The rule is LRU-like and ignores that a cache
+keeps some of a larger working set; it is what the measurements showed on this project's 2-core CPU (1
+MiB L2 per core, 32 MiB shared L3): the llama-shaped model's layers, timed by hooks inside its real step,
+took 2.9-3.2 ms forward and 4.3-4.5 ms backward, their warm rows 2.82 and 4.30, their flushed rows 4.07
+and 5.72; the tiny model's layers took 1.27-1.46 and 1.24 ms against warm rows of 1.18 and 1.24 and
+flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the flushed rows for both
+(their memory exceeds a core's L2) and over-predicted the llama-shaped forward-backward by 6-25%. A
+layer that follows a layer: what makes a flushed row slow on a CPU is less the op's own weights leaving
+the cache than what the flush evicts besides, the code and the memory the allocator recycles, which the
+layer before it has just run and used (session 21, ``python -m benchmarks.forward_after_backward``, one
+thread, a layer's forward over its back-to-back time: after a flush 1.30-1.68x (tiny) and 1.11-1.13x
+(llama-shaped); after the flush and then another layer's forward, this layer's weights still evicted,
+1.01-1.09x and 1.05-1.06x; after another layer alone 0.98-1.02x and 1.00x). Without this clause the
+llama-shaped TP1 stage took 1 of its 4 layer visits a phase from the flushed row and read 11% (forward)
+and 8% (backward) over the layers' time inside the steps, where its warm rows read 0.99-1.04 of it
+(``python -m benchmarks.row_in_step``); inside the steps no visit of a layer ran slower than the rest.
+On a GPU a real model's layer exceeds the L2 and takes its flushed row.
 Where the runs hold only one kind of row, it stands in for the other and the prediction warns.
 
 **The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
@@ -619,7 +628,9 @@ def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[s
     """{(op, phase): how many of its visits per micro-batch find their data where its warm row did}
     (module docstring): the bytes touched since the op's previous visit (its backward's previous
     visit is its forward; its forward's, the last micro-batch's backward) fit the cache the warm row ran
-    in. None of them without cache sizes (assumed exceeded), or for an op larger than the shared cache."""
+    in, or the visit right before it in the step is the same op's, in the same phase (a layer after the
+    layer before it). None of them without cache sizes (assumed exceeded), or for an op larger than the
+    shared cache."""
     found = {(op.name, phase): 0 for op in sweep for phase in PHASES}
     if caches is None:
         return found
@@ -629,7 +640,9 @@ def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[s
             distance = before[i] if phase == "forward" else before[-1] - before[i + 1]
             own = op.own(phase)
             room = caches.private if own <= caches.private else caches.shared
-            found[(op.name, phase)] += int(own <= caches.shared and distance <= room)
+            just_before = i - 1 if phase == "forward" else i + 1  # the backward sweeps in reverse
+            follows_itself = 0 <= just_before < len(sweep) and sweep[just_before].name == op.name
+            found[(op.name, phase)] += int(own <= caches.shared and (distance <= room or follows_itself))
     return found
 
 
@@ -650,7 +663,7 @@ def cache_plan(
         why = (
             f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
             f"bytes touched since the op's last visit within the {human_bytes(caches.private)} private or "
-            f"{human_bytes(caches.shared)} shared cache it ran from)"
+            f"{human_bytes(caches.shared)} shared cache it ran from, or the visit before it the same op's)"
         )
         if not (calibration or {}).get("shared_cache_bytes"):
             why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"
