@@ -32,7 +32,11 @@ timed, one thread, three rounds each: tiny (1.5-1.7 ms back to back) 1.11-1.20x 
 1.19-1.27x after a spin, 1.28-1.41x after a flush; llama-shaped (4.6-5.0 ms) 1.06-1.09x, 1.17-1.21x,
 1.11-1.13x. Time alone, touching nothing, slows the next call as much as the backward does: the rows'
 back-to-back forwards are a lower bound of a step's on this machine, by this benchmark's conditions
-(``benchmarks.row_in_step`` compares them with the steps' own forwards).
+(``benchmarks.row_in_step`` compares them with the steps' own forwards). Session 21, with the two
+conditions after another layer, one thread, three rounds each: tiny (1.4-1.6 ms back to back) 1.08-1.16x
+after its backward, 1.11-1.20x after a spin, 1.30-1.68x after a flush, 0.98-1.02x after another layer,
+1.01-1.09x after a flush and another layer; llama-shaped (4.2-4.4 ms) 1.11-1.12x,
+1.14-1.21x, 1.09-1.16x, 1.01x, 1.03-1.04x.
 """
 
 from __future__ import annotations

@@ -36,16 +36,10 @@ from typing import Any
 
 import torch
 
-from autotuner.config import compose_config
 from autotuner.measure.timer import DeviceTimer, median_ci
-from autotuner.model import cpu_bridges
-from autotuner.model.host_heap import keep_freed_memory
-from autotuner.model.runtime import init_parallel
 from autotuner.ops_test.base import OpCall
 from autotuner.predict import steps
-from autotuner.predict.in_step import ModuleClock
 from autotuner.runner import Phase
-from autotuner.runner.spec import resolve_spec
 from benchmarks._ops import dropping_result, two_or_more
 from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
 
@@ -63,25 +57,16 @@ class Bench:
     """The steps' model of one case in this process, its hooks, and get_data's phases of each layer."""
 
     def __init__(self, case: str, threads: int) -> None:
-        self.layout = layout = layout_of("tp1")
+        self.layout = layout_of("tp1")
         name, overrides = CASES[case][0].split("=", 1)[1], CASES[case][1:]
         options = [*overrides, "device=cpu", f"timing.threads={threads}"]
-        spec = resolve_spec(compose_config(steps._config_overrides(name, options, layout)))
-        torch.set_num_threads(threads)
-        keep_freed_memory(spec.device)  # as the profiles and the steps keep theirs
-        cpu_bridges.apply(spec.device)
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        init_parallel(spec.device, 1, 1, 1, pipeline_parallel=1)
-        (self.model,) = steps._stage_model(spec, layout, spec.device)
-        self.batches = steps._batches(spec, layout, spec.device, 0)
-        # the steps' fp32 gradient buffer: the parameters' .grad are views of it, accumulated in place
-        self.buffers = steps._grad_buffers(torch.nn.ModuleList([self.model]))
-        self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=1e-3)
-        self.clock = ModuleClock([self.model], spec.device)
+        # the steps' own model, batch, gradient buffers, Adam and hooks (its host heap kept, as the
+        # profiles and the steps keep theirs)
+        self.trainer = steps.StageTrainer(name, options, self.layout)
+        (self.model,) = self.trainer.chunks
+        self.clock = self.trainer.clock
         self.layers = list(self.model.decoder.layers)
-        self.timer = DeviceTimer(spec.device)
-        self.forward_backward = get_forward_backward_func()
+        self.timer = DeviceTimer(self.trainer.device)
         self._inputs: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
         handles = [layer.register_forward_pre_hook(self._capture, with_kwargs=True) for layer in self.layers]
         self.step(timed=False)  # one untimed step: first calls, and each layer's input in it
@@ -105,21 +90,11 @@ class Bench:
     def step(self, timed: bool) -> None:
         if timed:
             self.clock.start_step()
-        self.forward_backward(
-            forward_step_func=steps._forward_step,
-            data_iterator=iter(self.batches),
-            model=self.model,
-            num_microbatches=self.layout.microbatches,
-            seq_length=self.layout.seq_len,
-            micro_batch_size=self.layout.micro_batch_size,
-            forward_only=False,
-        )
+        self.trainer.forward_backward()
         if timed:
             self.clock.recording = False
             self.clock.collect()
-        self.optimizer.step()
-        for buffer in self.buffers:
-            buffer.flat.zero_()
+        self.trainer.optimizer_step()  # Adam, then the gradient buffers zeroed
 
     def rows(self, rng: random.Random) -> dict[str, list[float]]:
         """Two samples of each kind for each layer, in a random order; seconds per call."""

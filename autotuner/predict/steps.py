@@ -555,6 +555,133 @@ def _gather_params(buffers: list[GradBuffer]) -> None:
             dist.all_gather_into_tensor(buffer.params, buffer.share(buffer.params), group=buffer.group)
 
 
+class StageTrainer:
+    """One rank's share of the layout's real training steps: the case's model built and placed as
+    Megatron places it (its stage, its chunks), the fixed batch, the flat gradient buffers, the optimizer,
+    and each phase of a step as a method, in the order a step calls them (module docstring):
+    :meth:`forward_backward`, :meth:`reduce`, :meth:`optimizer_step`, then with the distributed optimizer
+    :meth:`gather_params`. :func:`measure_steps` times them; ``benchmarks.row_in_step`` times the model's
+    layers between them. Under torchrun every rank builds its own."""
+
+    def __init__(
+        self, case: str, overrides: list[str] | tuple[str, ...], layout: Layout, lr: float = 1e-3
+    ) -> None:
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from autotuner.config import compose_config
+        from autotuner.model import cpu_bridges
+        from autotuner.model.host_heap import keep_freed_memory
+        from autotuner.model.runtime import init_parallel
+        from autotuner.runner.spec import resolve_spec
+
+        self.spec = spec = resolve_spec(compose_config(_config_overrides(case, list(overrides), layout)))
+        self.layout = layout
+        config = spec.tf_config
+        layout.check(
+            config.num_layers, config.num_attention_heads, config.num_query_groups, config.num_moe_experts
+        )
+        if spec.world != layout.gpus:
+            raise UserError(
+                f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs {layout.gpus} processes, this "
+                f"job has {spec.world}: run it with torchrun --nproc-per-node={layout.gpus}"
+            )
+        self.device = device = spec.device
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        keep_freed_memory(device)  # as the profiling processes keep theirs (autotuner.model.host_heap)
+        cpu_bridges.apply(device)
+        init_parallel(
+            device,
+            layout.tp,
+            config.expert_model_parallel_size,
+            config.expert_tensor_parallel_size,
+            pipeline_parallel=layout.pp,
+            virtual_pipeline=layout.vpp if layout.vpp > 1 else None,
+        )
+        if parallel_state.get_pipeline_model_parallel_world_size() != layout.pp:
+            raise UserError(
+                "Megatron's parallel state in this process was set up for another layout: "
+                f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
+            )
+        self.chunks = chunks = _stage_model(spec, layout, device)
+        # every chunk's parameters, for the gradients and the optimizer
+        self.model = model = torch.nn.ModuleList(chunks)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.batches = _batches(spec, layout, device, self.dp_rank)
+        self.params = params = [p for p in model.parameters() if p.requires_grad]
+        self.mixed = mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main grads and masters
+        self.sharded = sharded = layout.distributed_optimizer
+        self.buffers = buffers = _grad_buffers(model, torch.float32 if mixed else None, sharded)
+        # the ops' times inside the steps; not with recompute, whose re-run forward fires the hooks twice.
+        # After the buffers: a backward timed to a parameter's accumulation holds its main-gradient add.
+        self.clock = ModuleClock(chunks, device) if layout.recompute == "none" else None
+        # what Adam updates, with its gradient: the distributed optimizer's share of each flat buffer,
+        # else each parameter (through an fp32 master in bf16/fp16; fp32 parameters carry their .grad)
+        if sharded:
+            self.pairs = [(buffer.share(buffer.params), buffer.share(buffer.flat)) for buffer in buffers]
+        else:
+            self.pairs = [(p, p.main_grad) for p in params] if mixed else []
+        self.masters = _masters(self.pairs, mixed) if self.pairs else params
+        self.optimizer = torch.optim.Adam(self.masters, lr=lr)
+        self.schedule = get_forward_backward_func()
+
+    def sync(self) -> None:
+        """Wait for the device (a GPU's queued kernels) before a time is read."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def forward_backward(self) -> list[dict[str, Any]]:
+        """This rank's micro-batches through Megatron-Core's schedule: forward, loss, backward."""
+        chunks, layout = self.chunks, self.layout
+        return self.schedule(
+            forward_step_func=_forward_step,
+            # the interleaved schedule takes a list of chunks and one data iterator per chunk
+            data_iterator=[iter(self.batches) for _ in chunks] if len(chunks) > 1 else iter(self.batches),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=layout.microbatches,
+            seq_length=layout.seq_len,
+            micro_batch_size=layout.micro_batch_size,
+            forward_only=False,
+        )
+
+    def reduce(self) -> None:
+        """The gradients summed over their groups (sequence-parallel ones over TP; the buffers over DP)."""
+        if self.layout.sequence_parallel:
+            _sequence_parallel_grads(self.model)
+        _reduce_grads(self.buffers, self.layout.dp, self.sharded)
+
+    def optimizer_step(self) -> None:
+        """Adam's step (and the masters into the model's bf16/fp16 tensors), then the gradients zeroed."""
+        import torch
+
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for (tensor, _), master in zip(self.pairs, self.masters, strict=True):
+                    tensor.copy_(master)
+        for buffer in self.buffers:  # for the next step; they stay allocated (Megatron's DDP buffer)
+            buffer.flat.zero_()
+
+    def gather_params(self) -> None:
+        """The distributed optimizer's last step: every rank's updated share into every rank's parameters."""
+        if self.sharded:
+            _gather_params(self.buffers)
+
+    def resident_bytes(self) -> int:
+        """What the steps hold between them: parameters, masters, gradient buffers, Adam's states."""
+        import torch
+
+        from autotuner.measure.memory import weight_bytes
+
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        grads = [buffer.flat for buffer in self.buffers]
+        return weight_bytes([*self.params, *self.masters, *grads, *state])  # each storage counted once
+
+
 def measure_steps(
     case: str,
     overrides: list[str] | tuple[str, ...],
@@ -569,97 +696,15 @@ def measure_steps(
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from autotuner.config import compose_config
     from autotuner.measure.memory import peak_and_held_bytes, weight_bytes
-    from autotuner.model import cpu_bridges
-    from autotuner.model.host_heap import keep_freed_memory
-    from autotuner.model.runtime import init_parallel
-    from autotuner.runner.spec import resolve_spec
 
     if repeats < 1 or warmup < 0:
         raise UserError(f"repeats={repeats}, warmup={warmup}: give repeats >= 1 and warmup >= 0")
     overrides = list(overrides)
-    spec = resolve_spec(compose_config(_config_overrides(case, overrides, layout)))
-    config = spec.tf_config
-    layout.check(
-        config.num_layers, config.num_attention_heads, config.num_query_groups, config.num_moe_experts
-    )
-    if spec.world != layout.gpus:
-        raise UserError(
-            f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs {layout.gpus} processes, this job "
-            f"has {spec.world}: run it with torchrun --nproc-per-node={layout.gpus}"
-        )
-    device = spec.device
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    keep_freed_memory(device)  # as the profiling processes keep theirs (autotuner.model.host_heap)
-    cpu_bridges.apply(device)
-    init_parallel(
-        device,
-        layout.tp,
-        config.expert_model_parallel_size,
-        config.expert_tensor_parallel_size,
-        pipeline_parallel=layout.pp,
-        virtual_pipeline=layout.vpp if layout.vpp > 1 else None,
-    )
-    if parallel_state.get_pipeline_model_parallel_world_size() != layout.pp:
-        raise UserError(
-            "Megatron's parallel state in this process was set up for another layout: "
-            f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
-        )
-    chunks = _stage_model(spec, layout, device)
-    model = torch.nn.ModuleList(chunks)  # every chunk's parameters, for the gradients and the optimizer
-    dp_rank = parallel_state.get_data_parallel_rank()
-    batches = _batches(spec, layout, device, dp_rank)
-    params = [p for p in model.parameters() if p.requires_grad]
-    mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main gradients and master weights
-    sharded = layout.distributed_optimizer
-    buffers = _grad_buffers(model, torch.float32 if mixed else None, sharded)
-    # the ops' times inside the steps; not with recompute, whose re-run forward fires the hooks twice.
-    # After the buffers: a backward timed to a parameter's accumulation holds its main-gradient add.
-    clock = ModuleClock(chunks, device) if layout.recompute == "none" else None
-    # what Adam updates, with its gradient: the distributed optimizer's share of each flat buffer, else
-    # each parameter (through an fp32 master in bf16/fp16; fp32 parameters carry their .grad already)
-    if sharded:
-        pairs = [(buffer.share(buffer.params), buffer.share(buffer.flat)) for buffer in buffers]
-    else:
-        pairs = [(p, p.main_grad) for p in params] if mixed else []
-    masters = _masters(pairs, mixed) if pairs else params
-    optimizer = torch.optim.Adam(masters, lr=lr)
-    forward_backward = get_forward_backward_func()
-    world = spec.world
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def forward_backward_step() -> list[dict[str, Any]]:
-        return forward_backward(
-            forward_step_func=_forward_step,
-            # the interleaved schedule takes a list of chunks and one data iterator per chunk
-            data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=layout.microbatches,
-            seq_length=layout.seq_len,
-            micro_batch_size=layout.micro_batch_size,
-            forward_only=False,
-        )
-
-    def reduce_step() -> None:
-        if layout.sequence_parallel:
-            _sequence_parallel_grads(model)
-        _reduce_grads(buffers, layout.dp, sharded)
-
-    def optimizer_step() -> None:
-        optimizer.step()
-        if mixed:  # the fp32 masters into the model's bf16/fp16 tensors
-            with torch.no_grad():
-                for (tensor, _), master in zip(pairs, masters, strict=True):
-                    tensor.copy_(master)
-        for buffer in buffers:  # for the next step; the gradients stay allocated (Megatron's DDP buffer)
-            buffer.flat.zero_()
+    trainer = StageTrainer(case, overrides, layout, lr)
+    spec, device, clock, world = trainer.spec, trainer.device, trainer.clock, trainer.spec.world
+    sync = trainer.sync
 
     fb_s: list[float] = []
     reduce_s: list[float] = []
@@ -670,20 +715,17 @@ def measure_steps(
         if world > 1:
             dist.barrier()
         if step == warmup:  # the metered step
-            state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-            grads = [buffer.flat for buffer in buffers]
-            resident = weight_bytes([*params, *masters, *grads, *state])  # each storage counted once
-            parameters = weight_bytes(model.parameters())
+            resident = trainer.resident_bytes()
+            parameters = weight_bytes(trainer.model.parameters())
             stored: list[list[dict[str, Any]]] = []
             # the data-parallel collectives between the metered phases (module docstring, "Peak memory")
             backward_peak, held = peak_and_held_bytes(
-                lambda: stored.append(forward_backward_step()),  # noqa: B023 - called right here
+                lambda: stored.append(trainer.forward_backward()),  # noqa: B023 - called right here
                 device,
             )
-            reduce_step()
-            optimizer_peak, _ = peak_and_held_bytes(optimizer_step, device)
-            if sharded:
-                _gather_params(buffers)
+            trainer.reduce()
+            optimizer_peak, _ = peak_and_held_bytes(trainer.optimizer_step, device)
+            trainer.gather_params()
             step_peak = max(backward_peak, held + optimizer_peak)
             fb_s.append(0.0)
             reduce_s.append(0.0)
@@ -695,20 +737,20 @@ def measure_steps(
             if timed:
                 clock.start_step()
             start = time.perf_counter()
-            store = forward_backward_step()
+            store = trainer.forward_backward()
             sync()
             backward_done = time.perf_counter()
             if timed:
                 clock.recording = False
                 clock.collect()
-            reduce_step()
+            trainer.reduce()
             sync()
             reduced = time.perf_counter()
-            optimizer_step()
+            trainer.optimizer_step()
             sync()
             stepped = time.perf_counter()
-            if sharded:
-                _gather_params(buffers)
+            if trainer.sharded:
+                trainer.gather_params()
                 sync()
             fb_s.append(backward_done - start)
             reduce_s.append(reduced - backward_done + time.perf_counter() - stepped)
@@ -719,7 +761,7 @@ def measure_steps(
         rank=spec.rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        dp_rank=dp_rank,
+        dp_rank=trainer.dp_rank,
         forward_backward_s=tuple(fb_s),
         reduce_s=tuple(reduce_s),
         optimizer_s=tuple(opt_s),
@@ -750,9 +792,9 @@ def measure_steps(
         repeats=repeats,
         device=str(device),
         optimizer=f"{OPTIMIZER}(lr={lr})"
-        + (" over fp32 master weights" if mixed else "")
-        + (", sharded over the data-parallel ranks (distributed optimizer)" if sharded else ""),
-        schedule=f"megatron.core.pipeline_parallel.schedules.{forward_backward.__name__}",
+        + (" over fp32 master weights" if trainer.mixed else "")
+        + (", sharded over the data-parallel ranks (distributed optimizer)" if trainer.sharded else ""),
+        schedule=f"megatron.core.pipeline_parallel.schedules.{trainer.schedule.__name__}",
         ranks=ranks,
         timeline_step=chosen,
     )

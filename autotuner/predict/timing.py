@@ -95,9 +95,9 @@ flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the 
 layer that follows a layer: what makes a flushed row slow on a CPU is less the op's own weights leaving
 the cache than what the flush evicts besides, the code and the memory the allocator recycles, which the
 layer before it has just run and used (session 21, ``python -m benchmarks.forward_after_backward``, one
-thread, a layer's forward over its back-to-back time: after a flush 1.30-1.68x (tiny) and 1.11-1.13x
+thread, a layer's forward over its back-to-back time: after a flush 1.30-1.68x (tiny) and 1.09-1.16x
 (llama-shaped); after the flush and then another layer's forward, this layer's weights still evicted,
-1.01-1.09x and 1.05-1.06x; after another layer alone 0.98-1.02x and 1.00x). Without this clause the
+1.01-1.09x and 1.03-1.06x; after another layer alone 0.98-1.02x and 1.00-1.01x). Without this clause the
 llama-shaped TP1 stage took 1 of its 4 layer visits a phase from the flushed row and read 11% (forward)
 and 8% (backward) over the layers' time inside the steps, where its warm rows read 0.99-1.04 of it
 (``python -m benchmarks.row_in_step``); inside the steps no visit of a layer ran slower than the rest.
