@@ -35,7 +35,15 @@ as the get_data launcher:
   (hidden 32) at one and four layers, whose ops take microseconds: on this project's VM 0.14 ms a
   micro-batch of it is the schedule alone (around a one-Linear model), and a tiny step (two layers)
   spent about 0.8-1 ms a micro-batch outside its ops, the llama-shaped one (four) 1.4-1.5 ms. On a GPU
-  the host queues kernels ahead of the device, so the predictor does not add it there.
+  the host queues kernels ahead of the device, so the predictor does not add it there;
+* on a CPU, from the same steps, what an Adam step inside a training step takes beyond the back-to-back
+  rates above, once a step (``adam_seconds_per_step_in_training``: :func:`adam_in_step`). A step's Adam
+  follows its backward, which ran other code on other data; timed back to back, Adam's calls find their
+  own still in the caches. In one process on this project's VM (session 21, one thread, 30 rounds) tiny's
+  Adam took 1.245 ms inside its steps and 0.799 back to back (1.470 after a cache flush, 1.191 after 2 ms
+  asleep); the minimal model's optimizer phase took 0.75-0.81 ms at one layer (9 tensors, 17.5 K
+  parameters), where the rates give 0.23. The back-to-back sets cannot see it: it is paid once a step,
+  and their solve has no term for that.
 
 ``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
 between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
@@ -62,8 +70,9 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -86,6 +95,7 @@ from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.calibration import (
+    ADAM_IN_STEP,
     ADAM_PER_TENSOR,
     ADAM_TOGETHER,
     COLLECTIVES,
@@ -183,34 +193,62 @@ HOST_WORK_DEPTHS = (1, 4)
 HOST_WORK_STEPS = {"seq_len": 32, "micro_batch_size": 1, "global_batch_size": 4, "dtype": "fp32"}
 
 
-def host_work() -> dict[str, float]:
-    """A CPU training step's time outside its ops per micro-batch (module docstring), per phase: its part
-    for a stage (``forward``, ``backward``) and per layer of it (``forward_per_layer``,
-    ``backward_per_layer``), a line through the minimal model's steps at HOST_WORK_DEPTHS layers, each
-    run in a fresh process (Megatron is imported there, not here), from its median step's visits
-    (autotuner.predict.in_step.host_work_s)."""
+def minimal_model_steps() -> list[tuple[int, Any]]:
+    """[(layers, StepMeasurement)]: the minimal GPTModel's real steps at each of HOST_WORK_DEPTHS, each
+    run in a fresh process (Megatron is imported there, not here), one intra-op thread."""
     import tempfile
 
-    from autotuner.predict.in_step import host_work_s
     from autotuner.predict.layout import Layout
     from autotuner.predict.steps import run_steps
 
     layout = Layout(**HOST_WORK_STEPS)
-    per_depth = []
+    measured = []
     for depth in HOST_WORK_DEPTHS:
         overrides = [*HOST_WORK_MODEL, f"hf.num_hidden_layers={depth}", "device=cpu", "timing.threads=1"]
         with tempfile.TemporaryDirectory(prefix="autotuner-host-work-") as folder:
-            measured = run_steps("tiny", overrides, layout, Path(folder) / "steps.json", repeats=9)
+            measured.append(
+                (depth, run_steps("tiny", overrides, layout, Path(folder) / "steps.json", repeats=9))
+            )
+    return measured
+
+
+def host_work(steps: list[tuple[int, Any]]) -> dict[str, float]:
+    """A CPU training step's time outside its ops per micro-batch (module docstring), per phase: its part
+    for a stage (``forward``, ``backward``) and per layer of it (``forward_per_layer``,
+    ``backward_per_layer``), a line through the minimal model's ``steps`` (:func:`minimal_model_steps`)
+    from each depth's median step's visits (autotuner.predict.in_step.host_work_s)."""
+    from autotuner.predict.in_step import host_work_s
+
+    per_depth = []
+    for _, measured in steps:
         rank = measured.ranks[0]
         fb = rank.forward_backward_s[measured.timeline_step]
-        per_depth.append(host_work_s(rank.timeline, fb, layout.microbatches))
-    (low, shallow), (high, deep) = zip(HOST_WORK_DEPTHS, per_depth, strict=True)
+        per_depth.append(host_work_s(rank.timeline, fb, measured.layout.microbatches))
+    (low, shallow), (high, deep) = zip((d for d, _ in steps), per_depth, strict=True)
     result = {}
     for phase, at_low, at_high in zip(PHASES, shallow, deep, strict=True):
         per_layer = max(at_high - at_low, 0.0) / (high - low)
         result[phase] = max(at_low - per_layer * low, 0.0)
         result[f"{phase}_per_layer"] = per_layer
     return result
+
+
+def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> float:
+    """Seconds an Adam step inside a training step takes beyond what ``rates`` (this calibration's
+    back-to-back rates per parameter and per tensor, and the copy bandwidth for the gradients' zeroing)
+    give, once a step (module docstring): the median, over the minimal model's timed steps at every depth
+    (:func:`minimal_model_steps`), of each step's optimizer phase less those rates' share."""
+    extra = []
+    for _, measured in steps:
+        rank = measured.ranks[0]
+        params = rank.parameter_bytes / 4  # fp32
+        modelled = (
+            rank.optimizer_tensors * rates[ADAM_PER_TENSOR]
+            + params * rates["adam_seconds_per_parameter"]
+            + 4 * params / rates["memory_bandwidth"]  # zeroing the gradients, as the prediction adds it
+        )
+        extra += [seconds - modelled for seconds in rank.optimizer_s[measured.warmup + 1 :]]
+    return max(0.0, statistics.median(extra))
 
 
 def adam_rates(
@@ -436,7 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     result = calibrate(device)
     if device.type == "cpu":
-        result[HOST_WORK] = host_work()
+        steps = minimal_model_steps()
+        result[HOST_WORK] = host_work(steps)
+        result[ADAM_IN_STEP] = adam_in_step(steps, result)
     out = Path(args.out) if args.out else default_path(device.type, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")  # a run reading it sees all or nothing
@@ -453,6 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"host work     {work['forward']:10.3f} + {work['forward_per_layer']:.3f} per layer forward, "
             f"{work['backward']:.3f} + {work['backward_per_layer']:.3f} backward, ms per micro-batch"
         )
+    if ADAM_IN_STEP in result:
+        print(f"Adam step     {result[ADAM_IN_STEP] * 1e6:10.3f} us more a step inside training steps")
     for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):
         if key in result:
             print(f"{key:13} {result[key] / 1e9:10.2f} GB/s")

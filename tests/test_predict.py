@@ -167,6 +167,12 @@ def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tm
     looped = predict(runs, layout, looped_cal)
     assert looped.step.optimizer == pytest.approx(params * 2e-9 + (4 * 6 + 3) * 5e-5 + zeroing)
     assert "50 us per tensor x 27 parameter tensors" in looped.step.optimizer_source.detail
+    # what a CPU calibration timed inside real steps beyond the back-to-back rates: once a step
+    in_training = {**looped_cal, "adam_seconds_per_step_in_training": 4e-4}
+    runs_in_training = load_runs([make_run(tmp_path, base_rows(), "in_training", calibration=in_training)])
+    inside = predict(runs_in_training, layout, in_training)
+    assert inside.step.optimizer == pytest.approx(looped.step.optimizer + 4e-4)
+    assert "+ 400 us a step more inside training steps" in inside.step.optimizer_source.detail
     # the distributed optimizer steps one share of each flat buffer (autotuner.predict.steps)
     zero = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32", distributed_optimizer=True)
     sharded = predict(runs, zero, looped_cal)
@@ -548,6 +554,30 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     assert 0 < step["bubble_fraction"] < 1 / 4 and len(step["schedule"]["boxes"]) == 2 * 2 * 4
 
 
+def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_step():
+    """autotuner.calibrate.adam_in_step, by hand: each timed step's optimizer phase less the rates' share
+    (per tensor, per parameter, and the gradients' zeroing over the copy bandwidth), median over the steps
+    of every depth; the warm-up and metered steps left out."""
+    from autotuner.calibrate import adam_in_step
+    from autotuner.predict.steps import RankSteps, StepMeasurement
+
+    rates = {"adam_seconds_per_tensor": 2e-5, "adam_seconds_per_parameter": 2e-9, "memory_bandwidth": 4e9}
+
+    def depth(tensors: int, params: int, timed: tuple[float, ...]) -> StepMeasurement:
+        steps = (9.0, 0.0, *timed)  # a warm-up step and the metered one: never counted
+        rank = RankSteps(0, 0, 0, 0, steps, steps, steps, (), 4 * params, 0, 0, optimizer_tensors=tensors)
+        layout = Layout(seq_len=32, global_batch_size=4, dtype="fp32")
+        return StepMeasurement("tiny", (), layout, (), 1, len(timed), "cpu", "", "", (rank,))
+
+    # one layer: 9 tensors, 10,000 parameters, the rates give 180 + 20 + 10 us; four layers: 27 and
+    # 40,000, 540 + 80 + 40 us
+    shallow = depth(9, 10_000, (710e-6, 760e-6, 690e-6))  # 500, 550, 480 us beyond
+    deep = depth(27, 40_000, (1160e-6, 1190e-6, 1500e-6))  # 500, 530, 840 us beyond
+    assert adam_in_step([(1, shallow), (4, deep)], rates) == pytest.approx(515e-6)
+    # steps no slower than the rates: nothing added, never a negative time
+    assert adam_in_step([(1, depth(9, 10_000, (100e-6, 150e-6)))], rates) == 0.0
+
+
 def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_entries(tmp_path):
     import torch
 
@@ -585,6 +615,8 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
         ("adam_seconds_per_parameter", -1),
         ("adam_seconds_per_tensor", -1e-6),
         ("adam_seconds_per_tensor", "slow"),
+        ("adam_seconds_per_step_in_training", -1e-4),
+        ("adam_seconds_per_step_in_training", True),
         ("warm_cache_bytes", "big"),
         ("grad_accumulation_seconds_per_parameter", {"bf16": 0}),
         ("grad_accumulation_seconds_per_parameter", 3e-12),

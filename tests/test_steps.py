@@ -64,6 +64,9 @@ def test_a_single_process_step_is_a_real_training_step(single):
     # step counters, 4 bytes per parameter tensor)
     assert 4 * rank.parameter_bytes <= rank.resident_bytes <= 4 * rank.parameter_bytes + 4 * 64
     assert rank.step_peak_bytes > 0 and single.peak_bytes == rank.resident_bytes + rank.step_peak_bytes
+    # the tensors Adam steps: tiny's 2 layers of 6 (two RMSNorms, linear_qkv, linear_proj, fc1, fc2), the
+    # embedding, the final norm, the output layer
+    assert rank.optimizer_tensors == 2 * 6 + 3
     # the same fixed batch every step: a real optimizer step makes its loss fall, step after step
     losses = single.losses
     assert len(losses) == single.warmup + 1 + single.repeats
@@ -332,6 +335,10 @@ def test_tensor_and_data_parallel_steps_under_torchrun(tmp_path, single, split):
         # TP: each rank holds about half of the sharded weights (the norms are whole on both); DP: all
         share = rank.parameter_bytes / single.ranks[0].parameter_bytes
         assert share < 0.75 if tp == 2 else share == pytest.approx(1, abs=1e-5)  # (+ padding to dp)
+        # gathered from every rank: what each one's Adam steps (the distributed optimizer: one share of
+        # the flat buffer, else every parameter tensor)
+        stepped = 1 if split.get("distributed_optimizer") else single.ranks[0].optimizer_tensors
+        assert rank.optimizer_tensors == stepped
     if tp == 1:
         # DP ranks run the same shapes, so the same peak: the collectives' gloo copies, whose frees the
         # profiler can miss, are outside the meter (steps docstring, "Peak memory")

@@ -144,6 +144,7 @@ class RankSteps:
     # when this rank's timeline starts, from the earliest rank's start (the wall clock at each rank's
     # start mark: autotuner.predict.in_step); its visits are counted from that earliest start
     timeline_start_s: float = 0.0
+    optimizer_tensors: int = 0  # the tensors this rank's Adam steps (0: a measurement from before it)
 
     @property
     def peak_bytes(self) -> int:
@@ -770,6 +771,7 @@ def measure_steps(
         resident_bytes=int(resident),
         step_peak_bytes=int(step_peak),
         in_step_s=_present(clock.medians()) if clock is not None else {},
+        optimizer_tensors=len(trainer.masters),
     )
     ranks = _gather(mine, world, len(fb_s)) if world > 1 else (mine,)
     # the timeline of the timed step whose forward-backward (the slowest rank's) is the median: every
@@ -821,6 +823,7 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
             r.resident_bytes,
             r.step_peak_bytes,
             len(r.losses),
+            r.optimizer_tensors,
         ]
         times = [*r.forward_backward_s, *r.reduce_s, *r.optimizer_s]
         in_step = [r.in_step_s.get(key, math.nan) for key in IN_STEP_KEYS]
@@ -832,7 +835,7 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
     ranks = []
     for packed in everyone:
         v = packed.tolist()
-        head, in_step, rest = v[:8], v[8 : 8 + len(IN_STEP_KEYS)], v[8 + len(IN_STEP_KEYS) :]
+        head, in_step, rest = v[:9], v[9 : 9 + len(IN_STEP_KEYS)], v[9 + len(IN_STEP_KEYS) :]
         ranks.append(
             RankSteps(
                 rank=int(head[0]),
@@ -847,6 +850,7 @@ def _gather(mine: RankSteps, world: int, steps: int) -> tuple[RankSteps, ...]:
                 optimizer_s=tuple(rest[2 * steps : 3 * steps]),
                 losses=tuple(rest[3 * steps : 3 * steps + int(head[7])]),
                 in_step_s=_present(tuple(in_step)),
+                optimizer_tensors=int(head[8]),
             )
         )
     return tuple(sorted(ranks, key=lambda r: r.rank))

@@ -119,9 +119,11 @@ Adam step's measured time per parameter (``adam_seconds_per_parameter``; for a l
 processes, which share one memory, the rate timed with all of them at it) x the stage's parameters, plus
 its measured time per tensor (``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors)
 x the tensors it steps (the stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed
-optimizer each flat buffer's share, as autotuner.predict.steps runs it), plus zeroing the gradients for
-the next step (4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters into
-the model's dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
+optimizer each flat buffer's share, as autotuner.predict.steps runs it), plus, where a CPU calibration
+timed it inside real steps, what a step's Adam takes there beyond those back-to-back rates, once a step
+(``adam_seconds_per_step_in_training``: autotuner.calibrate.adam_in_step), plus zeroing the gradients
+for the next step (4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters
+into the model's dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ from autotuner.predict.links import collective_seconds
 from autotuner.predict.memory import GRAD_BYTES
 from autotuner.predict.schedule import Schedule, closed_form_s, overlaps_exchanges, simulate
 from autotuner.results.calibration import (
+    ADAM_IN_STEP,
     ADAM_PER_TENSOR,
     ADAM_TOGETHER,
     GRAD_ACCUMULATION,
@@ -1008,6 +1011,10 @@ def optimizer_step(tm: TimeModel, params: float, expert_params: float, tensors: 
         adam += stepped * per_tensor
         what = "flat buffer shares" if lay.distributed_optimizer else "parameter tensors"
         detail += f"; + {per_tensor * 1e6:.3g} us per tensor x {stepped} {what}"
+    in_training = tm.calibration.get(ADAM_IN_STEP)
+    if in_training:
+        adam += in_training
+        detail += f"; + {in_training * 1e6:.3g} us a step more inside training steps (timed in real ones)"
     # Zeroing every gradient for the next step; mixed precision also casts the updated fp32 main
     # parameters into the model's copy (read 4 B, write 2 B).
     extra = 4 * params + (6 * per_rank if lay.dtype in ("bf16", "fp16") else 0)

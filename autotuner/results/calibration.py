@@ -58,6 +58,9 @@ LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
 ADAM_TOGETHER = "adam_seconds_per_parameter_together"
 # Seconds per tensor of torch's Adam step, besides its seconds per parameter (zero where it hides).
 ADAM_PER_TENSOR = "adam_seconds_per_tensor"
+# Seconds an Adam step inside a training step takes beyond its rates per parameter and per tensor (timed
+# back to back), once a step: on a CPU, from the host work's real steps (autotuner.calibrate.adam_in_step).
+ADAM_IN_STEP = "adam_seconds_per_step_in_training"
 # Per gradient dtype ("fp32", "bf16", ...): seconds per parameter of adding it into an fp32 gradient.
 GRAD_ACCUMULATION = "grad_accumulation_seconds_per_parameter"
 # Seconds per micro-batch a training step spends outside its ops (the schedule's and GPTModel's own host
@@ -106,16 +109,13 @@ def load(path: str | Path) -> dict[str, Any]:
             f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
             f"seconds per parameter): {_FIX}"
         )
-    per_tensor = data.get(ADAM_PER_TENSOR, 0.0)
-    if (
-        isinstance(per_tensor, bool)
-        or not isinstance(per_tensor, (int, float))
-        or not 0 <= per_tensor < math.inf
-    ):
-        raise UserError(
-            f"calibration file {path} has a bad {ADAM_PER_TENSOR}: it needs a number of seconds >= 0 "
-            f"(e.g. 4e-05): {_FIX}"
-        )
+    for key, example in ((ADAM_PER_TENSOR, "4e-05"), (ADAM_IN_STEP, "5e-04")):
+        seconds = data.get(key, 0.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise UserError(
+                f"calibration file {path} has a bad {key}: it needs a number of seconds >= 0 (e.g. "
+                f"{example}): {_FIX}"
+            )
     accumulation = data.get(GRAD_ACCUMULATION, {})
     if not isinstance(accumulation, dict) or not all(
         isinstance(k, str) and _rate(v) for k, v in accumulation.items()
