@@ -63,6 +63,7 @@ from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
 from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
+from autotuner.results.calibration import ADAM_IN_STEP
 
 CASES = {
     "tiny": ["case=tiny"],
@@ -216,7 +217,8 @@ def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     cal = json.loads(calibration.read_text())
     return (
         f"copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam {cal['adam_seconds_per_parameter'] * 1e9:.2f} "
-        f"ns/parameter + {cal['adam_seconds_per_tensor'] * 1e6:.1f} us/tensor (two processes at once: "
+        f"ns/parameter + {cal['adam_seconds_per_tensor'] * 1e6:.1f} us/tensor + "
+        f"{cal.get(ADAM_IN_STEP, 0.0) * 1e3:.2f} ms a step inside training steps (two processes at once: "
         f"{cal['adam_seconds_per_parameter_together']['gloo:2'] * 1e9:.2f}), send_recv (gloo:2) "
         f"{cal['send_recv_bandwidth']['gloo:2'] / 1e9:.2f} GB/s"
     )
@@ -234,6 +236,7 @@ class Round(NamedTuple):
     drift: float  # the steps after the profiles / before them
     in_step: tuple[tuple[int, str, float, float, str], ...]  # autotuner.predict.validate.Validation.in_step
     adam_rate: float  # the round's calibrated Adam seconds per parameter
+    adam_in_training_s: float  # and its time once a step inside training steps beyond its rates (0: none)
     between_ops: tuple[tuple[int, float, float], ...]  # per rank: (rank, between ops s, forward-backward s)
     handovers: tuple[float, ...]  # a 1F1B pipeline's hand-overs a stage waited for, s
     predicted_transfer_s: float | None  # the predictor's pp_p2p per exchange
@@ -255,7 +258,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         runs = profiled_runs(case, layout, Path(folder), calibration, threads)
         pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
         checked = validate(pred, *steps_args, repeats=repeats)
-        adam_rate = json.loads(calibration.read_text())["adam_seconds_per_parameter"]
+        calibrated = json.loads(calibration.read_text())
     bracket = (before + checked.measured_step_s) / 2
     return Round(
         step_ratio=checked.predicted_step_s / bracket,
@@ -266,7 +269,8 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         phases=checked.phases,
         drift=checked.measured_step_s / before,
         in_step=checked.in_step,
-        adam_rate=adam_rate,
+        adam_rate=calibrated["adam_seconds_per_parameter"],
+        adam_in_training_s=calibrated.get(ADAM_IN_STEP, 0.0),
         between_ops=tuple((r.rank, r.between_ops_s, r.forward_backward_s) for r in checked.timeline),
         handovers=tuple(seconds for _, seconds in checked.handovers),
         predicted_transfer_s=checked.predicted_transfer_s,
@@ -409,7 +413,11 @@ def main() -> int:
                     )
                 if args.calibrate == "round":
                     adam = [r.adam_rate * 1e9 for r in results]
-                    print(f"{'':21} Adam in the rounds' calibrations: {min(adam):.2f}-{max(adam):.2f} ns")
+                    once = [r.adam_in_training_s * 1e3 for r in results]
+                    print(
+                        f"{'':21} Adam in the rounds' calibrations: {min(adam):.2f}-{max(adam):.2f} ns a "
+                        f"parameter, + {min(once):.2f}-{max(once):.2f} ms a step inside training steps"
+                    )
                 said = []
                 for what, ratios in (("step", step), ("memory", memory)):
                     judged, ci = verdict(ratios)
