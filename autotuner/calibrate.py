@@ -238,14 +238,16 @@ def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> floa
     back-to-back rates per parameter and per tensor, and the copy bandwidth for the gradients' zeroing)
     give, once a step (module docstring): the median, over the minimal model's timed steps at every depth
     (:func:`minimal_model_steps`), of each step's optimizer phase less those rates' share."""
+    from autotuner.predict.memory import GRAD_BYTES
+
     extra = []
     for _, measured in steps:
         rank = measured.ranks[0]
-        params = rank.parameter_bytes / 4  # fp32
+        params = rank.parameter_bytes / 4  # the minimal model trains in fp32
         modelled = (
             rank.optimizer_tensors * rates[ADAM_PER_TENSOR]
             + params * rates["adam_seconds_per_parameter"]
-            + 4 * params / rates["memory_bandwidth"]  # zeroing the gradients, as the prediction adds it
+            + GRAD_BYTES * params / rates["memory_bandwidth"]  # zeroing the gradients, as predicted
         )
         extra += [seconds - modelled for seconds in rank.optimizer_s[measured.warmup + 1 :]]
     return max(0.0, statistics.median(extra))

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import statistics
 import subprocess
@@ -64,6 +63,7 @@ from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, 
 from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP
+from autotuner.results.calibration import load as load_calibration
 
 CASES = {
     "tiny": ["case=tiny"],
@@ -214,7 +214,7 @@ def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     links = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     links += ["-m", "autotuner.calibrate", "--device", "cpu", "--collectives", "--out", str(calibration)]
     subprocess.run(links, **quiet)
-    cal = json.loads(calibration.read_text())
+    cal = load_calibration(calibration)
     return (
         f"copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam {cal['adam_seconds_per_parameter'] * 1e9:.2f} "
         f"ns/parameter + {cal['adam_seconds_per_tensor'] * 1e6:.1f} us/tensor + "
@@ -256,9 +256,9 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             calibration = Path(folder) / "calibration.json"
             calibrate_machine(calibration, threads)
         runs = profiled_runs(case, layout, Path(folder), calibration, threads)
-        pred = predict(runs, layout, load_calibration_for(runs, str(calibration)))
+        calibrated = load_calibration_for(runs, str(calibration))  # read and checked once, for both
+        pred = predict(runs, layout, calibrated)
         checked = validate(pred, *steps_args, repeats=repeats)
-        calibrated = json.loads(calibration.read_text())
     bracket = (before + checked.measured_step_s) / 2
     return Round(
         step_ratio=checked.predicted_step_s / bracket,

@@ -1017,7 +1017,7 @@ def optimizer_step(tm: TimeModel, params: float, expert_params: float, tensors: 
         detail += f"; + {in_training * 1e6:.3g} us a step more inside training steps (timed in real ones)"
     # Zeroing every gradient for the next step; mixed precision also casts the updated fp32 main
     # parameters into the model's copy (read 4 B, write 2 B).
-    extra = 4 * params + (6 * per_rank if lay.dtype in ("bf16", "fp16") else 0)
+    extra = GRAD_BYTES * params + (6 * per_rank if lay.dtype in ("bf16", "fp16") else 0)
     detail += f"; + {extra / params:g} B per parameter (zeroing the gradients"
     detail += ", the cast to the model's dtype" if lay.dtype in ("bf16", "fp16") else ""
     detail += f") / {said}"
