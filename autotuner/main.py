@@ -108,6 +108,7 @@ def preflight(argv: list[str]) -> None:
     """Compose and validate every job the command line asks for. Raises UserError."""
     from hydra.errors import HydraException
 
+    from autotuner.results import calibration
     from autotuner.runner.spec import resolve_spec
 
     overrides = _user_overrides(argv)
@@ -121,7 +122,10 @@ def preflight(argv: list[str]) -> None:
         raise UserError(f"cannot parse the overrides: {short_error(exc)}") from exc
     search = _search_path(argv)
     for job in jobs:
-        resolve_spec(compose_config([*job, *search]))
+        cfg = compose_config([*job, *search])
+        resolve_spec(cfg)
+        if cfg.calibration:  # a file named on the command line: refused before Hydra makes the run folder
+            calibration.load(cfg.calibration)
     _check_output_dir(argv, [*jobs[0], *search])
 
 

@@ -352,6 +352,7 @@ def test_a_bad_calibration_is_refused_before_anything_is_written(tmp_path, capsy
     err = _errors(capsys.readouterr().err)
     assert len(err) == 1 and "calibration" in err[0], err
     assert not (run_dir / "environment.json").exists() and not (run_dir / "results.jsonl").exists()
+    assert not run_dir.exists()  # refused before Hydra makes the run folder: nothing written at all
 
 
 # --- bad input refused before any work; a model too large to build fails only the ops that do not fit
