@@ -10,7 +10,7 @@ import pytest
 
 from autotuner.predict.__main__ import main
 from autotuner.predict.layout import Layout
-from autotuner.predict.prediction import load_runs, predict
+from autotuner.predict.prediction import load_runs, predict, render
 from autotuner.predict.schedule import simulate
 from autotuner.results import ResultsWriter
 
@@ -387,6 +387,38 @@ def test_an_uneven_split_puts_its_layers_where_megatron_does(tmp_path):
     assert [m.activations.value for m in pred.memory] == pytest.approx([5000 * 3 * 2, 5000 * 1 * 1])
     assert pred.step.optimizer == pytest.approx(adam_seconds(params[0]))  # the larger stage's
     assert "last=1" in lay.describe() and pred.to_json()["layout"]["last_stage_layers"] == 1
+
+
+def test_megatron_report_is_what_megatron_lm_prints_for_the_first_stage(tmp_path):
+    """Beside our terms, the figure Megatron-LM's report_theoretical_memory prints, worked by hand from its
+    formulas: without sequence parallelism and selective recompute both, s*b*h*(10 + 24/t) a layer, x L,
+    + the embedding's input 8*s*b*p and dropout s*b*h*p, x min(1, m/p) on a pipeline, + 5%; with both,
+    s*b*h*(18 + 4*ffn/h) a layer, + the output layer's input and logits at p = 1, / t; weights and
+    optimizer 18 B a parameter (6 + 12/dp with the distributed optimizer)."""
+    runs = load_runs([make_run(tmp_path, base_rows())])
+    s, b, layers = 32, 1, 4
+    lay = Layout(seq_len=s, pp=2, dp=2, global_batch_size=16, dtype="fp32", distributed_optimizer=True)
+    pred = predict(runs, lay, CAL)
+    report = pred.megatron_report
+    activations = (s * b * H * (10 + 24 / 1) * layers + 8 * s * b * 2 + s * b * H * 2) * min(1, 4 / 2) * 1.05
+    assert report.activations.value == pytest.approx(activations)
+    assert report.weights_and_optimizer.value == pytest.approx(STAGE0_PARAMS * (6 + 12 / 2))
+    assert report.total == pytest.approx(activations + STAGE0_PARAMS * 12)
+    # one micro-batch on a 2-stage pipeline: Megatron discounts the held micro-batches to m/p
+    one = predict(runs, Layout(seq_len=s, pp=2, global_batch_size=1, dtype="fp32"), CAL).megatron_report
+    assert one.activations.value == pytest.approx(activations / 2)
+    # sequence parallelism with selective recompute, tp=2, no pipeline: the output layer's input and logits
+    sp = Layout(
+        seq_len=s, tp=2, global_batch_size=4, dtype="bf16", sequence_parallel=True, recompute="selective"
+    )
+    report = predict(runs, sp, CAL).megatron_report
+    layer = s * b * H * (18 + 4 * 176 / H)
+    head = s * b * H * 4 * (1 + VOCAB / H)
+    assert report.activations.value == pytest.approx((layer * layers + 8 * s * b + s * b * H + head) / 2)
+    assert "18 + 4*ffn/h" in report.activations.source.detail
+    data = pred.to_json()["megatron_report"]
+    assert data["total_bytes"] == pytest.approx(pred.megatron_report.total)
+    assert "Megatron-LM's theoretical-memory report, stage 0" in render(pred)
 
 
 def test_memory_terms(tmp_path):

@@ -227,6 +227,7 @@ def test_predict_writes_the_page_beside_the_json(tmp_path, capsys):
     text = " ".join(page.text)
     assert "No validation record" in text and "80 GB" in text and "pipeline bubble" in text
     assert "Source:" in text and "measured" in text
+    assert "0: Megatron-LM report" in text and "weights and optimizer" in text  # the memory table's last row
     capsys.readouterr()
     # The page alone, from the JSON on disk (how a page is remade), now with a validation record.
     rec = load_prediction(out)

@@ -103,6 +103,11 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     # the rows (a backward's peak net of the saved activations it frees) meets it; the in-flight term's
     # old lower bound (every backward credited with freeing all it saved first) read -2.5% here
     assert abs(record["memory_error"]) < 0.01
+    # beside it, Megatron-LM's own report of the first stage against that stage's measured peak (one
+    # process: the step's peak); its bf16 assumptions read fp32 steps low
+    assert record["measured_first_stage_peak_bytes"] == record["measured_peak_bytes"]
+    assert 0 < record["megatron_report_bytes"] < record["measured_peak_bytes"]
+    assert "Megatron-LM's report of stage 0" in printed
     assert "autotuner.predict.steps" in " ".join(record["command"])
     assert "hf.num_hidden_layers=3" in record["command"]
     # where inside the forward-backward: each hooked op's predicted time per visit beside its time in the

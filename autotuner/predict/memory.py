@@ -38,12 +38,25 @@ Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
   0.92-0.98. An op without a row adds nothing here (said in the source).
 
 Side by side, the closed form of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", section 4, Table 2), the estimate Megatron's theoretical-memory report uses, per
-layer and micro-batch for 2-byte activations (h hidden, a heads, t tp):
-no recompute s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism s*b*h*(34 + 5*a*s/h)/t;
-selective recompute s*b*h*(10 + 24/t), with sequence parallelism 34*s*b*h/t; full recompute 2*s*b*h
-(/t with sequence parallelism). It counts dropout masks (1 B per element), which a model without
-dropout does not keep, and 2-byte tensors: in fp32 we scale it by 2.
+Transformer Models", section 4, Table 2) per stage, per layer and micro-batch for 2-byte activations (h
+hidden, a heads, t tp): no recompute s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism
+s*b*h*(34 + 5*a*s/h)/t; selective recompute s*b*h*(10 + 24/t), with sequence parallelism 34*s*b*h/t;
+full recompute 2*s*b*h (/t with sequence parallelism). It counts dropout masks (1 B per element), which
+a model without dropout does not keep, and 2-byte tensors: in fp32 we scale it by 2. The 5*a*s/h term
+is the attention's s x s scores and their softmax, which Megatron-Core's unfused ``DotProductAttention``
+(the local spec, what this tool builds without Transformer-Engine) keeps and a fused or flash attention
+does not.
+
+And what Megatron-LM itself prints (``report_theoretical_memory`` in
+``megatron/training/theoretical_memory_usage.py``), for the first pipeline stage only
+(:func:`megatron_report`): its activations take Table 2's selective-recompute rows whatever the
+recompute setting, so no attention scores: with sequence parallelism and selective recompute
+s*b*h*(18 + 4*ffn/h) a layer (34 for ffn = 4h), else s*b*h*(10 + 24/t) with 5% added; times all L
+layers (the first stage holds L/p layers of p micro-batches), plus the embedding's input (8*s*b*p) and
+dropout mask (s*b*h*p), times 1 + (p-1)/(p*v) interleaved or min(1, m/p) otherwise, plus the output
+layer's input and logits at p = 1, in bytes of 2-byte activations whatever the dtype; its weights and
+optimizer 18 B a parameter (bf16 weights, fp32 gradients, Adam's fp32 master and states), 6 + 12/dp with
+the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -74,6 +87,78 @@ def korthikanti_layer_bytes(
     else:
         per = (34.0 + 5.0 * a * s / h) / t if sp else 10.0 + 24.0 / t + 5.0 * a * s / (h * t)
     return s * b * h * per * DTYPE_BYTES[dtype] / 2
+
+
+@dataclass(frozen=True)
+class MegatronReport:
+    """Megatron-LM's theoretical-memory report for a layout: its first pipeline stage (module docstring)."""
+
+    activations: Figure
+    weights_and_optimizer: Figure
+
+    @property
+    def total(self) -> float:
+        return self.activations.value + self.weights_and_optimizer.value
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": 0,
+            "total_bytes": self.total,
+            "activations": self.activations.to_json(),
+            "weights_and_optimizer": self.weights_and_optimizer.to_json(),
+        }
+
+
+def megatron_report(model: ModelShape, layout: Layout, first_stage_params: float) -> MegatronReport:
+    """What Megatron-LM's ``report_theoretical_memory`` computes for ``layout`` (module docstring), its
+    weights from this module's count of the first stage's parameters (routed experts divided by ep, where
+    Megatron's own count does not divide them)."""
+    s, b, h, t, p, v = (
+        layout.seq_len,
+        layout.micro_batch_size,
+        model.hidden,
+        layout.tp,
+        layout.pp,
+        layout.vpp,
+    )
+    m, vocab, layers = layout.microbatches, model.vocab, model.num_layers
+    with_sp = layout.sequence_parallel and layout.recompute == "selective"
+    per_layer = s * b * h * ((18 + 4 * model.ffn / h) if with_sp else (10 + 24 / t))
+    value = per_layer * layers + 8 * s * b * p + s * b * h * p
+    if v > 1:
+        value *= 1 + (p - 1) / (p * v)
+    elif p > 1:
+        value *= min(1.0, m / p)
+    if with_sp:
+        rule = "s*b*h*(18 + 4*ffn/h) a layer (sequence parallelism, selective recompute)"
+        if p == 1:
+            value += s * b * h * 4 * (1 + vocab / h)
+        value /= t
+    else:
+        rule = "s*b*h*(10 + 24/t) a layer, x 1.05"
+        if p == 1:
+            value += (s * b * vocab / t + s * b * h) * 2
+        value *= 1.05
+    activations = Figure(
+        value,
+        "B",
+        Source(
+            "modelled",
+            f"Megatron-LM's theoretical-memory report: {rule}, x {layers} layers, the embedding's input "
+            "and dropout, 2-byte activations, no attention scores",
+        ),
+    )
+    per_param = 6 + 12 / layout.dp if layout.distributed_optimizer else 18.0
+    weights = Figure(
+        first_stage_params * per_param,
+        "B",
+        Source(
+            "modelled",
+            f"Megatron-LM's theoretical-memory report: {per_param:.4g} B a parameter x the first stage's "
+            f"{first_stage_params:.6g} parameters",
+        ),
+    )
+    return MegatronReport(activations, weights)
 
 
 def held_microbatches(stage: int, pp: int, vpp: int, microbatches: int) -> int:

@@ -25,7 +25,14 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.predict.inputs import Measurements, Missing, ModelShape
 from autotuner.predict.layout import Figure, Layout, Source
-from autotuner.predict.memory import MEMORY_MARGIN, StageMemory, layer_activation, stage_memory
+from autotuner.predict.memory import (
+    MEMORY_MARGIN,
+    MegatronReport,
+    StageMemory,
+    layer_activation,
+    megatron_report,
+    stage_memory,
+)
 from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import (
     OVERLAP,
@@ -120,6 +127,7 @@ class Prediction:
     plan: Plan | None = None
     warnings: list[str] = field(default_factory=list)
     cache_note: str = ""  # which visits took warm rows, which flushed (autotuner.predict.timing.cache_plan)
+    megatron_report: MegatronReport | None = None  # what Megatron-LM's own report prints, beside ours
 
     @property
     def step_seconds(self) -> float:
@@ -159,6 +167,7 @@ class Prediction:
             "tp_collectives": self.tp_note,
             "cache": self.cache_note,
             "memory": [m.to_json() for m in self.memory],
+            "megatron_report": self.megatron_report.to_json() if self.megatron_report else None,
             "mfu": self.mfu.to_json() if self.mfu else None,
             "mfu_note": self.mfu_note,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu.to_json(),
@@ -347,6 +356,7 @@ def predict(
         plan=profile,
         warnings=notes,
         cache_note=why,
+        megatron_report=megatron_report(model, layout, memory[0].params.value),
     )
 
 
@@ -424,7 +434,15 @@ def render(pred: Prediction) -> str:
         "in flight",
         "total/GPU",
     ]
-    out += ["memory per GPU", text_table(headers, lines, [True] * 9), ""]
+    out += ["memory per GPU", text_table(headers, lines, [True] * 9)]
+    if pred.megatron_report is not None:
+        report, first = pred.megatron_report, pred.memory[0]
+        out.append(
+            f"Megatron-LM's theoretical-memory report, stage 0: {human_bytes(report.total)} "
+            f"(activations {human_bytes(report.activations.value)}, weights and optimizer "
+            f"{human_bytes(report.weights_and_optimizer.value)}) against {human_bytes(first.total)} here"
+        )
+    out.append("")
     out.append("sources")
     for st in pred.stages:
         for name, phase, t, count in st.items:
@@ -438,6 +456,9 @@ def render(pred: Prediction) -> str:
         )
         out.append(f"  stage {m.stage} parameters: [{m.params.source.kind}] {m.params.source.detail}")
         out.append(f"  stage {m.stage} in flight: [{m.in_flight.source.kind}] {m.in_flight.source.detail}")
+    if pred.megatron_report is not None:
+        for figure in (pred.megatron_report.activations, pred.megatron_report.weights_and_optimizer):
+            out.append(f"  stage 0, {figure.source.detail}")
     if pred.missing:
         out += ["", "not measured at this layout's point; to measure:"]
         out += [f"  {command}" for command in dict.fromkeys(item["command"] for item in pred.missing)]

@@ -125,6 +125,10 @@ class Validation:
     # forwards and backwards, the median hand-over per exchange) and the span it replays, first op to last
     replayed_s: float | None = None
     measured_span_s: float | None = None
+    # what Megatron-LM's theoretical-memory report says of the first stage (autotuner.predict.memory.
+    # megatron_report), beside the fullest first-stage GPU of the steps
+    megatron_report_bytes: float | None = None
+    measured_first_stage_peak_bytes: float | None = None
 
     @property
     def step_error(self) -> float:
@@ -157,6 +161,8 @@ class Validation:
             "predicted_transfer_s": self.predicted_transfer_s,
             "replayed_s": self.replayed_s,
             "measured_span_s": self.measured_span_s,
+            "megatron_report_bytes": self.megatron_report_bytes,
+            "measured_first_stage_peak_bytes": self.measured_first_stage_peak_bytes,
             "command": list(self.command),
         }
 
@@ -193,6 +199,8 @@ def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5)
         measured_step_iqr_s=measured.step_iqr_s,
         predicted_peak_bytes=max(stage.total for stage in prediction.memory),
         measured_peak_bytes=float(measured.peak_bytes),
+        megatron_report_bytes=prediction.megatron_report.total if prediction.megatron_report else None,
+        measured_first_stage_peak_bytes=float(max(r.peak_bytes for r in measured.ranks if r.pp_rank == 0)),
         command=tuple(measured.command),
         phases=(
             # the pipeline: the schedule's forwards and backwards (TP collectives inside them)
@@ -331,9 +339,23 @@ def render(result: Validation) -> str:
             *_timeline_lines(result),
             f"  peak memory  predicted {human_bytes(result.predicted_peak_bytes):>10}  measured "
             f"{human_bytes(result.measured_peak_bytes):>10}  error {100 * result.memory_error:+.1f}%",
+            *_megatron_report_line(result),
             "  measured by: " + " ".join(result.command),
         ]
     )
+
+
+def _megatron_report_line(result: Validation) -> list[str]:
+    from autotuner.results.units import human_bytes
+
+    report, first = result.megatron_report_bytes, result.measured_first_stage_peak_bytes
+    if not report or not first:
+        return []
+    return [
+        f"    Megatron-LM's report of stage 0 {human_bytes(report):>10}  stage 0 measured "
+        f"{human_bytes(first):>10}  error {100 * (report / first - 1):+.1f}% (its formula: 2-byte "
+        "activations, no attention scores, 18 B a parameter)"
+    ]
 
 
 def _timeline_lines(result: Validation) -> list[str]:

@@ -471,6 +471,17 @@ def _memory_table(record: Mapping[str, Any]) -> str:
         body.append(
             f"<tr>{cell(m['stage'])}{terms}{cell(human_bytes(m['total_bytes']), m['total_bytes'], 'n')}</tr>"
         )
+    report = record.get("megatron_report")
+    if report:  # one line for what Megatron-LM's own report says of the first stage
+        said = " ".join(
+            f"{name.replace('_', ' ')} {human_bytes(report[name]['value'])}"
+            for name in ("activations", "weights_and_optimizer")
+        )
+        body.append(
+            f"<tr>{cell('0: Megatron-LM report')}"
+            f'<td colspan="{len(MEMORY_TERMS) + 1}">{escape(said)}</td>'
+            f"{cell(human_bytes(report['total_bytes']), report['total_bytes'], 'n')}</tr>"
+        )
     return table(["stage", *MEMORY_TERMS, "Korthikanti", "total/GPU"], body)
 
 
