@@ -98,7 +98,7 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], l
     ranked: list[Ranked] = []
     notes: list[str] = []
     for layout in layouts:
-        pred = predict(runs, layout, calibration, model)
+        pred = predict(runs, layout, calibration, model).without_schedule_boxes()
         memory = max(stage.total for stage in pred.memory)
         ranked.append(Ranked(pred, memory, memory <= limit))
     ranked.sort(key=lambda r: (not r.fits, r.prediction.step_seconds, r.memory_bytes))

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from autotuner.predict.schedule import closed_form_s, dependency, exchanges, rank_order, simulate
+from autotuner.predict.schedule import (
+    closed_form_s,
+    dependency,
+    exchanges,
+    placement,
+    rank_order,
+    simulate,
+)
 
 REL = 1e-9
 GRID = [(1, 1, 3), (2, 1, 1), (2, 1, 8), (4, 1, 6), (4, 1, 2), (2, 2, 8), (4, 2, 8), (3, 3, 6), (4, 4, 4)]
@@ -97,3 +104,23 @@ def test_overlapped_exchanges_cost_only_the_receiving_box():
     both = simulate(own_times([1.0, 1.5], [2.0, 2.5], v), p, v, m, exchange_s=x)
     free = simulate(own_times([1.0, 1.5], [2.0, 2.5], v), p, v, m)
     assert free.end < sched.end < both.end
+
+
+@pytest.mark.parametrize(("p", "v", "m"), GRID, ids=[f"p{p}v{v}m{m}" for p, v, m in GRID])
+def test_the_placement_order_puts_every_box_after_its_input_and_its_ranks_previous_box(p, v, m):
+    """simulate places the boxes in one order worked out per (p, v, m), whatever their durations: it must
+    hold every box once, each after the box it needs and after its rank's box before it."""
+    order = placement(p, v, m)
+    keys = [key for key, *_ in order]
+    assert len(set(keys)) == len(keys) == 2 * p * v * m
+    at = {key: i for i, key in enumerate(keys)}
+    for i, (key, source, cross, before) in enumerate(order):
+        needs = dependency(key, p, v)
+        assert source == (-1 if needs is None else at[needs]) and source < i
+        assert cross == (needs is not None and needs[0] != key[0])
+        mine = rank_order(key[0], p, v, m)
+        k = mine.index(key[1:])
+        assert before == (k > 0 and exchanges(key[0], mine[k - 1], key[1:], p, v))
+        if k:
+            assert at[(key[0], *mine[k - 1])] < i
+    assert placement(p, v, m) is order  # worked out once

@@ -10,6 +10,7 @@ import pytest
 
 from autotuner.main import run
 from autotuner.predict.__main__ import main as predict_main
+from autotuner.predict.prediction import load_calibration_for, load_runs, predict
 from autotuner.tune import main as tune_main
 from autotuner.tune import parse_settings, rank
 from tests.conftest import FAST
@@ -36,6 +37,13 @@ def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run
     assert fitting and all(r.fits for r in ranked[: len(fitting)])  # the ones that fit come first
     times = [r.prediction.step_seconds for r in fitting]
     assert times == sorted(times) and all(t > 0 for t in times)
+    # each layout's schedule is kept as its end alone (the boxes of thousands of layouts took gigabytes),
+    # and that end is what the whole schedule's is
+    first = fitting[0].prediction
+    assert all(r.prediction.step.schedule.boxes == () for r in ranked)
+    whole = predict(load_runs([tiny_run]), first.layout, load_calibration_for(load_runs([tiny_run]), None))
+    assert whole.step.schedule.boxes and whole.step.schedule.end == first.step.schedule.end
+    assert whole.step_seconds == first.step_seconds
     # a memory limit between the smallest and the largest need drops exactly the layouts above it
     needs = sorted(r.memory_bytes for r in ranked)
     limit_gb = (needs[0] + needs[-1]) / 2 / 1e9

@@ -18,7 +18,7 @@ import json
 import shlex
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,11 @@ class Prediction:
     @property
     def step_seconds(self) -> float:
         return self.step.total
+
+    def without_schedule_boxes(self) -> Prediction:
+        """This prediction with its schedule's boxes dropped (its pipeline time kept): what
+        autotuner.tune keeps of every layout it ranks; ``to_json`` then writes no boxes."""
+        return replace(self, step=replace(self.step, schedule=self.step.schedule.without_boxes()))
 
     def to_json(self) -> dict[str, Any]:
         s = self.step

@@ -45,18 +45,20 @@ median hand-over came to 0.990 of its measured span charged to both ends, 0.955 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # A box's key: (stage, phase, micro-batch, chunk).
 Key = tuple[int, str, int, int]
 BOX_COLUMNS = ("stage", "phase", "microbatch", "chunk", "start_s", "end_s")
 
 
-@dataclass(frozen=True)
-class Box:
-    """One forward or backward of one micro-batch (and virtual chunk) on one stage."""
+class Box(NamedTuple):
+    """One forward or backward of one micro-batch (and virtual chunk) on one stage. A named tuple: a
+    schedule of thousands of micro-batches holds one per box, and a frozen dataclass took several times
+    as long to make."""
 
     stage: int
     phase: str
@@ -67,7 +69,7 @@ class Box:
 
     def row(self) -> list[Any]:
         """The box as plain data, in :data:`BOX_COLUMNS` order (``prediction.json``'s schedule)."""
-        return [self.stage, self.phase, self.microbatch, self.chunk, self.start, self.end]
+        return list(self)
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,12 @@ class Schedule:
 
     boxes: tuple[Box, ...]
     exchange_s: float  # one exchange's time, as the simulation charged it
+    end: float  # when the last box ends: the pipeline's time
 
-    @property
-    def end(self) -> float:
-        return max(box.end for box in self.boxes)
+    def without_boxes(self) -> Schedule:
+        """The same schedule's end and exchange without its boxes: what a ranking of thousands of
+        layouts keeps of each (autotuner.tune), where the boxes of all of them took gigabytes."""
+        return Schedule((), self.exchange_s, self.end)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,6 +152,44 @@ def overlaps_exchanges(vpp: int, device_type: str) -> bool:
     return vpp > 1 and device_type != "cpu"
 
 
+@functools.lru_cache(maxsize=256)
+def placement(p: int, v: int, m: int) -> tuple[tuple[Key, int, bool, bool], ...]:
+    """Every box of the schedule in an order that comes after its input's box and its rank's previous
+    box: a topological order of the dependencies, the same whatever the boxes' durations, so it is
+    worked out once per (p, v, m) (autotuner.tune simulates thousands of layouts). Each entry: the box's
+    key, the position of its input's box in this order (-1: none), whether that box is another rank's
+    (an exchange between them), and whether its rank exchanges between its previous box and it
+    (:func:`exchanges`). RuntimeError if the order deadlocks (a bug of :func:`rank_order`)."""
+    orders = [rank_order(s, p, v, m) for s in range(p)]
+    at: dict[Key, int] = {}
+    out: list[tuple[Key, int, bool, bool]] = []
+    position = [0] * p
+    # Each rank places its boxes in its order until one's input is not placed yet; it then waits on that
+    # box and resumes when that box is placed: each box is looked at once or twice.
+    waiting: dict[Key, int] = {}
+    ready = list(range(p))
+    while ready:
+        s = ready.pop()
+        order = orders[s]
+        while position[s] < len(order):
+            step = order[position[s]]
+            key = (s, *step)
+            needs = dependency(key, p, v)
+            if needs is not None and needs not in at:
+                waiting[needs] = s
+                break
+            before = position[s] > 0 and exchanges(s, order[position[s] - 1], step, p, v)
+            source = -1 if needs is None else at[needs]
+            at[key] = len(out)
+            out.append((key, source, needs is not None and needs[0] != s, before))
+            position[s] += 1
+            if key in waiting:
+                ready.append(waiting.pop(key))
+    if any(position[s] < len(orders[s]) for s in range(p)):
+        raise RuntimeError(f"the 1F1B order deadlocks at p={p} v={v} m={m}")
+    return tuple(out)
+
+
 def simulate(
     duration: Callable[[Key], float],
     p: int,
@@ -159,33 +201,20 @@ def simulate(
     """Place every box of the schedule (module docstring): each as early as its rank's previous box and
     its input allow; ``duration(key)`` is the box's own time, ``exchange_s`` one exchange's, charged to
     both ends, or with ``overlapped`` to the receiving box alone."""
-    orders = [rank_order(s, p, v, m) for s in range(p)]
-    done: dict[Key, float] = {}
-    free, position, boxes = [0.0] * p, [0] * p, []
-    # Each pass places, on every rank, the boxes whose input is ready; a pass that places nothing would
-    # be a deadlock of the order above (a bug), not a property of the layout.
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        placed = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                step = orders[s][position[s]]
-                key = (s, *step)
-                needs = dependency(key, p, v)
-                if needs is not None and needs not in done:
-                    break
-                start = free[s]
-                if not overlapped and position[s] and exchanges(s, orders[s][position[s] - 1], step, p, v):
-                    start += exchange_s
-                if needs is not None:
-                    start = max(start, done[needs] + (exchange_s if needs[0] != s else 0.0))
-                end = start + duration(key)
-                boxes.append(Box(s, step[0], step[1], step[2], start, end))
-                done[key] = free[s] = end
-                position[s] += 1
-                placed = True
-        if not placed:
-            raise RuntimeError(f"the 1F1B order deadlocks at p={p} v={v} m={m}")
-    return Schedule(tuple(boxes), exchange_s)
+    free = [0.0] * p
+    ends: list[float] = []
+    boxes = []
+    sending = 0.0 if overlapped else exchange_s
+    for key, source, cross, before in placement(p, v, m):
+        stage = key[0]
+        start = free[stage] + (sending if before else 0.0)
+        if source >= 0:
+            start = max(start, ends[source] + (exchange_s if cross else 0.0))
+        end = start + duration(key)
+        boxes.append(Box(stage, key[1], key[2], key[3], start, end))
+        ends.append(end)
+        free[stage] = end
+    return Schedule(tuple(boxes), exchange_s, max(free))
 
 
 def closed_form_s(slowest: float, p: int, v: int, m: int) -> float:

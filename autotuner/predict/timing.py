@@ -273,6 +273,9 @@ class TimeModel:
         self.cold, self.cache_reason = True, "assumed: the step's data exceeds the cache"
         self.other_cache_rows: set[str] = set()  # rows used that were measured the other way
         self._absent_ops: dict[str, bool] = {}  # _absent's answers: fixed by the rows and the model
+        # _at_basis's answers, fixed by the rows, the model and the layout: an op tree is walked once per
+        # (op, phase, basis) instead of once per question (autotuner.tune asks thousands of layouts)
+        self._resolved: dict[tuple[str, str, int, bool], OpTime | None] = {}
 
     # -- calibration ----------------------------------------------------------------------------------
     def peak_flops(self) -> tuple[float, str]:
@@ -299,6 +302,7 @@ class TimeModel:
         """Which rows this model stands for (:func:`cache_plan`); ``meas`` should prefer them."""
         self.cold, self.cache_reason = cold, reason
         self.other_cache_rows.clear()
+        self._resolved.clear()  # what was resolved before noted the rows of the other mode
 
     def _note_cache(self, row: Mapping[str, Any]) -> None:
         if bool(row.get("cache_flush")) != self.cold:
@@ -393,6 +397,12 @@ class TimeModel:
     def _at_basis(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
         """The op at the layout's (s, b) from rows at tensor-parallel size ``basis`` alone (no division by
         tp, no collectives added); None if these rows cannot give it."""
+        key = (op, phase, basis, exact_only)
+        if key not in self._resolved:
+            self._resolved[key] = self._resolve_at_basis(op, phase, basis, exact_only)
+        return self._resolved[key]
+
+    def _resolve_at_basis(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
         found = self._row_seconds(self.meas, op, phase, basis, nearest=False)
         if found is not None:
             return OpTime(found[0], Source("measured", found[1]), {op: found[0]}, rows_tp=basis)
