@@ -46,7 +46,8 @@ median hand-over came to 0.990 of its measured span charged to both ends, 0.955 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -75,16 +76,27 @@ class Box(NamedTuple):
 @dataclass(frozen=True)
 class Schedule:
     """Every box of one step's pipeline, in the order they were placed; the step's pipeline time is
-    :attr:`end`."""
+    :attr:`end`. Kept as the placement order and each box's start and end; the boxes are made when
+    asked for (autotuner.tune ranks thousands of layouts, whose millions of boxes only the explained one
+    shows)."""
 
-    boxes: tuple[Box, ...]
+    placed: tuple[tuple[Key, int, bool, bool], ...]  # :func:`placement`'s entries, box by box
+    starts: Sequence[float]
+    ends: Sequence[float]
     exchange_s: float  # one exchange's time, as the simulation charged it
     end: float  # when the last box ends: the pipeline's time
 
+    @functools.cached_property
+    def boxes(self) -> tuple[Box, ...]:
+        return tuple(
+            Box(*entry[0], start, end)
+            for entry, start, end in zip(self.placed, self.starts, self.ends, strict=True)
+        )
+
     def without_boxes(self) -> Schedule:
         """The same schedule's end and exchange without its boxes: what a ranking of thousands of
-        layouts keeps of each (autotuner.tune), where the boxes of all of them took gigabytes."""
-        return Schedule((), self.exchange_s, self.end)
+        layouts keeps of each (autotuner.tune)."""
+        return Schedule((), (), (), self.exchange_s, self.end)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -202,19 +214,19 @@ def simulate(
     its input allow; ``duration(key)`` is the box's own time, ``exchange_s`` one exchange's, charged to
     both ends, or with ``overlapped`` to the receiving box alone."""
     free = [0.0] * p
-    ends: list[float] = []
-    boxes = []
+    order = placement(p, v, m)
+    starts, ends = array("d"), array("d")
     sending = 0.0 if overlapped else exchange_s
-    for key, source, cross, before in placement(p, v, m):
+    for key, source, cross, before in order:
         stage = key[0]
         start = free[stage] + (sending if before else 0.0)
         if source >= 0:
             start = max(start, ends[source] + (exchange_s if cross else 0.0))
         end = start + duration(key)
-        boxes.append(Box(stage, key[1], key[2], key[3], start, end))
+        starts.append(start)
         ends.append(end)
         free[stage] = end
-    return Schedule(tuple(boxes), exchange_s, max(free))
+    return Schedule(order, starts, ends, exchange_s, max(free))
 
 
 def closed_form_s(slowest: float, p: int, v: int, m: int) -> float:
