@@ -1,10 +1,12 @@
 """Rank the training layouts of a model on a number of GPUs by predicted step time.
 
     python -m autotuner.tune [RUN_DIR ...] case=llama7b gpus=16 gpu_memory_gb=80 global_batch_size=512 \\
-        seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [calibration=FILE] [--explain N] [--slurm DIR]
+        seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [gpus_per_node=8] [calibration=FILE] [--explain N] \\
+        [--slurm DIR]
 
 Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, experts and
-batch, the layers' split over the pipeline ranks, uneven ones near the even split included) is predicted
+batch, the layers' split over the pipeline ranks, uneven ones near the even split included; with
+``gpus_per_node``, tensor parallelism kept inside a node) is predicted
 from the runs' measured ops (autotuner.predict.prediction); a layout whose largest stage would need more
 than ``gpu_memory_gb`` less the safety ``margin`` (a fraction, shown) is dropped; the rest are ranked by
 predicted step time, ties by memory. The top ``top`` are printed with time, MFU, tokens/s per GPU,
@@ -29,7 +31,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.predict.memory import MEMORY_MARGIN
 
-INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top")
+INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node")
 FLOAT_KEYS = ("gpu_memory_gb", "margin")
 STR_KEYS = ("case", "case_dir", "dtype", "calibration")
 KEYS = (*INT_KEYS, *FLOAT_KEYS, *STR_KEYS)
@@ -93,6 +95,7 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], l
         settings["global_batch_size"],
         settings["seq_len"],
         dtype,
+        max_tp=settings.get("gpus_per_node"),
     )
     limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", MEMORY_MARGIN))
     ranked: list[Ranked] = []

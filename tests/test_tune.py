@@ -55,6 +55,22 @@ def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run
     assert 0 < sum(r.fits for r in ranked) < len(ranked)
 
 
+def test_gpus_per_node_keeps_tensor_parallelism_inside_a_node(capsys):
+    """Megatron-Core accepts a tensor-parallel group across nodes; gpus_per_node keeps tp at most that, and
+    a bad value is one line."""
+    dims = ["case=tiny", *SETTINGS, "gpu_memory_gb=1"]
+    everywhere, _, _ = rank([], parse_settings(dims)[1])
+    assert {r.prediction.layout.tp for r in everywhere} == {1, 2}  # tiny's 2 query groups allow tp=2
+    in_node, _, _ = rank([], parse_settings([*dims, "gpus_per_node=1"])[1])
+    assert {r.prediction.layout.tp for r in in_node} == {1}
+    assert {r.prediction.layout for r in in_node} == {
+        r.prediction.layout for r in everywhere if r.prediction.layout.tp == 1
+    }
+    assert tune_main([*dims, "gpus_per_node=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gpus_per_node=0 must be a positive integer" in err and len(err.splitlines()) == 1
+
+
 def test_the_command_prints_the_top_the_explanation_and_the_plan(tiny_run: Path, capsys):
     assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=1", "top=3", "--explain", "1"]) == 0
     out = capsys.readouterr().out

@@ -22,6 +22,9 @@ The rules, each what Megatron-Core checks (or fails on) when it builds the model
   layer refuses tensor parallelism without it in training). Dense models: ``ep = 1``;
 * ``sequence_parallel`` only with ``tp > 1`` (Megatron turns it off at tp = 1), and then tp divides the
   sequence length (the sequence is scattered over the tp ranks);
+* with ``max_tp`` (autotuner.tune's ``gpus_per_node``), tp at most that: a tensor-parallel group's
+  collectives run inside every layer, forward and backward, so it is kept inside one node's fast links,
+  which Megatron-Core does not check and practice does (it places tp ranks on consecutive GPUs);
 * ``micro_batch_size`` from a small set (:data:`MICRO_BATCH_SIZES`), ``recompute`` none / selective /
   full, ``distributed_optimizer`` off and on.
 
@@ -133,9 +136,10 @@ def _iter_layouts(
     dtype: str,
     micro_batch_sizes: Sequence[int],
     recompute: Sequence[str],
+    max_tp: int | None,
 ) -> Iterator[Layout]:
     for tp in _divisors(gpus):
-        if not _tp_fits(model, tp):
+        if not _tp_fits(model, tp) or (max_tp is not None and tp > max_tp):
             continue
         for pp in _divisors(gpus // tp):
             if pp > model.num_layers:
@@ -185,24 +189,27 @@ def enumerate_layouts(
     dtype: str = "bf16",
     micro_batch_sizes: Sequence[int] = MICRO_BATCH_SIZES,
     recompute: Sequence[str] = RECOMPUTE,
+    max_tp: int | None = None,
 ) -> list[Layout]:
     """Every layout of ``model`` on ``gpus`` GPUs that Megatron-Core accepts (module docstring), in a
     deterministic order. UserError (one line) for a request no layout can meet, naming what to change."""
-    for name, value in (("gpus", gpus), ("global_batch_size", global_batch_size), ("seq_len", seq_len)):
+    sizes = [("gpus", gpus), ("global_batch_size", global_batch_size), ("seq_len", seq_len)]
+    for name, value in sizes + ([("gpus_per_node", max_tp)] if max_tp is not None else []):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name}={value!r} must be a positive integer: give e.g. {name}=8")
     unknown = [r for r in recompute if r not in RECOMPUTE]
     if unknown:
         raise UserError(f"recompute {unknown} unknown: choose from {', '.join(RECOMPUTE)}")
     layouts = list(
-        _iter_layouts(model, gpus, global_batch_size, seq_len, dtype, micro_batch_sizes, recompute)
+        _iter_layouts(model, gpus, global_batch_size, seq_len, dtype, micro_batch_sizes, recompute, max_tp)
     )
     for layout in layouts:  # the enumeration's rules imply Layout's own; a failure here is a bug here
         layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
     if not layouts:
         raise UserError(
             f"no layout of {gpus} GPUs fits this model ({model.num_layers} layers, {model.heads} heads) with "
-            f"global batch {global_batch_size} and micro-batch sizes {list(micro_batch_sizes)}: use a global "
-            "batch that is a multiple of the data-parallel size, or another number of GPUs"
+            f"global batch {global_batch_size} and micro-batch sizes {list(micro_batch_sizes)}"
+            + (f", tp at most {max_tp}" if max_tp is not None else "")
+            + ": use a global batch that is a multiple of the data-parallel size, or another number of GPUs"
         )
     return layouts
