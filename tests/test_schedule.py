@@ -3,6 +3,8 @@ the exchanges charged to both ends, and the closed form it reduces to for equal 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from autotuner.predict.schedule import (
@@ -124,3 +126,49 @@ def test_the_placement_order_puts_every_box_after_its_input_and_its_ranks_previo
         if k:
             assert at[(key[0], *mine[k - 1])] < i
     assert placement(p, v, m) is order  # worked out once
+
+
+def sweep_simulation(duration, p, v, m, exchange_s, overlapped):
+    """The simulation written the plain way, as it was before it was made fast: sweep every rank, placing
+    each box whose input is placed, until nothing is left. Each box's (start, end) by key."""
+    orders = [rank_order(s, p, v, m) for s in range(p)]
+    done: dict = {}
+    free, position = [0.0] * p, [0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                step = orders[s][position[s]]
+                key = (s, *step)
+                needs = dependency(key, p, v)
+                if needs is not None and needs not in done:
+                    break
+                start = free[s]
+                if not overlapped and position[s] and exchanges(s, orders[s][position[s] - 1], step, p, v):
+                    start += exchange_s
+                if needs is not None:
+                    start = max(start, done[needs][1] + (exchange_s if needs[0] != s else 0.0))
+                done[key] = (start, start + duration(key))
+                free[s] = done[key][1]
+                position[s] += 1
+    return done
+
+
+@pytest.mark.parametrize(("p", "v", "m"), GRID, ids=[f"p{p}v{v}m{m}" for p, v, m in GRID])
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_the_fast_simulation_places_every_box_where_the_plain_sweep_does(p, v, m, overlapped):
+    """Random durations per box (not per stage: the replay of measured steps gives each box its own), a
+    random exchange: every box's start and end as the plain sweep has them, exactly."""
+    rng = random.Random(p * 100 + v * 10 + m)
+    own = {
+        (s, ph, mb, c): rng.uniform(0.1, 3.0)
+        for s in range(p)
+        for ph in ("forward", "backward")
+        for mb in range(m)
+        for c in range(v)
+    }
+    x = rng.uniform(0.0, 0.5)
+    sched = simulate(own.__getitem__, p, v, m, exchange_s=x, overlapped=overlapped)
+    plain = sweep_simulation(own.__getitem__, p, v, m, x, overlapped)
+    got = {(b.stage, b.phase, b.microbatch, b.chunk): (b.start, b.end) for b in sched.boxes}
+    assert got == plain
+    assert sched.end == max(end for _, end in plain.values())
