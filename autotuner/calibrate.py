@@ -238,12 +238,13 @@ def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> floa
     back-to-back rates per parameter and per tensor, and the copy bandwidth for the gradients' zeroing)
     give, once a step (module docstring): the median, over the minimal model's timed steps at every depth
     (:func:`minimal_model_steps`), of each step's optimizer phase less those rates' share."""
+    from autotuner.predict.layout import DTYPE_BYTES
     from autotuner.predict.memory import GRAD_BYTES
 
     extra = []
     for _, measured in steps:
         rank = measured.ranks[0]
-        params = rank.parameter_bytes / 4  # the minimal model trains in fp32
+        params = rank.parameter_bytes / DTYPE_BYTES[measured.layout.dtype]
         modelled = (
             rank.optimizer_tensors * rates[ADAM_PER_TENSOR]
             + params * rates["adam_seconds_per_parameter"]

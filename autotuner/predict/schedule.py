@@ -53,6 +53,9 @@ from typing import Any, NamedTuple
 
 # A box's key: (stage, phase, micro-batch, chunk).
 Key = tuple[int, str, int, int]
+# A box as :func:`placement` orders it: its key, the position of its input's box (-1: none), whether that
+# box is another rank's, whether its rank exchanges before it.
+Placed = tuple[Key, int, bool, bool]
 BOX_COLUMNS = ("stage", "phase", "microbatch", "chunk", "start_s", "end_s")
 
 
@@ -80,7 +83,7 @@ class Schedule:
     asked for (autotuner.tune ranks thousands of layouts, whose millions of boxes only the explained one
     shows)."""
 
-    placed: tuple[tuple[Key, int, bool, bool], ...]  # :func:`placement`'s entries, box by box
+    placed: tuple[Placed, ...]  # :func:`placement`'s entries, box by box
     starts: Sequence[float]
     ends: Sequence[float]
     exchange_s: float  # one exchange's time, as the simulation charged it
@@ -165,16 +168,15 @@ def overlaps_exchanges(vpp: int, device_type: str) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def placement(p: int, v: int, m: int) -> tuple[tuple[Key, int, bool, bool], ...]:
+def placement(p: int, v: int, m: int) -> tuple[Placed, ...]:
     """Every box of the schedule in an order that comes after its input's box and its rank's previous
     box: a topological order of the dependencies, the same whatever the boxes' durations, so it is
-    worked out once per (p, v, m) (autotuner.tune simulates thousands of layouts). Each entry: the box's
-    key, the position of its input's box in this order (-1: none), whether that box is another rank's
-    (an exchange between them), and whether its rank exchanges between its previous box and it
-    (:func:`exchanges`). RuntimeError if the order deadlocks (a bug of :func:`rank_order`)."""
+    worked out once per (p, v, m) (autotuner.tune simulates thousands of layouts); each entry a
+    :data:`Placed` (its rank's exchange before it: :func:`exchanges`). RuntimeError if the order
+    deadlocks (a bug of :func:`rank_order`)."""
     orders = [rank_order(s, p, v, m) for s in range(p)]
     at: dict[Key, int] = {}
-    out: list[tuple[Key, int, bool, bool]] = []
+    out: list[Placed] = []
     position = [0] * p
     # Each rank places its boxes in its order until one's input is not placed yet; it then waits on that
     # box and resumes when that box is placed: each box is looked at once or twice.
