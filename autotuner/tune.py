@@ -71,8 +71,8 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     return dirs, settings
 
 
-def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], list[str], Any]:
-    """Predict every layout; (the ranked ones, fitting first by step time; notes; the runs)."""
+def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], Any]:
+    """Predict every layout; (the ranked ones, fitting first by step time; the runs)."""
     from autotuner.predict.inputs import ModelShape
     from autotuner.predict.layouts import ModelDims, enumerate_layouts
     from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
@@ -99,13 +99,19 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], l
     )
     limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", MEMORY_MARGIN))
     ranked: list[Ranked] = []
-    notes: list[str] = []
     for layout in layouts:
         pred = predict(runs, layout, calibration, model).without_schedule_boxes()
         memory = max(stage.total for stage in pred.memory)
         ranked.append(Ranked(pred, memory, memory <= limit))
     ranked.sort(key=lambda r: (not r.fits, r.prediction.step_seconds, r.memory_bytes))
-    return ranked, notes, runs
+    return ranked, runs
+
+
+def warnings_of(shown: Sequence[Ranked]) -> list[str]:
+    """What the shown layouts' predictions warn of (an assumed peak or bandwidth, rows standing in for
+    others), each once in the order met: the table's times rest on them, so they are printed with it,
+    not only in ``--explain``."""
+    return list(dict.fromkeys(w for r in shown for w in r.prediction.warnings))
 
 
 def _kinds(pred: Any) -> str:
@@ -159,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         dirs, settings = parse_settings(args.args)
-        ranked, notes, runs = rank(dirs, settings)
+        ranked, runs = rank(dirs, settings)
         top = settings.get("top", 5)
         fitting = [r for r in ranked if r.fits]
         margin = settings.get("margin", MEMORY_MARGIN)
@@ -174,9 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"({smallest.prediction.layout.describe()}): use more GPUs, recompute, or a smaller batch"
             )
         print(table(ranked, top))
-        for note in notes:
-            print(f"note: {note}")
         shown = fitting[:top]
+        for warning in warnings_of(shown):
+            print(f"warning: {warning}")
         if args.explain is not None:
             if not 1 <= args.explain <= len(shown):
                 raise UserError(f"--explain {args.explain}: give a rank between 1 and {len(shown)}")

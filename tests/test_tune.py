@@ -32,7 +32,7 @@ def tiny_run(tmp_path_factory) -> Path:
 
 def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run: Path):
     dirs, settings = parse_settings([str(tiny_run), *SETTINGS, "gpu_memory_gb=1"])
-    ranked, _, _ = rank(dirs, settings)
+    ranked, _ = rank(dirs, settings)
     fitting = [r for r in ranked if r.fits]
     assert fitting and all(r.fits for r in ranked[: len(fitting)])  # the ones that fit come first
     times = [r.prediction.step_seconds for r in fitting]
@@ -48,7 +48,7 @@ def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run
     needs = sorted(r.memory_bytes for r in ranked)
     limit_gb = (needs[0] + needs[-1]) / 2 / 1e9
     dirs, settings = parse_settings([str(tiny_run), *SETTINGS, f"gpu_memory_gb={limit_gb}", "margin=0"])
-    ranked, _, _ = rank(dirs, settings)
+    ranked, _ = rank(dirs, settings)
     assert {r.prediction.layout for r in ranked if r.fits} == {
         r.prediction.layout for r in ranked if r.memory_bytes <= limit_gb * 1e9
     }
@@ -59,9 +59,9 @@ def test_gpus_per_node_keeps_tensor_parallelism_inside_a_node(capsys):
     """Megatron-Core accepts a tensor-parallel group across nodes; gpus_per_node keeps tp at most that, and
     a bad value is one line."""
     dims = ["case=tiny", *SETTINGS, "gpu_memory_gb=1"]
-    everywhere, _, _ = rank([], parse_settings(dims)[1])
+    everywhere, _ = rank([], parse_settings(dims)[1])
     assert {r.prediction.layout.tp for r in everywhere} == {1, 2}  # tiny's 2 query groups allow tp=2
-    in_node, _, _ = rank([], parse_settings([*dims, "gpus_per_node=1"])[1])
+    in_node, _ = rank([], parse_settings([*dims, "gpus_per_node=1"])[1])
     assert {r.prediction.layout.tp for r in in_node} == {1}
     assert {r.prediction.layout for r in in_node} == {
         r.prediction.layout for r in everywhere if r.prediction.layout.tp == 1
@@ -89,6 +89,10 @@ def test_without_runs_everything_is_modelled_and_the_plan_lists_the_runs(capsys)
     assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2"]) == 0
     out = capsys.readouterr().out
     assert "modelled 100%" in out
+    # what the modelled times rest on is said under the table, not only with --explain, each once
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert "warning: no calibration and no GEMM rows: assumed a peak of 1e+12 FLOP/s" in warnings
+    assert len(warnings) == len(set(warnings))
     # the runs that would measure the top layouts, cold-cached (tiny's modelled layouts exceed no cache:
     # the tune has no calibration naming one)
     assert "-m autotuner.main case=tiny launcher=get_data timing.flush_cache=true" in out
