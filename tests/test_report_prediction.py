@@ -261,13 +261,28 @@ def test_bad_input_is_one_line(tmp_path, capsys):
         Layout(
             seq_len=8, tp=2, dp=2, global_batch_size=4, sequence_parallel=True, distributed_optimizer=True
         ),
+        Layout(seq_len=8),
     ],
 )
-def test_the_pages_layout_line_is_the_predictors(layout):
-    """The page reads the layout from prediction.json without importing the predictor (the results side's
-    layering): its line must still be the predictor's own."""
+def test_the_layout_line_names_every_setting(layout):
+    """One line, written once (the page's ``describe_layout``, which reads prediction.json without the
+    predictor; ``Layout.describe`` calls it): every setting that tells two layouts apart is on it, in the
+    names the predictor's command line takes."""
     import json
 
     from autotuner.report.prediction import describe_layout
 
-    assert describe_layout(json.loads(json.dumps(layout.to_json()))) == layout.describe()
+    line = layout.describe()
+    assert describe_layout(json.loads(json.dumps(layout.to_json()))) == line
+    for name, key in [("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("dp", "dp"), ("ep", "ep")]:
+        assert f"{name}={getattr(layout, key)} " in line
+    assert f"mbs={layout.micro_batch_size} gbs={layout.global_batch_size} s={layout.seq_len} " in line
+    assert f"recompute={layout.recompute} sp={str(layout.sequence_parallel).lower()} " in line
+    assert f"distopt={str(layout.distributed_optimizer).lower()} {layout.dtype}" in line
+    for end in ("first", "last"):
+        layers = getattr(layout, f"{end}_stage_layers")
+        assert (f" {end}={layers}" in line) == (layers is not None)
+    gpus, batches = layout.gpus, layout.microbatches
+    assert line.endswith(f"({gpus} GPUs, {batches} micro-batches)") or (
+        line.endswith("(1 GPU, 1 micro-batch)") and gpus == batches == 1
+    )

@@ -267,13 +267,8 @@ class Layout:
         return {**asdict(self), "gpus": self.gpus, "microbatches": self.microbatches}
 
     def describe(self) -> str:
-        """A one-line summary, e.g. ``tp=2 pp=4 vpp=1 dp=8 ep=1 mbs=1 gbs=512 s=2048 recompute=none ...``."""
-        return (
-            f"tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} ep={self.ep} mbs={self.micro_batch_size} "
-            f"gbs={self.global_batch_size} s={self.seq_len} recompute={self.recompute} "
-            f"sp={str(self.sequence_parallel).lower()} distopt={str(self.distributed_optimizer).lower()} "
-            f"{self.dtype}"
-            + (f" first={self.first_stage_layers}" if self.first_stage_layers is not None else "")
-            + (f" last={self.last_stage_layers}" if self.last_stage_layers is not None else "")
-            + f" ({self.gpus} GPUs, {self.microbatches} micro-batches)"
-        )
+        """A one-line summary, e.g. ``tp=2 pp=4 vpp=1 dp=8 ep=1 mbs=1 gbs=512 s=2048 recompute=none ...``:
+        the page's (autotuner.report.prediction.describe_layout, which reads the JSON) of this layout."""
+        from autotuner.report.prediction import describe_layout
+
+        return describe_layout(self.to_json())

@@ -393,9 +393,13 @@ def _t(seconds: float) -> str:
     return human_time(seconds * 1e6)
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def describe_layout(layout: Mapping[str, Any]) -> str:
-    """The layout in one line, as the predictor prints it (its ``Layout.describe``, from the JSON: the
-    results side imports no predictor)."""
+    """The layout in one line, from its JSON (``Layout.to_json``), as the predictor prints it: its
+    ``Layout.describe`` calls this (the results side imports no predictor, the predictor may import it)."""
     flag = lambda key: str(bool(layout.get(key))).lower()  # noqa: E731
     split = "".join(
         f" {end}={layout[f'{end}_stage_layers']}"
@@ -406,8 +410,9 @@ def describe_layout(layout: Mapping[str, Any]) -> str:
         f"tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} ep={layout['ep']} "
         f"mbs={layout['micro_batch_size']} gbs={layout['global_batch_size']} s={layout['seq_len']} "
         f"recompute={layout['recompute']} sp={flag('sequence_parallel')} "
-        f"distopt={flag('distributed_optimizer')} {layout['dtype']}{split} ({layout['gpus']} GPUs, "
-        f"{layout['microbatches']} micro-batches)"
+        f"distopt={flag('distributed_optimizer')} {layout['dtype']}{split} "
+        f"({_count(layout['gpus'], 'GPU', 'GPUs')}, "
+        f"{_count(layout['microbatches'], 'micro-batch', 'micro-batches')})"
     )
 
 
