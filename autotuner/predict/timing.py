@@ -285,7 +285,10 @@ class TimeModel:
         best = self.meas.best_gemm_throughput()
         if best:
             return best, f"no calibrated peak: the best GEMM row's {best / 1e12:.4g} TFLOP/s"
-        self._warn(f"no calibration and no GEMM rows: assumed a peak of {ASSUMED_PEAK_FLOPS:.3g} FLOP/s")
+        self._warn(
+            f"no calibration and no GEMM rows: assumed a peak of {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (python -m "
+            "autotuner.calibrate on the target device measures it: pass its file as calibration=FILE)"
+        )
         return ASSUMED_PEAK_FLOPS, f"ASSUMED peak {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (no calibration)"
 
     def memory_bandwidth(self) -> tuple[float, str]:
