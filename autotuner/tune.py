@@ -187,14 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not 1 <= args.explain <= len(shown):
                 raise UserError(f"--explain {args.explain}: give a rank between 1 and {len(shown)}")
             print("\n" + render(shown[args.explain - 1].prediction))
-        needs = {
-            n
-            for r in shown
-            if r.prediction.plan is not None
-            for run in r.prediction.plan.runs
-            for n in run.needs
-        }
-        profile: Plan = plan(needs, [str(d) for d in runs.dirs])
+        # the shown layouts' needs, by the cache kind their runs measure (a layout may want both)
+        needs: dict[bool, set[Any]] = {True: set(), False: set()}
+        for r in shown:
+            for run in r.prediction.plan.runs if r.prediction.plan is not None else ():
+                needs[run.flush_cache].update(run.needs)
+        dirs_done = [str(d) for d in runs.dirs]
+        flushed, warm = (plan(needs[kind], dirs_done, flush_cache=kind) for kind in (True, False))
+        profile = Plan(flushed.runs + warm.runs, tuple(dict.fromkeys(flushed.already + warm.already)))
         print(
             "\nmeasurements behind this ranking: "
             + profile.text(profile.slurm(args.slurm) if args.slurm else ())

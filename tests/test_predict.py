@@ -274,7 +274,12 @@ def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
         load_runs([make_run(tmp_path, cold, "conly")]), Layout(seq_len=64, dtype="fp32"), roomy
     )
     assert any("measured with a flushed cache" in w for w in cold_only.warnings)
-    assert all("timing.flush_cache=false" in m["command"] for m in cold_only.missing)
+    # the stage's first forward (the embedding's, after a backward) wants a flushed row, the rest warm
+    # ones: the plan measures the missing point both ways, as the warning says
+    commands = [m["command"] for m in cold_only.missing]
+    assert sum("timing.flush_cache=false" in c for c in commands) == 1
+    assert sum("timing.flush_cache=true" in c for c in commands) == 1
+    assert len(cold_only.plan.missing) == 1  # one point, measured twice
 
 
 def test_warm_visits_follow_the_stage_sweep():
@@ -292,9 +297,10 @@ def test_warm_visits_follow_the_stage_sweep():
     # forward distances: embedding 0, layers 9/17/25/33, norm 41 (its own data fits the 1 MB private
     # cache: room 1 MB), output 41; backward: output 0, norm 10, layers 10/18/26/34 (layer 3 first),
     # embedding 42. The last layer's forward (33 MB) and the first layer's backward (34) follow another
-    # layer's visit in the same phase: warm whatever lies between.
+    # layer's visit in the same phase: warm whatever lies between. The embedding's forward, 0 MB after
+    # its own backward, is the first of the sweep's forwards: after a backward, flushed.
     assert warm_visits(sweep, caches) == {
-        ("embedding", "forward"): 1,
+        ("embedding", "forward"): 0,
         ("embedding", "backward"): 0,
         ("transformer_layer", "forward"): 4,
         ("transformer_layer", "backward"): 4,
@@ -309,7 +315,11 @@ def test_warm_visits_follow_the_stage_sweep():
     # three of each phase follow a layer
     smaller = warm_visits(sweep, CacheSizes(private=1 * mb, shared=8.5 * mb))
     assert smaller[("transformer_layer", "forward")] == smaller[("transformer_layer", "backward")] == 3
-    assert smaller[("embedding", "forward")] == 1 and smaller[("output_layer", "backward")] == 0
+    assert smaller[("embedding", "forward")] == 0 and smaller[("output_layer", "backward")] == 0
+    # a later pipeline stage's sweep starts with a layer: its first forward follows a backward and is
+    # flushed, the other three follow a layer
+    later = warm_visits(sweep[1:5], caches)
+    assert later[("transformer_layer", "forward")] == 3 and later[("transformer_layer", "backward")] == 4
     # a GPU's L2 is both caches: a layer larger than it finds nothing cached; without sizes, nothing is
     gpu = warm_visits(sweep, CacheSizes(private=4.5 * mb, shared=4.5 * mb))
     assert gpu[("transformer_layer", "forward")] == gpu[("transformer_layer", "backward")] == 0

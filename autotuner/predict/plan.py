@@ -170,6 +170,11 @@ class Run:
     nproc: int
     needs: tuple[Need, ...]
 
+    @property
+    def flush_cache(self) -> bool:
+        """Whether the run measures flushed rows (``timing.flush_cache=true``) or warm ones."""
+        return "timing.flush_cache=true" in self.overrides
+
     def argv(self, python: str = "python") -> list[str]:
         """The command line, as an argument list."""
         if self.nproc == 1:
@@ -208,7 +213,8 @@ class Plan:
 
     @property
     def missing(self) -> list[Need]:
-        return sorted((n for run in self.runs for n in run.needs), key=Need.sort_key)
+        # a point may be measured twice, with warm and with flushed caches: one need
+        return sorted({n for run in self.runs for n in run.needs}, key=Need.sort_key)
 
     def commands(self, python: str = "python") -> list[list[str]]:
         return [run.argv(python) for run in self.runs]
