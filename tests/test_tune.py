@@ -99,6 +99,22 @@ def test_without_runs_everything_is_modelled_and_the_plan_lists_the_runs(capsys)
     assert "-m autotuner.main case=tiny launcher=get_data timing.flush_cache=true" in out
 
 
+def test_the_plan_measures_both_cache_kinds_where_the_layouts_want_both(tmp_path: Path, capsys):
+    """A calibration whose caches hold tiny's ops: each stage's first forward (after a backward) wants a
+    flushed row, the rest warm ones, so every missing point is planned as a run of each kind."""
+    cal = tmp_path / "cal.json"
+    sizes = {"warm_cache_bytes": 2**30, "shared_cache_bytes": 2**31}
+    cal.write_text(json.dumps({"peak_flops": {"fp32": 1e12}, "memory_bandwidth": 1e10, **sizes}))
+    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2", f"calibration={cal}"]) == 0
+    out = capsys.readouterr().out
+    plan = out[out.index("measurements behind this ranking:") :].splitlines()
+    flushed = [line.replace("timing.flush_cache=true", "") for line in plan if "flush_cache=true" in line]
+    warm = [line.replace("timing.flush_cache=false", "") for line in plan if "flush_cache=false" in line]
+    assert flushed and sorted(flushed) == sorted(warm)  # the same runs, once each way
+    count = int(plan[0].split("measurements behind this ranking: ")[1].split()[0])
+    assert count == len(flushed)  # a point measured both ways is one needed point
+
+
 @pytest.mark.parametrize(
     "args",
     [["gpus=4", "seq_len=32"], ["case=tiny", *SETTINGS, "gpu_memory_gb=-1"], ["case=tiny", *SETTINGS, "x=1"]],

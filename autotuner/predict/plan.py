@@ -169,11 +169,7 @@ class Run:
     overrides: tuple[str, ...]
     nproc: int
     needs: tuple[Need, ...]
-
-    @property
-    def flush_cache(self) -> bool:
-        """Whether the run measures flushed rows (``timing.flush_cache=true``) or warm ones."""
-        return "timing.flush_cache=true" in self.overrides
+    flush_cache: bool = True  # its rows measured with flushed caches (``timing.flush_cache``), or warm
 
     def argv(self, python: str = "python") -> list[str]:
         """The command line, as an argument list."""
@@ -295,5 +291,5 @@ def plan(
             overrides += [f"dtype={dtype}"] if dtype else []
             overrides += [f"shapes.seq_len={_list(seq_lens)}", f"shapes.micro_batch_size={_list(batches)}"]
             covered = tuple(Need(case, s, b, tp, ep, sp, dtype or None) for s in seq_lens for b in batches)
-            runs.append(Run(tuple([*overrides, *extra]), math.lcm(tp, ep), covered))
+            runs.append(Run(tuple([*overrides, *extra]), math.lcm(tp, ep), covered, flush_cache))
     return Plan(tuple(runs), already)
