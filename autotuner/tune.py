@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--explain", type=int, metavar="N", help="print the whole prediction of the N-th")
     parser.add_argument("--slurm", metavar="DIR", help="write the profiling plan as SLURM array task files")
     args = parser.parse_args(argv)
-    from autotuner.predict.plan import Plan, plan
+    from autotuner.predict.plan import plan
     from autotuner.predict.prediction import render
 
     try:
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 needs[run.flush_cache].update(run.needs)
         dirs_done = [str(d) for d in runs.dirs]
         flushed, warm = (plan(needs[kind], dirs_done, flush_cache=kind) for kind in (True, False))
-        profile = Plan(flushed.runs + warm.runs, tuple(dict.fromkeys(flushed.already + warm.already)))
+        profile = flushed.merged(warm)
         print(
             "\nmeasurements behind this ranking: "
             + profile.text(profile.slurm(args.slurm) if args.slurm else ())

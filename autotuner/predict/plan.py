@@ -207,6 +207,10 @@ class Plan:
     runs: tuple[Run, ...]
     already: tuple[Need, ...] = field(default=())
 
+    def merged(self, other: Plan) -> Plan:
+        """This plan's runs, then ``other``'s (e.g. the same points measured with the other cache kind)."""
+        return Plan(self.runs + other.runs, tuple(dict.fromkeys(self.already + other.already)))
+
     @property
     def missing(self) -> list[Need]:
         # a point may be measured twice, with warm and with flushed caches: one need

@@ -303,8 +303,7 @@ def predict(
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
     profile = profiling_plan(model, layout, missing_items, cold)
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
-        warm_runs = profiling_plan(model, layout, missing_items, cold=False)
-        profile = replace(profile, runs=profile.runs + warm_runs.runs)
+        profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False))
     if not meas.index:
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "
