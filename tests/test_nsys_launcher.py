@@ -484,13 +484,17 @@ def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
     """A real ``python -m autotuner.main`` process, signalled once its worker has finished a row: it
     exits 128 + N with nsys's report read, the measured rows ok, the rest failed, and nothing left."""
     run_dir = tmp_path / "run"
+    # The whole plan at 50 iterations a row took the worker 6.7 s alone on the 2-core VM; with a second
+    # suite beside it, the signal's way through the main process to nsys to the worker once took longer
+    # than the rest of the plan, and the last op was measured. At 500 the rest of the plan is a minute.
+    iterations = 500
     cmd = [
         sys.executable,
         "-m",
         "autotuner.main",
         "case=tiny",
         "launcher=nsys",
-        "launcher.iterations=50",
+        f"launcher.iterations={iterations}",
         "shapes.seq_len=[16,32]",
         "shapes.micro_batch_size=[1]",
         "progress=false",
@@ -531,8 +535,8 @@ def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
     assert set(statuses[first_failed:]) == {"failed"}
     for row in rows[:first_failed]:
         # every iteration's range, or those nsys saved before the signal ended its collection, said so
-        lost = f"ranges_lost({row['samples']}/50)" in (row["warnings"] or "")
-        assert (row["samples"] == 50 or lost) and row["median_us"] > 0, row
+        lost = f"ranges_lost({row['samples']}/{iterations})" in (row["warnings"] or "")
+        assert (row["samples"] == iterations or lost) and row["median_us"] > 0, row
     for row in rows[first_failed:]:
         assert "the profiled process died" in row["error"] and signum.name in row["error"], row
     assert "before measuring it" in rows[-1]["error"]
