@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
 
 INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node")
@@ -110,8 +111,11 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
 def warnings_of(shown: Sequence[Ranked]) -> list[str]:
     """What the shown layouts' predictions warn of (an assumed peak or bandwidth, rows standing in for
     others), each once in the order met: the table's times rest on them, so they are printed with it,
-    not only in ``--explain``."""
-    return list(dict.fromkeys(w for r in shown for w in r.prediction.warnings))
+    not only in ``--explain``. The links' gaps are said together, a line per bandwidth that stood in
+    (:func:`autotuner.predict.links.describe_gaps`)."""
+    notes = (w for r in shown for w in r.prediction.notes)
+    gaps = (g for r in shown for g in r.prediction.link_gaps)
+    return list(dict.fromkeys([*notes, *describe_gaps(gaps)]))
 
 
 def _kinds(pred: Any) -> str:

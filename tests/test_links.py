@@ -16,7 +16,7 @@ import pytest
 from autotuner.calibrate import COLLECTIVE_SIZES
 from autotuner.calibrate import main as calibrate_main
 from autotuner.errors import UserError
-from autotuner.predict.links import ASSUMED_BUS_BANDWIDTH, LinkWarning, collective_seconds
+from autotuner.predict.links import ASSUMED_BUS_BANDWIDTH, LinkWarning, collective_seconds, describe_gaps
 from autotuner.results.calibration import LINK_KEYS, load, merge_links
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +79,31 @@ def test_another_world_size_borrows_the_nearest_calibrated_one_and_says_so():
         seconds, source = collective_seconds(calibration, "all_gather", 8e9, 4 * 4)
     assert seconds == pytest.approx(15 / 16 * 8e9 / 3e11)
     assert "borrowed" in source.detail and "nccl:16" in source.detail
+
+
+def test_the_gaps_of_many_collectives_are_said_a_line_per_bandwidth_that_stood_in():
+    """What tune shows under its table: the collectives and world sizes that each borrowed or assumed
+    bandwidth timed, with the one command per size that would calibrate them."""
+    calibration = {**CEILINGS, "device_type": "cuda", "all_gather_bandwidth": {"nccl:8": 3e11}}
+    calibration["all_reduce_bandwidth"] = {"nccl:8": 2e11}
+    with pytest.warns(LinkWarning) as caught:
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            for world in (16, 32, 16):
+                collective_seconds(calibration, kind, 2**20, world)
+    assert len(caught) == 9  # one warning a call, each naming its own collective and size
+    lines = describe_gaps(w.message.gap for w in caught)
+    assert lines == [
+        "reduce_scatter over 16, 32 ranks: ASSUMED bus bandwidth 100 GB/s, the calibration has no nccl entry "
+        "for them; run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives for N = 16, 32",
+        "all_gather, all_reduce over 16, 32 ranks: bus bandwidth borrowed from the calibration at nccl:8 "
+        "(all_gather 300 GB/s, all_reduce 200 GB/s), none at these sizes; run torchrun --nproc-per-node=N "
+        "-m autotuner.calibrate --collectives for N = 16, 32",
+    ]
+    one = describe_gaps([caught[-1].message.gap])
+    assert one == [
+        "reduce_scatter over 16 ranks: ASSUMED bus bandwidth 100 GB/s, the calibration has no nccl entry for "
+        "them; run torchrun --nproc-per-node=16 -m autotuner.calibrate --collectives"
+    ]
 
 
 def test_one_rank_sends_nothing():

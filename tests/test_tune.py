@@ -94,6 +94,14 @@ def test_without_runs_everything_is_modelled_and_the_plan_lists_the_runs(capsys)
     assumed = "warning: no calibration and no GEMM rows: assumed a peak of 1e+12 FLOP/s (python -m autotuner"
     assert sum(line.startswith(assumed) and "calibration=FILE" in line for line in warnings) == 1
     assert len(warnings) == len(set(warnings))
+    # the links: the shown layouts' collectives, timed from the one assumed bandwidth, said in one line
+    # (three before, one per collective and world size)
+    links = [line for line in warnings if "bus bandwidth" in line]
+    assert len(links) == 1 and "ASSUMED bus bandwidth 100 GB/s" in links[0], links
+    assert (
+        "all_gather, all_reduce, reduce_scatter over " in links[0]
+        and "autotuner.calibrate --collectives" in links[0]
+    )
     # the runs that would measure the top layouts, cold-cached (tiny's modelled layouts exceed no cache:
     # the tune has no calibration naming one)
     assert "-m autotuner.main case=tiny launcher=get_data timing.flush_cache=true" in out

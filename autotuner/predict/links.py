@@ -25,16 +25,18 @@ the times of its sizes (``collective_points``), those decide, as measured times 
 Bus bandwidth hardly depends on ``n`` for a ring on one kind of link, so a world size not calibrated
 takes the nearest one calibrated on the same backend (its bandwidth, not its points); with nothing
 calibrated, an assumed bandwidth (:data:`ASSUMED_BUS_BANDWIDTH`). Both are said in the figure's source
-and warned about (:class:`LinkWarning`): such a time is never 0 and never silent. Tree algorithms,
-NVLS/SHARP in-network reduction and the hierarchy of a multi-node ring (intra-node NVLink, inter-node
-network) are not modelled: calibrate at the world size the job uses.
+and warned about (:class:`LinkWarning`, which carries the gap as data: a prediction, and tune over its
+shown layouts, says the gaps a line per bandwidth that stood in): such a time is never 0 and never
+silent. Tree algorithms, NVLS/SHARP in-network reduction and the hierarchy of a multi-node ring
+(intra-node NVLink, inter-node network) are not modelled: calibrate at the world size the job uses.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from autotuner.predict.layout import Source
@@ -48,8 +50,64 @@ ASSUMED_BUS_BANDWIDTH = {"nccl": 100e9, "gloo": 1e9}
 FORMULAS = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)/n", "reduce_scatter": "(n-1)/n", "send_recv": "1"}
 
 
+@dataclass(frozen=True)
+class LinkGap:
+    """A collective timed without a calibration of its link: its bus bandwidth ``borrowed_from`` the
+    nearest calibrated world size on the same backend, or (None) assumed."""
+
+    kind: str
+    world: int
+    backend: str
+    bandwidth: float
+    borrowed_from: int | None = None
+
+
 class LinkWarning(UserWarning):
-    """A collective's time rests on an assumed or borrowed bandwidth, not a calibration of its link."""
+    """A collective's time rests on an assumed or borrowed bandwidth, not a calibration of its link;
+    ``gap`` says which, so that many of them can be said in a few lines (:func:`describe_gaps`)."""
+
+    def __init__(self, message: str, gap: LinkGap) -> None:
+        super().__init__(message)
+        self.gap = gap
+
+
+def _calibrate_command(worlds: list[int]) -> str:
+    if len(worlds) == 1:
+        return f"torchrun --nproc-per-node={worlds[0]} -m autotuner.calibrate --collectives"
+    sizes = ", ".join(map(str, worlds))
+    return f"torchrun --nproc-per-node=N -m autotuner.calibrate --collectives for N = {sizes}"
+
+
+def describe_gaps(gaps: Iterable[LinkGap]) -> list[str]:
+    """The gaps in a calibration's links, one line per bandwidth that stood in: a layout ranking of a
+    thousand GPUs meets the same missing link at many world sizes and collectives, and a line for each
+    pair buried the table's other warnings (tune printed twelve for one case)."""
+    assumed: dict[tuple[str, float], list[LinkGap]] = {}
+    borrowed: dict[tuple[str, int], list[LinkGap]] = {}
+    for gap in dict.fromkeys(gaps):
+        if gap.borrowed_from is None:
+            assumed.setdefault((gap.backend, gap.bandwidth), []).append(gap)
+        else:
+            borrowed.setdefault((gap.backend, gap.borrowed_from), []).append(gap)
+    lines = []
+    for (backend, bandwidth), group in assumed.items():
+        kinds = ", ".join(sorted({g.kind for g in group}))
+        worlds = sorted({g.world for g in group})
+        lines.append(
+            f"{kinds} over {', '.join(map(str, worlds))} ranks: ASSUMED bus bandwidth {bandwidth / 1e9:.3g} "
+            f"GB/s, the calibration has no {backend} entry for them; run {_calibrate_command(worlds)}"
+        )
+    for (backend, nearest), group in borrowed.items():
+        lent = dict.fromkeys(
+            f"{g.kind} {g.bandwidth / 1e9:.3g} GB/s" for g in sorted(group, key=lambda g: g.kind)
+        )
+        worlds = sorted({g.world for g in group})
+        lines.append(
+            f"{', '.join(sorted({g.kind for g in group}))} over {', '.join(map(str, worlds))} ranks: bus "
+            f"bandwidth borrowed from the calibration at {link_key(backend, nearest)} ({', '.join(lent)}), "
+            f"none at these sizes; run {_calibrate_command(worlds)}"
+        )
+    return lines
 
 
 def backend_of(calibration: Mapping[str, Any] | None) -> str:
@@ -138,6 +196,7 @@ def collective_seconds(
         )
         return factor * nbytes / bandwidth, Source("modelled", detail)
     fix = f"torchrun --nproc-per-node={world} -m autotuner.calibrate --collectives"
+    nearest = None
     if calibrated:
         # The nearest world size by ratio (bus bandwidth is about flat in n): 8 is nearer 4 than 16 is.
         nearest = min(calibrated, key=lambda n: (abs(math.log(n / world)), -n))
@@ -152,6 +211,7 @@ def collective_seconds(
             f"ASSUMED bus bandwidth {bandwidth / 1e9:.3g} GB/s: the calibration has no {backend} {kind} "
             f"entry; run {fix}"
         )
-    warnings.warn(f"{kind} over {world} ranks: {why}", LinkWarning, stacklevel=2)
+    gap = LinkGap(kind, world, backend, bandwidth, nearest)
+    warnings.warn(LinkWarning(f"{kind} over {world} ranks: {why}", gap), stacklevel=2)
     detail = f"{formula}: {factor:.3g} * {nbytes:.0f} B / {bandwidth / 1e9:.3g} GB/s ({why})"
     return factor * nbytes / bandwidth, Source("modelled", detail)

@@ -25,6 +25,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.predict.inputs import Measurements, Missing, ModelShape
 from autotuner.predict.layout import Figure, Layout, Source
+from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
 from autotuner.predict.memory import (
     MEMORY_MARGIN,
     MegatronReport,
@@ -125,13 +126,19 @@ class Prediction:
     tp_note: str
     missing: list[dict[str, Any]]
     plan: Plan | None = None
-    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # warnings other than the links'
+    link_gaps: list[LinkGap] = field(default_factory=list)  # collectives timed from no link calibration
     cache_note: str = ""  # which visits took warm rows, which flushed (autotuner.predict.timing.cache_plan)
     megatron_report: MegatronReport | None = None  # what Megatron-LM's own report prints, beside ours
 
     @property
     def step_seconds(self) -> float:
         return self.step.total
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the figures rest on beyond the runs and the calibration: stand-ins, assumptions, gaps."""
+        return [*self.notes, *describe_gaps(self.link_gaps)]
 
     def without_schedule_boxes(self) -> Prediction:
         """This prediction with its schedule's boxes dropped (its pipeline time kept): what
@@ -297,9 +304,9 @@ def predict(
         step = step_time(tm, stages, [m.params.value for m in memory], experts)
     models = [tm, *([warm_tm] if warm_tm else [])]
     cache = [said for said in (t.cache_warning() for t in models) if said]
-    notes = list(
-        dict.fromkeys([*(w for t in models for w in t.warnings), *(str(w.message) for w in caught), *cache])
-    )
+    gaps = list(dict.fromkeys(w.message.gap for w in caught if isinstance(w.message, LinkWarning)))
+    others = [str(w.message) for w in caught if not isinstance(w.message, LinkWarning)]
+    notes = list(dict.fromkeys([*(w for t in models for w in t.warnings), *others, *cache]))
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
     profile = profiling_plan(model, layout, missing_items, cold)
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
@@ -361,7 +368,8 @@ def predict(
         tp_note=tp_note,
         missing=_missing(model, layout, missing_items, profile),
         plan=profile,
-        warnings=notes,
+        notes=notes,
+        link_gaps=gaps,
         cache_note=why,
         megatron_report=megatron_report(model, layout, memory[0].params.value),
     )
