@@ -2,6 +2,7 @@
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 6] [--cases tiny,llama_small,tiny_moe]
         [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once] [--threads 1]
+    python -m benchmarks.predict_accuracy --pool LOG [LOG ...]    # the rounds of saved runs, judged together
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
 TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
@@ -49,6 +50,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -119,6 +121,54 @@ def verdict(ratios: list[float]) -> tuple[str, tuple[float, float] | None]:
     if high < 1 - TARGET or low > 1 + TARGET:
         return "missed", ci
     return "inconclusive", ci
+
+
+def round_line(index: int, rounds: int, name: str, layout_name: str, said: Round) -> str:
+    """A round's line as it ends (:data:`ROUND_LINE` reads it back for ``--pool``)."""
+    return (
+        f"round {index}/{rounds} {name} {layout_name}: step predicted {said.predicted_s * 1e3:.1f} ms / "
+        f"measured {said.measured_s * 1e3:.1f} = {said.step_ratio:.3f}, drift {said.drift:.3f}, memory "
+        f"{said.memory_ratio:.3f}"
+    )
+
+
+ROUND_LINE = re.compile(
+    r"^round \d+/\d+ (?P<case>\S+) (?P<layout>\S+): step predicted [\d.]+ ms / measured [\d.]+ = "
+    r"(?P<step>[\d.]+), drift (?P<drift>[\d.]+), memory (?P<memory>[\d.]+)$"
+)
+
+
+def pooled(logs: list[Path]) -> int:
+    """The verdicts over the rounds of several runs' logs pooled per case and layout: rounds are
+    independent (each profiles, calibrates and measures afresh), so two runs of 6 rounds judge as one of 12,
+    whose interval leaves out the extremes that 6 rounds' interval cannot (it is their min and max)."""
+    found: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if match := ROUND_LINE.match(line.strip()):
+                ratios = found.setdefault(
+                    (match["case"], match["layout"]), {"step": [], "memory": [], "drift": []}
+                )
+                for what in ratios:
+                    ratios[what].append(float(match[what]))
+    if not found:
+        print(f"no round lines in {', '.join(map(str, logs))}", file=sys.stderr)
+        return 2
+    for (name, layout_name), ratios in found.items():
+        said = []
+        for what in ("step", "memory"):
+            judged, ci = verdict(ratios[what])
+            median = statistics.median(ratios[what])
+            said.append(
+                f"{what} {median:.3f} {judged}" + (f" (95% CI [{ci[0]:.3f}, {ci[1]:.3f}])" if ci else "")
+            )
+        calm = [r for r, d in zip(ratios["step"], ratios["drift"], strict=True) if abs(d - 1) <= DRIFT_CALM]
+        calm_said = f"{statistics.median(calm):.3f} ({len(calm)})" if calm else "none"
+        print(
+            f"{name:12} {layout_name:7} {len(ratios['step'])} rounds: {'; '.join(said)}; "
+            f"calm rounds' step {calm_said}"
+        )
+    return 0
 
 
 # What a stage is made of (autotuner.predict.timing): each measured whole, at the layout's point.
@@ -303,7 +353,16 @@ def main() -> int:
         help="intra-op threads of every process, profiles, steps and calibration alike (default 1: see "
         "the module docstring); 0: each process's share of the cores",
     )
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="LOG",
+        help="run nothing: judge the rounds of these runs' saved output (stdout and stderr) pooled",
+    )
     args = parser.parse_args()
+    if args.pool:
+        return pooled(args.pool)
     threads = args.threads or "each process's share of the cores"
     print(f"intra-op threads per process (profiles, steps, calibration): {threads}")
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
@@ -339,9 +398,7 @@ def main() -> int:
                     results.append(one_round(name, layout_name, args.repeats, calibration, args.threads))
                     said = results[-1]
                     print(  # each round as it ends (on stderr, beside the table): a long run's progress
-                        f"round {index + 1}/{args.rounds} {name} {layout_name}: step predicted "
-                        f"{said.predicted_s * 1e3:.1f} ms / measured {said.measured_s * 1e3:.1f} = "
-                        f"{said.step_ratio:.3f}, drift {said.drift:.3f}, memory {said.memory_ratio:.3f}",
+                        round_line(index + 1, args.rounds, name, layout_name, said),
                         file=sys.stderr,
                         flush=True,
                     )

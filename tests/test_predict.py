@@ -806,6 +806,43 @@ def test_the_accuracy_benchmark_judges_the_median_by_its_confidence_interval():
     assert verdict([0.80, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.20]) == ("met", (0.97, 1.02))
 
 
+def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, capsys):
+    """``--pool``: the round lines two runs printed, read back and judged as one run of all their rounds
+    (three rounds each give no interval; six together do)."""
+    from benchmarks.predict_accuracy import Round, main, round_line
+
+    def one(step: float, drift: float) -> Round:
+        empty = dict.fromkeys(Round._fields)
+        return Round(
+            **{
+                **empty,
+                "step_ratio": step,
+                "memory_ratio": 1.01,
+                "predicted_s": step,
+                "measured_s": 1.0,
+                "drift": drift,
+            }
+        )
+
+    logs = []
+    for run, steps in enumerate(([0.97, 1.02, 0.99], [1.01, 0.98, 1.03])):
+        lines = ["intra-op threads per process (profiles, steps, calibration): 1"]
+        lines += [
+            round_line(i + 1, 3, "tiny", "tp1", one(step, 1.2 if i == 0 else 1.0))
+            for i, step in enumerate(steps)
+        ]
+        logs.append(tmp_path / f"run{run}.log")
+        logs[-1].write_text("\n".join(lines) + "\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", ["predict_accuracy", "--pool", *map(str, logs)])
+        assert main() == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (
+        "tiny         tp1     6 rounds: step 1.000 met (95% CI [0.970, 1.030]); memory 1.010 met (95% CI "
+        "[1.010, 1.010]); calm rounds' step 1.005 (4)"
+    )
+
+
 def test_the_ranking_benchmark_judges_the_order_by_the_measured_interval():
     """benchmarks.layout_ranking's verdict: the measured ratio's 95% interval wholly on the predicted side
     of 1 is right, wholly on the other wrong, holding 1 unresolved; fewer than 6 rounds, no interval."""
