@@ -140,8 +140,16 @@ ROUND_LINE = re.compile(
 
 def pooled(logs: list[Path]) -> int:
     """The verdicts over the rounds of several runs' logs pooled per case and layout: rounds are
-    independent (each profiles, calibrates and measures afresh), so two runs of 6 rounds judge as one of 12,
-    whose interval leaves out the extremes that 6 rounds' interval cannot (it is their min and max)."""
+    independent (each profiles, calibrates with ``--calibrate round``, and measures afresh), so two runs
+    of 6 rounds judge as one of 12, whose interval leaves out the extremes that 6 rounds' interval cannot
+    (it is their min and max)."""
+    unreadable = [str(log) for log in logs if not log.is_file()]
+    if unreadable:
+        print(
+            f"no such log: {', '.join(unreadable)} (give the files a run's output was saved to)",
+            file=sys.stderr,
+        )
+        return 2
     found: dict[tuple[str, str], dict[str, list[float]]] = {}
     for log in logs:
         for line in log.read_text().splitlines():
