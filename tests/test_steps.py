@@ -35,6 +35,11 @@ def four_layers() -> StepMeasurement:
     return measure_steps("tiny", FOUR, Layout(**BATCH), repeats=3, warmup=1)
 
 
+def busy_seconds(boxes: dict) -> float:
+    """What a rank's measured boxes (autotuner.predict.in_step.measured_boxes) add up to."""
+    return sum(end - start for start, end in boxes.values())
+
+
 def assert_replay_within_span(replayed: float, span: float, busiest: float) -> None:
     """The replay (autotuner.predict.in_step.replay) places each rank's measured boxes one after another,
     so it ends no earlier than the busiest rank's boxes add up to; it leaves out the schedule's own work
@@ -450,7 +455,7 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
         assert boxes is not None and sorted(boxes) == [
             (ph, mb, 0) for ph in ("backward", "forward") for mb in range(4)
         ]
-        busiest = max(busiest, sum(end - start for start, end in boxes.values()))
+        busiest = max(busiest, busy_seconds(boxes))
     replayed, span = pipeline_replay(timelines, result.layout, 2, found, "cpu")
     assert_replay_within_span(replayed, span, busiest)
 
@@ -489,7 +494,7 @@ def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path, four
     for r in timelines:
         boxes = measured_boxes(r.visits, layout.layer_places(4), r.pp_rank)
         assert boxes is not None and len(boxes) == 2 * 4 * 2
-        busiest = max(busiest, sum(end - start for start, end in boxes.values()))
+        busiest = max(busiest, busy_seconds(boxes))
     found = pipeline_handovers(timelines, layout, 4)
     assert found
     replayed, span = pipeline_replay(timelines, layout, 4, found, "cpu")
@@ -554,7 +559,7 @@ def test_an_uneven_pipeline_split_trains_what_one_process_trains(tmp_path, four_
     for r in result.ranks:
         boxes = measured_boxes(r.timeline, places, r.pp_rank)
         assert boxes is not None and len(boxes) == 2 * 4
-        busiest = max(busiest, sum(end - start for start, end in boxes.values()))
+        busiest = max(busiest, busy_seconds(boxes))
     step = result.timeline_step
     timelines = [
         RankTimeline(r.rank, r.pp_rank, r.tp_rank, r.dp_rank, r.forward_backward_s[step], r.timeline)

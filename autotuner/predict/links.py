@@ -98,14 +98,14 @@ def describe_gaps(gaps: Iterable[LinkGap]) -> list[str]:
             f"GB/s, the calibration has no {backend} entry for them; run {_calibrate_command(worlds)}"
         )
     for (backend, nearest), group in borrowed.items():
-        lent = dict.fromkeys(
-            f"{g.kind} {g.bandwidth / 1e9:.3g} GB/s" for g in sorted(group, key=lambda g: g.kind)
-        )
+        lent = {g.kind: g.bandwidth for g in group}  # one lending size's bandwidth per collective
+        kinds = ", ".join(sorted(lent))
+        rates = ", ".join(f"{kind} {lent[kind] / 1e9:.3g} GB/s" for kind in sorted(lent))
         worlds = sorted({g.world for g in group})
         lines.append(
-            f"{', '.join(sorted({g.kind for g in group}))} over {', '.join(map(str, worlds))} ranks: bus "
-            f"bandwidth borrowed from the calibration at {link_key(backend, nearest)} ({', '.join(lent)}), "
-            f"none at these sizes; run {_calibrate_command(worlds)}"
+            f"{kinds} over {', '.join(map(str, worlds))} ranks: bus bandwidth borrowed from the calibration "
+            f"at {link_key(backend, nearest)} ({rates}), none at these sizes; "
+            f"run {_calibrate_command(worlds)}"
         )
     return lines
 
@@ -195,7 +195,7 @@ def collective_seconds(
             f"(calibration {LINK_KEYS[kind]}[{key}])"
         )
         return factor * nbytes / bandwidth, Source("modelled", detail)
-    fix = f"torchrun --nproc-per-node={world} -m autotuner.calibrate --collectives"
+    fix = _calibrate_command([world])
     nearest = None
     if calibrated:
         # The nearest world size by ratio (bus bandwidth is about flat in n): 8 is nearer 4 than 16 is.
