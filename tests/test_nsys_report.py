@@ -339,6 +339,7 @@ def test_row_statistics_are_a_measurement_of_the_iterations() -> None:
     assert (row["samples"], row["median_us"], row["min_us"], row["mean_us"], row["iqr_us"]) == pytest.approx(
         (5, 0.030, 0.010, 0.040, 0.020)
     )
+    assert row["fenced_mean_us"] == pytest.approx(0.040)  # 100 is on the outer fence, 40 + 3 * 20: kept
     assert row["host_median_us"] == row["median_us"]
     assert row["warnings"] == "few_samples(5);noisy(iqr=67%)" and row["rel_ci"] is None  # a CI needs 6
     assert (row["stop_reason"], row["precision_rule"]) == ("nsys", None)  # a fixed count: no target

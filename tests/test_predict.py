@@ -12,7 +12,7 @@ from autotuner.predict.__main__ import main
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import load_runs, predict, render
 from autotuner.predict.schedule import simulate
-from autotuner.results import ResultsWriter
+from autotuner.results import ResultsWriter, load_rows
 
 # A small Llama-shaped model: 4 layers, h=64, 4 heads, 2 query groups of 16, SwiGLU 176, RMSNorm.
 TC = {
@@ -127,6 +127,25 @@ def test_1f1b_step_bubble_and_sources(tmp_path):
     assert pred.mfu is not None and pred.mfu.value == pytest.approx(
         per_token * 8 * 32 / (pred.step.total * 1e11 * 2)
     )
+
+
+def test_a_visit_adds_its_rows_fenced_mean_else_its_median(tmp_path):
+    """A step adds its visits up, so a row stands for its fenced mean (autotuner.measure.stats); a row
+    written before that column, for its median; the source says which."""
+    rows = base_rows()
+    rows[0] = {**rows[0], "fenced_mean_us": 1200.0}  # the layer's forward: median 1000, skewed
+    runs = load_runs([make_run(tmp_path, rows)])
+    pred = predict(runs, Layout(seq_len=32, global_batch_size=1, dtype="fp32"), CAL)
+    items = {(name, phase): t for name, phase, t, _ in pred.stages[0].items}
+    layer, embedding = items[("transformer_layer", "forward")], items[("embedding", "forward")]
+    assert layer.seconds == pytest.approx(1200 * US) and "1200us fenced mean" in layer.source.detail
+    assert embedding.seconds == pytest.approx(100 * US) and "100us median" in embedding.source.detail
+    # a neighbouring point scales the same statistic: the layer at s64 from its s32 row
+    at_s64 = predict(runs, Layout(seq_len=64, global_batch_size=1, dtype="fp32"), CAL)
+    scaled = {(name, phase): t for name, phase, t, _ in at_s64.stages[0].items}[
+        ("transformer_layer", "forward")
+    ]
+    assert "1200us fenced mean" in scaled.source.detail and scaled.seconds > 1200 * US
 
 
 def test_interleaved_bubble_and_recompute(tmp_path):
@@ -586,6 +605,12 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
         i for i in pred["stages"][0]["items"] if i["name"] == "transformer_layer" and i["phase"] == "forward"
     )
     assert layer["source"]["kind"] == "measured" and layer["seconds"] > 0 and layer["count"] == 1
+    (measured,) = [
+        r
+        for r in load_rows(run_dir / "results.jsonl")
+        if (r["op"], r["phase"]) == ("transformer_layer", "forward")
+    ]
+    assert layer["seconds"] == pytest.approx(measured["fenced_mean_us"] * US)  # what a step adds per visit
     assert pred["memory"][0]["activations"]["source"]["kind"] == "measured"
     assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0 and pred["missing"] == []
     # the real stages differ (the output layer and loss on the last), so the simulated schedule ends

@@ -385,6 +385,19 @@ def test_measurement_statistics():
     assert Measurement(times_ns=[5]).iqr_ns == 0.0
 
 
+def test_the_fenced_mean_counts_a_skew_and_leaves_out_a_far_out_stall():
+    from autotuner.measure.stats import fenced_mean
+
+    times = [10, 10, 10, 10, 12, 14, 16, 100]
+    # inclusive quartiles 10 and 14.5: Tukey's outer fences at -3.5 and 28 leave out the 100 alone
+    m = Measurement(times_ns=times)
+    assert (m.median_ns, m.mean_ns, m.fenced_mean_ns) == pytest.approx((11, 22.75, 82 / 7))
+    assert m.median_ns < m.fenced_mean_ns < m.mean_ns  # the skew counted, the stall not
+    assert m.columns()["fenced_mean_us"] == pytest.approx(82 / 7 / 1e3)
+    assert fenced_mean([10, 10, 10, 10, 12, 14, 16, 28]) == pytest.approx(110 / 8)  # on the fence: kept
+    assert fenced_mean([1, 2, 30]) == 11  # under 4 samples, quartiles mean nothing: the mean
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_backward_phase_times_the_backward_alone(phase):
     forward_calls = []

@@ -53,6 +53,15 @@ Gotchas this guards against (and records in the row, so a reader knows they were
 * The system's page faults. Memory the C library gave back to the system faults its pages in again when
   written, so whether a sample pays faults depends on what the process freed before it: every process
   that times on a CPU keeps its freed memory (autotuner.model.host_heap, which names what it cost).
+* A sum of calls is not a sum of medians. The median is the op's own time, robust to the machine's
+  stalls; but a training step adds up dozens of visits, and the typical value of a sum of skewed times is
+  near the sum of their means. Where the times skew (a CPU; ranks that wait for each other in their
+  collectives), medians added up fall short of the step: on this project's CPU VM the tiny case's TP=2
+  rows of the layer and the output layer read mean over median 1.05-1.16, and the same ops' visits
+  inside its real TP=2 steps 1.04-1.42, alike (in one process both 0.98-1.04). The mean alone carries a
+  rare stall a typical step does not contain, so each row also keeps its fenced mean, the mean inside
+  Tukey's outer fences (autotuner.measure.stats), which autotuner.predict adds up
+  (docs/predictor_accuracy.md, "A sum of visits").
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
   run before any sample is kept.
 
@@ -90,6 +99,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from autotuner.measure.stats import fenced_mean
 
 PRECISION_RULES = ("ci", "iqr")
 
@@ -139,6 +150,10 @@ class Measurement:
     @property
     def mean_ns(self) -> float:
         return float(statistics.fmean(self.times_ns))
+
+    @property
+    def fenced_mean_ns(self) -> float:
+        return fenced_mean(self.times_ns)
 
     @property
     def min_ns(self) -> float:
@@ -219,6 +234,7 @@ class Measurement:
             "iqr_us": self.iqr_ns / 1e3,
             "min_us": self.min_ns / 1e3,
             "mean_us": self.mean_ns / 1e3,
+            "fenced_mean_us": self.fenced_mean_ns / 1e3,
             "rel_ci": self.rel_ci,
             "stop_reason": self.stop_reason,
             "precision_rule": self.precision_rule if self.target is not None else None,

@@ -39,11 +39,12 @@ time inside the backward. A step with it records nothing (the validation says so
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
+
+from autotuner.measure.stats import fenced_mean
 
 # One op visit in a step's timeline: (an IN_STEP_KEYS key, the layer's number, 1-based as Megatron counts
 # the whole model's layers, 0 for other modules; start and end seconds from the step's start mark).
@@ -52,7 +53,8 @@ Visit = tuple[str, int, float, float]
 Place = tuple[int, int]
 
 # What a rank reports, in this order (a fixed list, so that ranks can exchange it as numbers): the
-# median seconds per visit over the timed steps, NaN where the rank has no such module or phase.
+# seconds per visit over the timed steps, their fenced mean as the rows' (what a visit adds to a step:
+# autotuner.measure.timer.fenced_mean), NaN where the rank has no such module or phase.
 IN_STEP_KEYS = (
     "embedding.forward",
     "embedding.backward",
@@ -210,7 +212,7 @@ def replay(
 
 class ModuleClock:
     """Hooks on one rank's model chunks; ``recording`` on for the timed steps only; :meth:`collect` after
-    each timed step's synchronize; :meth:`medians` at the end."""
+    each timed step's synchronize; :meth:`per_visit` at the end."""
 
     def __init__(self, chunks: list[Any], device: Any) -> None:
         import torch
@@ -334,8 +336,8 @@ class ModuleClock:
         self._open.clear()
         self._step_start = None
 
-    def medians(self) -> tuple[float, ...]:
-        """Per IN_STEP_KEYS, the median seconds per visit (NaN where nothing was timed)."""
+    def per_visit(self) -> tuple[float, ...]:
+        """Per IN_STEP_KEYS, the seconds per visit, their fenced mean (NaN where nothing was timed)."""
         return tuple(
-            statistics.median(self._spans[key]) if self._spans.get(key) else math.nan for key in IN_STEP_KEYS
+            fenced_mean(self._spans[key]) if self._spans.get(key) else math.nan for key in IN_STEP_KEYS
         )

@@ -340,9 +340,18 @@ class Measurements:
         return max(rates) if rates else None
 
 
+def row_seconds(row: Mapping[str, Any]) -> float:
+    """What one visit of the row's op adds to a step: its fenced mean (a step adds its visits up, and the
+    typical value of a sum of skewed times is near the sum of their means: autotuner.measure.timer,
+    "A sum of calls is not a sum of medians"); the median in rows written before that column."""
+    fenced = row.get("fenced_mean_us")
+    return (fenced if fenced is not None else row["median_us"]) * 1e-6
+
+
 def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
     rank = f" rank={row['rank']}" if row.get("rank") not in (None, 0) else ""
+    statistic = "median" if row.get("fenced_mean_us") is None else "fenced mean"
     return (
         f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
-        f"{row['median_us']:.4g}us"
+        f"{row_seconds(row) * 1e6:.4g}us {statistic}"
     )

@@ -73,7 +73,7 @@ peak of a run is the largest over its ranks.
 
 Inside the timed steps each op's time per visit is taken too, by module hooks (autotuner.predict.in_step:
 the layers, the final norm and output layer forward and backward, the embedding's and the stage's
-forward; each rank's medians, ``in_step_s``), for the validation to set beside the op rows it predicted
+forward; each rank's fenced means, ``in_step_s``), for the validation to set beside the op rows it predicted
 from. Not with activation recompute.
 
 Weights: seeded as every run of the project is (autotuner.model.runtime.seed_everything with the
@@ -770,7 +770,7 @@ def measure_steps(
         parameter_bytes=int(parameters),
         resident_bytes=int(resident),
         step_peak_bytes=int(step_peak),
-        in_step_s=_present(clock.medians()) if clock is not None else {},
+        in_step_s=_present(clock.per_visit()) if clock is not None else {},
         optimizer_tensors=len(trainer.masters),
     )
     ranks = _gather(mine, world, len(fb_s)) if world > 1 else (mine,)

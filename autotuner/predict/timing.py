@@ -152,6 +152,7 @@ from autotuner.predict.inputs import (
     Missing,
     ModelShape,
     describe_row,
+    row_seconds,
 )
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
@@ -346,7 +347,7 @@ class TimeModel:
     def _scale(self, op: str, row: Mapping[str, Any], s: int, b: int) -> tuple[float, str]:
         """(seconds at (s, b), the rule) from a row at another point."""
         rs, rb = int(row["seq_len"]), int(row["micro_batch_size"])
-        t = row["median_us"] * 1e-6
+        t = row_seconds(row)
         if op in GEMM_OPS:
             ratio = (s * b) / (rs * rb)
             if row.get("flops"):
@@ -402,7 +403,7 @@ class TimeModel:
             return None
         self._note_cache(row)
         if not nearest:
-            return row["median_us"] * 1e-6, describe_row(row), row
+            return row_seconds(row), describe_row(row), row
         seconds, rule = self._scale(op, row, s, b)
         return seconds, f"{rule}, from {describe_row(row)}", row
 

@@ -269,7 +269,7 @@ def pipeline_replay(
 
 
 def in_step_pairs(prediction: Any, measured: Any) -> list[tuple[int, str, float, float, str]]:
-    """Per stage, each hooked op's predicted time per visit beside its median inside the measured steps,
+    """Per stage, each hooked op's predicted time per visit beside its fenced mean inside the measured steps,
     and the stage's forward per micro-batch (without the pipeline's exchange, which is outside the
     model's forward); at pp = vpp = 1 also the rest of a micro-batch (its backward and the schedule's
     own work: the step's forward-backward / m - that forward). An op's

@@ -95,6 +95,13 @@ class Row:
     iqr_us: float | None = _number("interquartile range of the per-sample times", "us", "IQR")
     min_us: float | None = _number("fastest sample", "us", "min")
     mean_us: float | None = _number("mean of the per-sample times", "us", "mean")
+    fenced_mean_us: float | None = _number(
+        "mean of the per-sample times inside Tukey's outer fences (Q1 - 3 IQR, Q3 + 3 IQR): what one call "
+        "adds to a sum of many, as a training step adds up its ops, without the rare far-out stalls; the "
+        "time autotuner.predict reads (autotuner.measure.timer.fenced_mean)",
+        "us",
+        "fenced mean",
+    )
     host_median_us: float | None = _number(
         "nsys: median duration of the op's NVTX ranges, the host's time to issue the op (its launches, "
         "plus any synchronisation inside it); on a CPU the same as median_us. get_data on a GPU: the "
