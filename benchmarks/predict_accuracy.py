@@ -37,17 +37,20 @@ and the output layer on the last; 4 micro-batches per data-parallel rank. Target
 (order statistics, as the sampler's: autotuner.measure.timer.median_ci, from 6 rounds): "met" when the
 interval lies inside [0.95, 1.05], "missed" when it lies outside, "inconclusive" when it straddles an
 edge: on a machine whose own A/A spread exceeds the target, a median of a few rounds can neither pass
-nor fail it. Under each case and layout, the ops inside the forward-backward: each hooked op's predicted
-time per visit / its time inside the measured steps (autotuner.predict.in_step), medians over the
-rounds; then per rank the time between its ops in its median step, and on a pipeline the hand-overs a
-stage waited for beside the predicted exchange, and the measured step replayed through the predictor's
-schedule simulation over its measured span (autotuner.predict.in_step.replay: the schedule model alone).
+nor fail it. Under each case and layout: the step's ratio had the rows been added up by their medians
+(the predictor before session 25, on the same rows and steps: the statistic's own share); the ops
+inside the forward-backward, each hooked op's predicted time per visit / its time inside the measured
+steps (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in
+its median step, and on a pipeline the hand-overs a stage waited for beside the predicted exchange, and
+the measured step replayed through the predictor's schedule simulation over its measured span
+(autotuner.predict.in_step.replay: the schedule model alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -299,6 +302,9 @@ class Round(NamedTuple):
     handovers: tuple[float, ...]  # a 1F1B pipeline's hand-overs a stage waited for, s
     predicted_transfer_s: float | None  # the predictor's pp_p2p per exchange
     replay: float | None  # the schedule model on the measured forwards and backwards / their measured span
+    # the same rows added up by their medians, as the predictor did before session 25 (its fenced means:
+    # autotuner.measure.stats): the statistic's share of the ratio, judged on the same rows and steps
+    medians_predicted_s: float
 
 
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None, threads: int) -> Round:
@@ -316,6 +322,8 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         runs = profiled_runs(case, layout, Path(folder), calibration, threads)
         calibrated = load_calibration_for(runs, str(calibration))  # read and checked once, for both
         pred = predict(runs, layout, calibrated)
+        medians = [{k: v for k, v in row.items() if k != "fenced_mean_us"} for row in runs.rows]
+        medians_predicted = predict(dataclasses.replace(runs, rows=medians), layout, calibrated).step_seconds
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -335,6 +343,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         replay=checked.replayed_s / checked.measured_span_s
         if checked.replayed_s and checked.measured_span_s
         else None,
+        medians_predicted_s=medians_predicted,
     )
 
 
@@ -435,6 +444,11 @@ def main() -> int:
                 print(
                     f"{name:12} {layout_name:7} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
                     f"{aa_meas:9.3f} {min(drift):6.3f}-{max(drift):.3f} {calm_said:>14}  {phases}"
+                )
+                by_medians = [r.medians_predicted_s / r.measured_s for r in results]
+                print(
+                    f"{'':21} the same rows added up by their medians (the predictor before session 25): "
+                    f"step {statistics.median(by_medians):.3f} [{min(by_medians):.3f}, {max(by_medians):.3f}]"
                 )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}

@@ -54,7 +54,7 @@ Place = tuple[int, int]
 
 # What a rank reports, in this order (a fixed list, so that ranks can exchange it as numbers): the
 # seconds per visit over the timed steps, their fenced mean as the rows' (what a visit adds to a step:
-# autotuner.measure.timer.fenced_mean), NaN where the rank has no such module or phase.
+# autotuner.measure.stats.fenced_mean), NaN where the rank has no such module or phase.
 IN_STEP_KEYS = (
     "embedding.forward",
     "embedding.backward",

@@ -393,7 +393,10 @@ def _timeline_lines(result: Validation) -> list[str]:
 
 def _in_step_header(result: Validation) -> list[str]:
     if result.in_step:
-        return ["    inside the steps, per visit (module hooks: autotuner.predict.in_step)"]
+        return [
+            "    inside the steps, per visit: the fenced mean of the visits beside the rows' "
+            "(module hooks: autotuner.predict.in_step)"
+        ]
     if result.layout.recompute != "none":
         return ["    inside the steps: not timed (a recomputed forward would fire the module hooks twice)"]
     return []
