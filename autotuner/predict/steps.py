@@ -135,8 +135,8 @@ class RankSteps:
     parameter_bytes: int  # this rank's parameters
     resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
     step_peak_bytes: int  # the peak above that during the metered step
-    # the ops' median seconds per visit inside the timed steps (autotuner.predict.in_step.IN_STEP_KEYS,
-    # those this rank has); empty with activation recompute
+    # the ops' seconds per visit inside the timed steps, their fenced mean
+    # (autotuner.predict.in_step.IN_STEP_KEYS, those this rank has); empty with activation recompute
     in_step_s: dict[str, float] = field(default_factory=dict)
     # one timed step's op visits (autotuner.predict.in_step.Visit), the step StepMeasurement.timeline_step
     # names, the same on every rank; empty with activation recompute
@@ -220,7 +220,7 @@ class StepMeasurement:
         return statistics.median(self._on_critical_rank(lambda r: r.optimizer_s))
 
     def in_step(self, stage: int) -> dict[str, float]:
-        """The ops' median seconds per visit inside the timed steps on pipeline stage ``stage``: per
+        """The ops' seconds per visit (fenced means) inside the timed steps on stage ``stage``: per
         op, its slowest rank's (autotuner.predict.in_step); empty where nothing was timed."""
         found: dict[str, float] = {}
         for r in self.ranks:
