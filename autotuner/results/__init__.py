@@ -98,7 +98,7 @@ class Row:
     fenced_mean_us: float | None = _number(
         "mean of the per-sample times inside Tukey's outer fences (Q1 - 3 IQR, Q3 + 3 IQR): what one call "
         "adds to a sum of many, as a training step adds up its ops, without the rare far-out stalls; the "
-        "time autotuner.predict reads (autotuner.measure.timer.fenced_mean)",
+        "time autotuner.predict reads (autotuner.measure.stats.fenced_mean)",
         "us",
         "fenced mean",
     )
