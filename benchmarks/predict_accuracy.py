@@ -5,12 +5,13 @@
     python -m benchmarks.predict_accuracy --pool LOG [LOG ...]    # the rounds of saved runs, judged together
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
-TP and EP, in as many processes as run one op at the same moment (tp * dp; torchrun, this process for
-one): on a CPU the ranks share the memory, and an op timed alone would run faster than beside them
-(pipeline stages run staggered: see profile()). Every process, profiles, steps and the calibration
-alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which was the
-default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual cores,
-and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise). Each
+TP and EP, in as many processes as the layout runs (torchrun, this process for one): on a CPU the ranks
+share the memory and the caches, and an op timed alone would run faster than beside them, pipeline
+stages too (see profile(); a pipeline layout's round also predicts from its stages' ops profiled in
+tp * dp processes, as before session 26, and prints that beside). Every process, profiles, steps and the
+calibration alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which
+was the default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual
+cores, and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise). Each
 op is profiled once with warm caches and once flushed (the predictor takes, for each visit of an op in the
 step, the kind it runs in: autotuner.predict.timing.cache_plan). The device and the links between two
 processes are calibrated in every round, between its first steps and its profiles (python -m
@@ -206,9 +207,17 @@ def threads_per_process(text: str) -> int:
 
 
 def profile(
-    case: list[str], layout: Layout, run_dir: Path, calibration: Path, flush: bool, threads: int = 0
+    case: list[str],
+    layout: Layout,
+    run_dir: Path,
+    calibration: Path,
+    flush: bool,
+    threads: int = 0,
+    alone: bool = False,
 ) -> None:
-    """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`)."""
+    """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`),
+    in as many processes as the layout runs (``alone``: as many as run one op together, tp * dp, the
+    benchmark's way before session 26)."""
     argv = [
         *case,
         *cpu_share(layout.gpus, threads),
@@ -222,11 +231,14 @@ def profile(
         f"calibration={calibration}",
         f"hydra.run.dir={run_dir}",
     ]
-    # the ranks that run the same op at the same moment (TP, DP, EP): on a CPU the layout's "GPUs" share
-    # the memory and the L3, so an op timed alone runs faster than beside them. Pipeline stages run their
-    # ops staggered: llama-shaped PP2 read 1.03-1.04 from ops profiled alone, 1.11-1.13 from ops profiled
-    # beside a second process (two rounds, the same steps)
-    world = layout.gpus // layout.pp
+    # every process the layout runs: on a CPU the layout's "GPUs" are processes of one host, which share
+    # its memory and its L3, so an op timed alone runs faster than beside them. Pipeline stages too, though
+    # they run their ops staggered: inside PP2 steps a stage's visits while the other stage sat between
+    # its ops ran no faster than those it overlapped (session 26), so what slows them is the other
+    # process's data passing through the shared cache, not two ops at one moment; a profile in one process
+    # read the llama-shaped PP2's layers 5-15% under their time inside the steps, one in two processes
+    # within a few percent (docs/predictor_accuracy.md, "Pipeline stages on a CPU")
+    world = layout.gpus // layout.pp if alone else layout.gpus
     if world == 1:
         assert _quiet_run(argv) == 0
         return
@@ -251,12 +263,14 @@ def steps_arguments(case: list[str], layout: Layout, threads: int = 0) -> tuple[
     return case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus, threads), "device=cpu"]
 
 
-def profiled_runs(case: list[str], layout: Layout, folder: Path, calibration: Path, threads: int = 0) -> Runs:
+def profiled_runs(
+    case: list[str], layout: Layout, folder: Path, calibration: Path, threads: int = 0, alone: bool = False
+) -> Runs:
     """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
     predictor reads them."""
-    run_dirs = [folder / mode for mode in ("warm", "cold")]
+    run_dirs = [folder / f"{'alone-' if alone else ''}{mode}" for mode in ("warm", "cold")]
     for run_dir in run_dirs:
-        profile(case, layout, run_dir, calibration, run_dir.name == "cold", threads)
+        profile(case, layout, run_dir, calibration, run_dir.name.endswith("cold"), threads, alone)
     return load_runs(run_dirs)
 
 
@@ -305,6 +319,9 @@ class Round(NamedTuple):
     # the same rows added up by their medians, as the predictor did before session 25 (its fenced means:
     # autotuner.measure.stats): the statistic's share of the ratio, judged on the same rows and steps
     medians_predicted_s: float
+    # a pipeline layout's step predicted from its stage's ops profiled in as many processes as run one op
+    # together (tp * dp), as the benchmark profiled them before session 26 (None: no pipeline, no change)
+    alone_predicted_s: float | None
 
 
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None, threads: int) -> Round:
@@ -324,6 +341,10 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         pred = predict(runs, layout, calibrated)
         medians = [{k: v for k, v in row.items() if k != "fenced_mean_us"} for row in runs.rows]
         medians_predicted = predict(dataclasses.replace(runs, rows=medians), layout, calibrated).step_seconds
+        alone_predicted = None
+        if layout.pp > 1:  # the same round's steps judge the two ways of profiling a pipeline's stages
+            alone = profiled_runs(case, layout, Path(folder), calibration, threads, alone=True)
+            alone_predicted = predict(alone, layout, calibrated).step_seconds
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -344,6 +365,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         if checked.replayed_s and checked.measured_span_s
         else None,
         medians_predicted_s=medians_predicted,
+        alone_predicted_s=alone_predicted,
     )
 
 
@@ -450,6 +472,15 @@ def main() -> int:
                     f"{'':21} the same rows added up by their medians (the predictor before session 25): "
                     f"step {statistics.median(by_medians):.3f} [{min(by_medians):.3f}, {max(by_medians):.3f}]"
                 )
+                by_alone = [r.alone_predicted_s / r.measured_s for r in results if r.alone_predicted_s]
+                if by_alone:
+                    together = layout_of(layout_name).gpus // layout_of(layout_name).pp
+                    processes = f"{together} process{'es' if together > 1 else ''}"
+                    print(
+                        f"{'':21} the stage's ops profiled in {processes} "
+                        f"(the benchmark before session 26): step {statistics.median(by_alone):.3f} "
+                        f"[{min(by_alone):.3f}, {max(by_alone):.3f}]"
+                    )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}
                 for r in results:

@@ -148,6 +148,30 @@ def test_a_visit_adds_its_rows_fenced_mean_else_its_median(tmp_path):
     assert "1200us fenced mean" in scaled.source.detail and scaled.seconds > 1200 * US
 
 
+def test_cpu_rows_profiled_in_fewer_processes_than_the_layout_runs_are_named(tmp_path):
+    """A CPU layout's processes share one host: rows profiled in fewer processes than it runs (a pipeline's
+    stages profiled alone) read fast, and the prediction says so with the command that profiles them
+    beside each other; rows profiled in as many, or on a GPU, say nothing."""
+    pp2 = Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32")
+    alone = make_run(tmp_path, base_rows(), "alone")
+    said = [w for w in predict(load_runs([alone]), pp2, CAL).warnings if "process" in w]
+    assert said == [
+        "the CPU rows were profiled in 1 process, and this layout runs 2 on one host, which share its memory "
+        "and caches: its ops run slower than those rows (torchrun --standalone --nproc-per-node=2 -m "
+        "autotuner.main ... profiles them beside each other)"
+    ]
+    one = Layout(seq_len=32, global_batch_size=8, dtype="fp32")
+    assert not any("process" in w for w in predict(load_runs([alone]), one, CAL).warnings)
+    beside = make_run(tmp_path, base_rows(), "beside")
+    env = json.loads((beside / "environment.json").read_text())
+    (beside / "environment.json").write_text(json.dumps({**env, "world_size": 2}))
+    assert not any("process" in w for w in predict(load_runs([beside]), pp2, CAL).warnings)
+    # one run of each: the fewer processes decide
+    assert any("profiled in 1 process" in w for w in predict(load_runs([beside, alone]), pp2, CAL).warnings)
+    gpu = make_run(tmp_path, [{**r, "device": "cuda"} for r in base_rows()], "gpu")
+    assert not any("process" in w for w in predict(load_runs([gpu]), pp2, CAL).warnings)
+
+
 def test_interleaved_bubble_and_recompute(tmp_path):
     runs = load_runs([make_run(tmp_path, [*base_rows(), row("core_attention", "forward", 150)])])
     lay = Layout(seq_len=32, pp=2, vpp=2, global_batch_size=8, dtype="fp32", recompute="selective")

@@ -102,6 +102,7 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
         run_ep = (this.get("transformer_config") or {}).get("expert_model_parallel_size") or 1
         for item in these:
             item["run_expert_parallel"] = int(run_ep)
+            item["run_processes"] = int(this.get("world_size") or 1)  # the processes that profiled it
         env = env or this
         rows += these
         if calibration is None and (path / "calibration.json").is_file():
@@ -271,6 +272,24 @@ def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_
     return best
 
 
+def _processes_note(runs: Runs, layout: Layout) -> list[str]:
+    """A CPU layout's processes share one host's memory and caches, so its ops run as fast as rows
+    profiled beside as many processes, not faster rows profiled in fewer; a GPU's ranks each have their own
+    device. The pipeline's stages too: this project's CPU ran the llama-shaped PP2's layers 5-15% slower
+    inside the steps than rows profiled in one process, within a few percent of rows profiled in two
+    (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
+    profiled = {r["run_processes"] for r in runs.rows if r.get("status") == "ok" and r.get("device") == "cpu"}
+    fewest = min(profiled, default=layout.gpus)
+    if fewest >= layout.gpus:
+        return []
+    return [
+        f"the CPU rows were profiled in {fewest} process{'es' if fewest > 1 else ''}, and this layout runs "
+        f"{layout.gpus} on one host, which share its memory and caches: its ops run slower than those rows "
+        f"(torchrun --standalone --nproc-per-node={layout.gpus} -m autotuner.main ... profiles them beside "
+        "each other)"
+    ]
+
+
 def predict(
     runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None = None, model: ModelShape | None = None
 ) -> Prediction:
@@ -311,6 +330,7 @@ def predict(
     profile = profiling_plan(model, layout, missing_items, cold)
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False))
+    notes += _processes_note(runs, layout)
     if not meas.index:
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "
