@@ -234,10 +234,10 @@ def profile(
     # every process the layout runs: on a CPU the layout's "GPUs" are processes of one host, which share
     # its memory and its L3, so an op timed alone runs faster than beside them. Pipeline stages too, though
     # they run their ops staggered: inside PP2 steps a stage's visits while the other stage sat between
-    # its ops ran no faster than those it overlapped (session 26), so what slows them is the other
-    # process's data passing through the shared cache, not two ops at one moment; a profile in one process
-    # read the llama-shaped PP2's layers 5-15% under their time inside the steps, one in two processes
-    # within a few percent (docs/predictor_accuracy.md, "Pipeline stages on a CPU")
+    # its ops ran no faster than those it overlapped (session 26): what slows them is the other process
+    # on the host (most likely its data through the shared cache), not two ops at one moment; a profile in
+    # one process read the llama-shaped PP2's layers at 0.85-1.00 of their time inside the steps, one in
+    # two processes at 1.01-1.11 (docs/predictor_accuracy.md, "Pipeline stages on a CPU")
     world = layout.gpus // layout.pp if alone else layout.gpus
     if world == 1:
         assert _quiet_run(argv) == 0

@@ -275,8 +275,8 @@ def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_
 def _processes_note(runs: Runs, layout: Layout) -> list[str]:
     """A CPU layout's processes share one host's memory and caches, so its ops run as fast as rows
     profiled beside as many processes, not faster rows profiled in fewer; a GPU's ranks each have their own
-    device. The pipeline's stages too: this project's CPU ran the llama-shaped PP2's layers 5-15% slower
-    inside the steps than rows profiled in one process, within a few percent of rows profiled in two
+    device. The pipeline's stages too: on this project's CPU the llama-shaped PP2's layer rows read
+    0.85-1.00 of their time inside the steps profiled in one process, 1.01-1.11 in two
     (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
     profiled = {r["run_processes"] for r in runs.rows if r.get("status") == "ok" and r.get("device") == "cpu"}
     fewest = min(profiled, default=layout.gpus)
