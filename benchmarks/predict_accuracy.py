@@ -206,6 +206,19 @@ def threads_per_process(text: str) -> int:
     return int(text)
 
 
+def profile_processes(layout: Layout, alone: bool = False) -> int:
+    """How many processes profile the layout's ops: every process it runs (``alone``: those that run one op
+    together, tp * dp, the benchmark's way before session 26)."""
+    # every process the layout runs: on a CPU the layout's "GPUs" are processes of one host, which share
+    # its memory and its L3, so an op timed alone runs faster than beside them. Pipeline stages too, though
+    # they run their ops staggered: inside PP2 steps a stage's visits while the other stage sat between
+    # its ops ran no faster than those it overlapped (session 26): what slows them is the other process
+    # on the host (most likely its data through the shared cache), not two ops at one moment; a profile in
+    # one process read the llama-shaped PP2's layers at 0.85-1.00 of their time inside the steps, one in
+    # two processes at 1.01-1.11 (docs/predictor_accuracy.md, "Pipeline stages on a CPU")
+    return layout.gpus // layout.pp if alone else layout.gpus
+
+
 def profile(
     case: list[str],
     layout: Layout,
@@ -216,8 +229,7 @@ def profile(
     alone: bool = False,
 ) -> None:
     """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`),
-    in as many processes as the layout runs (``alone``: as many as run one op together, tp * dp, the
-    benchmark's way before session 26)."""
+    in :func:`profile_processes` processes."""
     argv = [
         *case,
         *cpu_share(layout.gpus, threads),
@@ -231,14 +243,7 @@ def profile(
         f"calibration={calibration}",
         f"hydra.run.dir={run_dir}",
     ]
-    # every process the layout runs: on a CPU the layout's "GPUs" are processes of one host, which share
-    # its memory and its L3, so an op timed alone runs faster than beside them. Pipeline stages too, though
-    # they run their ops staggered: inside PP2 steps a stage's visits while the other stage sat between
-    # its ops ran no faster than those it overlapped (session 26): what slows them is the other process
-    # on the host (most likely its data through the shared cache), not two ops at one moment; a profile in
-    # one process read the llama-shaped PP2's layers at 0.85-1.00 of their time inside the steps, one in
-    # two processes at 1.01-1.11 (docs/predictor_accuracy.md, "Pipeline stages on a CPU")
-    world = layout.gpus // layout.pp if alone else layout.gpus
+    world = profile_processes(layout, alone)
     if world == 1:
         assert _quiet_run(argv) == 0
         return
@@ -474,7 +479,7 @@ def main() -> int:
                 )
                 by_alone = [r.alone_predicted_s / r.measured_s for r in results if r.alone_predicted_s]
                 if by_alone:
-                    together = layout_of(layout_name).gpus // layout_of(layout_name).pp
+                    together = profile_processes(layout_of(layout_name), alone=True)
                     processes = f"{together} process{'es' if together > 1 else ''}"
                     print(
                         f"{'':21} the stage's ops profiled in {processes} "
