@@ -39,7 +39,9 @@ and the output layer on the last; 4 micro-batches per data-parallel rank. Target
 interval lies inside [0.95, 1.05], "missed" when it lies outside, "inconclusive" when it straddles an
 edge: on a machine whose own A/A spread exceeds the target, a median of a few rounds can neither pass
 nor fail it. Under each case and layout: the step's ratio had the rows been added up by their medians
-(the predictor before session 25, on the same rows and steps: the statistic's own share); the ops
+(the predictor before session 25, on the same rows and steps: the statistic's own share); on an
+interleaved layout, the same prediction with each model chunk 1/v of its stage's time (the predictor
+before session 27, which gives each chunk its own ops: autotuner.predict.timing.chunk_times); the ops
 inside the forward-backward, each hooked op's predicted time per visit / its time inside the measured
 steps (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in
 its median step, and on a pipeline the hand-overs a stage waited for beside the predicted exchange, and
@@ -60,15 +62,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from autotuner.main import run
 from autotuner.measure.timer import median_ci
+from autotuner.ops.naming import PHASES
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
+from autotuner.predict.schedule import overlaps_exchanges, simulate
 from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
-from autotuner.results.calibration import ADAM_IN_STEP
+from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK
 from autotuner.results.calibration import load as load_calibration
 
 CASES = {
@@ -327,6 +331,27 @@ class Round(NamedTuple):
     # a pipeline layout's step predicted from its stage's ops profiled in as many processes as run one op
     # together (tp * dp), as the benchmark profiled them before session 26 (None: no pipeline, no change)
     alone_predicted_s: float | None
+    # an interleaved layout's step from the same rows with each model chunk 1/v of its stage and the host
+    # work's stage part once per stage, as the predictor placed them before session 27 (None: no vpp)
+    even_chunks_predicted_s: float | None = None
+
+
+def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
+    """``pred``'s step with its interleaved pipeline placed as the predictor placed it before session 27:
+    each model chunk 1/v of its stage's time, the host work's part for a stage paid once per stage, not
+    per chunk (autotuner.predict.timing.chunk_times)."""
+    lay, step = pred.layout, pred.step
+    work = calibrated.get(HOST_WORK) or {}
+    own = {
+        (st.index, phase): (getattr(st, phase) - (lay.vpp - 1) * work.get(phase, 0.0)) / lay.vpp
+        for st in pred.stages
+        for phase in PHASES
+    }
+    overlapped = overlaps_exchanges(lay.vpp, "cpu")  # the benchmark's steps run on the CPU
+    sched = simulate(
+        lambda key: own[key[:2]], lay.pp, lay.vpp, lay.microbatches, step.schedule.exchange_s, overlapped
+    )
+    return sched.end + step.dp_reduction + step.optimizer
 
 
 def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None, threads: int) -> Round:
@@ -350,6 +375,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         if layout.pp > 1:  # the same round's steps judge the two ways of profiling a pipeline's stages
             alone = profiled_runs(case, layout, Path(folder), calibration, threads, alone=True)
             alone_predicted = predict(alone, layout, calibrated).step_seconds
+        even_chunks = even_chunks_step_s(pred, calibrated) if layout.vpp > 1 else None
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -371,6 +397,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         else None,
         medians_predicted_s=medians_predicted,
         alone_predicted_s=alone_predicted,
+        even_chunks_predicted_s=even_chunks,
     )
 
 
@@ -485,6 +512,15 @@ def main() -> int:
                         f"{'':21} the stage's ops profiled in {processes} "
                         f"(the benchmark before session 26): step {statistics.median(by_alone):.3f} "
                         f"[{min(by_alone):.3f}, {max(by_alone):.3f}]"
+                    )
+                by_even = [
+                    r.even_chunks_predicted_s / r.measured_s for r in results if r.even_chunks_predicted_s
+                ]
+                if by_even:
+                    print(
+                        f"{'':21} each model chunk 1/v of its stage, host work once a stage (the predictor "
+                        f"before session 27): step {statistics.median(by_even):.3f} "
+                        f"[{min(by_even):.3f}, {max(by_even):.3f}]"
                     )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}

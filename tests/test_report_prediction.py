@@ -77,9 +77,9 @@ def test_timeline_is_the_1f1b_schedule_of_the_predicted_pipeline_time(tmp_path, 
         if s:
             assert boxes[("forward", s, 0, 0)][0] >= boxes[("forward", s - 1, 0, 0)][1] * (1 - REL)
     assert max(end for _, end in boxes.values()) == pytest.approx(rec["step"]["pipeline_s"], rel=REL)
-    # each box is its own stage's time (per model chunk), as the predictor placed it
-    for (phase, stage, _, _), (start, end) in boxes.items():
-        assert end - start == pytest.approx(rec["stages"][stage][f"{phase}_s"] / v, rel=1e-6)
+    # each box is its own model chunk's time, as the predictor placed it
+    for (phase, stage, _, chunk), (start, end) in boxes.items():
+        assert end - start == pytest.approx(rec["stages"][stage]["chunks"][chunk][f"{phase}_s"], rel=1e-6)
 
 
 def test_memory_stack_sums_to_each_stage_and_marks_korthikanti_and_the_gpu(tmp_path):

@@ -48,7 +48,10 @@ Megatron's ``recompute_granularity=selective``). With pp > 1 the stages exchange
 activations (forward) or their gradients (backward): Megatron's 1F1B batches a stage's send and receive
 into one call, one transfer's time (``pp_p2p``, *modelled* from the link calibration's ``send_recv``,
 that exchange timed between two processes), which the schedule charges where it happens (below), not
-inside a stage's time.
+inside a stage's time. With vpp model chunks per rank each chunk is a box of the schedule with its own
+time (:func:`chunk_times`): its layers, and the embedding in the model's first chunk, the final norm and
+the output layer in its last, as Megatron builds them (pre_process, post_process); the host work below
+is paid per chunk, each running its own forward and backward step.
 
 The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
 batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
@@ -64,9 +67,10 @@ the GEMM: then this is zero.
 (each micro-batch's forward and backward steps, the loss function, autograd's start) and GPTModel's own
 work (the rotary table, the block's own work around each layer). On a CPU, where the host is the device,
 each stage's forward and backward per micro-batch add it (``host_work``, *scaled*): the calibration's
-timed part for a stage plus its part per layer x the stage's layers (``host_work_seconds_per_microbatch``,
-autotuner.calibrate.host_work, timed on a minimal GPTModel at two depths). On a GPU the host queues the
-kernels ahead of the device, which hides this behind them as long as the kernels outlast it: not added.
+timed part for a stage (for each of its model chunks) plus its part per layer x the stage's layers
+(``host_work_seconds_per_microbatch``, autotuner.calibrate.host_work, timed on a minimal GPTModel at two
+depths). On a GPU the host queues the kernels ahead of the device, which hides this behind them as long as
+the kernels outlast it: not added.
 
 **Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
 times an op that finds its weights and inputs in the cache from its previous call; one measured with
@@ -733,6 +737,9 @@ class StageTime:
     backward: float
     items: tuple[tuple[str, str, OpTime, int], ...]  # (name, phase, time, count)
     dominant: str
+    # each model chunk's (forward, backward) per micro-batch, adding up to the stage's: the schedule's
+    # boxes (:func:`chunk_times`); one entry without vpp
+    chunks: tuple[tuple[float, float], ...] = ()
 
     @property
     def total(self) -> float:
@@ -745,6 +752,7 @@ class StageTime:
             "forward_s": self.forward,
             "backward_s": self.backward,
             "dominant_op": self.dominant,
+            "chunks": [{"forward_s": f, "backward_s": b} for f, b in self.chunks],
             "items": [
                 {"name": n, "phase": p, "count": c, **t.to_json(), "total_s": t.seconds * c}
                 for n, p, t, c in self.items
@@ -778,9 +786,11 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
 
 
-def host_work(tm: TimeModel, phase: str, layers: int) -> OpTime | None:
-    """The host work outside the ops of one micro-batch's ``phase`` on a stage of ``layers`` layers
-    (module docstring); None on a GPU, and on a CPU without it in the calibration (said in a warning)."""
+def host_work(tm: TimeModel, phase: str, layers: int, chunks: int = 1) -> OpTime | None:
+    """The host work outside the ops of one micro-batch's ``phase`` on a stage of ``layers`` layers in
+    ``chunks`` model chunks, each its own forward and backward step of the schedule and its own GPTModel
+    forward (module docstring); None on a GPU, and on a CPU without it in the calibration (said in a
+    warning)."""
     if tm.meas.devices != {"cpu"}:
         return None
     timed = tm.calibration.get(HOST_WORK)
@@ -792,10 +802,11 @@ def host_work(tm: TimeModel, phase: str, layers: int) -> OpTime | None:
         )
         return None
     base, per_layer = timed[phase], timed[f"{phase}_per_layer"]
-    seconds = base + per_layer * layers
+    seconds = base * chunks + per_layer * layers
+    per_chunk = f" per model chunk x {chunks}" if chunks > 1 else ""
     detail = (
         f"the step's {phase} host work outside its ops (Megatron's schedule, GPTModel's own), timed by "
-        f"autotuner.calibrate on a minimal GPTModel: {human_time(base * 1e6)} + "
+        f"autotuner.calibrate on a minimal GPTModel: {human_time(base * 1e6)}{per_chunk} + "
         f"{human_time(per_layer * 1e6)} per layer x {layers} = {human_time(seconds * 1e6)} per micro-batch"
     )
     return OpTime(seconds, Source("scaled", detail), {"host_work": seconds})
@@ -857,7 +868,7 @@ def stage_times(
                     )
                 )
         for phase in PHASES:
-            work = host_work(tm, phase, per_stage)
+            work = host_work(tm, phase, per_stage, lay.vpp)
             if work is not None:
                 items.append(("host_work", phase, work, 1))
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
@@ -873,8 +884,53 @@ def stage_times(
             )
         forward = sum(t.seconds * c for _, p, t, c in items if p == "forward")
         backward = sum(t.seconds * c for _, p, t, c in items if p == "backward")
-        stages.append(StageTime(index, per_stage, forward, backward, tuple(items), _dominant(tm, items)))
+        # the parameters outside the layers (the embedding's, the final norm's and the output layer's)
+        outside = (
+            stage_params[index] - per_stage * model.layer_params_on_rank(lay.tp, lay.ep)
+            if stage_params
+            else 0
+        )
+        chunks = chunk_times(items, index, lay, max(outside, 0) / stage_params[index] if outside else 0.0)
+        stages.append(
+            StageTime(index, per_stage, forward, backward, tuple(items), _dominant(tm, items), chunks)
+        )
     return stages
+
+
+# What lies outside the layers, by the model chunk that holds it: Megatron builds the embedding into the
+# model's first chunk (pre_process) and the final norm, the output layer and the loss into its last
+# (post_process); everything else of a stage is spread over its chunks with their layers (equal counts).
+FIRST_CHUNK_OPS = ("embedding",)
+LAST_CHUNK_OPS = ("final_layernorm", "output_layer")
+
+
+def chunk_times(
+    items: list[tuple[str, str, OpTime, int]], stage: int, lay: Layout, extras_share: float
+) -> tuple[tuple[float, float], ...]:
+    """Each model chunk's (forward, backward) per micro-batch on pipeline rank ``stage``: the embedding
+    (and its TP collectives) in the model's first chunk (rank 0's chunk 0), the final norm and the output
+    layer in its last (rank p-1's chunk v-1), the layers, their collectives and recompute, and the host
+    work (:func:`host_work`, per chunk and per layer) a 1/v share each, the gradients' accumulation by
+    parameters (``extras_share``: the stage's share outside its layers, which is the first or the last
+    chunk's). Before session 27 each chunk took 1/v of its stage, which on the llama-shaped VPP2 put
+    2.6 ms of the last chunk's output layer into the chunk before it and cut the host work's part per
+    chunk to one per stage."""
+    v = lay.vpp
+    edge = 0 if stage == 0 else v - 1  # the chunk holding what lies outside the layers, if any
+    times = [[0.0, 0.0] for _ in range(v)]
+    for name, phase, t, count in items:
+        op = name.split(":", 1)[-1]
+        seconds = t.seconds * count
+        if op in FIRST_CHUNK_OPS or op in LAST_CHUNK_OPS:
+            shares = [1.0 if c == (0 if op in FIRST_CHUNK_OPS else v - 1) else 0.0 for c in range(v)]
+        elif name == "grad_accumulation":
+            rest = (1 - extras_share) / v
+            shares = [rest + (extras_share if c == edge else 0.0) for c in range(v)]
+        else:
+            shares = [1 / v] * v
+        for c, share in enumerate(shares):
+            times[c][PHASES.index(phase)] += seconds * share
+    return tuple((f, b) for f, b in times)
 
 
 def _dominant(tm: TimeModel, items: list[tuple[str, str, OpTime, int]]) -> str:
@@ -916,11 +972,17 @@ class StepTime:
 
 def pipeline_schedule(stages: list[StageTime], lay: Layout, exchange_s: float, overlapped: bool) -> Schedule:
     """Each stage's forwards and backwards placed by Megatron-Core's schedule (module docstring), a box
-    per micro-batch and model chunk, the chunk's share (1/vpp) of its stage's time; ``overlapped``: the
-    exchanges cost the receiving box alone (autotuner.predict.schedule.overlaps_exchanges)."""
-    own = {(st.index, phase): getattr(st, phase) / lay.vpp for st in stages for phase in PHASES}
+    per micro-batch and model chunk, each taking its chunk's own time (:func:`chunk_times`);
+    ``overlapped``: the exchanges cost the receiving box alone (autotuner.predict.schedule.
+    overlaps_exchanges)."""
+    own = {
+        (st.index, phase, chunk): times[PHASES.index(phase)]
+        for st in stages
+        for chunk, times in enumerate(st.chunks)
+        for phase in PHASES
+    }
     return simulate(
-        lambda key: own[(key[0], key[1])], lay.pp, lay.vpp, lay.microbatches, exchange_s, overlapped
+        lambda key: own[(key[0], key[1], key[3])], lay.pp, lay.vpp, lay.microbatches, exchange_s, overlapped
     )
 
 
