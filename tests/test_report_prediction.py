@@ -286,3 +286,19 @@ def test_the_layout_line_names_every_setting(layout):
     assert line.endswith(f"({gpus} GPUs, {batches} micro-batches)") or (
         line.endswith("(1 GPU, 1 micro-batch)") and gpus == batches == 1
     )
+
+
+def test_the_timeline_caption_says_where_the_interleaved_exchanges_are_charged(tmp_path):
+    """Interleaved, each box is its model chunk's time; its exchanges cost both ends between CPU processes
+    and the receiving box alone on GPUs (autotuner.predict.schedule.overlaps_exchanges), as simulated."""
+    layout = Layout(seq_len=32, dtype="fp32", pp=2, vpp=2, global_batch_size=8)
+    cpu = predict(load_runs([make_run(tmp_path, base_rows(), "cpu")]), layout, CAL).to_json()
+    gpu_rows = [{**r, "device": "cuda"} for r in base_rows()]
+    gpu = predict(load_runs([make_run(tmp_path, gpu_rows, "gpu")]), layout, CAL).to_json()
+    said = {}
+    for name, rec in (("cpu", cpu), ("gpu", gpu)):
+        said[name] = " ".join(Page(write_prediction_page(rec, tmp_path / f"{name}.html").read_text()).text)
+        assert "Each box takes its own model chunk's time" in said[name]
+    assert cpu["step"]["exchange_overlapped"] is False and gpu["step"]["exchange_overlapped"] is True
+    assert "stage costs both ends" in said["cpu"] and "receiving box" not in said["cpu"]
+    assert "costs the receiving box (overlapped with compute)" in said["gpu"]

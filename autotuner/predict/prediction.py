@@ -172,6 +172,7 @@ class Prediction:
                 "bubble_fraction": s.bubble_fraction,
                 "slowest_stage": s.slowest_stage,
                 "exchange": s.exchange.to_json() if s.exchange else None,
+                "exchange_overlapped": s.exchange_overlapped,
                 "schedule": s.schedule.to_json(),
                 "dp_reduction": Figure(s.dp_reduction, "s", s.dp_source).to_json(),
                 "optimizer": Figure(s.optimizer, "s", s.optimizer_source).to_json(),

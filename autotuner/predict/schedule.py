@@ -6,7 +6,9 @@ or m (t_f + t_b)(1 + (p-1)/(v m)) interleaved; with no exchange cost and equal s
 ends exactly there (tested). Real stages are not equal: the first holds the embedding, the last the
 final norm, the output layer and the loss; the closed form paces every slot, the warm-up and cool-down
 too, at the slowest stage, and over-counts a pipeline whose other stages are faster (by one slowest
-stage's lead per stage at the ends). Each stage's boxes here take its own forward and backward.
+stage's lead per stage at the ends). Each stage's boxes here take its own forward and backward, and
+each model chunk's its own (autotuner.predict.timing.chunk_times: the embedding in the model's first
+chunk, the output layer in its last).
 
 **The order** each rank runs (:func:`rank_order`), as Megatron-Core's schedules do:
 

@@ -964,6 +964,7 @@ class StepTime:
     schedule: Schedule
     closed_form: float  # Narayanan et al.'s pipeline time, for comparison (module docstring)
     exchange: OpTime | None = None  # one pipeline exchange (pp_p2p); None at pp = 1
+    exchange_overlapped: bool = False  # charged to the receiving box alone (schedule.overlaps_exchanges)
 
     @property
     def total(self) -> float:
@@ -1015,7 +1016,9 @@ def step_time(
     tensors = tm.model.stage_tensors(lay.ep, stages[largest].layers, largest == 0, largest == lay.pp - 1)
     optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest], tensors)
     bubble = pipe / (lay.microbatches * pace) - 1 if pace > 0 else 0.0
-    return StepTime(pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula, sched, closed, exchange)
+    return StepTime(
+        pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula, sched, closed, exchange, overlapped
+    )
 
 
 def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[float, Source]:

@@ -575,9 +575,19 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         + ", in the order the rank runs it under 1F1B"
         + (" interleaved over virtual chunks" if sched.interleaved else "")
         + ": warm-up forwards, then one forward and one backward in turn, then the cool-down backwards. "
-        "Each box takes its own stage's time and starts when its rank is free and its input has "
-        "arrived; an exchange with a neighbour stage costs "
-        + ("the receiving box (overlapped with compute)" if sched.interleaved else "both ends")
+        + (
+            "Each box takes its own model chunk's time"
+            if sched.interleaved
+            else "Each box takes its own stage's time"
+        )
+        + " and starts when its rank is free and its input has arrived; an exchange with a neighbour stage "
+        "costs "
+        # prediction.json before session 27 had no exchange_overlapped: then interleaved meant overlapped
+        + (
+            "the receiving box (overlapped with compute)"
+            if step.get("exchange_overlapped", sched.interleaved)
+            else "both ends"
+        )
         + (f" {_t(step['exchange']['seconds'])} (pp_p2p)" if step.get("exchange") else "")
         + ". White gaps are the bubble: a stage waiting for its neighbour, and the exchanges. The pipeline "
         f"ends at {_t(sched.end)} ({step['formula']})."
