@@ -429,6 +429,12 @@ def render(pred: Prediction) -> str:
         )
     headers = ["stage", "layers", "forward/mb", "backward/mb", "f+b", "source", "dominant op"]
     out += [text_table(headers, lines, [True, True, True, True, True, False, False]), ""]
+    if lay.vpp > 1:  # the schedule's boxes: each chunk its own ops (autotuner.predict.timing.chunk_times)
+        chunks = "; ".join(
+            f"stage {st.index}: " + ", ".join(f"{_t(f)} / {_t(b)}" for f, b in st.chunks)
+            for st in pred.stages
+        )
+        out += [f"model chunks (forward / backward per micro-batch, chunk 0 first): {chunks}", ""]
     s = pred.step
     out += [
         f"step time        {_t(s.total)}  (upper bound: {OVERLAP})",
