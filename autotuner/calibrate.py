@@ -50,9 +50,9 @@ between the N processes instead (gloo between CPU processes, NCCL between GPUs, 
 bus bandwidth of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at a few sizes,
 the largest big enough to reach the plateau, and of the point-to-point exchange a pipeline stage makes
 (``send_recv``: each rank sends a buffer to the next and receives the previous one's into a buffer made
-for it, batched as Megatron's p2p communication does), and merges them into the calibration file (the ceilings
-already there are kept; without a file, rank 0 measures them first). See :func:`calibrate_collectives`.
-Between CPU processes it also times the Adam step on every rank at once
+for it, batched as Megatron's p2p communication does), and merges them into the calibration file (the
+ceilings already there are kept; without a file, rank 0 measures them first). See
+:func:`calibrate_collectives`. Between CPU processes it also times the Adam step on every rank at once
 (``adam_seconds_per_parameter_together``, per link): the processes of a CPU "layout" share one memory,
 and two 1-thread processes running Adam together each took 3.4-3.7 ns per parameter on this project's
 VM where one alone took 1.9 (GPUs each have their own memory: not timed there).

@@ -41,7 +41,7 @@ edge: on a machine whose own A/A spread exceeds the target, a median of a few ro
 nor fail it. Under each case and layout: the step's ratio had the rows been added up by their medians
 (the predictor before session 25, on the same rows and steps: the statistic's own share); on an
 interleaved layout, the same prediction with each model chunk 1/v of its stage's time (the predictor
-before session 27, which gives each chunk its own ops: autotuner.predict.timing.chunk_times); the ops
+before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the ops
 inside the forward-backward, each hooked op's predicted time per visit / its time inside the measured
 steps (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in
 its median step, and on a pipeline the hand-overs a stage waited for beside the predicted exchange, and
