@@ -200,6 +200,7 @@ def test_interleaved_bubble_and_recompute(tmp_path):
         assert sum(b for _, b in st.chunks) == pytest.approx(st.backward)
     sched = simulate(lambda key: own[(key[0], key[1], key[3])], 2, 2, 8, P2P)
     assert pred.step.pipeline == pytest.approx(sched.end)
+    assert "1F1B order simulated, each model chunk its own time" in pred.step.formula
     shown = next(line for line in render(pred).splitlines() if line.startswith("model chunks"))
     assert "stage 0: 1.10 ms / " in shown and "stage 1: 1.00 ms / 2.21 ms, 1.31 ms / 2.90 ms" in shown
     # the stage's time split evenly over its chunks (the predictor before session 27) ends elsewhere

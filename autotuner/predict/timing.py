@@ -1005,8 +1005,9 @@ def step_time(
     else:
         name = "m*t*(1+(p-1)/(v*m))" if lay.vpp > 1 else "(m+p-1)*t"
         charged = "to the receiver (overlapped)" if overlapped else "to both ends"
+        box = "model chunk" if lay.vpp > 1 else "stage"
         formula = (
-            f"Megatron's {'interleaved ' if lay.vpp > 1 else ''}1F1B order simulated, each stage its own "
+            f"Megatron's {'interleaved ' if lay.vpp > 1 else ''}1F1B order simulated, each {box} its own "
             f"time, {human_time(exchange.seconds * 1e6)} per exchange {charged} (Narayanan's {name} with t "
             f"of stage {slowest}: {human_time(closed * 1e6)})"
         )
