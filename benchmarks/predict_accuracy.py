@@ -69,7 +69,7 @@ from autotuner.measure.timer import median_ci
 from autotuner.ops.naming import PHASES
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
-from autotuner.predict.schedule import overlaps_exchanges, simulate
+from autotuner.predict.schedule import simulate
 from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK
@@ -347,9 +347,13 @@ def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
         for st in pred.stages
         for phase in PHASES
     }
-    overlapped = overlaps_exchanges(lay.vpp, "cpu")  # the benchmark's steps run on the CPU
     sched = simulate(
-        lambda key: own[key[:2]], lay.pp, lay.vpp, lay.microbatches, step.schedule.exchange_s, overlapped
+        lambda key: own[key[:2]],
+        lay.pp,
+        lay.vpp,
+        lay.microbatches,
+        step.schedule.exchange_s,
+        step.exchange_overlapped,
     )
     return sched.end + step.dp_reduction + step.optimizer
 

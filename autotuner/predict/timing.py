@@ -786,11 +786,11 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
 
 
-def host_work(tm: TimeModel, phase: str, layers: int, chunks: int = 1) -> OpTime | None:
-    """The host work outside the ops of one micro-batch's ``phase`` on a stage of ``layers`` layers in
-    ``chunks`` model chunks, each its own forward and backward step of the schedule and its own GPTModel
-    forward (module docstring); None on a GPU, and on a CPU without it in the calibration (said in a
-    warning)."""
+def host_work(tm: TimeModel, phase: str, layers: int) -> OpTime | None:
+    """The host work outside the ops of one micro-batch's ``phase`` on a stage of ``layers`` layers in the
+    layout's vpp model chunks, each its own forward and backward step of the schedule and its own
+    GPTModel forward (module docstring); None on a GPU, and on a CPU without it in the calibration (said
+    in a warning)."""
     if tm.meas.devices != {"cpu"}:
         return None
     timed = tm.calibration.get(HOST_WORK)
@@ -801,7 +801,7 @@ def host_work(tm: TimeModel, phase: str, layers: int, chunks: int = 1) -> OpTime
             "python -m autotuner.calibrate times it"
         )
         return None
-    base, per_layer = timed[phase], timed[f"{phase}_per_layer"]
+    base, per_layer, chunks = timed[phase], timed[f"{phase}_per_layer"], tm.layout.vpp
     seconds = base * chunks + per_layer * layers
     per_chunk = f" per model chunk x {chunks}" if chunks > 1 else ""
     detail = (
@@ -868,7 +868,7 @@ def stage_times(
                     )
                 )
         for phase in PHASES:
-            work = host_work(tm, phase, per_stage, lay.vpp)
+            work = host_work(tm, phase, per_stage)
             if work is not None:
                 items.append(("host_work", phase, work, 1))
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
@@ -884,13 +884,12 @@ def stage_times(
             )
         forward = sum(t.seconds * c for _, p, t, c in items if p == "forward")
         backward = sum(t.seconds * c for _, p, t, c in items if p == "backward")
-        # the parameters outside the layers (the embedding's, the final norm's and the output layer's)
-        outside = (
-            stage_params[index] - per_stage * model.layer_params_on_rank(lay.tp, lay.ep)
-            if stage_params
-            else 0
-        )
-        chunks = chunk_times(items, index, lay, max(outside, 0) / stage_params[index] if outside else 0.0)
+        # the stage's parameters outside its layers: the embedding's, the final norm's, the output layer's
+        outside = 0.0
+        if stage_params and stage_params[index] > 0:
+            layers_params = per_stage * model.layer_params_on_rank(lay.tp, lay.ep)
+            outside = max(0.0, 1 - layers_params / stage_params[index])
+        chunks = chunk_times(items, index, lay, outside)
         stages.append(
             StageTime(index, per_stage, forward, backward, tuple(items), _dominant(tm, items), chunks)
         )
@@ -919,17 +918,16 @@ def chunk_times(
     edge = 0 if stage == 0 else v - 1  # the chunk holding what lies outside the layers, if any
     times = [[0.0, 0.0] for _ in range(v)]
     for name, phase, t, count in items:
-        op = name.split(":", 1)[-1]
-        seconds = t.seconds * count
-        if op in FIRST_CHUNK_OPS or op in LAST_CHUNK_OPS:
-            shares = [1.0 if c == (0 if op in FIRST_CHUNK_OPS else v - 1) else 0.0 for c in range(v)]
-        elif name == "grad_accumulation":
-            rest = (1 - extras_share) / v
-            shares = [rest + (extras_share if c == edge else 0.0) for c in range(v)]
-        else:
-            shares = [1 / v] * v
-        for c, share in enumerate(shares):
-            times[c][PHASES.index(phase)] += seconds * share
+        op, column, seconds = name.split(":", 1)[-1], PHASES.index(phase), t.seconds * count
+        if op in FIRST_CHUNK_OPS:
+            times[0][column] += seconds
+        elif op in LAST_CHUNK_OPS:
+            times[-1][column] += seconds
+        else:  # spread with the layers; the accumulation's share outside them to the edge chunk
+            own = extras_share if name == "grad_accumulation" else 0.0
+            for chunk in times:
+                chunk[column] += seconds * (1 - own) / v
+            times[edge][column] += seconds * own
     return tuple((f, b) for f, b in times)
 
 
