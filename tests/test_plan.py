@@ -37,8 +37,37 @@ def _overrides(argv: list[str]) -> list[str]:
 
 def test_a_run_directory_holds_its_point_with_its_settings(measured_run):
     assert measured([measured_run]) == {
-        Need("tiny", 16, 1, tp=1, ep=1, sequence_parallel=False, dtype="fp32")
+        Need("tiny", 16, 1, tp=1, ep=1, sequence_parallel=False, dtype="fp32", processes=1)
     }
+
+
+def test_a_cpu_need_is_held_and_profiled_beside_its_layouts_processes(measured_run):
+    """On a CPU a layout's ops run beside its other processes (autotuner.predict.prediction): a need
+    names their count, only a run of that many processes holds it, and its run starts that many (a
+    multiple of tp and ep); a GPU need (0) is held by any and runs on the fewest that fit."""
+    pp2 = Layout(seq_len=16, micro_batch_size=1, global_batch_size=8, dtype="fp32", pp=2)
+    (cpu_need,) = needs_of("tiny", [pp2], cpu=True)
+    assert cpu_need.processes == 2 and "in 2 processes" in cpu_need.describe()
+    (gpu_need,) = needs_of("tiny", [pp2])
+    assert gpu_need.processes == 0
+    on_cpu = plan([cpu_need], [measured_run], extra=["device=cpu"])  # measured in one process
+    assert on_cpu.already == () and on_cpu.commands()[0][:3] == [
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node=2",
+    ]
+    assert "tf.tensor_model_parallel_size=2" not in on_cpu.commands()[0]
+    assert plan([gpu_need], [measured_run]).already == (gpu_need,)
+    assert plan([Need("tiny", 16, 1, tp=2, ep=1)]).runs[0].nproc == 2
+    assert plan([Need("tiny_moe", 16, 1, tp=2, ep=4, processes=8)]).runs[0].nproc == 8
+    assert plan([Need("tiny", 16, 1, processes=4), Need("tiny", 16, 1, processes=2)]).runs[0].nproc == 2
+    # the run that plan writes holds the need once it has run: its environment records 2 processes
+    env = json.loads((measured_run / "environment.json").read_text())
+    two = measured_run.parent / "two_processes"
+    two.mkdir()
+    (two / "results.jsonl").write_text((measured_run / "results.jsonl").read_text())
+    (two / "environment.json").write_text(json.dumps({**env, "world_size": 2}))
+    assert plan([cpu_need], [two]).already == (cpu_need,)
 
 
 def test_the_plan_omits_what_is_measured_and_its_commands_compose(measured_run):

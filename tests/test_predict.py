@@ -151,7 +151,9 @@ def test_a_visit_adds_its_rows_fenced_mean_else_its_median(tmp_path):
 def test_cpu_rows_profiled_in_fewer_processes_than_the_layout_runs_are_named(tmp_path):
     """A CPU layout's processes share one host: rows profiled in fewer processes than it runs (a pipeline's
     stages profiled alone) read fast, and the prediction says so with the command that profiles them
-    beside each other; rows profiled in as many, or on a GPU, say nothing."""
+    beside each other; rows profiled in as many, or on a GPU, say nothing. Given both, the rows profiled
+    beside as many processes as the layout runs are the ones it takes, whichever run came last; the
+    profiling plan's command for a missing point starts that many processes."""
     pp2 = Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32")
     alone = make_run(tmp_path, base_rows(), "alone")
     said = [w for w in predict(load_runs([alone]), pp2, CAL).warnings if "process" in w]
@@ -162,14 +164,33 @@ def test_cpu_rows_profiled_in_fewer_processes_than_the_layout_runs_are_named(tmp
     ]
     one = Layout(seq_len=32, global_batch_size=8, dtype="fp32")
     assert not any("process" in w for w in predict(load_runs([alone]), one, CAL).warnings)
-    beside = make_run(tmp_path, base_rows(), "beside")
+    slower = [{**r, "median_us": r["median_us"] * 1.2} for r in base_rows()]  # beside another process
+    beside = make_run(tmp_path, slower, "beside")
     env = json.loads((beside / "environment.json").read_text())
     (beside / "environment.json").write_text(json.dumps({**env, "world_size": 2}))
     assert not any("process" in w for w in predict(load_runs([beside]), pp2, CAL).warnings)
-    # one run of each: the fewer processes decide
-    assert any("profiled in 1 process" in w for w in predict(load_runs([beside, alone]), pp2, CAL).warnings)
+    assert [w for w in predict(load_runs([beside]), one, CAL).warnings if "process" in w] == [
+        "the CPU rows were profiled in 2 processes, and this layout runs 1 on one host, which share its "
+        "memory and caches: its ops run faster than those rows (python -m autotuner.main ... profiles them "
+        "alone)"
+    ]
+    # one run of each, in either order: each layout takes the rows profiled beside its own processes
+    for order in ([beside, alone], [alone, beside]):
+        runs = load_runs(order)
+        for layout, factor in ((pp2, 1.2), (one, 1.0)):
+            pred = predict(runs, layout, CAL)
+            layer = pred.stages[0].items[0][2]
+            assert layer.seconds == pytest.approx(1000 * US * factor)
+            assert not any("process" in w for w in pred.warnings)
     gpu = make_run(tmp_path, [{**r, "device": "cuda"} for r in base_rows()], "gpu")
     assert not any("process" in w for w in predict(load_runs([gpu]), pp2, CAL).warnings)
+    # a point nobody measured: on a CPU the command profiles it beside the layout's 2 processes, though
+    # tp=1 alone would fit one; on a GPU, one process
+    at_s64 = Layout(seq_len=64, pp=2, global_batch_size=8, dtype="fp32")
+    command = predict(load_runs([alone]), at_s64, CAL).missing[0]["command"]
+    assert command.startswith("torchrun --standalone --nproc-per-node=2 -m autotuner.main case=synthetic")
+    assert "tensor_model_parallel_size" not in command and "shapes.seq_len=[64]" in command
+    assert predict(load_runs([gpu]), at_s64, CAL).missing[0]["command"].startswith("python -m autotuner.main")
 
 
 def test_interleaved_bubble_and_recompute(tmp_path):
@@ -456,7 +477,7 @@ def test_rows_timed_after_a_pause_never_stand_in_for_back_to_back_ones(tmp_path)
     assert any(
         m["command"] and "s32_b1" in f"s{m['seq_len']}_b{m['micro_batch_size']}" for m in alone.missing
     )
-    assert measured([tmp_path / "plain"]) == {Need("synthetic", 32, 1, 1, 1, False, "fp32")}
+    assert measured([tmp_path / "plain"]) == {Need("synthetic", 32, 1, 1, 1, False, "fp32", processes=1)}
     assert measured([tmp_path / "alone"]) == set()
 
 

@@ -259,13 +259,24 @@ class Missing:
         }
 
 
+def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> tuple[bool, bool]:
+    """How a row fits what ``Measurements`` asks for, in the order it weighs them (tuples compare so):
+    its cache mode, then the processes it was profiled in; True where nothing is asked."""
+    return (
+        cold is None or bool(row.get("cache_flush")) == cold,
+        processes is None or row.get("run_processes") == processes,
+    )
+
+
 class Measurements:
     """The usable rows of one or more runs, indexed by (op, phase, seq_len, micro_batch_size, tp), in one
     dtype. Under torchrun the ``rank="max"`` row stands for the op (the slowest rank); otherwise the
     single process's row. With ``ep``, rows of the ops expert parallelism changes
     (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A row measured with the
     cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured the other way;
-    otherwise later runs' rows replace earlier ones at the same key. Rows timed after a pause
+    then one profiled in ``processes`` processes (``run_processes``; None: any), as a CPU layout's ops
+    run beside that many (autotuner.predict.prediction), over one profiled in another count; otherwise
+    later runs' rows replace earlier ones at the same key. Rows timed after a pause
     (``idle_before_ms`` above 0) are left out: they time another condition than a step's back-to-back
     ops, not another sample of the same."""
 
@@ -275,6 +286,7 @@ class Measurements:
         dtype: str,
         cold: bool | None = None,
         ep: int | None = None,
+        processes: int | None = None,
     ):
         self.dtype = dtype
         self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
@@ -302,11 +314,11 @@ class Measurements:
                 int(row.get("tensor_parallel") or 1),
             )
             held = self.index.get(key)
-            if held is not None and cold is not None:
-                held_fits, fits = (bool(r.get("cache_flush")) == cold for r in (held, row))
-                if held_fits != fits:
-                    if held_fits:
-                        continue  # the cache mode asked for stands, whatever came later
+            if held is not None:
+                had, has = (_fits(r, cold, processes) for r in (held, row))
+                if had > has:
+                    continue  # what was asked for stands, whatever came later
+                if has > had:
                     held = None
             if held is not None and held.get("rank") == "max" and row.get("rank") != "max":
                 continue  # the cross-rank row stands for the op, not one rank's

@@ -15,10 +15,13 @@ change how the rows are combined, not the rows, so many layouts share a need. Th
 3. writes each run as a command (:meth:`Run.argv`), with the cache mode the step runs its ops in
    (``timing.flush_cache``, cold by default: autotuner.predict.timing.cache_plan):
    ``python -m autotuner.main`` for one process,
-   ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. N is the least number
-   of processes the run's parallel sizes fit: the least common multiple of tp and ep (the profiler
-   gives expert-parallel runs an expert-tensor-parallel size of 1, so tp and ep each need only divide
-   the world: autotuner.runner.spec);
+   ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. On a GPU N is the least
+   number of processes the run's parallel sizes fit: the least common multiple of tp and ep (the
+   profiler gives expert-parallel runs an expert-tensor-parallel size of 1, so tp and ep each need
+   only divide the world: autotuner.runner.spec). On a CPU the layout's processes share one host's
+   memory and caches and its ops run as fast as rows profiled beside as many processes
+   (autotuner.predict.prediction), so a CPU need names that count (``Need.processes``), N is it, and
+   only a run of that many processes holds the need;
 4. and as SLURM job arrays over ``scripts/slurm/sweep_array.sbatch`` (:meth:`Plan.slurm`): one array per
    process count (an array's tasks share one resource request), its tasks listed one per line in a
    task file (``SWEEP_FILE``: a task's overrides, separated by spaces).
@@ -57,6 +60,9 @@ class Need:
     ep: int = 1
     sequence_parallel: bool = False
     dtype: str | None = None
+    # on a CPU, the processes the rows are profiled beside (the layout's count; module docstring); 0 on
+    # a GPU, whose ranks each have their own device: the least count the parallel sizes fit
+    processes: int = 0
 
     @property
     def point(self) -> str:
@@ -65,7 +71,8 @@ class Need:
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
-        return f"{self.case} {self.point} tp={self.tp} ep={self.ep}{sp} {self.dtype or 'any dtype'}"
+        beside = f" in {self.processes} processes" if self.processes else ""
+        return f"{self.case} {self.point} tp={self.tp} ep={self.ep}{sp} {self.dtype or 'any dtype'}{beside}"
 
     def sort_key(self) -> tuple[Any, ...]:
         """Needs in a stable order (a dtype of None sorts first, as "")."""
@@ -75,16 +82,32 @@ class Need:
             self.ep,
             self.sequence_parallel,
             self.dtype or "",
+            self.processes,
             self.seq_len,
             self.micro_batch_size,
         )
 
+    @property
+    def nproc(self) -> int:
+        """The processes a run that measures it starts (module docstring)."""
+        return math.lcm(self.tp, self.ep, self.processes or 1)
 
-def needs_of(case: str, layouts: Iterable[Layout]) -> list[Need]:
-    """The distinct needs of ``layouts`` of ``case``, sorted."""
+
+def needs_of(case: str, layouts: Iterable[Layout], cpu: bool = False) -> list[Need]:
+    """The distinct needs of ``layouts`` of ``case``, sorted (``cpu``: each profiled beside its layout's
+    processes)."""
     return sorted(
         {
-            Need(case, lay.seq_len, lay.micro_batch_size, lay.tp, lay.ep, lay.sequence_parallel, lay.dtype)
+            Need(
+                case,
+                lay.seq_len,
+                lay.micro_batch_size,
+                lay.tp,
+                lay.ep,
+                lay.sequence_parallel,
+                lay.dtype,
+                lay.gpus if cpu else 0,
+            )
             for lay in layouts
         },
         key=Need.sort_key,
@@ -101,7 +124,8 @@ def _rows_files(run_dir: Path) -> list[Path]:
 def measured(run_dirs: Iterable[str | Path]) -> set[Need]:
     """The needs the run directories hold: each point with ``ok`` rows (in every rank's file, for a run
     that has only those), under the run's case, dtype, tp, ep and sequence parallelism as its
-    ``environment.json`` records them (else as its rows say: ``tensor_parallel``, ``expert_parallel``).
+    ``environment.json`` records them (else as its rows say: ``tensor_parallel``, ``expert_parallel``),
+    and for CPU rows the processes they were profiled in (``world_size``, else the rank files).
     UserError (one line) for a directory without rows."""
     found: set[Need] = set()
     for run_dir in map(Path, run_dirs):
@@ -138,8 +162,14 @@ def measured(run_dirs: Iterable[str | Path]) -> set[Need]:
         tp = int(tf.get("tensor_model_parallel_size") or _row_value(rows, "tensor_parallel"))
         ep = int(tf.get("expert_model_parallel_size") or _row_value(rows, "expert_parallel"))
         sp = bool(tf.get("sequence_parallel", False))
+        on_cpu = {r.get("device") for r in rows if r.get("status") == "ok"} == {"cpu"}
+        processes = int(record.get("world_size") or len(files)) if on_cpu else 0
         for case, seq_len, mbs, dtype in points:
-            found.add(Need(record.get("case", case), seq_len, mbs, tp, ep, sp, record.get("dtype", dtype)))
+            found.add(
+                Need(
+                    record.get("case", case), seq_len, mbs, tp, ep, sp, record.get("dtype", dtype), processes
+                )
+            )
     return found
 
 
@@ -154,6 +184,7 @@ def _holds(have: set[Need], need: Need) -> bool:
         (h.case, h.seq_len, h.micro_batch_size, h.tp, h.ep, h.sequence_parallel)
         == (need.case, need.seq_len, need.micro_batch_size, need.tp, need.ep, need.sequence_parallel)
         and (need.dtype is None or h.dtype == need.dtype)
+        and need.processes in (0, h.processes)
         for h in have
     )
 
@@ -276,10 +307,10 @@ def plan(
     groups: dict[tuple[Any, ...], dict[int, set[int]]] = {}
     for need in needs:
         if need not in already:
-            key = (need.case, need.tp, need.ep, need.sequence_parallel, need.dtype or "")
+            key = (need.case, need.tp, need.ep, need.sequence_parallel, need.dtype or "", need.processes)
             groups.setdefault(key, {}).setdefault(need.seq_len, set()).add(need.micro_batch_size)
     runs = []
-    for (case, tp, ep, sp, dtype), by_seq in sorted(groups.items()):
+    for (case, tp, ep, sp, dtype, processes), by_seq in sorted(groups.items()):
         by_batches: dict[tuple[int, ...], list[int]] = {}
         for seq_len, batches in sorted(by_seq.items()):
             by_batches.setdefault(tuple(sorted(batches)), []).append(seq_len)
@@ -294,6 +325,8 @@ def plan(
             overrides += ["tf.sequence_parallel=true"] if sp else []
             overrides += [f"dtype={dtype}"] if dtype else []
             overrides += [f"shapes.seq_len={_list(seq_lens)}", f"shapes.micro_batch_size={_list(batches)}"]
-            covered = tuple(Need(case, s, b, tp, ep, sp, dtype or None) for s in seq_lens for b in batches)
-            runs.append(Run(tuple([*overrides, *extra]), math.lcm(tp, ep), covered, flush_cache))
+            covered = tuple(
+                Need(case, s, b, tp, ep, sp, dtype or None, processes) for s in seq_lens for b in batches
+            )
+            runs.append(Run(tuple([*overrides, *extra]), covered[0].nproc, covered, flush_cache))
     return Plan(tuple(runs), already)

@@ -197,10 +197,13 @@ def _memory(
     return [stage_memory(meas, model, layout, i, attention, without_ep) for i in range(layout.pp)]
 
 
-def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing], cold: bool = True) -> Plan:
+def profiling_plan(
+    model: ModelShape, layout: Layout, items: Sequence[Missing], cold: bool = True, cpu: bool = False
+) -> Plan:
     """The profiling runs (autotuner.predict.plan) that would measure every figure not measured at the
     layout's point and TP: one need per (point, tp), in the layout's dtype, with the caches ``cold`` or
-    warm as the step runs its ops (autotuner.predict.timing.cache_plan)."""
+    warm as the step runs its ops (autotuner.predict.timing.cache_plan); on a ``cpu``, beside as many
+    processes as the layout runs (:func:`_processes_note`)."""
     needs = {
         Need(
             model.case,
@@ -210,6 +213,7 @@ def profiling_plan(model: ModelShape, layout: Layout, items: Sequence[Missing], 
             layout.ep,
             layout.sequence_parallel and m.tp > 1,
             layout.dtype,
+            layout.gpus if cpu else 0,
         )
         for m in items
     }
@@ -273,22 +277,37 @@ def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_
     return best
 
 
-def _processes_note(runs: Runs, layout: Layout) -> list[str]:
+def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     """A CPU layout's processes share one host's memory and caches, so its ops run as fast as rows
-    profiled beside as many processes, not faster rows profiled in fewer; a GPU's ranks each have their own
+    profiled beside as many processes (which the rows chosen prefer: ``Measurements``' ``processes``),
+    not as rows profiled in fewer, which read fast, nor in more; a GPU's ranks each have their own
     device. The pipeline's stages too: on this project's CPU the llama-shaped PP2's layer rows read
     0.85-1.00 of their time inside the steps profiled in one process, 1.01-1.11 in two
     (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
-    profiled = {r["run_processes"] for r in runs.rows if r.get("status") == "ok" and r.get("device") == "cpu"}
-    fewest = min(profiled, default=layout.gpus)
-    if fewest >= layout.gpus:
+    used = {
+        r.get("run_processes") for tm in models for r in tm.meas.index.values() if r.get("device") == "cpu"
+    }
+    other = sorted(n for n in used if n and n != layout.gpus)
+    if not other:
         return []
+    counts = " and ".join(map(str, other))
+    mode = "slower" if max(other) < layout.gpus else "faster" if min(other) > layout.gpus else "otherwise"
+    command = (
+        "python -m autotuner.main ... profiles them alone"
+        if layout.gpus == 1
+        else f"torchrun --standalone --nproc-per-node={layout.gpus} -m autotuner.main ... profiles them "
+        "beside each other"
+    )
     return [
-        f"the CPU rows were profiled in {fewest} process{'es' if fewest > 1 else ''}, and this layout runs "
-        f"{layout.gpus} on one host, which share its memory and caches: its ops run slower than those rows "
-        f"(torchrun --standalone --nproc-per-node={layout.gpus} -m autotuner.main ... profiles them beside "
-        "each other)"
+        f"the CPU rows were profiled in {counts} process{'es' if other != [1] else ''}, and this layout runs "
+        f"{layout.gpus} on one host, which share its memory and caches: its ops run {mode} than those rows "
+        f"({command})"
     ]
+
+
+def _on_cpu(runs: Runs) -> bool:
+    """Whether the runs' rows were measured on a CPU (their processes shared one host)."""
+    return {r.get("device") for r in runs.rows if r.get("status") == "ok"} == {"cpu"}
 
 
 def predict(
@@ -306,11 +325,17 @@ def predict(
         activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
         warm, wants_warm, wants_cold, why = cache_plan(sweeps, calibration)
+        cpu = _on_cpu(runs)
+        processes = layout.gpus if cpu else None  # on a CPU, rows profiled beside as many win
 
         def time_model(cold: bool) -> TimeModel:
             """The rows of one cache mode preferred (the other's stand in, with a warning)."""
-            meas = Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep)
-            ep1 = Measurements(runs.rows, layout.dtype, cold=cold, ep=1) if layout.ep > 1 else None
+            meas = Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep, processes=processes)
+            ep1 = (
+                Measurements(runs.rows, layout.dtype, cold=cold, ep=1, processes=processes)
+                if layout.ep > 1
+                else None
+            )
             tm = TimeModel(meas, model, layout, calibration, without_ep=ep1)
             tm.set_cache_mode(cold, why)
             return tm
@@ -328,10 +353,10 @@ def predict(
     others = [str(w.message) for w in caught if not isinstance(w.message, LinkWarning)]
     notes = list(dict.fromkeys([*(w for t in models for w in t.warnings), *others, *cache]))
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
-    profile = profiling_plan(model, layout, missing_items, cold)
+    profile = profiling_plan(model, layout, missing_items, cold, cpu)
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
-        profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False))
-    notes += _processes_note(runs, layout)
+        profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
+    notes += _processes_note(models, layout)
     if not meas.index:
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "
