@@ -34,8 +34,16 @@ as the get_data launcher:
   hooks that time the ops inside the validated steps (autotuner.predict.in_step), on a minimal GPTModel
   (hidden 32) at one and four layers, whose ops take microseconds: on this project's VM 0.14 ms a
   micro-batch of it is the schedule alone (around a one-Linear model), and a tiny step (two layers)
-  spent about 0.8-1 ms a micro-batch outside its ops, the llama-shaped one (four) 1.4-1.5 ms. On a GPU
-  the host queues kernels ahead of the device, so the predictor does not add it there;
+  spent about 0.8-1 ms a micro-batch outside its ops, the llama-shaped one (four) 1.4-1.5 ms. Timed
+  twice: as it runs, and with the last-level cache flushed inside every layer's forward and backward
+  (``host_work_seconds_per_microbatch_flushed``), as a model whose ops sweep more than that cache
+  leaves it: the interpreter's, the allocator's and autograd's data live in the L3 and come back from
+  memory. On this project's VM (session 28, one process) the minimal model at four layers took 0.18 ms
+  forward and 0.29 backward a micro-batch, 0.18 / 0.26 with a 2 MiB flush (the L2's size), 0.22 / 0.39
+  with 8 MiB, 0.40 / 0.74 with 32 MiB (the L3's); the llama-shaped model's own steps (four layers,
+  about 50 MB of weights, gradients and activations a micro-batch) 0.37 / 0.73, tiny's (two layers,
+  about 3 MB) 0.16 / 0.28. On a GPU the host queues kernels ahead of the device, so the predictor does
+  not add it there;
 * on a CPU, from the same steps, what an Adam step inside a training step takes beyond the back-to-back
   rates above, once a step (``adam_seconds_per_step_in_training``: :func:`adam_in_step`). A step's Adam
   follows its backward, which ran other code on other data; timed back to back, Adam's calls find their
@@ -101,6 +109,7 @@ from autotuner.results.calibration import (
     COLLECTIVES,
     GRAD_ACCUMULATION,
     HOST_WORK,
+    HOST_WORK_FLUSHED,
     LINK_KEYS,
     bus_factor,
     default_path,
@@ -193,9 +202,11 @@ HOST_WORK_DEPTHS = (1, 4)
 HOST_WORK_STEPS = {"seq_len": 32, "micro_batch_size": 1, "global_batch_size": 4, "dtype": "fp32"}
 
 
-def minimal_model_steps() -> list[tuple[int, Any]]:
+def minimal_model_steps(flush_in_layers: bool = False) -> list[tuple[int, Any]]:
     """[(layers, StepMeasurement)]: the minimal GPTModel's real steps at each of HOST_WORK_DEPTHS, each
-    run in a fresh process (Megatron is imported there, not here), one intra-op thread."""
+    run in a fresh process (Megatron is imported there, not here), one intra-op thread; with
+    ``flush_in_layers`` the last-level cache flushed inside every layer's forward and backward
+    (autotuner.predict.steps.flush_inside_layers)."""
     import tempfile
 
     from autotuner.predict.layout import Layout
@@ -207,7 +218,17 @@ def minimal_model_steps() -> list[tuple[int, Any]]:
         overrides = [*HOST_WORK_MODEL, f"hf.num_hidden_layers={depth}", "device=cpu", "timing.threads=1"]
         with tempfile.TemporaryDirectory(prefix="autotuner-host-work-") as folder:
             measured.append(
-                (depth, run_steps("tiny", overrides, layout, Path(folder) / "steps.json", repeats=9))
+                (
+                    depth,
+                    run_steps(
+                        "tiny",
+                        overrides,
+                        layout,
+                        Path(folder) / "steps.json",
+                        repeats=9,
+                        flush_in_layers=flush_in_layers,
+                    ),
+                )
             )
     return measured
 
@@ -486,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu":
         steps = minimal_model_steps()
         result[HOST_WORK] = host_work(steps)
+        result[HOST_WORK_FLUSHED] = host_work(minimal_model_steps(flush_in_layers=True))
         result[ADAM_IN_STEP] = adam_in_step(steps, result)
     out = Path(args.out) if args.out else default_path(device.type, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -497,12 +519,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Adam step     {result[ADAM_PER_TENSOR] * 1e6:10.3f} us per tensor")
     for dtype, rate in result[GRAD_ACCUMULATION].items():
         print(f"grad += {dtype:5} {rate * 1e12:10.3f} ps per parameter (into fp32)")
-    if HOST_WORK in result:
-        work = {key: seconds * 1e3 for key, seconds in result[HOST_WORK].items()}
-        print(
-            f"host work     {work['forward']:10.3f} + {work['forward_per_layer']:.3f} per layer forward, "
-            f"{work['backward']:.3f} + {work['backward_per_layer']:.3f} backward, ms per micro-batch"
-        )
+    for key, caches in ((HOST_WORK, ""), (HOST_WORK_FLUSHED, " (the caches flushed inside each layer)")):
+        if key in result:
+            work = {part: seconds * 1e3 for part, seconds in result[key].items()}
+            print(
+                f"host work     {work['forward']:10.3f} + {work['forward_per_layer']:.3f} per layer forward, "
+                f"{work['backward']:.3f} + {work['backward_per_layer']:.3f} backward, ms per micro-batch"
+                + caches
+            )
     if ADAM_IN_STEP in result:
         print(f"Adam step     {result[ADAM_IN_STEP] * 1e6:10.3f} us more a step inside training steps")
     for key in ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned"):

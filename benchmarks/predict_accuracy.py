@@ -334,6 +334,10 @@ class Round(NamedTuple):
     # an interleaved layout's step from the same rows with each model chunk 1/v of its stage and the host
     # work's stage part once per stage, as the predictor placed them before session 27 (None: no vpp)
     even_chunks_predicted_s: float | None = None
+    # per rank: (its pipeline stage, the predicted host work of a micro-batch's forward, the measured one:
+    # the model forwards' spans less the ops inside them, autotuner.predict.in_step.host_work_s), s; the
+    # backward's part is not beside it: on a pipeline it holds the waits for the other stage
+    host_forward: tuple[tuple[int, float, float], ...] = ()
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
@@ -402,6 +406,28 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         medians_predicted_s=medians_predicted,
         alone_predicted_s=alone_predicted,
         even_chunks_predicted_s=even_chunks,
+        host_forward=forward_host_work(pred, checked),
+    )
+
+
+def forward_host_work(pred: Any, checked: Any) -> tuple[tuple[int, float, float], ...]:
+    """:attr:`Round.host_forward` of a round's prediction and its validated steps (none on a GPU)."""
+    from autotuner.predict.in_step import host_work_s
+
+    predicted = {
+        st.index: sum(
+            t.seconds for name, phase, t, _ in st.items if name == "host_work" and phase == "forward"
+        )
+        for st in pred.stages
+    }
+    return tuple(
+        (
+            r.pp_rank,
+            predicted[r.pp_rank],
+            host_work_s(r.visits, r.forward_backward_s, pred.layout.microbatches)[0],
+        )
+        for r in checked.timeline
+        if predicted.get(r.pp_rank)
     )
 
 
@@ -548,6 +574,19 @@ def main() -> int:
                             f"rank {rank} {statistics.median(g for g, _ in v) * 1e3:.3g} of "
                             f"{statistics.median(f for _, f in v) * 1e3:.3g}"
                             for rank, v in sorted(between.items())
+                        )
+                    )
+                hosts: dict[int, list[tuple[float, float]]] = {}
+                for r in results:
+                    for stage, predicted, measured in r.host_forward:
+                        hosts.setdefault(stage, []).append((predicted, measured))
+                if hosts:
+                    print(
+                        f"{'':21} host work of a micro-batch's forward (ms, predicted / measured, medians): "
+                        + ", ".join(
+                            f"stage {stage} {statistics.median(p for p, _ in v) * 1e3:.3g} / "
+                            f"{statistics.median(m for _, m in v) * 1e3:.3g}"
+                            for stage, v in sorted(hosts.items())
                         )
                     )
                 handed = [s for r in results for s in r.handovers]

@@ -321,8 +321,15 @@ def test_host_work_outside_the_ops_per_micro_batch_on_a_cpu(tmp_path):
     stage's forward and backward; without it a warning names the command; on a GPU it is not added."""
     layout = Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32")
     work = {"forward": 1e-4, "forward_per_layer": 2e-5, "backward": 3e-4, "backward_per_layer": 4e-5}
-    cal = {**CAL, "host_work_seconds_per_microbatch": work}
-    bare = predict(load_runs([make_run(tmp_path, base_rows())]), layout, CAL)
+    # a cache the stages' ops fit in: the host work as timed warm
+    cal = {
+        **CAL,
+        "host_work_seconds_per_microbatch": work,
+        "warm_cache_bytes": 2**20,
+        "shared_cache_bytes": 2**30,
+    }
+    cal_without_work = {k: v for k, v in cal.items() if k != "host_work_seconds_per_microbatch"}
+    bare = predict(load_runs([make_run(tmp_path, base_rows())]), layout, cal_without_work)
     assert "host_work" not in [n for st in bare.stages for n, *_ in st.items]
     assert any("host work outside its ops" in w and "autotuner.calibrate" in w for w in bare.warnings)
     pred = predict(load_runs([make_run(tmp_path, base_rows(), "timed", cal)]), layout, cal)
@@ -338,7 +345,7 @@ def test_host_work_outside_the_ops_per_micro_batch_on_a_cpu(tmp_path):
     # interleaved: each model chunk runs its own forward and backward step and GPTModel forward, so the
     # stage's part is paid per chunk (2 here, one layer each), the part per layer per layer
     inter = Layout(seq_len=32, pp=2, vpp=2, global_batch_size=8, dtype="fp32")
-    bare_inter = predict(load_runs([make_run(tmp_path, base_rows(), "bare_inter")]), inter, CAL)
+    bare_inter = predict(load_runs([make_run(tmp_path, base_rows(), "bare_inter")]), inter, cal_without_work)
     timed_inter = predict(load_runs([make_run(tmp_path, base_rows(), "timed_inter", cal)]), inter, cal)
     for bare_stage, stage in zip(bare_inter.stages, timed_inter.stages, strict=True):
         assert stage.forward == pytest.approx(bare_stage.forward + 2 * 1e-4 + 2 * 2e-5)
@@ -349,6 +356,52 @@ def test_host_work_outside_the_ops_per_micro_batch_on_a_cpu(tmp_path):
     on_gpu = predict(load_runs([make_run(tmp_path, gpu_rows, "gpu", cal)]), layout, cal)
     assert "host_work" not in [n for st in on_gpu.stages for n, *_ in st.items]
     assert not any("host work" in w for w in on_gpu.warnings)
+
+
+def test_host_work_timed_flushed_where_the_stage_sweeps_the_shared_cache(tmp_path):
+    """A stage whose ops touch more bytes a micro-batch than the shared cache holds (in all the processes
+    that share the host, on a CPU) takes the host work the calibration timed with the caches flushed
+    inside each layer; one whose ops fit, the warm one; a calibration without the flushed figure keeps
+    the warm one and says it under-counts; without cache sizes the stage is assumed to sweep them."""
+    warm = {"forward": 1e-4, "forward_per_layer": 2e-5, "backward": 3e-4, "backward_per_layer": 4e-5}
+    flushed = {k: 3 * v for k, v in warm.items()}
+    one, dp2 = (Layout(seq_len=32, dp=dp, global_batch_size=dp, dtype="fp32") for dp in (1, 2))
+    tokens = 32
+    table = VOCAB * H
+    swept = (  # the single stage's ops, their weights, fp32 gradients and saved bytes (stage_sweep)
+        (table * 4 + table * 4 + tokens * H * 4)  # embedding
+        + 4 * (LAYER_PARAMS * 8 + 5000)  # 4 layers, 5000 B saved each (base_rows)
+        + (H * 8 + tokens * H * 4)  # final norm
+        + (table * 8 + tokens * VOCAB * 4)  # output layer and its fp32 logits
+    )
+
+    def host_work_s(layout: Layout, cal: dict) -> tuple[float, str, list[str]]:
+        pred = predict(
+            load_runs([make_run(tmp_path, base_rows(), f"r{len(list(tmp_path.iterdir()))}", cal)]),
+            layout,
+            cal,
+        )
+        (forward,) = [t for n, phase, t, _ in pred.stages[0].items if n == "host_work" and phase == "forward"]
+        return forward.seconds, forward.source.detail, pred.warnings
+
+    base = {
+        **CAL,
+        "host_work_seconds_per_microbatch": warm,
+        "host_work_seconds_per_microbatch_flushed": flushed,
+    }
+    between = {**base, "warm_cache_bytes": 2**20, "shared_cache_bytes": int(1.5 * swept)}
+    seconds, detail, _ = host_work_s(one, between)
+    assert seconds == pytest.approx(1e-4 + 4 * 2e-5) and "within" in detail  # one process: it fits
+    seconds, detail, _ = host_work_s(dp2, between)  # two processes sweep one host's cache: 2x, beyond
+    assert seconds == pytest.approx(3 * (1e-4 + 4 * 2e-5))
+    assert "flushed" in detail and "x 2 processes" in detail and "beyond" in detail
+    small = {**base, "warm_cache_bytes": 2**10, "shared_cache_bytes": int(0.9 * swept)}
+    assert host_work_s(one, small)[0] == pytest.approx(3 * (1e-4 + 4 * 2e-5))
+    assert host_work_s(one, base)[0] == pytest.approx(3 * (1e-4 + 4 * 2e-5))  # no cache sizes: swept
+    older = {k: v for k, v in small.items() if k != "host_work_seconds_per_microbatch_flushed"}
+    seconds, _, said = host_work_s(one, older)
+    assert seconds == pytest.approx(1e-4 + 4 * 2e-5)
+    assert any("only with them warm" in w and "autotuner.calibrate" in w for w in said)
 
 
 def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
@@ -775,6 +828,7 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
         ("grad_accumulation_seconds_per_parameter", 3e-12),
         ("host_work_seconds_per_microbatch", {"forward": 1e-4, "backward": 3e-4}),
         ("host_work_seconds_per_microbatch", dict.fromkeys(HOST_WORK_PARTS, -1e-4)),
+        ("host_work_seconds_per_microbatch_flushed", {"forward": 1e-4}),
     ):
         (tmp_path / "bad.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(UserError, match=key):

@@ -266,6 +266,39 @@ def test_a_real_steps_host_work_is_its_time_between_the_ops(single):
     assert (forward + backward) * m == pytest.approx(fb - inside_ops_s(ops))
 
 
+def test_flushing_inside_the_layers_trains_the_same_with_each_flush_inside_a_layer_visit(single):
+    """flush_in_layers (the calibration's flushed host work): the same losses as without, each layer visit
+    (forward and backward) holding a whole flush of the last-level cache, so that the flushes stay out
+    of the time between the ops; the steps' command line carries the setting to its processes."""
+    import time
+
+    import torch
+
+    from autotuner.measure.cache import CacheFlusher
+    from autotuner.predict.steps import parse_args, steps_command
+
+    flushed = measure_steps("tiny", CPU, Layout(**BATCH), repeats=2, warmup=1, flush_in_layers=True)
+    assert flushed.losses == pytest.approx(single.losses[: len(flushed.losses)], rel=1e-6)
+    flush = CacheFlusher(torch.device("cpu"))
+    fastest = min(_timed(flush, time.perf_counter) for _ in range(5))
+    layers = [
+        end - start for key, _, start, end in flushed.ranks[0].timeline if key.startswith("transformer_")
+    ]
+    assert len(layers) == 2 * 2 * single.layout.microbatches  # 2 layers, forward and backward
+    assert min(layers) > 0.5 * fastest
+    command = steps_command("tiny", CPU, Layout(**BATCH), 2, 1, "out.json", flush_in_layers=True)
+    assert "flush_in_layers=true" in command
+    own, _, _ = parse_args(command[command.index("autotuner.predict.steps") + 1 :])
+    assert own["flush_in_layers"] is True
+    assert parse_args(["out=o.json", "layout.seq_len=16"])[0]["flush_in_layers"] is False
+
+
+def _timed(call, clock) -> float:
+    start = clock()
+    call()
+    return clock() - start
+
+
 def test_visits_are_merged_as_the_time_inside_some_op():
     from autotuner.predict.in_step import inside_ops_s
 

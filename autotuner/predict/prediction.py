@@ -38,10 +38,12 @@ from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import (
     OVERLAP,
     PHASES,
+    CacheSizes,
     StageTime,
     StepTime,
     TimeModel,
     cache_plan,
+    host_work_cached,
     stage_sweep,
     stage_times,
     step_time,
@@ -344,7 +346,9 @@ def predict(
         tm = time_model(cold)
         meas = tm.meas
         warm_tm = time_model(False) if cold and wants_warm else None
-        stages = stage_times(tm, [m.params.value for m in memory], warm_tm, warm)
+        caches = CacheSizes.from_calibration(calibration)
+        host_cached = [host_work_cached(sweep, caches, layout.gpus) for sweep in sweeps]
+        stages = stage_times(tm, [m.params.value for m in memory], warm_tm, warm, host_cached)
         experts = [model.stage_expert_params(layout.tp, layout.ep, st.layers) for st in stages]
         step = step_time(tm, stages, [m.params.value for m in memory], experts)
     models = [tm, *([warm_tm] if warm_tm else [])]

@@ -315,6 +315,7 @@ def steps_command(
     warmup: int,
     out: str | os.PathLike[str],
     lr: float = 1e-3,
+    flush_in_layers: bool = False,
 ) -> list[str]:
     """The command line that measures these steps: torchrun with TP x PP x DP processes when that is above
     one."""
@@ -326,6 +327,7 @@ def steps_command(
         f"repeats={repeats}",
         f"warmup={warmup}",
         f"lr={lr}",
+        *(["flush_in_layers=true"] if flush_in_layers else []),
         *(
             f"layout.{f.name}={_text(getattr(layout, f.name))}"
             for f in fields(Layout)
@@ -690,10 +692,12 @@ def measure_steps(
     repeats: int = 5,
     warmup: int = 2,
     lr: float = 1e-3,
+    flush_in_layers: bool = False,
 ) -> StepMeasurement:
     """Train the case's whole model in ``layout`` for ``warmup`` + 1 + ``repeats`` steps and measure them
     (module docstring). Under torchrun every rank calls this and gets the same result (all ranks' data).
-    ``overrides``: the project's config overrides (``hf.``, ``tf.``, ``device=``, ``seed=``...)."""
+    ``overrides``: the project's config overrides (``hf.``, ``tf.``, ``device=``, ``seed=``...);
+    ``flush_in_layers``: :func:`flush_inside_layers` (the calibration's flushed host work)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -705,6 +709,8 @@ def measure_steps(
     overrides = list(overrides)
     trainer = StageTrainer(case, overrides, layout, lr)
     spec, device, clock, world = trainer.spec, trainer.device, trainer.clock, trainer.spec.world
+    if flush_in_layers:
+        flush_inside_layers(trainer.chunks, device)
     sync = trainer.sync
 
     fb_s: list[float] = []
@@ -887,6 +893,21 @@ def _gather_timelines(
     return tuple(replace(r, timeline=by_rank[r.rank][0], timeline_start_s=by_rank[r.rank][1]) for r in ranks)
 
 
+def flush_inside_layers(chunks: list[Any], device: Any) -> None:
+    """Evict the last-level cache inside every layer's forward and backward (hooks on its MLP, so inside
+    the span autotuner.predict.in_step times as the layer's): what runs between the ops, the host work,
+    then finds the caches as a model whose ops sweep more than the cache leaves them. The calibration's
+    flushed host work (autotuner.calibrate.host_work) is timed so; the flushes add to the layers' times,
+    which that calibration does not read."""
+    from autotuner.measure.cache import CacheFlusher
+
+    flush = CacheFlusher(device)
+    for chunk in chunks:
+        for layer in getattr(chunk, "module", chunk).decoder.layers:
+            layer.mlp.register_forward_hook(lambda *_: flush())
+            layer.mlp.register_full_backward_hook(lambda *_: flush())
+
+
 def run_steps(
     case: str,
     overrides: list[str],
@@ -896,10 +917,11 @@ def run_steps(
     warmup: int = 2,
     lr: float = 1e-3,
     timeout_s: float = 600,
+    flush_in_layers: bool = False,
 ) -> StepMeasurement:
     """Measure in fresh processes (torchrun for TP x PP > 1) and read the result back from ``out``.
     A run past ``timeout_s`` (a rank that hangs in the pipeline) is killed: subprocess.TimeoutExpired."""
-    command = steps_command(case, overrides, layout, repeats, warmup, out, lr)
+    command = steps_command(case, overrides, layout, repeats, warmup, out, lr, flush_in_layers)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
@@ -936,9 +958,16 @@ def _value(text: str) -> Any:
 
 
 def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
-    """``out=`` ``case=`` ``repeats=`` ``warmup=`` ``lr=`` and ``layout.<field>=``; anything else is a
-    config override passed on."""
-    own: dict[str, Any] = {"case": "tiny", "repeats": 5, "warmup": 2, "lr": 1e-3, "out": None}
+    """``out=`` ``case=`` ``repeats=`` ``warmup=`` ``lr=`` ``flush_in_layers=`` and ``layout.<field>=``;
+    anything else is a config override passed on."""
+    own: dict[str, Any] = {
+        "case": "tiny",
+        "repeats": 5,
+        "warmup": 2,
+        "lr": 1e-3,
+        "out": None,
+        "flush_in_layers": False,
+    }
     layout: dict[str, Any] = {}
     overrides = []
     layout_fields = {f.name for f in fields(Layout)}
@@ -971,14 +1000,23 @@ def main(argv: list[str] | None = None) -> None:
     try:
         own, layout, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
         quiet_megatron_import()
-        result = measure_steps(own["case"], overrides, layout, own["repeats"], own["warmup"], own["lr"])
+        result = measure_steps(
+            own["case"], overrides, layout, own["repeats"], own["warmup"], own["lr"], own["flush_in_layers"]
+        )
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     if result.ranks and int(os.environ.get("RANK", 0)) == 0:
         data = result.to_json()
         data["command"] = steps_command(
-            own["case"], overrides, layout, own["repeats"], own["warmup"], own["out"], own["lr"]
+            own["case"],
+            overrides,
+            layout,
+            own["repeats"],
+            own["warmup"],
+            own["out"],
+            own["lr"],
+            own["flush_in_layers"],
         )
         atomic_write_text(own["out"], json.dumps(data, indent=1) + "\n")
 

@@ -69,8 +69,17 @@ work (the rotary table, the block's own work around each layer). On a CPU, where
 each stage's forward and backward per micro-batch add it (``host_work``, *scaled*): the calibration's
 timed part for a stage (for each of its model chunks) plus its part per layer x the stage's layers
 (``host_work_seconds_per_microbatch``, autotuner.calibrate.host_work, timed on a minimal GPTModel at two
-depths). On a GPU the host queues the kernels ahead of the device, which hides this behind them as long as
-the kernels outlast it: not added.
+depths). That work's own data (the interpreter's, the allocator's, autograd's) lives in the last-level
+cache, which a large model's ops sweep out between its visits, and then comes back from memory: where a
+micro-batch's ops on the stage touch more bytes than the shared cache holds (:func:`host_work_cached`,
+from the same sweep as the ops' rule below; on a CPU the layout's processes all sweep one host's cache,
+so their bytes add), the host work is the calibration's timed with the cache flushed inside every layer
+(``host_work_seconds_per_microbatch_flushed``). On this project's VM the llama-shaped model's steps (four
+layers, s128, one process) spent 0.37 ms forward and 0.73 backward a micro-batch outside their ops, the
+minimal model 0.16 / 0.25 at four layers as calibrated and 0.40 / 0.74 flushed; its PP2 stages (two
+processes) 0.28-0.30 forward, the flushed figure at two layers 0.27 (session 28). On a GPU the host
+queues the kernels ahead of the device, which hides this behind them as long as the kernels outlast it:
+not added.
 
 **Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
 times an op that finds its weights and inputs in the cache from its previous call; one measured with
@@ -142,7 +151,7 @@ into the model's dtype. Nothing is assumed to overlap: the step time is an upper
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -168,6 +177,7 @@ from autotuner.results.calibration import (
     ADAM_TOGETHER,
     GRAD_ACCUMULATION,
     HOST_WORK,
+    HOST_WORK_FLUSHED,
     link_key,
 )
 from autotuner.results.units import human_time
@@ -786,11 +796,29 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
 
 
-def host_work(tm: TimeModel, phase: str, layers: int) -> OpTime | None:
+def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None, processes: int) -> tuple[bool, str]:
+    """Whether a stage's host work finds its own data in the shared cache (module docstring, "Host work
+    outside the ops"): a micro-batch's ops on the stage, in each of the ``processes`` that share the host,
+    touch no more bytes than it holds; and why, in words. Without cache sizes, assumed not."""
+    from autotuner.results.units import human_bytes
+
+    if caches is None:
+        return False, "the calibration names no cache sizes: assumed swept out"
+    swept = sum(op.footprint for op in sweep) * processes
+    beside = f" x {processes} processes on one host" if processes > 1 else ""
+    cached = swept <= caches.shared
+    return cached, (
+        f"a micro-batch's ops touch {human_bytes(swept / processes)}{beside}, "
+        f"{'within' if cached else 'beyond'} the {human_bytes(caches.shared)} shared cache"
+    )
+
+
+def host_work(tm: TimeModel, phase: str, layers: int, cached: tuple[bool, str] = (True, "")) -> OpTime | None:
     """The host work outside the ops of one micro-batch's ``phase`` on a stage of ``layers`` layers in the
     layout's vpp model chunks, each its own forward and backward step of the schedule and its own
-    GPTModel forward (module docstring); None on a GPU, and on a CPU without it in the calibration (said
-    in a warning)."""
+    GPTModel forward, as timed with warm caches or, where ``cached`` (:func:`host_work_cached`) says the
+    stage's ops sweep them out, with the caches flushed (module docstring); None on a GPU, and on a CPU
+    without it in the calibration (said in a warning)."""
     if tm.meas.devices != {"cpu"}:
         return None
     timed = tm.calibration.get(HOST_WORK)
@@ -801,12 +829,23 @@ def host_work(tm: TimeModel, phase: str, layers: int) -> OpTime | None:
             "python -m autotuner.calibrate times it"
         )
         return None
+    warm, why = cached
+    flushed = tm.calibration.get(HOST_WORK_FLUSHED)
+    if not warm and not flushed:
+        tm._warn(
+            f"the stage's host work runs with the caches swept out ({why}), and the calibration timed it "
+            "only with them warm: under-counted, python -m autotuner.calibrate times it both ways"
+        )
+    if not warm and flushed:
+        timed, how = flushed, f", the caches flushed inside each layer ({why})"
+    else:
+        timed, how = timed, f" ({why})" if why else ""
     base, per_layer, chunks = timed[phase], timed[f"{phase}_per_layer"], tm.layout.vpp
     seconds = base * chunks + per_layer * layers
     per_chunk = f" per model chunk x {chunks}" if chunks > 1 else ""
     detail = (
         f"the step's {phase} host work outside its ops (Megatron's schedule, GPTModel's own), timed by "
-        f"autotuner.calibrate on a minimal GPTModel: {human_time(base * 1e6)}{per_chunk} + "
+        f"autotuner.calibrate on a minimal GPTModel{how}: {human_time(base * 1e6)}{per_chunk} + "
         f"{human_time(per_layer * 1e6)} per layer x {layers} = {human_time(seconds * 1e6)} per micro-batch"
     )
     return OpTime(seconds, Source("scaled", detail), {"host_work": seconds})
@@ -830,11 +869,13 @@ def stage_times(
     stage_params: list[float] | None = None,
     warm_tm: TimeModel | None = None,
     warm: list[dict[tuple[str, str], int]] | None = None,
+    host_cached: Sequence[tuple[bool, str]] | None = None,
 ) -> list[StageTime]:
     """Each stage's forward and backward per micro-batch (module docstring); ``stage_params``: the
     parameters each stage's GPU holds, for the gradient accumulation. With ``warm_tm`` (its rows the
     warm ones, ``tm``'s the flushed ones) and ``warm``, each stage's warm visits (:func:`cache_plan`),
-    an op's visits that find their data cached take its warm rows, the others its flushed ones."""
+    an op's visits that find their data cached take its warm rows, the others its flushed ones;
+    ``host_cached``: per stage, :func:`host_work_cached` (else its host work is the warm one)."""
     lay, model = tm.layout, tm.model
     stages = []
     for index, per_stage in enumerate(lay.stage_layers(model.num_layers)):
@@ -868,7 +909,7 @@ def stage_times(
                     )
                 )
         for phase in PHASES:
-            work = host_work(tm, phase, per_stage)
+            work = host_work(tm, phase, per_stage, *([host_cached[index]] if host_cached else []))
             if work is not None:
                 items.append(("host_work", phase, work, 1))
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None

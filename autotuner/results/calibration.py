@@ -66,6 +66,9 @@ GRAD_ACCUMULATION = "grad_accumulation_seconds_per_parameter"
 # Seconds per micro-batch a training step spends outside its ops (the schedule's and GPTModel's own host
 # work), timed on a CPU (autotuner.calibrate.host_work): per phase a stage's part and a part per layer.
 HOST_WORK = "host_work_seconds_per_microbatch"
+# The same, timed with the last-level cache flushed inside every layer: the host work of a model whose ops
+# sweep more than the cache between its visits (autotuner.predict.timing.host_work_cached).
+HOST_WORK_FLUSHED = "host_work_seconds_per_microbatch_flushed"
 HOST_WORK_PARTS = ("forward", "forward_per_layer", "backward", "backward_per_layer")
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
@@ -124,19 +127,20 @@ def load(path: str | Path) -> dict[str, Any]:
             f'calibration file {path} has a bad {GRAD_ACCUMULATION}: it needs {{"<dtype>": <seconds per '
             f'parameter>, ...}} with positive numbers (e.g. {{"bf16": 3.7e-12}}): {_FIX}'
         )
-    host = data.get(HOST_WORK, dict.fromkeys(HOST_WORK_PARTS, 0.0))
-    if (
-        not isinstance(host, dict)
-        or set(host) != set(HOST_WORK_PARTS)
-        or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-            for v in host.values()
-        )
-    ):
-        raise UserError(
-            f"calibration file {path} has a bad {HOST_WORK}: it needs {', '.join(HOST_WORK_PARTS)} as "
-            f'seconds >= 0 (e.g. {{"forward": 2e-4, "forward_per_layer": 5e-5, ...}}): {_FIX}'
-        )
+    for key in (HOST_WORK, HOST_WORK_FLUSHED):
+        host = data.get(key, dict.fromkeys(HOST_WORK_PARTS, 0.0))
+        if (
+            not isinstance(host, dict)
+            or set(host) != set(HOST_WORK_PARTS)
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                for v in host.values()
+            )
+        ):
+            raise UserError(
+                f"calibration file {path} has a bad {key}: it needs {', '.join(HOST_WORK_PARTS)} as "
+                f'seconds >= 0 (e.g. {{"forward": 2e-4, "forward_per_layer": 5e-5, ...}}): {_FIX}'
+            )
     for key in PER_LINK_KEYS:
         links = data.get(key, {})
         if not isinstance(links, dict) or not all(_LINK.match(k) and _rate(v) for k, v in links.items()):
