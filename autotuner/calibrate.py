@@ -42,7 +42,7 @@ as the get_data launcher:
   forward and 0.29 backward a micro-batch, 0.18 / 0.26 with a 2 MiB flush (the L2's size), 0.22 / 0.39
   with 8 MiB, 0.40 / 0.74 with 32 MiB (the L3's); the llama-shaped model's own steps (four layers,
   about 50 MB of weights, gradients and activations a micro-batch) 0.37 / 0.73, tiny's (two layers,
-  about 3 MB) 0.16 / 0.28. On a GPU the host queues kernels ahead of the device, so the predictor does
+  about 4 MB) 0.16 / 0.28. On a GPU the host queues kernels ahead of the device, so the predictor does
   not add it there;
 * on a CPU, from the same steps, what an Adam step inside a training step takes beyond the back-to-back
   rates above, once a step (``adam_seconds_per_step_in_training``: :func:`adam_in_step`). A step's Adam

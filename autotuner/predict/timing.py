@@ -76,8 +76,9 @@ from the same sweep as the ops' rule below; on a CPU the layout's processes all 
 so their bytes add), the host work is the calibration's timed with the cache flushed inside every layer
 (``host_work_seconds_per_microbatch_flushed``). On this project's VM the llama-shaped model's steps (four
 layers, s128, one process) spent 0.37 ms forward and 0.73 backward a micro-batch outside their ops, the
-minimal model 0.16 / 0.25 at four layers as calibrated and 0.40 / 0.74 flushed; its PP2 stages (two
-processes) 0.28-0.30 forward, the flushed figure at two layers 0.27 (session 28). On a GPU the host
+minimal model at four layers, as one calibration timed it, 0.17 / 0.26 warm and 0.39 / 0.70 flushed; its
+PP2 stages (two processes, each a stage of about 26 MB) 0.28-0.30 forward, the flushed figure at two
+layers 0.26 (session 28). On a GPU the host
 queues the kernels ahead of the device, which hides this behind them as long as the kernels outlast it:
 not added.
 
