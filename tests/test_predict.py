@@ -184,6 +184,9 @@ def test_cpu_rows_profiled_in_fewer_processes_than_the_layout_runs_are_named(tmp
             assert not any("process" in w for w in pred.warnings)
     gpu = make_run(tmp_path, [{**r, "device": "cuda"} for r in base_rows()], "gpu")
     assert not any("process" in w for w in predict(load_runs([gpu]), pp2, CAL).warnings)
+    # rows of another point profiled alone say nothing of the layout's point, profiled beside
+    other = make_run(tmp_path, base_rows(s=64), "other_point")
+    assert not any("process" in w for w in predict(load_runs([other, beside]), pp2, CAL).warnings)
     # a point nobody measured: on a CPU the command profiles it beside the layout's 2 processes, though
     # tp=1 alone would fit one; on a GPU, one process
     at_s64 = Layout(seq_len=64, pp=2, global_batch_size=8, dtype="fp32")

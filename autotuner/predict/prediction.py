@@ -286,9 +286,11 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     device. The pipeline's stages too: on this project's CPU the llama-shaped PP2's layer rows read
     0.85-1.00 of their time inside the steps profiled in one process, 1.01-1.11 in two
     (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
-    used = {
-        r.get("run_processes") for tm in models for r in tm.meas.index.values() if r.get("device") == "cpu"
-    }
+    rows = [(key, r) for tm in models for key, r in tm.meas.index.items() if r.get("device") == "cpu"]
+    # the rows at the layout's point where it has some (else the neighbours it scales from)
+    point = (layout.seq_len, layout.micro_batch_size)
+    at_point = [r for key, r in rows if key[2:4] == point] or [r for _, r in rows]
+    used = {r.get("run_processes") for r in at_point}
     other = sorted(n for n in used if n and n != layout.gpus)
     if not other:
         return []
