@@ -41,10 +41,14 @@ edge: on a machine whose own A/A spread exceeds the target, a median of a few ro
 nor fail it. Under each case and layout: the step's ratio had the rows been added up by their medians
 (the predictor before session 25, on the same rows and steps: the statistic's own share); on an
 interleaved layout, the same prediction with each model chunk 1/v of its stage's time (the predictor
-before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the ops
-inside the forward-backward, each hooked op's predicted time per visit / its time inside the measured
-steps (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in
-its median step, and on a pipeline the hand-overs a stage waited for beside the predicted exchange, and
+before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the
+same prediction with every stage's host work as timed with warm caches (the predictor before session 28;
+since then a stage whose ops sweep the shared cache takes the host work timed with it flushed:
+autotuner.predict.timing.host_work_cached); the ops inside the forward-backward, each hooked op's
+predicted time per visit / its time inside the measured steps (autotuner.predict.in_step), medians over
+the rounds; then per rank the time between its ops in its median step, per stage the host work of a
+micro-batch's forward predicted beside measured (the model forwards' spans less their ops), and on a
+pipeline the hand-overs a stage waited for beside the predicted exchange, and
 the measured step replayed through the predictor's schedule simulation over its measured span
 (autotuner.predict.in_step.replay: the schedule model alone).
 """
@@ -61,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -72,7 +77,7 @@ from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, 
 from autotuner.predict.schedule import simulate
 from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
-from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK
+from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK, HOST_WORK_FLUSHED
 from autotuner.results.calibration import load as load_calibration
 
 CASES = {
@@ -338,6 +343,9 @@ class Round(NamedTuple):
     # the model forwards' spans less the ops inside them, autotuner.predict.in_step.host_work_s), s; the
     # backward's part is not beside it: on a pipeline it holds the waits for the other stage
     host_forward: tuple[tuple[int, float, float], ...] = ()
+    # the step from the same rows with the host work as timed with warm caches whatever the stage's ops
+    # sweep, as the predictor took it before session 28 (None: no host work flushed in the calibration)
+    warm_host_predicted_s: float | None = None
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
@@ -384,6 +392,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             alone = profiled_runs(case, layout, Path(folder), calibration, threads, alone=True)
             alone_predicted = predict(alone, layout, calibrated).step_seconds
         even_chunks = even_chunks_step_s(pred, calibrated) if layout.vpp > 1 else None
+        warm_host = warm_host_work_step_s(runs, layout, calibrated)
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -407,7 +416,20 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         alone_predicted_s=alone_predicted,
         even_chunks_predicted_s=even_chunks,
         host_forward=forward_host_work(pred, checked),
+        warm_host_predicted_s=warm_host,
     )
+
+
+def warm_host_work_step_s(runs: Runs, layout: Layout, calibrated: dict[str, Any]) -> float | None:
+    """The step predicted from ``runs`` with every stage's host work as timed with warm caches (the
+    calibration less its flushed figure: autotuner.predict.timing.host_work_cached), as before session
+    28; None where the calibration has no flushed figure."""
+    if HOST_WORK_FLUSHED not in calibrated:
+        return None
+    warm_only = {k: v for k, v in calibrated.items() if k != HOST_WORK_FLUSHED}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return predict(runs, layout, warm_only).step_seconds
 
 
 def forward_host_work(pred: Any, checked: Any) -> tuple[tuple[int, float, float], ...]:
@@ -551,6 +573,15 @@ def main() -> int:
                         f"{'':21} each model chunk 1/v of its stage, host work once a stage (the predictor "
                         f"before session 27): step {statistics.median(by_even):.3f} "
                         f"[{min(by_even):.3f}, {max(by_even):.3f}]"
+                    )
+                by_warm_host = [
+                    r.warm_host_predicted_s / r.measured_s for r in results if r.warm_host_predicted_s
+                ]
+                if by_warm_host:
+                    print(
+                        f"{'':21} the host work as timed with warm caches, whatever the stage's ops sweep "
+                        f"(the predictor before session 28): step {statistics.median(by_warm_host):.3f} "
+                        f"[{min(by_warm_host):.3f}, {max(by_warm_host):.3f}]"
                     )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}

@@ -405,6 +405,16 @@ def test_host_work_timed_flushed_where_the_stage_sweeps_the_shared_cache(tmp_pat
     seconds, _, said = host_work_s(one, older)
     assert seconds == pytest.approx(1e-4 + 4 * 2e-5)
     assert any("only with them warm" in w and "autotuner.calibrate" in w for w in said)
+    # the accuracy benchmark's side-by-side line: the same rows with the warm host work everywhere
+    from benchmarks.predict_accuracy import warm_host_work_step_s
+
+    runs = load_runs([make_run(tmp_path, base_rows(), "side_by_side", small)])
+    swept_step = predict(runs, one, small).step_seconds
+    warm_step = warm_host_work_step_s(runs, one, small)
+    assert warm_step == pytest.approx(predict(runs, one, older).step_seconds)
+    # one micro-batch, its forward's and backward's host work 3x the warm one's: 2x more
+    assert swept_step - warm_step == pytest.approx(2 * (1e-4 + 4 * 2e-5 + 3e-4 + 4 * 4e-5))
+    assert warm_host_work_step_s(runs, one, older) is None
 
 
 def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
