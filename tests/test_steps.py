@@ -291,6 +291,8 @@ def test_flushing_inside_the_layers_trains_the_same_with_each_flush_inside_a_lay
     own, _, _ = parse_args(command[command.index("autotuner.predict.steps") + 1 :])
     assert own["flush_in_layers"] is True
     assert parse_args(["out=o.json", "layout.seq_len=16"])[0]["flush_in_layers"] is False
+    with pytest.raises(UserError, match="flush_in_layers='maybe' is not true or false"):
+        parse_args(["out=o.json", "layout.seq_len=16", "flush_in_layers=maybe"])
 
 
 def _timed(call, clock) -> float:

@@ -988,6 +988,10 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
             overrides.append(arg)
     if not own["out"]:
         raise UserError("no out=: give out=<file.json> for the measured steps")
+    if not isinstance(own["flush_in_layers"], bool):
+        raise UserError(
+            f"flush_in_layers={own['flush_in_layers']!r} is not true or false: give flush_in_layers=true"
+        )
     if "seq_len" not in layout:
         raise UserError("no layout.seq_len: give e.g. layout.seq_len=32")
     return own, Layout(**layout), overrides
