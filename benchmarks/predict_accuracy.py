@@ -453,6 +453,23 @@ def forward_host_work(pred: Any, checked: Any) -> tuple[tuple[int, float, float]
     )
 
 
+def print_pairs(label: str, who: str, between: str, entries: list[tuple[int, float, float]]) -> None:
+    """One line of ``(rank or stage, seconds, seconds)`` entries over the rounds: per key the two medians,
+    in ms (nothing where there are none)."""
+    by_key: dict[int, list[tuple[float, float]]] = {}
+    for key, first, second in entries:
+        by_key.setdefault(key, []).append((first, second))
+    if by_key:
+        print(
+            f"{'':21} {label}: "
+            + ", ".join(
+                f"{who} {key} {statistics.median(a for a, _ in v) * 1e3:.3g} {between} "
+                f"{statistics.median(b for _, b in v) * 1e3:.3g}"
+                for key, v in sorted(by_key.items())
+            )
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per measurement")
@@ -551,38 +568,34 @@ def main() -> int:
                     f"{name:12} {layout_name:7} {spread[0]:>22} {spread[1]:>22} {noise:16.3f} {aa_pred:9.3f} "
                     f"{aa_meas:9.3f} {min(drift):6.3f}-{max(drift):.3f} {calm_said:>14}  {phases}"
                 )
-                by_medians = [r.medians_predicted_s / r.measured_s for r in results]
-                print(
-                    f"{'':21} the same rows added up by their medians (the predictor before session 25): "
-                    f"step {statistics.median(by_medians):.3f} [{min(by_medians):.3f}, {max(by_medians):.3f}]"
-                )
-                by_alone = [r.alone_predicted_s / r.measured_s for r in results if r.alone_predicted_s]
-                if by_alone:
-                    together = profile_processes(layout_of(layout_name), alone=True)
-                    processes = f"{together} process{'es' if together > 1 else ''}"
-                    print(
-                        f"{'':21} the stage's ops profiled in {processes} "
-                        f"(the benchmark before session 26): step {statistics.median(by_alone):.3f} "
-                        f"[{min(by_alone):.3f}, {max(by_alone):.3f}]"
-                    )
-                by_even = [
-                    r.even_chunks_predicted_s / r.measured_s for r in results if r.even_chunks_predicted_s
-                ]
-                if by_even:
-                    print(
-                        f"{'':21} each model chunk 1/v of its stage, host work once a stage (the predictor "
-                        f"before session 27): step {statistics.median(by_even):.3f} "
-                        f"[{min(by_even):.3f}, {max(by_even):.3f}]"
-                    )
-                by_warm_host = [
-                    r.warm_host_predicted_s / r.measured_s for r in results if r.warm_host_predicted_s
-                ]
-                if by_warm_host:
-                    print(
-                        f"{'':21} the host work as timed with warm caches, whatever the stage's ops sweep "
-                        f"(the predictor before session 28): step {statistics.median(by_warm_host):.3f} "
-                        f"[{min(by_warm_host):.3f}, {max(by_warm_host):.3f}]"
-                    )
+                together = profile_processes(layout_of(layout_name), alone=True)
+                for label, predicted_of in (
+                    (
+                        "the same rows added up by their medians (the predictor before session 25)",
+                        lambda r: r.medians_predicted_s,
+                    ),
+                    (
+                        f"the stage's ops profiled in {together} process{'es' if together > 1 else ''} "
+                        "(the benchmark before session 26)",
+                        lambda r: r.alone_predicted_s,
+                    ),
+                    (
+                        "each model chunk 1/v of its stage, host work once a stage (the predictor before "
+                        "session 27)",
+                        lambda r: r.even_chunks_predicted_s,
+                    ),
+                    (
+                        "the host work as timed with warm caches, whatever the stage's ops sweep (the "
+                        "predictor before session 28)",
+                        lambda r: r.warm_host_predicted_s,
+                    ),
+                ):
+                    beside = [predicted_of(r) / r.measured_s for r in results if predicted_of(r)]
+                    if beside:
+                        print(
+                            f"{'':21} {label}: step {statistics.median(beside):.3f} "
+                            f"[{min(beside):.3f}, {max(beside):.3f}]"
+                        )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}
                 for r in results:
@@ -594,32 +607,18 @@ def main() -> int:
                     ratio = pred_ms / meas_ms
                     print(f"{'':21} stage {stage} {what:27} {pred_ms:8.3f} / {meas_ms:8.3f} ms  {ratio:6.3f}")
                 # the time between a rank's ops in its median step: waits, transfers, the schedule
-                between: dict[int, list[tuple[float, float]]] = {}
-                for r in results:
-                    for rank, gap, fb in r.between_ops:
-                        between.setdefault(rank, []).append((gap, fb))
-                if between:
-                    print(
-                        f"{'':21} between the ops (ms of the forward-backward, medians): "
-                        + ", ".join(
-                            f"rank {rank} {statistics.median(g for g, _ in v) * 1e3:.3g} of "
-                            f"{statistics.median(f for _, f in v) * 1e3:.3g}"
-                            for rank, v in sorted(between.items())
-                        )
-                    )
-                hosts: dict[int, list[tuple[float, float]]] = {}
-                for r in results:
-                    for stage, predicted, measured in r.host_forward:
-                        hosts.setdefault(stage, []).append((predicted, measured))
-                if hosts:
-                    print(
-                        f"{'':21} host work of a micro-batch's forward (ms, predicted / measured, medians): "
-                        + ", ".join(
-                            f"stage {stage} {statistics.median(p for p, _ in v) * 1e3:.3g} / "
-                            f"{statistics.median(m for _, m in v) * 1e3:.3g}"
-                            for stage, v in sorted(hosts.items())
-                        )
-                    )
+                print_pairs(
+                    "between the ops (ms of the forward-backward, medians)",
+                    "rank",
+                    "of",
+                    [entry for r in results for entry in r.between_ops],
+                )
+                print_pairs(
+                    "host work of a micro-batch's forward (ms, predicted / measured, medians)",
+                    "stage",
+                    "/",
+                    [entry for r in results for entry in r.host_forward],
+                )
                 handed = [s for r in results for s in r.handovers]
                 if handed:
                     transfer = statistics.median(r.predicted_transfer_s or 0.0 for r in results)

@@ -259,6 +259,11 @@ class Missing:
         }
 
 
+def measured_on_cpu(rows: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether the ``ok`` rows were all measured on a CPU (a layout's processes then share one host)."""
+    return {r.get("device") for r in rows if r.get("status") == "ok"} == {"cpu"}
+
+
 def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> tuple[bool, bool]:
     """How a row fits what ``Measurements`` asks for, in the order it weighs them (tuples compare so):
     its cache mode, then the processes it was profiled in; True where nothing is asked."""

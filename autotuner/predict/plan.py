@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.predict.inputs import measured_on_cpu
 from autotuner.predict.layout import Layout
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text
@@ -162,8 +163,7 @@ def measured(run_dirs: Iterable[str | Path]) -> set[Need]:
         tp = int(tf.get("tensor_model_parallel_size") or _row_value(rows, "tensor_parallel"))
         ep = int(tf.get("expert_model_parallel_size") or _row_value(rows, "expert_parallel"))
         sp = bool(tf.get("sequence_parallel", False))
-        on_cpu = {r.get("device") for r in rows if r.get("status") == "ok"} == {"cpu"}
-        processes = int(record.get("world_size") or len(files)) if on_cpu else 0
+        processes = int(record.get("world_size") or len(files)) if measured_on_cpu(rows) else 0
         for case, seq_len, mbs, dtype in points:
             found.add(
                 Need(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.inputs import Measurements, Missing, ModelShape
+from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu
 from autotuner.predict.layout import Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
 from autotuner.predict.memory import (
@@ -309,11 +309,6 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     ]
 
 
-def _on_cpu(runs: Runs) -> bool:
-    """Whether the runs' rows were measured on a CPU (their processes shared one host)."""
-    return {r.get("device") for r in runs.rows if r.get("status") == "ok"} == {"cpu"}
-
-
 def predict(
     runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None = None, model: ModelShape | None = None
 ) -> Prediction:
@@ -329,7 +324,7 @@ def predict(
         activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
         warm, wants_warm, wants_cold, why = cache_plan(sweeps, calibration)
-        cpu = _on_cpu(runs)
+        cpu = measured_on_cpu(runs.rows)
         processes = layout.gpus if cpu else None  # on a CPU, rows profiled beside as many win
 
         def time_model(cold: bool) -> TimeModel:

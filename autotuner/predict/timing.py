@@ -805,11 +805,11 @@ def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None, processes:
 
     if caches is None:
         return False, "the calibration names no cache sizes: assumed swept out"
-    swept = sum(op.footprint for op in sweep) * processes
+    touched = sum(op.footprint for op in sweep)
     beside = f" x {processes} processes on one host" if processes > 1 else ""
-    cached = swept <= caches.shared
+    cached = touched * processes <= caches.shared
     return cached, (
-        f"a micro-batch's ops touch {human_bytes(swept / processes)}{beside}, "
+        f"a micro-batch's ops touch {human_bytes(touched)}{beside}, "
         f"{'within' if cached else 'beyond'} the {human_bytes(caches.shared)} shared cache"
     )
 
@@ -831,16 +831,14 @@ def host_work(tm: TimeModel, phase: str, layers: int, cached: tuple[bool, str] =
         )
         return None
     warm, why = cached
-    flushed = tm.calibration.get(HOST_WORK_FLUSHED)
-    if not warm and not flushed:
+    how = f" ({why})" if why else ""
+    if not warm and tm.calibration.get(HOST_WORK_FLUSHED):
+        timed, how = tm.calibration[HOST_WORK_FLUSHED], f", the caches flushed inside each layer ({why})"
+    elif not warm:
         tm._warn(
             f"the stage's host work runs with the caches swept out ({why}), and the calibration timed it "
             "only with them warm: under-counted, python -m autotuner.calibrate times it both ways"
         )
-    if not warm and flushed:
-        timed, how = flushed, f", the caches flushed inside each layer ({why})"
-    else:
-        timed, how = timed, f" ({why})" if why else ""
     base, per_layer, chunks = timed[phase], timed[f"{phase}_per_layer"], tm.layout.vpp
     seconds = base * chunks + per_layer * layers
     per_chunk = f" per model chunk x {chunks}" if chunks > 1 else ""
@@ -910,7 +908,7 @@ def stage_times(
                     )
                 )
         for phase in PHASES:
-            work = host_work(tm, phase, per_stage, *([host_cached[index]] if host_cached else []))
+            work = host_work(tm, phase, per_stage, host_cached[index] if host_cached else (True, ""))
             if work is not None:
                 items.append(("host_work", phase, work, 1))
         accumulate = grad_accumulation(tm, stage_params[index]) if stage_params else None
