@@ -85,6 +85,10 @@ class TimingConfig(SamplingPolicy):
     copies of inputs that fit in it. ``idle_before_ms`` pauses (sleeps, the device idle) that long before
     every sample, which is then one call: the op as it runs after a wait (a pipeline stage's first op after
     its neighbour's hand-over; autotuner.measure.timer); 0, the default, pauses never.
+    ``forward_after_backward`` runs the op's backward, untimed, after every forward sample, so that each
+    sample follows one, as each forward of an op in a training step follows its previous micro-batch's
+    backward (autotuner.measure.timer); the rows record it. False, the default, times forwards back to
+    back, as torch.utils.benchmark does.
     ``threads``: torch intra-op threads (0 keeps torch's default); the rows record the number used.
     ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than ``cuda_graph_below_us`` as
     CUDA-graph replays, without host launch overhead (autotuner.measure.graphs); the rows say which were.
@@ -95,6 +99,7 @@ class TimingConfig(SamplingPolicy):
     hide_launch: bool = True
     flush_cache: bool = False
     idle_before_ms: float = 0.0
+    forward_after_backward: bool = False
     rotate_inputs: bool = True
     threads: int = 0
     cuda_graph: bool = False

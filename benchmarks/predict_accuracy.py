@@ -12,8 +12,9 @@ tp * dp processes, as before session 26, and prints that beside). Every process,
 calibration alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which
 was the default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual
 cores, and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise). Each
-op is profiled once with warm caches and once flushed (the predictor takes, for each visit of an op in the
-step, the kind it runs in: autotuner.predict.timing.cache_plan). The device and the links between two
+op is profiled once with warm caches, each forward after the op's backward, and once flushed (the
+predictor takes, for each visit of an op in the step, the kind it runs in:
+autotuner.predict.timing.cache_plan). The device and the links between two
 processes are calibrated in every round, between its first steps and its profiles (python -m
 autotuner.calibrate, and --collectives under torchrun: the Adam step's time per parameter, alone and
 with both processes at it, the pipeline's transfers and the gradients' all-reduce, the caches a warm row
@@ -44,7 +45,10 @@ interleaved layout, the same prediction with each model chunk 1/v of its stage's
 before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the
 same prediction with every stage's host work as timed with warm caches (the predictor before session 28;
 since then a stage whose ops sweep the shared cache takes the host work timed with it flushed:
-autotuner.predict.timing.host_work_cached); the ops inside the forward-backward, each hooked op's
+autotuner.predict.timing.host_work_cached); the same prediction from warm rows whose forwards were timed
+back to back (the benchmark before session 29, a third profile in the round; since then the warm
+profile times each forward after the op's backward, as a step runs it and as the predictor's profiling
+plan asks: autotuner.measure.timer, "A forward follows its backward"); the ops inside the forward-backward, each hooked op's
 predicted time per visit / its time inside the measured steps (autotuner.predict.in_step), medians over
 the rounds; then per rank the time between its ops in its median step, per stage the host work of a
 micro-batch's forward predicted beside measured (the model forwards' spans less their ops), and on a
@@ -236,15 +240,18 @@ def profile(
     flush: bool,
     threads: int = 0,
     alone: bool = False,
+    after_backward: bool = True,
 ) -> None:
     """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`),
-    in :func:`profile_processes` processes."""
+    in :func:`profile_processes` processes; warm, each forward sample after the op's backward
+    (``after_backward``, as the predictor's profiling plan asks: autotuner.predict.plan) or back to back."""
     argv = [
         *case,
         *cpu_share(layout.gpus, threads),
         "device=cpu",
         f"ops=[{','.join(STAGE_OPS)}]",
         f"timing.flush_cache={str(flush).lower()}",
+        f"timing.forward_after_backward={str(after_backward and not flush).lower()}",
         f"shapes.seq_len=[{SEQ}]",
         f"shapes.micro_batch_size=[{MBS}]",
         "progress=false",
@@ -346,6 +353,9 @@ class Round(NamedTuple):
     # the step from the same rows with the host work as timed with warm caches whatever the stage's ops
     # sweep, as the predictor took it before session 28 (None: no host work flushed in the calibration)
     warm_host_predicted_s: float | None = None
+    # the step from the same flushed rows and warm rows whose forwards were timed back to back, as the
+    # benchmark and the profiling plan profiled them before session 29 (a third profile in the round)
+    back_to_back_predicted_s: float | None = None
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
@@ -393,6 +403,9 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             alone_predicted = predict(alone, layout, calibrated).step_seconds
         even_chunks = even_chunks_step_s(pred, calibrated) if layout.vpp > 1 else None
         warm_host = warm_host_work_step_s(runs, layout, calibrated)
+        back_to_back = Path(folder) / "warm-back-to-back"
+        profile(case, layout, back_to_back, calibration, False, threads, after_backward=False)
+        b2b_predicted = predict(load_runs([back_to_back, Path(folder) / "cold"]), layout, calibrated)
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -417,6 +430,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         even_chunks_predicted_s=even_chunks,
         host_forward=forward_host_work(pred, checked),
         warm_host_predicted_s=warm_host,
+        back_to_back_predicted_s=b2b_predicted.step_seconds,
     )
 
 
@@ -588,6 +602,11 @@ def main() -> int:
                         "the host work as timed with warm caches, whatever the stage's ops sweep (the "
                         "predictor before session 28)",
                         lambda r: r.warm_host_predicted_s,
+                    ),
+                    (
+                        "the warm rows' forwards timed back to back, not each after its backward (the "
+                        "benchmark before session 29)",
+                        lambda r: r.back_to_back_predicted_s,
                     ),
                 ):
                     beside = [predicted_of(r) / r.measured_s for r in results if predicted_of(r)]

@@ -10,10 +10,13 @@ process builds the steps' own GPTModel (autotuner.predict.steps: TP1, s128, one 
 micro-batches, fp32), trains it step by step with the steps' hooks timing every layer's visits
 (autotuner.predict.in_step.ModuleClock), and after each step times each of its layers alone, as get_data
 does (autotuner.runner.Phase and autotuner.measure.timer.DeviceTimer.time_ns: the forward back to back,
+each sample right after an untimed call of the same forward; the forward after its backward, each
+sample right after an untimed forward and its backward, as ``timing.forward_after_backward`` times it;
 the backward after an untimed forward with the layer's gradients cleared), on the input that layer got
-in the step. Each round is one step and, in a random order, two samples of each layer's forward and
-backward, and of each with what the call returns freed inside the timed window (how get_data timed them
-before session 20: autotuner.measure.timer, "Freeing what a call returns").
+in the step. Each round is one step and, in a random order, two samples of each layer's forward (both
+ways) and backward, and of each with what the call returns freed inside the timed window (how get_data
+timed them before session 20: autotuner.measure.timer, "Freeing what a call returns"). Until session 29
+a "forward" sample followed whatever sample came before it, often a backward.
 
 It prints per case, per visit: the in-step median and the rows' medians (ms), and each row over the
 in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least]. The rows here are
@@ -23,12 +26,15 @@ heap kept (autotuner.model.host_heap), two runs: tiny's forward 0.934 and 0.953,
 1.062; the llama-shaped forward 1.009 and 1.043, backward 0.994 and 1.025. Before it, two runs: tiny
 0.988 and 0.988, 1.059 and 1.045; llama-shaped 1.053 and 1.032, 1.020 and 1.006. Over seven runs the
 forward rows' medians read 1.0-11% (tiny) and 1.7-6.7% (llama-shaped, median 2.5%) longer with the
-output freed inside their window; the backward's, under 1%.
+output freed inside their window; the backward's, under 1%. Session 29, one thread, 20 rounds: tiny's
+forward back to back 0.837 [0.813, 0.864], after its backward 0.958 [0.940, 0.980], backward 1.046; the
+llama-shaped forward 0.964 [0.949, 0.985] and 1.086 [1.078, 1.103], backward 1.018.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import random
 import statistics
@@ -43,13 +49,17 @@ from autotuner.runner import Phase
 from benchmarks._ops import dropping_result, two_or_more
 from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
 
-# each kind: (the phase, whether what its call returns is freed inside the timed window)
+# each kind: (the phase, whether what its call returns is freed inside the timed window); a forward
+# sample follows an untimed call of the same forward (back to back, as get_data's blocks run) or, "after
+# its backward", that call's backward (timing.forward_after_backward: autotuner.runner.Phase.after_backward)
 KINDS = {
     "forward": ("forward", False),
+    "forward, after its backward": ("forward", False),
     "backward": ("backward", False),
     "forward, output freed inside": ("forward", True),
     "backward, graph freed inside": ("backward", True),
 }
+AFTER_BACKWARD = "forward, after its backward"
 IN_STEP = {"forward": "transformer_layer.forward", "backward": "transformer_layer.backward"}
 
 
@@ -104,11 +114,14 @@ class Bench:
             for kind in rng.sample(list(KINDS) * 2, len(KINDS) * 2):
                 name, freed_inside = KINDS[kind]
                 phase = phases[name]
-                if phase.prepare is not None:
-                    phase.prepare()
-                # dropped as the call returns, what the call made is freed inside the window
-                run = functools.partial(dropping_result, phase.run) if freed_inside else phase.run
-                times[kind].append(self.timer.time_ns(run) * 1e-9)
+                with phase.after_backward() if kind == AFTER_BACKWARD else contextlib.nullcontext():
+                    if name == "forward":
+                        phase.run()  # the call before: the same forward (then its backward, if after one)
+                    if phase.prepare is not None:
+                        phase.prepare()
+                    # dropped as the call returns, what the call made is freed inside the window
+                    run = functools.partial(dropping_result, phase.run) if freed_inside else phase.run
+                    times[kind].append(self.timer.time_ns(run) * 1e-9)
             for param, grad in zip(layer.parameters(), kept, strict=True):
                 param.grad = grad
         return times

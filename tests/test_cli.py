@@ -251,6 +251,36 @@ def test_a_pause_before_every_sample_is_taken_and_recorded(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_forwards_timed_after_their_backward_say_so_in_their_rows(tmp_path):
+    """timing.forward_after_backward: every forward sample is one call after the op's backward (untimed),
+    its row says so, the backward's row does not, and the memory figures are the back-to-back run's (the
+    kept graph is gone before the memory passes)."""
+    overrides = ["ops=[activation]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", *FAST]
+    rows = {}
+    for after in (True, False):
+        run_dir = tmp_path / str(after)
+        assert (
+            run(
+                [
+                    "case=tiny",
+                    f"hydra.run.dir={run_dir}",
+                    *overrides,
+                    f"timing.forward_after_backward={after}",
+                ]
+            )
+            == 0
+        )
+        rows[after] = {r["phase"]: r for r in _check_files(run_dir) if r["status"] == "ok"}
+    assert {p: r["forward_after_backward"] for p, r in rows[True].items()} == {
+        "forward": True,
+        "backward": False,
+    }
+    assert {r["forward_after_backward"] for r in rows[False].values()} == {False}
+    assert rows[True]["forward"]["calls_per_sample"] == 1  # each sample after a backward: one call
+    for column in ("activation_bytes", "peak_bytes"):
+        assert rows[True]["forward"][column] == rows[False]["forward"][column]
+
+
 def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypatch):
     import torch
 

@@ -450,7 +450,49 @@ def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
     commands = [m["command"] for m in cold_only.missing]
     assert sum("timing.flush_cache=false" in c for c in commands) == 1
     assert sum("timing.flush_cache=true" in c for c in commands) == 1
+    # the warm run's forwards each after the op's backward, as the step runs them; the flushed one's not
+    assert [("forward_after_backward=true" in c) for c in commands] == [
+        "flush_cache=false" in c for c in commands
+    ]
     assert len(cold_only.plan.missing) == 1  # one point, measured twice
+
+
+def test_warm_forwards_timed_after_their_backward_win_and_back_to_back_ones_are_named(tmp_path):
+    """Inside a step every forward of an op follows its previous micro-batch's backward: given warm forward
+    rows timed both ways (timing.forward_after_backward), a visit takes those timed after the backward,
+    whichever run came last; a CPU prediction whose warm forward rows at its point were timed back to back
+    says so and names the override; flushed rows, or rows on a GPU, say nothing."""
+    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+    roomy = {**CAL, "warm_cache_bytes": 2**30, "shared_cache_bytes": 2**30}  # the layers' visits warm
+
+    def layer_forward(pred):
+        return next(
+            t.seconds
+            for name, phase, t, _ in pred.stages[0].items
+            if (name, phase) == ("transformer_layer", "forward")
+        )
+
+    in_order = [
+        {**r, "forward_after_backward": True, "median_us": r["median_us"] * 1.1}
+        if r["phase"] == "forward"
+        else r
+        for r in base_rows()
+    ]
+    b2b, after = make_run(tmp_path, base_rows(), "b2b"), make_run(tmp_path, in_order, "after")
+    for runs in ([b2b, after], [after, b2b]):
+        pred = predict(load_runs(runs), layout, roomy)
+        assert layer_forward(pred) == pytest.approx(1100 * US)
+        assert not any("back to back" in w for w in pred.warnings)
+    said = [w for w in predict(load_runs([b2b]), layout, roomy).warnings if "back to back" in w]
+    assert said == [
+        "the warm forward rows of embedding, final_layernorm, output_layer, transformer_layer were timed "
+        "back to back; inside a step each forward follows the op's backward, which runs it slower on a "
+        "CPU: profile them with timing.forward_after_backward=true"
+    ]
+    flushed = make_run(tmp_path, [{**r, "cache_flush": True} for r in base_rows()], "flushed")
+    gpu = make_run(tmp_path, [{**r, "device": "cuda"} for r in base_rows()], "gpu")
+    for runs in ([flushed], [gpu]):
+        assert not any("back to back" in w for w in predict(load_runs(runs), layout, roomy).warnings)
 
 
 def test_warm_visits_follow_the_stage_sweep():

@@ -420,6 +420,42 @@ def test_backward_phase_times_the_backward_alone(phase):
         assert len(forward_calls) == 1
 
 
+def test_a_forward_after_its_backward_follows_the_backward_of_the_previous_sample():
+    """Phase.after_backward (timing.forward_after_backward): each prepare runs the backward of what the
+    previous run returned, from the backward phase's seeded gradients; the first has none to run; on
+    exit the kept graph and the gradients are gone and the phase is back to back again."""
+    phase, linear = _linear_phase("forward")
+    plain_run = phase.run
+    backward = Phase("backward", phase.call, seed=0)
+    backward.prepare()
+    backward.run()
+    expected = linear.weight.grad.clone()  # the same seed: the same output gradients
+    linear.weight.grad = None
+    with phase.after_backward() as order:
+        phase.prepare()  # nothing run yet: nothing to run backward
+        assert not order.followed and linear.weight.grad is None
+        output = phase.run()
+        del output  # the timer's reference goes at its end mark; the phase keeps the graph
+        phase.prepare()
+        assert order.followed
+        torch.testing.assert_close(linear.weight.grad, expected, rtol=0, atol=0)
+        phase.run()
+        phase.prepare()  # the gradients cleared before each backward: not accumulated
+        torch.testing.assert_close(linear.weight.grad, expected, rtol=0, atol=0)
+        phase.run()
+        assert phase._outputs  # kept until the next prepare
+    assert phase._outputs == [] and phase.prepare is None and phase.run == plain_run
+    assert linear.weight.grad is None
+    with pytest.raises(ValueError, match="forward phase"), backward.after_backward():
+        pass
+    no_grad = Phase("forward", OpCall(lambda x: x * 2, (torch.randn(4),)), 0)
+    with no_grad.after_backward() as order:
+        for _ in range(2):
+            no_grad.prepare()
+            no_grad.run()
+    assert not order.followed  # an output without a gradient: its samples ran back to back
+
+
 def test_static_work_repeats_the_phase_on_fixed_tensors():
     """What a CUDA graph captures (Phase.static_work) computes what the eager phase computes, call after
     call: the backward reuses one forward's activations (retain_graph) and returns the same gradients."""

@@ -13,6 +13,7 @@ ceiling it reaches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -28,7 +29,7 @@ from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import graph_rng_generators
 from autotuner.ops_test.base import OpTest, ShapePoint
-from autotuner.runner import Phase
+from autotuner.runner import Phase, TrainingOrder
 
 
 def _first_line(exc: BaseException) -> str:
@@ -78,6 +79,7 @@ class GetDataObserver:
         cuda_graph_below_us: float | None = None,
         hide_launch: bool = True,
         idle_before_ms: float = 0.0,
+        forward_after_backward: bool = False,
     ) -> None:
         self.cuda_graph_below_us = cuda_graph_below_us if device.type == "cuda" else None
         self.graphs_off = ""  # set after a failed capture: the reason later rows give
@@ -91,6 +93,7 @@ class GetDataObserver:
         self.agreement = RankAgreement(device)
         self.model_parameters = model_parameters
         self.flush_cache, self.idle_before_ms = flush_cache, idle_before_ms
+        self.forward_after_backward = forward_after_backward
         steps = [CacheFlusher(device) if flush_cache else None]
         steps += [IdlePause(self.timer, idle_before_ms * 1e-3) if idle_before_ms > 0 else None]
         self.before_sample = _in_turn([s for s in steps if s is not None])  # untimed, before each sample
@@ -147,13 +150,16 @@ class GetDataObserver:
         label = f"{op.name if op is not None else 'an op'} {phase.name} at {point.label}"
         replay, graph_warning = self._graphed(phase, label)
         graphed = replay is not None
+        order = TrainingOrder()  # a replay's samples run back to back
         if replay is not None:
             measurement = sample(self.timer, replay, self.policy, None, self.before_sample, self.agreement)
         else:
             phase.rotate(self._input_sets(phase))
-            measurement = sample(
-                self.timer, phase.run, self.policy, phase.prepare, self.before_sample, self.agreement
-            )
+            in_order = self.forward_after_backward and phase.name == "forward"
+            with phase.after_backward() if in_order else contextlib.nullcontext(order) as order:
+                measurement = sample(
+                    self.timer, phase.run, self.policy, phase.prepare, self.before_sample, self.agreement
+                )
         replay_empty = replay is not None and replay.empty
         del replay  # frees the graph and its memory pool before the memory passes
         row: dict[str, Any] = {
@@ -162,6 +168,7 @@ class GetDataObserver:
             "input_sets": len(phase.input_sets),
             "cache_flush": self.flush_cache,
             "idle_before_ms": self.idle_before_ms,
+            "forward_after_backward": order.followed,
             "cuda_graph": graphed,
             "launch_hidden": self.timer.hide_launch,
         }
@@ -231,6 +238,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
         cuda_graph_below_us=timing.cuda_graph_below_us if timing.cuda_graph else None,
         hide_launch=timing.hide_launch,
         idle_before_ms=timing.idle_before_ms,
+        forward_after_backward=timing.forward_after_backward,
     )
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

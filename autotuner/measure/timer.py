@@ -37,6 +37,19 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   predictor leaves such rows out of a step's back-to-back ops (autotuner.predict.inputs.Measurements):
   inside real pipeline steps the visits after a wait did not run as after a sleep
   (docs/predictor_accuracy.md, "Pipeline stages on a CPU").
+* A forward follows its backward. Back to back, each forward sample finds what the op's previous forward
+  left: its code and data in the core's caches, the blocks it freed ready for the same allocations. In
+  a training step every forward of an op follows the op's backward of the previous micro-batch, which
+  touched its weights' gradients and freed its saved activations in between.
+  ``timing.forward_after_backward`` runs that backward, untimed, after every forward sample
+  (autotuner.runner.Phase.after_backward), so each sample is one call after one; the rows record it
+  (``forward_after_backward``), the predictor prefers such rows and its profiling plan asks for them in
+  its warm runs (autotuner.predict). On this project's CPU VM (session 29, one thread, the steps' own
+  layers alternated with the steps in one process: ``python -m benchmarks.row_in_step``) the tiny
+  layer's forward back to back read 0.84 of its time inside the steps and 0.96 after its backward; the
+  llama-shaped layer's 0.96 and 1.09: back to back is a lower bound of a step's forward, after the
+  backward near it or above. Off by default: the back-to-back forward is the op's own time, as
+  torch.utils.benchmark times it.
 * Freeing what a call returns. A forward's output holds its autograd graph and every activation saved
   for the backward; a bare ``run()`` drops it at once, inside the timed window, so the graph's teardown
   and the frees of its tensors were timed as the forward. In training they live until the backward,

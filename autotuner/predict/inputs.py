@@ -264,12 +264,14 @@ def measured_on_cpu(rows: Iterable[Mapping[str, Any]]) -> bool:
     return {r.get("device") for r in rows if r.get("status") == "ok"} == {"cpu"}
 
 
-def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> tuple[bool, bool]:
+def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> tuple[bool, bool, bool]:
     """How a row fits what ``Measurements`` asks for, in the order it weighs them (tuples compare so):
-    its cache mode, then the processes it was profiled in; True where nothing is asked."""
+    its cache mode, then the processes it was profiled in (True where nothing is asked), then, for a
+    forward, whether each sample followed the op's backward as in a step (``forward_after_backward``)."""
     return (
         cold is None or bool(row.get("cache_flush")) == cold,
         processes is None or row.get("run_processes") == processes,
+        row.get("phase") != "forward" or bool(row.get("forward_after_backward")),
     )
 
 
@@ -280,7 +282,9 @@ class Measurements:
     (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A row measured with the
     cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured the other way;
     then one profiled in ``processes`` processes (``run_processes``; None: any), as a CPU layout's ops
-    run beside that many (autotuner.predict.prediction), over one profiled in another count; otherwise
+    run beside that many (autotuner.predict.prediction), over one profiled in another count; then a
+    forward timed after the op's backward (``timing.forward_after_backward``), as a step runs it, over one
+    timed back to back; otherwise
     later runs' rows replace earlier ones at the same key. Rows timed after a pause
     (``idle_before_ms`` above 0) are left out: they time another condition than a step's back-to-back
     ops, not another sample of the same."""

@@ -13,7 +13,8 @@ change how the rows are combined, not the rows, so many layouts share a need. Th
    different micro-batch sizes becomes one run per distinct set, and no run measures a point nobody
    needs;
 3. writes each run as a command (:meth:`Run.argv`), with the cache mode the step runs its ops in
-   (``timing.flush_cache``, cold by default: autotuner.predict.timing.cache_plan):
+   (``timing.flush_cache``, cold by default: autotuner.predict.timing.cache_plan; a warm run's
+   forwards each after the op's backward, ``timing.forward_after_backward``, as a step runs them):
    ``python -m autotuner.main`` for one process,
    ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. On a GPU N is the least
    number of processes the run's parallel sizes fit: the least common multiple of tp and ep (the
@@ -320,6 +321,8 @@ def plan(
                 f"launcher={launcher}",
                 f"timing.flush_cache={str(flush_cache).lower()}",
             ]
+            # warm forwards as a step runs them, each after the op's backward (autotuner.measure.timer)
+            overrides += [] if flush_cache else ["timing.forward_after_backward=true"]
             overrides += [f"tf.tensor_model_parallel_size={tp}"] if tp > 1 else []
             overrides += [f"tf.expert_model_parallel_size={ep}"] if ep > 1 else []
             overrides += ["tf.sequence_parallel=true"] if sp else []

@@ -309,6 +309,30 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     ]
 
 
+def _forward_order_note(warm: TimeModel | None, layout: Layout) -> list[str]:
+    """Inside a step every forward of an op follows its previous micro-batch's backward; on a CPU a warm
+    forward timed back to back reads below that (autotuner.measure.timer, "A forward follows its
+    backward"), so where the warm forward rows chosen at the layout's point were timed so, say it."""
+    if warm is None:
+        return []
+    forwards = [
+        (key, r) for key, r in warm.meas.index.items() if key[1] == "forward" and r.get("device") == "cpu"
+    ]
+    # the rows at the layout's point where it has some (else the neighbours it scales from)
+    point = (layout.seq_len, layout.micro_batch_size)
+    at_point = [(key, r) for key, r in forwards if key[2:4] == point] or forwards
+    back_to_back = sorted(
+        {key[0] for key, r in at_point if not r.get("cache_flush") and not r.get("forward_after_backward")}
+    )
+    if not back_to_back:
+        return []
+    return [
+        f"the warm forward rows of {', '.join(back_to_back)} were timed back to back; inside a step each "
+        "forward follows the op's backward, which runs it slower on a CPU: profile them with "
+        "timing.forward_after_backward=true"
+    ]
+
+
 def predict(
     runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None = None, model: ModelShape | None = None
 ) -> Prediction:
@@ -358,6 +382,7 @@ def predict(
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
     notes += _processes_note(models, layout)
+    notes += _forward_order_note(warm_tm if cold else tm, layout)
     if not meas.index:
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "

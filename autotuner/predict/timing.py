@@ -125,7 +125,10 @@ this layer's weights still evicted, 1.01-1.09x and 1.03-1.06x; after another lay
 flushed row and read 11% (forward) and 8% (backward) over the layers' time inside the steps, where its
 warm rows read 0.99-1.04 of it (``python -m benchmarks.row_in_step``); inside the steps no visit of a
 layer ran slower than the rest. On a GPU a real model's layer exceeds the L2 and takes its flushed row.
-Where the runs hold only one kind of row, it stands in for the other and the prediction warns.
+Where the runs hold only one kind of row, it stands in for the other and the prediction warns. A warm
+forward row timed after the op's backward (``timing.forward_after_backward``, as every forward of an op in
+a step runs) wins over one timed back to back, which on a CPU reads under a step's forward; a CPU
+prediction from back-to-back ones says so (autotuner.measure.timer, "A forward follows its backward").
 
 **The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
 placed in the order Megatron-Core's 1F1B schedule (interleaved with vpp) runs them, each taking its own
@@ -351,7 +354,8 @@ class TimeModel:
         return (
             f"{len(rows)} of the rows used ({named}) were measured with a flushed cache, but "
             f"{self.cache_reason}: inside the step ops find their data cached, so these read slow "
-            "(profile with timing.flush_cache=false; the commands printed for what is missing do)"
+            "(profile with timing.flush_cache=false timing.forward_after_backward=true; the commands printed "
+            "for what is missing do)"
         )
 
     def _warn(self, text: str) -> None:

@@ -141,6 +141,10 @@ class Row:
         "(timing.idle_before_ms)",
         "ms",
     )
+    forward_after_backward: bool | None = _column(
+        "get_data, a forward: every sample followed the op's own backward of the previous sample, "
+        "untimed, as in training (timing.forward_after_backward; autotuner.measure.timer)"
+    )
     launch_hidden: bool | None = _column(
         "get_data on CUDA: a spin kernel was queued before every sample, so the host's delay before the "
         "first kernel is not in the sample (timing.hide_launch; autotuner.measure.timer)"

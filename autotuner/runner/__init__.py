@@ -218,6 +218,49 @@ class Phase:
         torch.autograd.backward(outputs, self._grads)
         return outputs  # the spent graph's nodes go with them
 
+    @contextlib.contextmanager
+    def after_backward(self) -> Iterator[TrainingOrder]:
+        """Within the block, this forward phase in training's order: its ``run`` keeps the output and its
+        ``prepare`` runs that output's backward (untimed, from the backward phase's seeded gradients, the
+        gradients cleared first as the backward phase clears them), so every sample after the first
+        follows the op's own backward, as every forward of an op in a training step follows its previous
+        micro-batch's backward (autotuner.measure.timer, "A forward follows its backward"). Yields what
+        it did: ``followed`` stays False for an op whose output needs no gradient (nothing to run
+        backward: its samples ran back to back). On exit the kept output, and its graph, is freed and the
+        phase is as before."""
+        if self.name != "forward":
+            raise ValueError(f"after_backward is for the forward phase, not {self.name!r}")
+        order = TrainingOrder()
+        plain_run = self.run
+
+        def run() -> Any:
+            output = plain_run()
+            self._outputs = [t for t in _tensors(output) if t.requires_grad]
+            return output
+
+        def prepare() -> None:
+            outputs, self._outputs = self._outputs, []
+            if not outputs:
+                return
+            for tensor in (*(t for inputs in self.input_sets for t in inputs), *self.parameters):
+                tensor.grad = None
+            torch.autograd.backward(outputs, self._output_grads(outputs))
+            order.followed = True
+
+        self.run, self.prepare = run, prepare
+        try:
+            yield order
+        finally:
+            self.run, self.prepare, self._outputs = plain_run, None, []
+            self.clear_grads()
+
+
+@dataclass
+class TrainingOrder:
+    """What :meth:`Phase.after_backward` did: whether any sample followed the op's backward."""
+
+    followed: bool = False
+
 
 class Observer(Protocol):
     """How a launcher observes a phase. Returns the row's measured columns."""
