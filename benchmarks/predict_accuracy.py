@@ -48,9 +48,10 @@ since then a stage whose ops sweep the shared cache takes the host work timed wi
 autotuner.predict.timing.host_work_cached); the same prediction from warm rows whose forwards were timed
 back to back (the benchmark before session 29, a third profile in the round; since then the warm
 profile times each forward after the op's backward, as a step runs it and as the predictor's profiling
-plan asks: autotuner.measure.timer, "A forward follows its backward"); the ops inside the forward-backward, each hooked op's
-predicted time per visit / its time inside the measured steps (autotuner.predict.in_step), medians over
-the rounds; then per rank the time between its ops in its median step, per stage the host work of a
+plan asks: autotuner.measure.timer, "A forward follows its backward"); the ops inside the
+forward-backward, each hooked op's predicted time per visit / its time inside the measured steps
+(autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in its
+median step, per stage the host work of a
 micro-batch's forward predicted beside measured (the model forwards' spans less their ops), and on a
 pipeline the hand-overs a stage waited for beside the predicted exchange, and
 the measured step replayed through the predictor's schedule simulation over its measured span
@@ -405,7 +406,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         warm_host = warm_host_work_step_s(runs, layout, calibrated)
         back_to_back = Path(folder) / "warm-back-to-back"
         profile(case, layout, back_to_back, calibration, False, threads, after_backward=False)
-        b2b_predicted = predict(load_runs([back_to_back, Path(folder) / "cold"]), layout, calibrated)
+        back_to_back_pred = predict(load_runs([back_to_back, Path(folder) / "cold"]), layout, calibrated)
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -430,7 +431,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         even_chunks_predicted_s=even_chunks,
         host_forward=forward_host_work(pred, checked),
         warm_host_predicted_s=warm_host,
-        back_to_back_predicted_s=b2b_predicted.step_seconds,
+        back_to_back_predicted_s=back_to_back_pred.step_seconds,
     )
 
 
