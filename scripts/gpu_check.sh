@@ -106,6 +106,11 @@ step llama7b_bf16_graphs_all 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] t
     timing.cuda_graph_below_us=1e9 "${CAL[@]}" "hydra.run.dir=$RUNS/llama7b_bf16_graphs_all"
 step llama7b_bf16_eager512 90 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] \
     "${CAL[@]}" "hydra.run.dir=$RUNS/llama7b_bf16_eager512"
+# A forward timed after its backward (timing.forward_after_backward) beside llama7b_bf16_eager512's, back to
+# back: on the CPU the two bracket a step's forward (autotuner.measure.timer); on a GPU, whose layer
+# exceeds its L2, they should agree.
+step forward_after_backward 60 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] timing.forward_after_backward=true \
+    'ops=[transformer_layer,linear_fc1,core_attention]' "${CAL[@]}" "hydra.run.dir=$RUNS/forward_after_backward"
 step torch_profiler 75 "${RUN[@]}" case=tiny device=cuda launcher=torch_profiler \
     'ops=[transformer_layer,linear_qkv,core_attention]' "hydra.run.dir=$RUNS/torch_profiler"
 
