@@ -285,12 +285,17 @@ def steps_arguments(case: list[str], layout: Layout, threads: int = 0) -> tuple[
     return case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus, threads), "device=cpu"]
 
 
+def profile_dir(folder: Path, mode: str, alone: bool = False) -> Path:
+    """Where a round's profile of one kind (``warm``, ``cold``, ...) goes under ``folder``."""
+    return folder / f"{'alone-' if alone else ''}{mode}"
+
+
 def profiled_runs(
     case: list[str], layout: Layout, folder: Path, calibration: Path, threads: int = 0, alone: bool = False
 ) -> Runs:
     """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
     predictor reads them."""
-    run_dirs = [folder / f"{'alone-' if alone else ''}{mode}" for mode in ("warm", "cold")]
+    run_dirs = [profile_dir(folder, mode, alone) for mode in ("warm", "cold")]
     for run_dir in run_dirs:
         profile(case, layout, run_dir, calibration, run_dir.name.endswith("cold"), threads, alone)
     return load_runs(run_dirs)
@@ -404,9 +409,10 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             alone_predicted = predict(alone, layout, calibrated).step_seconds
         even_chunks = even_chunks_step_s(pred, calibrated) if layout.vpp > 1 else None
         warm_host = warm_host_work_step_s(runs, layout, calibrated)
-        back_to_back = Path(folder) / "warm-back-to-back"
+        back_to_back = profile_dir(Path(folder), "warm-back-to-back")
         profile(case, layout, back_to_back, calibration, False, threads, after_backward=False)
-        back_to_back_pred = predict(load_runs([back_to_back, Path(folder) / "cold"]), layout, calibrated)
+        cold = profile_dir(Path(folder), "cold")  # this round's flushed rows, profiled above
+        back_to_back_pred = predict(load_runs([back_to_back, cold]), layout, calibrated)
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(

@@ -279,6 +279,13 @@ def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_
     return best
 
 
+def _at_point(rows: list[tuple[tuple, dict[str, Any]]], layout: Layout) -> list[tuple[tuple, dict[str, Any]]]:
+    """The (index key, row) pairs at the layout's point where it has some, else all of them (the neighbours
+    it scales from)."""
+    point = (layout.seq_len, layout.micro_batch_size)
+    return [(key, r) for key, r in rows if key[2:4] == point] or rows
+
+
 def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     """A CPU layout's processes share one host's memory and caches, so its ops run as fast as rows
     profiled beside as many processes (which the rows chosen prefer: ``Measurements``' ``processes``),
@@ -287,10 +294,7 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     0.85-1.00 of their time inside the steps profiled in one process, 1.01-1.11 in two
     (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
     rows = [(key, r) for tm in models for key, r in tm.meas.index.items() if r.get("device") == "cpu"]
-    # the rows at the layout's point where it has some (else the neighbours it scales from)
-    point = (layout.seq_len, layout.micro_batch_size)
-    at_point = [r for key, r in rows if key[2:4] == point] or [r for _, r in rows]
-    used = {r.get("run_processes") for r in at_point}
+    used = {r.get("run_processes") for _, r in _at_point(rows, layout)}
     other = sorted(n for n in used if n and n != layout.gpus)
     if not other:
         return []
@@ -318,11 +322,12 @@ def _forward_order_note(warm: TimeModel | None, layout: Layout) -> list[str]:
     forwards = [
         (key, r) for key, r in warm.meas.index.items() if key[1] == "forward" and r.get("device") == "cpu"
     ]
-    # the rows at the layout's point where it has some (else the neighbours it scales from)
-    point = (layout.seq_len, layout.micro_batch_size)
-    at_point = [(key, r) for key, r in forwards if key[2:4] == point] or forwards
     back_to_back = sorted(
-        {key[0] for key, r in at_point if not r.get("cache_flush") and not r.get("forward_after_backward")}
+        {
+            key[0]
+            for key, r in _at_point(forwards, layout)
+            if not r.get("cache_flush") and not r.get("forward_after_backward")
+        }
     )
     if not back_to_back:
         return []

@@ -165,7 +165,8 @@ class Phase:
         return self.call.fn(*self._inputs())
 
     def clear_grads(self) -> None:
-        for tensor in (*self.call.inputs, *self.parameters):
+        """The gradients of the weights and of every copy of the inputs (:meth:`rotate`) gone."""
+        for tensor in (*(t for inputs in self.input_sets for t in inputs), *self.parameters):
             tensor.grad = None
 
     def static_work(self) -> Callable[[], Any]:
@@ -242,8 +243,7 @@ class Phase:
             outputs, self._outputs = self._outputs, []
             if not outputs:
                 return
-            for tensor in (*(t for inputs in self.input_sets for t in inputs), *self.parameters):
-                tensor.grad = None
+            self.clear_grads()
             torch.autograd.backward(outputs, self._output_grads(outputs))
             order.followed = True
 
