@@ -166,7 +166,7 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
         "buffer_bytes": size,
         # where a warm row's data sits between calls, so where a step's op can find it again:
-        # autotuner.predict.timing.cache_plan
+        # autotuner.predict.caches.cache_plan
         "warm_cache_bytes": warm_cache_bytes(device),
         "shared_cache_bytes": last_level_cache_bytes(device),
     }

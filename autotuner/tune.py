@@ -17,7 +17,7 @@ the profiling runs that would measure them (for the layouts shown) are printed a
 
 Without run directories every figure is modelled from the case's sizes and the calibration (and says
 so): the profiling plan then lists everything to measure. Layouts with expert parallelism are ranked
-as the others (autotuner.predict.timing: the expert ops at that ep, measured or derived from ep=1 rows).
+as the others (autotuner.predict.op_time: the expert ops at that ep, measured or derived from ep=1 rows).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ sample so that the machine's drift falls on every condition alike:
   same code), as each layer's forward in a step follows the previous layer's;
 * ``after a flush, another layer``: the flush, then the other layer's forward, which does not touch this
   layer's weights: evicted as after the flush, but run after its own code and the memory it recycles
-  (what the clause of autotuner.predict.timing.warm_visits for a visit right after the same op's
+  (what the clause of autotuner.predict.caches.warm_visits for a visit right after the same op's
   rests on).
 
 It prints each condition's median (95% CI, order statistics) and its ratio to back to back. What it

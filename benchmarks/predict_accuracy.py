@@ -14,7 +14,7 @@ was the default until session 19): on this 2-core VM a two-thread op waits for t
 cores, and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise). Each
 op is profiled once with warm caches, each forward after the op's backward, and once flushed (the
 predictor takes, for each visit of an op in the step, the kind it runs in:
-autotuner.predict.timing.cache_plan). The device and the links between two
+autotuner.predict.caches.cache_plan). The device and the links between two
 processes are calibrated in every round, between its first steps and its profiles (python -m
 autotuner.calibrate, and --collectives under torchrun: the Adam step's time per parameter, alone and
 with both processes at it, the pipeline's transfers and the gradients' all-reduce, the caches a warm row
@@ -45,7 +45,7 @@ interleaved layout, the same prediction with each model chunk 1/v of its stage's
 before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the
 same prediction with every stage's host work as timed with warm caches (the predictor before session 28;
 since then a stage whose ops sweep the shared cache takes the host work timed with it flushed:
-autotuner.predict.timing.host_work_cached); the same prediction from warm rows whose forwards were timed
+autotuner.predict.caches.host_work_cached); the same prediction from warm rows whose forwards were timed
 back to back (the benchmark before session 29, a third profile in the round; since then the warm
 profile times each forward after the op's backward, as a step runs it and as the predictor's profiling
 plan asks: autotuner.measure.timer, "A forward follows its backward"); the ops inside the
@@ -443,7 +443,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
 
 def warm_host_work_step_s(runs: Runs, layout: Layout, calibrated: dict[str, Any]) -> float | None:
     """The step predicted from ``runs`` with every stage's host work as timed with warm caches (the
-    calibration less its flushed figure: autotuner.predict.timing.host_work_cached), as before session
+    calibration less its flushed figure: autotuner.predict.caches.host_work_cached), as before session
     28; None where the calibration has no flushed figure."""
     if HOST_WORK_FLUSHED not in calibrated:
         return None

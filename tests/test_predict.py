@@ -500,7 +500,7 @@ def test_warm_visits_follow_the_stage_sweep():
     grads + activations, MB): embedding 4+4+1, each layer 3+3+2, the final norm ~0, the output 4+4+2; a
     1 MB private and 32 MB shared cache. A forward's previous visit was the last micro-batch's backward,
     so what lies between is every op before it; a backward's, its own forward: every op after it."""
-    from autotuner.predict.timing import CacheSizes, SweepOp, warm_visits
+    from autotuner.predict.caches import CacheSizes, SweepOp, warm_visits
 
     mb = 1e6
     sweep = [SweepOp("embedding", 4 * mb, 4 * mb, 1 * mb)]
@@ -540,7 +540,7 @@ def test_warm_visits_follow_the_stage_sweep():
 
 
 def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
-    from autotuner.predict.timing import CacheSizes, stage_sweep, warm_visits
+    from autotuner.predict.caches import CacheSizes, stage_sweep, warm_visits
 
     warm = base_rows()
     cold = [{**r, "cache_flush": True, "median_us": r["median_us"] * 1.5} for r in base_rows()]
@@ -820,7 +820,7 @@ def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_
     (per tensor, per parameter, and the gradients' zeroing over the copy bandwidth), median over the steps
     of every depth; the warm-up and metered steps left out."""
     from autotuner.calibrate import adam_in_step
-    from autotuner.predict.steps import RankSteps, StepMeasurement
+    from autotuner.predict.step_measurement import RankSteps, StepMeasurement
 
     rates = {"adam_seconds_per_tensor": 2e-5, "adam_seconds_per_parameter": 2e-9, "memory_bandwidth": 4e9}
 

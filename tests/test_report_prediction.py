@@ -13,14 +13,13 @@ from autotuner.errors import UserError
 from autotuner.predict.__main__ import main
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import load_runs, predict
-from autotuner.report.prediction import (
+from autotuner.report.prediction import load_prediction, write_prediction_page
+from autotuner.report.prediction_figures import (
     MEMORY_TERMS,
-    load_prediction,
     measured_timeline_figure,
     memory_figure,
     timeline_figure,
     validation_figure,
-    write_prediction_page,
 )
 from tests.test_predict import CAL, base_rows, make_run
 

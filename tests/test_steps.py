@@ -9,7 +9,8 @@ import pytest
 from autotuner.errors import UserError
 from autotuner.predict.in_step import IN_STEP_KEYS
 from autotuner.predict.layout import Layout
-from autotuner.predict.steps import RankSteps, StepMeasurement, measure_steps, run_steps
+from autotuner.predict.step_measurement import RankSteps, StepMeasurement
+from autotuner.predict.steps import measure_steps, run_steps
 from benchmarks.predict_accuracy import CASES
 
 # Four micro-batches of one 16-token sequence: the schedules accumulate over several of them.

@@ -13,7 +13,7 @@ change how the rows are combined, not the rows, so many layouts share a need. Th
    different micro-batch sizes becomes one run per distinct set, and no run measures a point nobody
    needs;
 3. writes each run as a command (:meth:`Run.argv`), with the cache mode the step runs its ops in
-   (``timing.flush_cache``, cold by default: autotuner.predict.timing.cache_plan; a warm run's
+   (``timing.flush_cache``, cold by default: autotuner.predict.caches.cache_plan; a warm run's
    forwards each after the op's backward, ``timing.forward_after_backward``, as a step runs them):
    ``python -m autotuner.main`` for one process,
    ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. On a GPU N is the least

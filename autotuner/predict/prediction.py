@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.ops.naming import PHASES
+from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
 from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu
 from autotuner.predict.layout import Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
@@ -34,20 +36,9 @@ from autotuner.predict.memory import (
     megatron_report,
     stage_memory,
 )
+from autotuner.predict.op_time import TimeModel
 from autotuner.predict.plan import Need, Plan, plan
-from autotuner.predict.timing import (
-    OVERLAP,
-    PHASES,
-    CacheSizes,
-    StageTime,
-    StepTime,
-    TimeModel,
-    cache_plan,
-    host_work_cached,
-    stage_sweep,
-    stage_times,
-    step_time,
-)
+from autotuner.predict.timing import OVERLAP, StageTime, StepTime, stage_times, step_time
 from autotuner.results import load_rows
 from autotuner.results.calibration import load as load_calibration
 from autotuner.results.table import text_table
@@ -131,7 +122,7 @@ class Prediction:
     plan: Plan | None = None
     notes: list[str] = field(default_factory=list)  # warnings other than the links'
     link_gaps: list[LinkGap] = field(default_factory=list)  # collectives timed from no link calibration
-    cache_note: str = ""  # which visits took warm rows, which flushed (autotuner.predict.timing.cache_plan)
+    cache_note: str = ""  # which visits took warm rows, which flushed (autotuner.predict.caches.cache_plan)
     megatron_report: MegatronReport | None = None  # what Megatron-LM's own report prints, beside ours
 
     @property
@@ -204,7 +195,7 @@ def profiling_plan(
 ) -> Plan:
     """The profiling runs (autotuner.predict.plan) that would measure every figure not measured at the
     layout's point and TP: one need per (point, tp), in the layout's dtype, with the caches ``cold`` or
-    warm as the step runs its ops (autotuner.predict.timing.cache_plan); on a ``cpu``, beside as many
+    warm as the step runs its ops (autotuner.predict.caches.cache_plan); on a ``cpu``, beside as many
     processes as the layout runs (:func:`_processes_note`)."""
     needs = {
         Need(
@@ -347,7 +338,7 @@ def predict(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # the memory first (no cache mode changes it); which rows each visit of an op wants follows from
-        # the bytes of the stage's ops (autotuner.predict.timing.cache_plan)
+        # the bytes of the stage's ops (autotuner.predict.caches.cache_plan)
         either_cache, single = _memory_measurements(runs, layout)
         memory = _memory(either_cache, model, layout, single)
         activations = layer_activation(either_cache, model, layout, single).value

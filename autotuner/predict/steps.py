@@ -32,23 +32,8 @@ gradient_scaling_factor), so dp=2 trains exactly what dp=1 trains on the same gl
 parallelism (``ep``): Megatron's MoE layer with its experts split over ``ep`` ranks (their parameters
 are marked ``allreduce=False``), the tokens exchanged by its dispatcher.
 
-The optimizer is ``torch.optim.Adam`` (not Megatron's ``DistributedOptimizer``, which needs Megatron's
-DDP wrapper and its grad buffers), kept as Megatron keeps its optimizer. On fp32 parameters: two states
-per parameter, the gradients in the flat buffers. On a bf16/fp16 model, Megatron's mixed precision
-(Megatron-LM accumulates bf16 gradients in fp32): the flat buffers are fp32 "main gradients", each
-parameter's gradient added into its slice by a hook as autograd finishes it and then dropped (Megatron's
-DDP backward hook; without gradient-accumulation fusion), and Adam steps fp32 master copies of the
-parameters whose gradients are those slices, then the masters are copied into the model (Megatron's
-``Float16OptimizerWithFloat16Params``): 18 bytes per parameter held, as the prediction counts them.
-
-The distributed optimizer (``distributed_optimizer``, Megatron's ``DistributedOptimizer``, ZeRO-1): the
-parameters live in flat buffers too (the model's parameters are views of them, as in Megatron's DDP),
-each buffer padded to a multiple of its group's size; after the backward the gradient buffer is
-reduce-scattered over its group instead of all-reduced, so each rank holds the summed gradients of its
-1/group share; Adam keeps masters and states for that share alone (fp32: the share of the parameter
-buffer itself), steps it, and the parameter buffer is all-gathered from the shares. Held per parameter:
-the weights and the full gradient buffer, plus the optimizer's 8 (fp32) or 12 (bf16/fp16) bytes over
-the group's size.
+The optimizer is ``torch.optim.Adam`` over gradients and parameters kept as Megatron's DDP, its mixed
+precision and its distributed optimizer keep them (autotuner.predict.grad_buffers).
 
 Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU). ``warmup``
 steps first (the first allocates Adam's states; the gradient buffers exist from the start), then one
@@ -100,174 +85,28 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.predict.grad_buffers import (
+    gather_params,
+    grad_buffers,
+    master_params,
+    reduce_grads,
+    sequence_parallel_grads,
+)
 from autotuner.predict.in_step import IN_STEP_KEYS, ModuleClock, Visit
 from autotuner.predict.layout import Layout
+from autotuner.predict.step_measurement import RankSteps, StepMeasurement
 
 OPTIMIZER = "torch.optim.Adam"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class RankSteps:
-    """One rank's measurements. Times per step, in step order: ``warmup`` steps, the metered step (not
-    timed: 0.0), then the timed steps."""
-
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    forward_backward_s: tuple[float, ...]  # the schedule (this rank's micro-batches)
-    # the data-parallel communication: the gradients' reductions (sequence-parallel, data-parallel) and,
-    # with the distributed optimizer, the parameters' all-gather after Adam
-    reduce_s: tuple[float, ...]
-    optimizer_s: tuple[float, ...]  # Adam's step and the zeroing of the gradients for the next one
-    losses: tuple[float, ...]  # every step's mean loss over its micro-batches; empty off the last stage
-    parameter_bytes: int  # this rank's parameters
-    resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
-    step_peak_bytes: int  # the peak above that during the metered step
-    # the ops' seconds per visit inside the timed steps, their fenced mean
-    # (autotuner.predict.in_step.IN_STEP_KEYS, those this rank has); empty with activation recompute
-    in_step_s: dict[str, float] = field(default_factory=dict)
-    # one timed step's op visits (autotuner.predict.in_step.Visit), the step StepMeasurement.timeline_step
-    # names, the same on every rank; empty with activation recompute
-    timeline: tuple[Visit, ...] = ()
-    # when this rank's timeline starts, from the earliest rank's start (the wall clock at each rank's
-    # start mark: autotuner.predict.in_step); its visits are counted from that earliest start
-    timeline_start_s: float = 0.0
-    optimizer_tensors: int = 0  # the tensors this rank's Adam steps (0: a measurement from before it)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.resident_bytes + self.step_peak_bytes
-
-
-@dataclass(frozen=True)
-class StepMeasurement:
-    """Measured training steps of one layout: raw per-rank data; statistics as properties."""
-
-    case: str
-    overrides: tuple[str, ...]
-    layout: Layout
-    command: tuple[str, ...]  # the command line that repeats this measurement
-    warmup: int
-    repeats: int
-    device: str
-    optimizer: str
-    schedule: str  # the Megatron-Core schedule get_forward_backward_func chose
-    ranks: tuple[RankSteps, ...]
-    timeline_step: int = -1  # the step whose visits RankSteps.timeline holds (-1: none kept)
-
-    @property
-    def _timed_steps(self) -> range:
-        """The indices of the timed steps (after the warm-up steps and the metered one)."""
-        return range(self.warmup + 1, self.warmup + 1 + self.repeats)
-
-    def _timed(self, per_rank: Callable[[RankSteps], tuple[float, ...]]) -> list[float]:
-        """Per timed step, the slowest rank's time."""
-        return [max(per_rank(r)[i] for r in self.ranks) for i in self._timed_steps]
-
-    @property
-    def step_times_s(self) -> list[float]:
-        return self._timed(
-            lambda r: tuple(
-                f + g + o for f, g, o in zip(r.forward_backward_s, r.reduce_s, r.optimizer_s, strict=True)
-            )
-        )
-
-    @property
-    def step_s(self) -> float:
-        """Median step time (slowest rank per step)."""
-        return statistics.median(self.step_times_s)
-
-    @property
-    def step_iqr_s(self) -> float:
-        times = self.step_times_s
-        if len(times) < 2:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-        return q3 - q1
-
-    def _on_critical_rank(self, per_rank: Callable[[RankSteps], tuple[float, ...]]) -> list[float]:
-        """Per timed step, the phase's time on the rank whose forward-backward ended last: the rank the
-        others waited for. A rank done earlier spends that wait inside its first collective (the DP
-        reduction's clock starts at its own backward's end), so its reduction time holds the other's
-        backward; the slowest rank's holds the collective alone."""
-        return [
-            per_rank(max(self.ranks, key=lambda r: r.forward_backward_s[i]))[i]  # noqa: B023 - used at once
-            for i in self._timed_steps
-        ]
-
-    @property
-    def forward_backward_s(self) -> float:
-        return statistics.median(self._timed(lambda r: r.forward_backward_s))
-
-    @property
-    def reduce_s(self) -> float:
-        return statistics.median(self._on_critical_rank(lambda r: r.reduce_s))
-
-    @property
-    def optimizer_s(self) -> float:
-        return statistics.median(self._on_critical_rank(lambda r: r.optimizer_s))
-
-    def in_step(self, stage: int) -> dict[str, float]:
-        """The ops' seconds per visit (fenced means) inside the timed steps on stage ``stage``: per
-        op, its slowest rank's (autotuner.predict.in_step); empty where nothing was timed."""
-        found: dict[str, float] = {}
-        for r in self.ranks:
-            if r.pp_rank == stage:
-                for key, seconds in r.in_step_s.items():
-                    found[key] = max(found.get(key, 0.0), seconds)
-        return found
-
-    @property
-    def peak_bytes(self) -> int:
-        """The largest peak over the ranks (memory per GPU is what must fit)."""
-        return max(r.peak_bytes for r in self.ranks)
-
-    @property
-    def losses(self) -> tuple[float, ...]:
-        """Every step's loss over the global batch: the mean over the data-parallel ranks of the last
-        pipeline stage (each the mean over its equal share of the micro-batches)."""
-        last = [r.losses for r in self.ranks if r.losses and r.tp_rank == 0]
-        return tuple(statistics.fmean(step) for step in zip(*last, strict=True))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layout", "ranks")},
-            "layout": self.layout.to_json(),
-            "ranks": [asdict(r) for r in self.ranks],
-            "step_s": self.step_s,
-            "step_iqr_s": self.step_iqr_s,
-            "forward_backward_s": self.forward_backward_s,
-            "reduce_s": self.reduce_s,
-            "optimizer_s": self.optimizer_s,
-            "peak_bytes": self.peak_bytes,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StepMeasurement:
-        layout_fields = {f.name for f in fields(Layout)}
-        layout = Layout(**{k: v for k, v in data["layout"].items() if k in layout_fields})
-        ranks = tuple(
-            RankSteps(
-                **{k: tuple(v) if isinstance(v, list) else v for k, v in r.items() if k != "timeline"},
-                timeline=tuple(tuple(visit) for visit in r.get("timeline", ())),
-            )
-            for r in data["ranks"]
-        )
-        own = {f.name for f in fields(cls)} - {"layout", "ranks"}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in own}
-        return cls(**values, layout=layout, ranks=ranks)
 
 
 def _recompute_overrides(recompute: str) -> list[str]:
@@ -436,128 +275,6 @@ def _forward_step(data: Iterator[dict[str, Any]], model: Any) -> tuple[Any, Call
     return losses, loss_func
 
 
-def _sequence_parallel_grads(model: Any) -> None:
-    """All-reduce over TP the gradients of parameters every TP rank holds whole but sees a sequence slice
-    of (the norms under sequence parallelism), as Megatron's finalize_model_grads does."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    for param in model.parameters():
-        grad = getattr(param, "main_grad", param.grad)
-        if getattr(param, "sequence_parallel", False) and grad is not None:
-            dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
-
-
-@dataclass(frozen=True)
-class GradBuffer:
-    """One flat gradient buffer, reduced over ``group`` after the backward, as a bucket of Megatron's DDP
-    is. Its views are the parameters' gradients: their ``.grad`` (autograd accumulates into them in
-    place) when the buffer has the parameters' dtype, else (fp32 main gradients of a bf16/fp16 model)
-    their ``main_grad``, which a hook adds each finished ``.grad`` into. With the distributed optimizer
-    the parameters are views of ``params``, a flat buffer laid out as this one, and both are padded to a
-    multiple of the group's size so that each rank owns an equal share (:meth:`share`)."""
-
-    flat: Any  # torch.Tensor
-    group: Any  # torch.distributed ProcessGroup
-    params: Any = None  # torch.Tensor: the distributed optimizer's flat parameter buffer
-
-    def share(self, tensor: Any) -> Any:
-        """This rank's contiguous share of ``tensor`` (this buffer's or ``params``)."""
-        size = tensor.numel() // self.group.size()
-        return tensor[self.group.rank() * size : (self.group.rank() + 1) * size]
-
-
-def _accumulate_into_main_grad(param: Any) -> None:
-    """Megatron's DDP backward hook: the gradient autograd just finished, added into the fp32 main
-    gradient, then dropped so that no second copy is held."""
-    param.main_grad.add_(param.grad)
-    param.grad = None
-
-
-def _grad_buffers(model: Any, main_dtype: Any = None, sharded: bool = False) -> list[GradBuffer]:
-    """The dense parameters' buffer (reduced over the data-parallel group) and the expert parameters'
-    (``allreduce=False``: reduced over the expert-data-parallel group), each a single bucket, in
-    ``main_dtype`` (fp32 main gradients) or else the parameters' dtype; ``sharded`` (the distributed
-    optimizer): with the parameters moved into a flat buffer of the same layout, both padded."""
-    import torch
-    from megatron.core import parallel_state
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    kinds = [
-        ([p for p in params if getattr(p, "allreduce", True)], parallel_state.get_data_parallel_group()),
-        (
-            [p for p in params if not getattr(p, "allreduce", True)],
-            parallel_state.get_expert_data_parallel_group(),
-        ),
-    ]
-    buffers = []
-    for members, group in kinds:
-        if not members:
-            continue
-        dtype = main_dtype or members[0].dtype
-        numel = sum(p.numel() for p in members)
-        if sharded:
-            numel = -(-numel // group.size()) * group.size()
-        flat = torch.zeros(numel, dtype=dtype, device=members[0].device)
-        flat_params = torch.zeros(numel, dtype=members[0].dtype, device=flat.device) if sharded else None
-        offset = 0
-        for p in members:
-            view = flat[offset : offset + p.numel()].view_as(p)
-            if dtype == p.dtype:
-                p.grad = view
-            else:
-                p.main_grad = view
-                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-            if flat_params is not None:
-                place = flat_params[offset : offset + p.numel()].view_as(p)
-                place.copy_(p.detach())
-                p.data = place
-            offset += p.numel()
-        buffers.append(GradBuffer(flat, group, flat_params))
-    return buffers
-
-
-def _masters(pairs: list[tuple[Any, Any]], mixed: bool) -> list[Any]:
-    """What Adam steps, one per (parameter tensor, its gradient) pair: an fp32 copy of the tensor for a
-    bf16/fp16 model (Megatron's master weights, copied back after each step), else the tensor itself
-    (a Parameter sharing its storage), each with that gradient as ``.grad``."""
-    import torch
-
-    masters = []
-    for tensor, grad in pairs:
-        master = torch.nn.Parameter(tensor.detach().float() if mixed else tensor)
-        master.grad = grad
-        masters.append(master)
-    return masters
-
-
-def _reduce_grads(buffers: list[GradBuffer], dp: int, sharded: bool) -> None:
-    """Megatron's default DDP reduction: every gradient scaled by 1/dp (the mean over the global batch;
-    an expert's gradient already sums the tokens the dispatcher brought from the other EP ranks), then
-    summed over its buffer's group: all-reduced, or with the distributed optimizer reduce-scattered into
-    this rank's share (in place, as Megatron does)."""
-    import torch.distributed as dist
-
-    for buffer in buffers:
-        if dp > 1:
-            buffer.flat.mul_(1.0 / dp)
-        if buffer.group.size() == 1:
-            continue
-        if sharded:
-            dist.reduce_scatter_tensor(buffer.share(buffer.flat), buffer.flat, group=buffer.group)
-        else:
-            dist.all_reduce(buffer.flat, group=buffer.group)
-
-
-def _gather_params(buffers: list[GradBuffer]) -> None:
-    """The distributed optimizer's last step: every rank's updated share into every rank's parameters."""
-    import torch.distributed as dist
-
-    for buffer in buffers:
-        if buffer.group.size() > 1:
-            dist.all_gather_into_tensor(buffer.params, buffer.share(buffer.params), group=buffer.group)
-
-
 class StageTrainer:
     """One rank's share of the layout's real training steps: the case's model built and placed as
     Megatron places it (its stage, its chunks), the fixed batch, the flat gradient buffers, the optimizer,
@@ -616,7 +333,7 @@ class StageTrainer:
         self.params = params = [p for p in model.parameters() if p.requires_grad]
         self.mixed = mixed = params[0].dtype != torch.float32  # bf16/fp16: fp32 main grads and masters
         self.sharded = sharded = layout.distributed_optimizer
-        self.buffers = buffers = _grad_buffers(model, torch.float32 if mixed else None, sharded)
+        self.buffers = buffers = grad_buffers(model, torch.float32 if mixed else None, sharded)
         # the ops' times inside the steps; not with recompute, whose re-run forward fires the hooks twice.
         # After the buffers: a backward timed to a parameter's accumulation holds its main-gradient add.
         self.clock = ModuleClock(chunks, device) if layout.recompute == "none" else None
@@ -626,7 +343,7 @@ class StageTrainer:
             self.pairs = [(buffer.share(buffer.params), buffer.share(buffer.flat)) for buffer in buffers]
         else:
             self.pairs = [(p, p.main_grad) for p in params] if mixed else []
-        self.masters = _masters(self.pairs, mixed) if self.pairs else params
+        self.masters = master_params(self.pairs, mixed) if self.pairs else params
         self.optimizer = torch.optim.Adam(self.masters, lr=lr)
         self.schedule = get_forward_backward_func()
 
@@ -654,8 +371,8 @@ class StageTrainer:
     def reduce(self) -> None:
         """The gradients summed over their groups (sequence-parallel ones over TP; the buffers over DP)."""
         if self.layout.sequence_parallel:
-            _sequence_parallel_grads(self.model)
-        _reduce_grads(self.buffers, self.layout.dp, self.sharded)
+            sequence_parallel_grads(self.model)
+        reduce_grads(self.buffers, self.layout.dp, self.sharded)
 
     def optimizer_step(self) -> None:
         """Adam's step (and the masters into the model's bf16/fp16 tensors), then the gradients zeroed."""
@@ -672,7 +389,7 @@ class StageTrainer:
     def gather_params(self) -> None:
         """The distributed optimizer's last step: every rank's updated share into every rank's parameters."""
         if self.sharded:
-            _gather_params(self.buffers)
+            gather_params(self.buffers)
 
     def resident_bytes(self) -> int:
         """What the steps hold between them: parameters, masters, gradient buffers, Adam's states."""

@@ -67,7 +67,7 @@ GRAD_ACCUMULATION = "grad_accumulation_seconds_per_parameter"
 # work), timed on a CPU (autotuner.calibrate.host_work): per phase a stage's part and a part per layer.
 HOST_WORK = "host_work_seconds_per_microbatch"
 # The same, timed with the last-level cache flushed inside every layer: the host work of a model whose ops
-# sweep more than the cache between its visits (autotuner.predict.timing.host_work_cached).
+# sweep more than the cache between its visits (autotuner.predict.caches.host_work_cached).
 HOST_WORK_FLUSHED = "host_work_seconds_per_microbatch_flushed"
 HOST_WORK_PARTS = ("forward", "forward_per_layer", "backward", "backward_per_layer")
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)

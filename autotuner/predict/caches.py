@@ -1,0 +1,214 @@
+"""Which visits of a step find their data in the cache: the warm row or the flushed one, per visit.
+
+**Warm or cold caches.** A row measured with warm caches (``cache_flush`` false, the profiler's default)
+times an op that finds its weights and inputs in the cache from its previous call; one measured with
+``timing.flush_cache=true`` starts each call with the caches evicted. Inside a step an op finds its data
+again only if what the stage touched since its previous visit left it there. A micro-batch sweeps the
+stage's ops forward (embedding, layers, final norm, output layer), then backward in reverse, so a
+backward's previous visit is its own forward, with every op after it in between, and a forward's is the
+last micro-batch's backward, with every op before it in between (1F1B's steady state alternates a forward
+and a backward the same way; the interleaved schedule's chunks put more between, which this undercounts).
+The distinct bytes of an op are its weights, their fp32 main gradients and what its forward saves, from
+the model's sizes and the layer's measured ``activation_bytes`` (:func:`stage_sweep`,
+:func:`warm_visits`). A visit takes the op's warm row when those bytes fit the cache its warm row ran
+from: a core's own cache (calibration ``warm_cache_bytes``: a CPU core's L2, a GPU's L2) for an op that
+fits there, else the shared last-level cache (``shared_cache_bytes``: the L3 of a CPU; a GPU's L2 again);
+and, whatever lies between, when the visit right before it is the same op's in the same phase (a layer's
+forward after the previous layer's, its backward after the next layer's); never for an op larger than the
+shared cache, nor for the first op of a stage's forward, which follows a backward (the last micro-batch's,
+ending with this op's own: in 1F1B's steady state every forward does). What a backward leaves cold is not
+that op's data but, as a flush does, the code and the memory the allocator recycles: tiny's embedding
+forward, the first op of each of its micro-batches, took 0.153 ms inside real steps, 0.026 back to back
+and 0.187 right after a backward of the model, its flushed row 0.19 in an earlier profile (session 23, one
+process); a layer's forward after its backward 1.11-1.20x its back-to-back time against 1.28-1.41x after a
+flush (tiny) and 1.06-1.09x against 1.11-1.13x (llama-shaped; ``python -m
+benchmarks.forward_after_backward``): between the two, the flushed one the nearer for the op that short. A
+pipeline's later stage starts its forward with a layer, which this sends to its flushed row (tiny PP2's
+layer forward took 1.96-2.01 ms inside the steps in session 15, its warm row then 1.28, its flushed row
+1.72). Other visits take its flushed row, and an op visited both ways the mean of the two by its visits
+(:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is LRU-like
+and ignores that a cache keeps some of a larger working set; it is what the measurements showed on this
+project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped model's layers, timed by
+hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward, their warm rows 2.82 and
+4.30, their flushed rows 4.07 and 5.72; the tiny model's layers took 1.27-1.46 and 1.24 ms against warm
+rows of 1.18 and 1.24 and flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the
+flushed rows for both (their memory exceeds a core's L2) and over-predicted the llama-shaped
+forward-backward by 6-25%. A layer that follows a layer: what makes a flushed row slow on a CPU is less
+the op's own weights leaving the cache than what the flush evicts besides, the code and the memory the
+allocator recycles, which the layer before it has just run and used (session 21, ``python -m
+benchmarks.forward_after_backward``, one thread, a layer's forward over its back-to-back time: after a
+flush 1.30-1.68x (tiny) and 1.09-1.16x (llama-shaped); after the flush and then another layer's forward,
+this layer's weights still evicted, 1.01-1.09x and 1.03-1.06x; after another layer alone 0.98-1.02x and
+1.00-1.01x). Without this clause the llama-shaped TP1 stage took 1 of its 4 layer visits a phase from the
+flushed row and read 11% (forward) and 8% (backward) over the layers' time inside the steps, where its
+warm rows read 0.99-1.04 of it (``python -m benchmarks.row_in_step``); inside the steps no visit of a
+layer ran slower than the rest. On a GPU a real model's layer exceeds the L2 and takes its flushed row.
+Where the runs hold only one kind of row, it stands in for the other and the prediction warns. A warm
+forward row timed after the op's backward (``timing.forward_after_backward``, as every forward of an op in
+a step runs) wins over one timed back to back, which on a CPU reads under a step's forward; a CPU
+prediction from back-to-back ones says so (autotuner.measure.timer, "A forward follows its backward").
+
+The same sweep says whether a stage's host work outside its ops finds its own data cached
+(:func:`host_work_cached`; autotuner.predict.timing, "Host work outside the ops").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from autotuner.ops.naming import PHASES
+from autotuner.predict.inputs import (
+    ModelShape,
+)
+from autotuner.predict.layout import Layout, Source, worst_kind
+from autotuner.predict.memory import GRAD_BYTES
+from autotuner.predict.op_time import OpTime
+
+
+@dataclass(frozen=True)
+class SweepOp:
+    """One op of a stage's sweep (module docstring, "Warm or cold caches") and the distinct bytes it
+    touches on one GPU per micro-batch: its weights, their fp32 main gradients (written in its
+    backward), and what its forward saves (the output layer: the logits)."""
+
+    name: str
+    weights: float
+    grads: float
+    activations: float
+
+    @property
+    def footprint(self) -> float:
+        return self.weights + self.grads + self.activations
+
+    def own(self, phase: str) -> float:
+        """The bytes one visit touches: its warm row's data."""
+        return self.weights + self.activations + (self.grads if phase == "backward" else 0.0)
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """``private``: the cache one core (or a GPU) has to itself, where a warm row of an op smaller than it
+    ran (calibration ``warm_cache_bytes``); ``shared``: the last-level cache, where a larger op's warm row
+    ran (``shared_cache_bytes``; a GPU's L2 is both)."""
+
+    private: float
+    shared: float
+
+    @classmethod
+    def from_calibration(cls, calibration: Mapping[str, Any] | None) -> CacheSizes | None:
+        warm = (calibration or {}).get("warm_cache_bytes")
+        if not warm:
+            return None
+        return cls(float(warm), float(max(warm, (calibration or {}).get("shared_cache_bytes") or warm)))
+
+
+def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations: float) -> list[SweepOp]:
+    """The ops one micro-batch visits on ``stage``'s GPU, in forward order, with their bytes (from the
+    model's sizes and one layer's saved activations per micro-batch, autotuner.predict.memory)."""
+    tp, per = layout.tp, layout.bytes_per_element
+    tokens = layout.seq_len * layout.micro_batch_size
+    table = model.vocab * model.hidden / tp
+    layer = model.layer_params_on_rank(tp, layout.ep)
+    ops = (
+        [SweepOp("embedding", table * per, table * GRAD_BYTES, tokens * model.hidden * per)]
+        if stage == 0
+        else []
+    )
+    per_stage = layout.stage_layers(model.num_layers)[stage]
+    ops += [SweepOp("transformer_layer", layer * per, layer * GRAD_BYTES, layer_activations)] * per_stage
+    if stage == layout.pp - 1:
+        norm = model.final_norm_params
+        ops.append(SweepOp("final_layernorm", norm * per, norm * GRAD_BYTES, tokens * model.hidden * per))
+        logits = tokens * model.vocab / tp * GRAD_BYTES  # fp32 for the loss
+        ops.append(SweepOp("output_layer", table * per, table * GRAD_BYTES, logits))
+    return ops
+
+
+def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[str, str], int]:
+    """{(op, phase): how many of its visits per micro-batch find their data where its warm row did}
+    (module docstring): the bytes touched since the op's previous visit (its backward's previous
+    visit is its forward; its forward's, the last micro-batch's backward) fit the cache the warm row ran
+    in, or the visit right before it in the step is the same op's, in the same phase (a layer after the
+    layer before it). Never the sweep's first forward, which follows a backward (a forward after a
+    backward), nor without cache sizes (assumed exceeded), nor for an op larger than the shared cache."""
+    found = {(op.name, phase): 0 for op in sweep for phase in PHASES}
+    if caches is None:
+        return found
+    before = [0.0, *itertools.accumulate(op.footprint for op in sweep)]  # bytes of the ops before each
+    for i, op in enumerate(sweep):
+        for phase in PHASES:
+            distance = before[i] if phase == "forward" else before[-1] - before[i + 1]
+            own = op.own(phase)
+            room = caches.private if own <= caches.private else caches.shared
+            just_before = i - 1 if phase == "forward" else i + 1  # the backward sweeps in reverse
+            follows_itself = 0 <= just_before < len(sweep) and sweep[just_before].name == op.name
+            after_backward = phase == "forward" and i == 0
+            warm = own <= caches.shared and not after_backward and (distance <= room or follows_itself)
+            found[(op.name, phase)] += int(warm)
+    return found
+
+
+def cache_plan(
+    sweeps: list[list[SweepOp]], calibration: Mapping[str, Any] | None
+) -> tuple[list[dict], bool, bool, str]:
+    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes, whether any
+    visit wants warm rows, any flushed ones, and why, in words."""
+    from autotuner.results.units import human_bytes
+
+    caches = CacheSizes.from_calibration(calibration)
+    plans = [warm_visits(sweep, caches) for sweep in sweeps]
+    visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
+    warm = sum(sum(plan.values()) for plan in plans)
+    if caches is None:
+        why = "the calibration names no warm_cache_bytes: assumed every op's data leaves the cache"
+    else:
+        why = (
+            f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
+            f"bytes touched since the op's last visit within the {human_bytes(caches.private)} private or "
+            f"{human_bytes(caches.shared)} shared cache it ran from, or the visit before it the same op's; "
+            "never a stage's first forward op, which follows a backward)"
+        )
+        if not (calibration or {}).get("shared_cache_bytes"):
+            why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"
+    return plans, warm > 0, warm < visits, why
+
+
+def blend(warm: OpTime, cold: OpTime, warm_count: int, count: int) -> OpTime:
+    """An op visited ``count`` times per micro-batch, ``warm_count`` of them with its data cached: the
+    mean time per visit, from its warm and its flushed rows."""
+    share = warm_count / count
+    parts = {
+        k: share * warm.parts.get(k, 0.0) + (1 - share) * cold.parts.get(k, 0.0)
+        for k in dict.fromkeys([*warm.parts, *cold.parts])
+    }
+    detail = (
+        f"{warm_count} of {count} visits per micro-batch with the data cached: {warm.source.detail}; "
+        f"the other {count - warm_count} flushed: {cold.source.detail}"
+    )
+    return OpTime(
+        share * warm.seconds + (1 - share) * cold.seconds,
+        Source(worst_kind([warm.source, cold.source]), detail),
+        parts,
+        tuple(dict.fromkeys([*warm.missing, *cold.missing])),
+        cold.rows_tp,
+    )
+
+
+def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None, processes: int) -> tuple[bool, str]:
+    """Whether a stage's host work finds its own data in the shared cache (autotuner.predict.timing, "Host
+    work outside the ops"): a micro-batch's ops on the stage, in each of the ``processes`` that share the
+    host, touch no more bytes than it holds; and why, in words. Without cache sizes, assumed not."""
+    from autotuner.results.units import human_bytes
+
+    if caches is None:
+        return False, "the calibration names no cache sizes: assumed swept out"
+    touched = sum(op.footprint for op in sweep)
+    beside = f" x {processes} processes on one host" if processes > 1 else ""
+    cached = touched * processes <= caches.shared
+    return cached, (
+        f"a micro-batch's ops touch {human_bytes(touched)}{beside}, "
+        f"{'within' if cached else 'beyond'} the {human_bytes(caches.shared)} shared cache"
+    )
