@@ -1,6 +1,6 @@
 """Machine noise: how far this CPU's own speed moves, before any prediction is judged against it.
 
-    python -m benchmarks.machine_noise [--seconds 10] [--block 30] [--gaps 0.1,1,5,20]
+    python -m benchmarks.machine_noise [--seconds 10] [--block 30] [--gaps 0.1,1,5,20] [--pairs 3]
 
 A predicted step is built from ops profiled at one moment and compared with steps run at another, so
 the machine's drift between the two moments bounds what a comparison can show (benchmarks.predict_accuracy
@@ -26,14 +26,32 @@ quiet; docs/predictor_accuracy.md): within 10 s the GEMMs' and the copy's block 
 5 ms asleep took 1.5-2.2x its back-to-back time, after 20 ms 2.7-3.0x (1.2-1.9x and 1.45-2.65x
 spinning; two runs): a waiting core does not keep its cache here, which is what a pipeline stage's ops
 pay after each wait for a neighbour.
+
+Last, a collective between two processes, as a tensor-parallel op's rows and steps run them: gloo's all-reduce
+of one layer's activations at the benchmark's point (128 tokens x 256, fp32: 128 KiB), each call after a
+barrier as the sampler starts a sample under torchrun (autotuner.measure.timer), in ``--pairs`` fresh pairs of
+processes under torchrun one after the other; per pair the median call, the share of calls over STALLED_S and
+their median, and the mean over the median. On this project's VM (session 30, two runs of four pairs) the
+median call took 0.28-0.31 ms and 7-22% of the calls stalled for 3.8-4.2 ms: one tick of the guest's 250 Hz
+clock (its kernel runs without preemption and halts an idle virtual core at once:
+``haltpoll.guest_halt_poll_ns=0``), so a waiting rank's wake-up can wait for the tick; the mean call read
+1.8-3.4x the median. (Pairs started by multiprocessing instead of torchrun, in an earlier version of this
+probe, stalled in 2-7% of calls, eleven pairs.) The share moves between pairs and runs, and with it a TP=2
+op's rows: two TP=2 profiles of the llama-shaped stage's ops, back to back, had IQRs of 33-57% of their
+medians (the layer's and the output layer's) and fenced means 9-28% apart (the layer's forward 5.96 ms and
+4.64), which no number of samples in one profile narrows (docs/predictor_accuracy.md, "Tensor parallelism on
+this VM").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +61,10 @@ import torch
 PROBES = ("l2_gemm", "l3_gemm", "dram_copy", "dispatch")
 # first calls after each gap, per gap and way of waiting
 RESUMES = 100
+# the collective probe: calls per pair of processes, and what counts as a stalled call (a fast one takes
+# a few tenths of a millisecond here; a stall, a scheduler tick of 4 ms)
+COLLECTIVE_CALLS = 300
+STALLED_S = 1e-3
 
 
 def make_probe(name: str, cpu: int) -> Callable[[], object]:
@@ -119,12 +141,45 @@ def resumed_calls(gap_s: float, spin: bool, cpu: int) -> tuple[float, float]:
     return statistics.median(first), statistics.median(after)
 
 
+def collective_calls(calls: int) -> None:
+    """Under torchrun (two processes, one intra-op thread each): ``calls`` gloo all-reduces of 128 KiB,
+    each after a barrier; rank 0 prints their seconds as one JSON line."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    activations = torch.ones(128 * 256)
+    times = []
+    for _ in range(10 + calls):  # the first ten warm up the connection
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(activations)
+        times.append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        print(json.dumps(times[10:]), flush=True)
+    dist.destroy_process_group()
+
+
+def collective_pair(calls: int) -> list[float]:
+    """The seconds of each call of :func:`collective_calls` in a fresh pair of processes under torchrun, as
+    a TP=2 profile and its steps run."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["-m", "benchmarks.machine_noise", "--collective-worker", str(calls)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per probe, alone and again beside")
     parser.add_argument("--block", type=int, default=30, help="calls per block")
     parser.add_argument("--gaps", default="0.1,1,5,20", help="milliseconds, comma-separated")
+    parser.add_argument("--pairs", type=int, default=3, help="fresh pairs of processes for the collective")
+    parser.add_argument("--collective-worker", type=int, metavar="CALLS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.collective_worker:  # one process of a pair (collective_pair)
+        collective_calls(args.collective_worker)
+        return 0
     cpus = sorted(os.sched_getaffinity(0))
     print(f"torch {torch.__version__}, one thread a process, cores {cpus}, {args.seconds:g} s a probe")
     print(f"{'probe':10} {'median':>10} {'p90/p10':>8} {'max/min':>8} {'beside/alone':>13}")
@@ -155,6 +210,20 @@ def main() -> int:
         spun, _ = resumed_calls(gap_ms / 1e3, True, cpus[0])
         print(
             f"{gap_ms:6g}ms {slept / back_to_back:9.2f} {spun / back_to_back:9.2f} {back_to_back * 1e6:.1f}us"
+        )
+    print(
+        f"\ngloo all-reduce of 128 KiB between two processes under torchrun, each call after a barrier "
+        f"({COLLECTIVE_CALLS} a pair)"
+    )
+    print(f"{'pair':>4} {'median':>9} {'stalled':>8} {'stall':>8} {'mean/median':>12}")
+    for pair in range(args.pairs):
+        times = collective_pair(COLLECTIVE_CALLS)
+        median = statistics.median(times)
+        stalls = [t for t in times if t > STALLED_S]
+        stall = f"{statistics.median(stalls) * 1e3:6.2f}ms" if stalls else "-"
+        print(
+            f"{pair + 1:>4} {median * 1e3:7.3f}ms {len(stalls) / len(times):8.0%} {stall:>8} "
+            f"{statistics.fmean(times) / median:12.2f}"
         )
     return 0
 

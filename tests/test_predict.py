@@ -495,6 +495,49 @@ def test_warm_forwards_timed_after_their_backward_win_and_back_to_back_ones_are_
         assert not any("back to back" in w for w in predict(load_runs(runs), layout, roomy).warnings)
 
 
+def test_rows_that_spread_widely_are_named_with_their_share_of_the_stage(tmp_path):
+    """A row the timer warned noisy (its IQR over a tenth of its median) moves between profiles: the
+    prediction names each such row used, with its warning's figure, and the largest share of a stage's
+    forward and backward they carry (here the layer's forward, 2 of the stage's visits); quiet rows, or a
+    noisy row of an op the layout does not visit, or noisy rows of a small share of the stage (the final
+    norm's), say nothing."""
+    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+    noisy = [
+        {**r, "warnings": "noisy(iqr=36%);few_samples(9)"}
+        if (r["op"], r["phase"]) == ("transformer_layer", "forward")
+        else r
+        for r in base_rows()
+    ]
+    pred = predict(load_runs([make_run(tmp_path, noisy, "noisy")]), layout, CAL)
+    said = [w for w in pred.warnings if "spread widely" in w]
+    stage = pred.stages[0]
+    layer = sum(
+        t.seconds * n
+        for name, phase, t, n in stage.items
+        if (name, phase) == ("transformer_layer", "forward")
+    )
+    assert 0 < layer < stage.total
+    assert said == [
+        "1 of the rows used spread widely (transformer_layer.forward (iqr=36%)), "
+        f"{layer / stage.total:.0%} of stage 0's forward and backward: their means move between profiles by "
+        "more than one profile's samples show (two TP=2 profiles of the same ops on a CPU, back to back, "
+        "differed by up to 28% an op); profile again and compare the two predictions before trusting a "
+        "difference of that size"
+    ]
+    quiet = predict(load_runs([make_run(tmp_path, base_rows(), "quiet")]), layout, CAL)
+    assert not any("spread widely" in w for w in quiet.warnings)
+    small = [{**r, "warnings": "noisy(iqr=17%)"} if r["op"] == "final_layernorm" else r for r in base_rows()]
+    assert not any(
+        "spread widely" in w
+        for w in predict(load_runs([make_run(tmp_path, small, "small")]), layout, CAL).warnings
+    )
+    unused = [*base_rows(), row("transformer_block", "forward", 5000, warnings="noisy(iqr=50%)")]
+    assert not any(
+        "spread widely" in w
+        for w in predict(load_runs([make_run(tmp_path, unused, "unused")]), layout, CAL).warnings
+    )
+
+
 def test_warm_visits_follow_the_stage_sweep():
     """Which visits find their data where a warm row had it, computed by hand. Footprints (weights +
     grads + activations, MB): embedding 4+4+1, each layer 3+3+2, the final norm ~0, the output 4+4+2; a

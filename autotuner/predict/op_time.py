@@ -164,6 +164,8 @@ class TimeModel:
         self.warnings: list[str] = []
         self.cold, self.cache_reason = True, "assumed: the step's data exceeds the cache"
         self.other_cache_rows: set[str] = set()  # rows used that were measured the other way
+        # rows used whose samples spread widely ("op.phase": their warning's figure, e.g. "iqr=36%")
+        self.noisy_rows: dict[str, str] = {}
         self._absent_ops: dict[str, bool] = {}  # _absent's answers: fixed by the rows and the model
         # _at_basis's answers, fixed by the rows, the model and the layout: an op tree is walked once per
         # (op, phase, basis) instead of once per question (autotuner.tune asks thousands of layouts)
@@ -203,6 +205,13 @@ class TimeModel:
     def _note_cache(self, row: Mapping[str, Any]) -> None:
         if bool(row.get("cache_flush")) != self.cold:
             self.other_cache_rows.add(f"{row['op']}.{row['phase']}")
+
+    def _note_noise(self, row: Mapping[str, Any]) -> None:
+        """A row the timer warned ``noisy`` (its IQR over autotuner.measure.timer.NOISY_IQR_FRACTION of its
+        median): its mean moves between profiles more than its samples show."""
+        said = next((w for w in str(row.get("warnings") or "").split(";") if w.startswith("noisy(")), None)
+        if said is not None:
+            self.noisy_rows[f"{row['op']}.{row['phase']}"] = said[len("noisy(") : -1]
 
     def cache_warning(self) -> str | None:
         """What to say when rows of the other cache mode went into the prediction
@@ -287,6 +296,7 @@ class TimeModel:
         if row is None:
             return None
         self._note_cache(row)
+        self._note_noise(row)
         if not nearest:
             return row_seconds(row), describe_row(row), row
         seconds, rule = self._scale(op, row, s, b)

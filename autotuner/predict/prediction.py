@@ -304,6 +304,41 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     ]
 
 
+# The share of a stage's time that noisy rows must carry for the prediction to say so: below it, a row
+# moving by its whole IQR between profiles moves the stage by less than the CPU target's 5%.
+NOISY_SHARE = 0.05
+
+
+def _noise_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> list[str]:
+    """A note where rows whose samples spread widely (the timer's ``noisy`` warning) carry a share of a
+    stage's time: such a row's mean moves between profiles by more than its samples' spread within one
+    profile suggests (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor
+    parallelism on this VM"), so the prediction moves with them; said where they carry NOISY_SHARE of a
+    stage or more."""
+    noisy = {key: said for tm in models for key, said in tm.noisy_rows.items()}
+    if not noisy:
+        return []
+    shares = []
+    for st in stages:
+        held = sum(
+            seconds * count
+            for _, phase, t, count in st.items
+            for leaf, seconds in t.parts.items()
+            if f"{leaf}.{phase}" in noisy
+        )
+        shares.append((held / st.total if st.total > 0 else 0.0, st.index))
+    share, stage = max(shares)
+    if share < NOISY_SHARE:
+        return []
+    named = ", ".join(f"{key} ({said})" for key, said in sorted(noisy.items()))
+    return [
+        f"{len(noisy)} of the rows used spread widely ({named}), {share:.0%} of stage {stage}'s forward and "
+        "backward: their means move between profiles by more than one profile's samples show (two TP=2 "
+        "profiles of the same ops on a CPU, back to back, differed by up to 28% an op); profile again and "
+        "compare the two predictions before trusting a difference of that size"
+    ]
+
+
 def _forward_order_note(warm: TimeModel | None, layout: Layout) -> list[str]:
     """Inside a step every forward of an op follows its previous micro-batch's backward; on a CPU a warm
     forward timed back to back reads below that (autotuner.measure.timer, "A forward follows its
@@ -378,6 +413,7 @@ def predict(
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
     notes += _processes_note(models, layout)
+    notes += _noise_note(models, stages)
     notes += _forward_order_note(warm_tm if cold else tm, layout)
     if not meas.index:
         notes.append(
