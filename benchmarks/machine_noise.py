@@ -35,12 +35,11 @@ their median, and the mean over the median. On this project's VM (session 30, tw
 median call took 0.28-0.31 ms and 7-22% of the calls stalled for 3.8-4.2 ms: one tick of the guest's 250 Hz
 clock (its kernel runs without preemption and halts an idle virtual core at once:
 ``haltpoll.guest_halt_poll_ns=0``), so a waiting rank's wake-up can wait for the tick; the mean call read
-1.8-3.4x the median. (Pairs started by multiprocessing instead of torchrun, in an earlier version of this
-probe, stalled in 2-7% of calls, eleven pairs.) The share moves between pairs and runs, and with it a TP=2
-op's rows: two TP=2 profiles of the llama-shaped stage's ops, back to back, had IQRs of 33-57% of their
-medians (the layer's and the output layer's) and fenced means 9-28% apart (the layer's forward 5.96 ms and
-4.64), which no number of samples in one profile narrows (docs/predictor_accuracy.md, "Tensor parallelism on
-this VM").
+1.8-3.4x the median. (Pairs started by Python's multiprocessing instead, with a file store, stalled in 2-7% of
+calls over eleven pairs the same hour.) The share moves between pairs and runs, and with it a TP=2 op's rows:
+two TP=2 profiles of the llama-shaped stage's ops, back to back, had IQRs of 33-57% of their medians (the
+layer's and the output layer's) and fenced means 9-28% apart (the layer's forward 5.96 ms and 4.64), which no
+number of samples in one profile narrows (docs/predictor_accuracy.md, "Tensor parallelism on this VM").
 """
 
 from __future__ import annotations

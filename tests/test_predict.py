@@ -521,7 +521,7 @@ def test_rows_that_spread_widely_are_named_with_their_share_of_the_stage(tmp_pat
         "1 of the rows used spread widely (transformer_layer.forward (iqr=36%)), "
         f"{layer / stage.total:.0%} of stage 0's forward and backward: their means move between profiles by "
         "more than one profile's samples show (two TP=2 profiles of the same ops on a CPU, back to back, "
-        "differed by up to 28% an op); profile again and compare the two predictions before trusting a "
+        "differed by up to 30% an op); profile again and compare the two predictions before trusting a "
         "difference of that size"
     ]
     quiet = predict(load_runs([make_run(tmp_path, base_rows(), "quiet")]), layout, CAL)

@@ -334,7 +334,7 @@ def _noise_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> lis
     return [
         f"{len(noisy)} of the rows used spread widely ({named}), {share:.0%} of stage {stage}'s forward and "
         "backward: their means move between profiles by more than one profile's samples show (two TP=2 "
-        "profiles of the same ops on a CPU, back to back, differed by up to 28% an op); profile again and "
+        "profiles of the same ops on a CPU, back to back, differed by up to 30% an op); profile again and "
         "compare the two predictions before trusting a difference of that size"
     ]
 

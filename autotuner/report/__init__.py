@@ -2,8 +2,9 @@
 
 ``write_report(run_dir)`` is what a run calls at its end (``report=true``, the default);
 ``python -m autotuner.report RUN_DIR [RUN_DIR ...]`` remakes one or compares several (see __main__).
-Modules: data (read a run, the views), style (sizes, colours), breakdown / scaling / roofline (one kind
-of figure each), figures (draw them all, with captions), page (the HTML).
+Modules: data (read a run, the views), style (sizes, colours), breakdown / scaling / roofline / experts
+(one kind of figure each), figures (draw them all, with captions), tables, page (the HTML); a
+prediction's page (``prediction.html`` of autotuner.predict): prediction_figures, prediction.
 """
 
 from __future__ import annotations
