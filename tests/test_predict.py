@@ -526,6 +526,15 @@ def test_rows_that_spread_widely_are_named_with_their_share_of_the_stage(tmp_pat
     ]
     quiet = predict(load_runs([make_run(tmp_path, base_rows(), "quiet")]), layout, CAL)
     assert not any("spread widely" in w for w in quiet.warnings)
+    every = [{**r, "warnings": "noisy(iqr=20%)"} for r in base_rows()]  # the four that carry the most named
+    pred = predict(load_runs([make_run(tmp_path, every, "every")]), layout, CAL)
+    stage = pred.stages[0]
+    rows_held = sum(t.seconds * n for name, _, t, n in stage.items if name in {r["op"] for r in every})
+    assert [w for w in pred.warnings if "widely" in w][0].startswith(
+        "8 of the rows used spread widely (transformer_layer.backward (iqr=20%), transformer_layer.forward "
+        "(iqr=20%), output_layer.backward (iqr=20%), output_layer.forward (iqr=20%), ...), "
+        f"{rows_held / stage.total:.0%} of stage 0's"
+    )
     small = [{**r, "warnings": "noisy(iqr=17%)"} if r["op"] == "final_layernorm" else r for r in base_rows()]
     assert not any(
         "spread widely" in w

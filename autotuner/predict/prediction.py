@@ -314,23 +314,24 @@ def _noise_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> lis
     stage's time: such a row's mean moves between profiles by more than its samples' spread within one
     profile suggests (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor
     parallelism on this VM"), so the prediction moves with them; said where they carry NOISY_SHARE of a
-    stage or more."""
+    stage or more, naming the four that carry the most time."""
     noisy = {key: said for tm in models for key, said in tm.noisy_rows.items()}
     if not noisy:
         return []
-    shares = []
+    shares, held = [], dict.fromkeys(noisy, 0.0)  # per stage its noisy share; per row its seconds a step
     for st in stages:
-        held = sum(
-            seconds * count
-            for _, phase, t, count in st.items
-            for leaf, seconds in t.parts.items()
-            if f"{leaf}.{phase}" in noisy
-        )
-        shares.append((held / st.total if st.total > 0 else 0.0, st.index))
+        mine = 0.0
+        for _, phase, t, count in st.items:
+            for leaf, seconds in t.parts.items():
+                if f"{leaf}.{phase}" in noisy:
+                    mine += seconds * count
+                    held[f"{leaf}.{phase}"] += seconds * count
+        shares.append((mine / st.total if st.total > 0 else 0.0, st.index))
     share, stage = max(shares)
     if share < NOISY_SHARE:
         return []
-    named = ", ".join(f"{key} ({said})" for key, said in sorted(noisy.items()))
+    weightiest = sorted(noisy, key=lambda key: (-held[key], key))
+    named = ", ".join(f"{key} ({noisy[key]})" for key in weightiest[:4]) + (", ..." if len(noisy) > 4 else "")
     return [
         f"{len(noisy)} of the rows used spread widely ({named}), {share:.0%} of stage {stage}'s forward and "
         "backward: their means move between profiles by more than one profile's samples show (two TP=2 "
