@@ -304,8 +304,9 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     ]
 
 
-# The share of a stage's time that noisy rows must carry for the prediction to say so: below it, a row
-# moving by its whole IQR between profiles moves the stage by less than the CPU target's 5%.
+# The share of a stage's time that noisy rows must carry for the prediction to say so: below it, rows
+# that moved between profiles by as much as their own time would move the stage by less than the CPU
+# target's 5%.
 NOISY_SHARE = 0.05
 
 
