@@ -52,14 +52,14 @@ from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
 # each kind: (the phase, whether what its call returns is freed inside the timed window); a forward
 # sample follows an untimed call of the same forward (back to back, as get_data's blocks run) or, "after
 # its backward", that call's backward (timing.forward_after_backward: autotuner.runner.Phase.after_backward)
+AFTER_BACKWARD = "forward, after its backward"
 KINDS = {
     "forward": ("forward", False),
-    "forward, after its backward": ("forward", False),
+    AFTER_BACKWARD: ("forward", False),
     "backward": ("backward", False),
     "forward, output freed inside": ("forward", True),
     "backward, graph freed inside": ("backward", True),
 }
-AFTER_BACKWARD = "forward, after its backward"
 IN_STEP = {"forward": "transformer_layer.forward", "backward": "transformer_layer.backward"}
 
 

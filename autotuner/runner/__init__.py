@@ -232,7 +232,7 @@ class Phase:
         if self.name != "forward":
             raise ValueError(f"after_backward is for the forward phase, not {self.name!r}")
         order = TrainingOrder()
-        plain_run = self.run
+        plain_run, plain_prepare = self.run, self.prepare
 
         def run() -> Any:
             output = plain_run()
@@ -251,7 +251,7 @@ class Phase:
         try:
             yield order
         finally:
-            self.run, self.prepare, self._outputs = plain_run, None, []
+            self.run, self.prepare, self._outputs = plain_run, plain_prepare, []
             self.clear_grads()
 
 
