@@ -2,6 +2,7 @@
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 6] [--cases tiny,llama_small,tiny_moe]
         [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once] [--threads 1]
+        [--realtime]
     python -m benchmarks.predict_accuracy --pool LOG [LOG ...]    # the rounds of saved runs, judged together
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
@@ -84,6 +85,7 @@ from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK, HOST_WORK_FLUSHED
 from autotuner.results.calibration import load as load_calibration
+from benchmarks.machine_noise import run_realtime
 
 CASES = {
     "tiny": ["case=tiny"],
@@ -150,6 +152,11 @@ def round_line(index: int, rounds: int, name: str, layout_name: str, said: Round
     )
 
 
+# The run's scheduling line (a run's log opens with it; --pool judges runs of one scheduling together, a
+# log without the line ran before session 31 with the default).
+SCHEDULING = "scheduling"
+DEFAULT_SCHEDULING = "the kernel's default"
+REALTIME = "real-time (SCHED_FIFO, --realtime)"
 ROUND_LINE = re.compile(
     r"^round \d+/\d+ (?P<case>\S+) (?P<layout>\S+): step predicted [\d.]+ ms / measured [\d.]+ = "
     r"(?P<step>[\d.]+), drift (?P<drift>[\d.]+), memory (?P<memory>[\d.]+)$"
@@ -157,7 +164,8 @@ ROUND_LINE = re.compile(
 
 
 def pooled(logs: list[Path]) -> int:
-    """The verdicts over the rounds of several runs' logs pooled per case and layout: rounds are
+    """The verdicts over the rounds of several runs' logs pooled per case, layout and scheduling (a run's
+    ``--realtime`` or not, from its log's first line): rounds are
     independent (each profiles, calibrates with ``--calibrate round``, and measures afresh), so two runs
     of 6 rounds judge as one of 12, whose interval leaves out the extremes that 6 rounds' interval cannot
     (it is their min and max)."""
@@ -168,19 +176,22 @@ def pooled(logs: list[Path]) -> int:
             file=sys.stderr,
         )
         return 2
-    found: dict[tuple[str, str], dict[str, list[float]]] = {}
+    found: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for log in logs:
+        scheduling = DEFAULT_SCHEDULING
         for line in log.read_text().splitlines():
+            if line.startswith(f"{SCHEDULING}: "):
+                scheduling = line.split(": ", 1)[1]
             if match := ROUND_LINE.match(line.strip()):
                 ratios = found.setdefault(
-                    (match["case"], match["layout"]), {"step": [], "memory": [], "drift": []}
+                    (match["case"], match["layout"], scheduling), {"step": [], "memory": [], "drift": []}
                 )
                 for what in ratios:
                     ratios[what].append(float(match[what]))
     if not found:
         print(f"no round lines in {', '.join(map(str, logs))}", file=sys.stderr)
         return 2
-    for (name, layout_name), ratios in found.items():
+    for (name, layout_name, scheduling), ratios in found.items():
         said = []
         for what in ("step", "memory"):
             judged, ci = verdict(ratios[what])
@@ -192,7 +203,7 @@ def pooled(logs: list[Path]) -> int:
         calm_said = f"{statistics.median(calm):.3f} ({len(calm)})" if calm else "none"
         print(
             f"{name:12} {layout_name:7} {len(ratios['step'])} rounds: {'; '.join(said)}; "
-            f"calm rounds' step {calm_said}"
+            f"calm rounds' step {calm_said}; scheduling {scheduling}"
         )
     return 0
 
@@ -515,6 +526,12 @@ def main() -> int:
         "the module docstring); 0: each process's share of the cores",
     )
     parser.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run everything (profiles, calibration, steps) at real-time priority, as SCHED_FIFO's lowest "
+        "level: a CPU VM's collectives then stop stalling for a scheduler tick (benchmarks.machine_noise)",
+    )
+    parser.add_argument(
         "--pool",
         nargs="+",
         type=Path,
@@ -524,6 +541,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.pool:
         return pooled(args.pool)
+    if args.realtime:
+        try:
+            run_realtime()  # inherited by every process and thread started from here on
+        except PermissionError:
+            parser.error("--realtime: this user may not set SCHED_FIFO: run as root, or raise ulimit -r to 1")
+    print(f"{SCHEDULING}: {REALTIME if args.realtime else DEFAULT_SCHEDULING}")
     threads = args.threads or "each process's share of the cores"
     print(f"intra-op threads per process (profiles, steps, calibration): {threads}")
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
