@@ -206,7 +206,7 @@ def minimal_model_steps(flush_in_layers: bool = False) -> list[tuple[int, Any]]:
     """[(layers, StepMeasurement)]: the minimal GPTModel's real steps at each of HOST_WORK_DEPTHS, each
     run in a fresh process (Megatron is imported there, not here), one intra-op thread; with
     ``flush_in_layers`` the last-level cache flushed inside every layer's forward and backward
-    (autotuner.predict.steps.flush_inside_layers)."""
+    (autotuner.predict.stage_trainer.flush_inside_layers)."""
     import tempfile
 
     from autotuner.predict.layout import Layout

@@ -44,7 +44,7 @@ import torch
 
 from autotuner.measure.timer import DeviceTimer, median_ci
 from autotuner.ops_test.base import OpCall
-from autotuner.predict import steps
+from autotuner.predict.stage_trainer import StageTrainer
 from autotuner.runner import Phase
 from benchmarks._ops import dropping_result, two_or_more
 from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
@@ -72,7 +72,7 @@ class Bench:
         options = [*overrides, "device=cpu", f"timing.threads={threads}"]
         # the steps' own model, batch, gradient buffers, Adam and hooks (its host heap kept, as the
         # profiles and the steps keep theirs)
-        self.trainer = steps.StageTrainer(name, options, self.layout)
+        self.trainer = StageTrainer(name, options, self.layout)
         (self.model,) = self.trainer.chunks
         self.clock = self.trainer.clock
         self.layers = list(self.model.decoder.layers)

@@ -1080,8 +1080,9 @@ def test_the_accuracy_benchmark_judges_the_median_by_its_confidence_interval():
 
 def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, capsys):
     """``--pool``: the round lines two runs printed, read back and judged as one run of all their rounds
-    (three rounds each give no interval; six together do)."""
-    from benchmarks.predict_accuracy import Round, main, round_line
+    (three rounds each give no interval; six together do); a run at real-time priority (``--realtime``,
+    its log's first line says so) is judged apart from them, not pooled with runs of the default."""
+    from benchmarks.predict_accuracy import REALTIME, SCHEDULING, Round, main, round_line
 
     def one(step: float, drift: float) -> Round:
         empty = dict.fromkeys(Round._fields)
@@ -1097,8 +1098,9 @@ def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, c
         )
 
     logs = []
-    for run, steps in enumerate(([0.97, 1.02, 0.99], [1.01, 0.98, 1.03])):
-        lines = ["intra-op threads per process (profiles, steps, calibration): 1"]
+    for run, steps in enumerate(([0.97, 1.02, 0.99], [1.01, 0.98, 1.03], [0.5, 0.5, 0.5])):
+        lines = [f"{SCHEDULING}: {REALTIME}"] if run == 2 else []  # logs before session 31 have no such line
+        lines += ["intra-op threads per process (profiles, steps, calibration): 1"]
         lines += [
             round_line(i + 1, 3, "tiny", "tp1", one(step, 1.2 if i == 0 else 1.0))
             for i, step in enumerate(steps)
@@ -1109,10 +1111,12 @@ def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, c
         patch.setattr("sys.argv", ["predict_accuracy", "--pool", *map(str, logs)])
         assert main() == 0
     out = capsys.readouterr().out.strip()
-    assert out == (
+    assert out.splitlines() == [
         "tiny         tp1     6 rounds: step 1.000 met (95% CI [0.970, 1.030]); memory 1.010 met (95% CI "
-        "[1.010, 1.010]); calm rounds' step 1.005 (4)"
-    )
+        "[1.010, 1.010]); calm rounds' step 1.005 (4); scheduling the kernel's default",
+        "tiny         tp1     3 rounds: step 0.500 too few rounds; memory 1.010 too few rounds; calm rounds' "
+        f"step 0.500 (2); scheduling {REALTIME}",
+    ]
 
 
 def test_the_ranking_benchmark_judges_the_order_by_the_measured_interval():
@@ -1126,3 +1130,23 @@ def test_the_ranking_benchmark_judges_the_order_by_the_measured_interval():
     assert order_verdict(1.1, [1.02, 1.05, 1.04, 1.2, 1.1, 1.08])[0] == "right"
     assert order_verdict(0.9, [0.9, 0.95, 1.0, 1.02, 1.05, 0.97])[0] == "unresolved"
     assert order_verdict(0.9, [0.9, 0.9]) == ("too few rounds", None)
+
+
+def test_the_accuracy_benchmark_refuses_realtime_it_may_not_set(monkeypatch, capsys):
+    """``--realtime`` where the system refuses SCHED_FIFO (a user without root or a real-time limit): a
+    one-line error naming the fix and exit 2, before anything runs."""
+    from benchmarks.predict_accuracy import main
+
+    def refuse(*_: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("os.sched_setscheduler", refuse)
+    monkeypatch.setattr("sys.argv", ["predict_accuracy", "--realtime", "--cases", "tiny", "--rounds", "1"])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "predict_accuracy: error: --realtime: this user may not set SCHED_FIFO: run as root, or raise "
+        "ulimit -r to 1"
+    )

@@ -7,10 +7,11 @@ rows, the scaling rules), ``caches`` (which visits take warm rows and which flus
 schedules, simulated), ``memory`` (per-GPU memory beside Korthikanti et al.'s closed form),
 ``prediction`` (the record, its JSON and table), ``links`` (collective times from the calibrated link
 bandwidth), ``layouts`` (the layouts Megatron-Core accepts), ``plan`` (the profiling runs that would
-measure what is missing), ``steps`` (real steps, to check predictions; their gradients in
-``grad_buffers``, their measurement as data in ``step_measurement``), ``in_step`` (the ops' times inside
-those steps), ``validate`` (prediction against steps), ``settings`` (the key=value command line it
-shares with autotuner.tune), ``__main__`` (the CLI).
+measure what is missing), ``steps`` (real steps, timed, to check predictions; their model, data and
+optimizer in ``stage_trainer``, their gradients in ``grad_buffers``, their measurement as data in
+``step_measurement``), ``in_step`` (the ops' times inside those steps), ``validate`` (prediction
+against steps), ``settings`` (the key=value command line it shares with autotuner.tune), ``__main__``
+(the CLI).
 """
 
 from autotuner.predict.layout import Figure, Layout, Source
