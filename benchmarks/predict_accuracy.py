@@ -12,7 +12,10 @@ stages too (see profile(); a pipeline layout's round also predicts from its stag
 tp * dp processes, as before session 26, and prints that beside). Every process, profiles, steps and the
 calibration alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which
 was the default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual
-cores, and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise). Each
+cores, and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise).
+With ``--realtime`` every process runs at real-time priority (benchmarks.machine_noise.run_realtime: on
+this VM gloo's collectives then stop stalling for a scheduler tick); a run's first line says which
+scheduling it had, and ``--pool`` judges the runs of each apart. Each
 op is profiled once with warm caches, each forward after the op's backward, and once flushed (the
 predictor takes, for each visit of an op in the step, the kind it runs in:
 autotuner.predict.caches.cache_plan). The device and the links between two
