@@ -41,16 +41,16 @@ two TP=2 profiles of the llama-shaped stage's ops, back to back, had IQRs of 33-
 layer's and the output layer's) and fenced means 9-28% apart (the layer's forward 5.96 ms and 4.64), which no
 number of samples in one profile narrows (docs/predictor_accuracy.md, "Tensor parallelism on this VM").
 
-Each pair runs twice: with the kernel's default scheduling, then with both processes (and the threads they
-start: gloo's worker and transport threads) at real-time priority (:func:`run_realtime`, SCHED_FIFO's lowest
-level; ``realtime`` in the table), where the system lets this user set it. On this project's VM (session 31,
-three pairs) the stalls were gone at real-time priority: no call over STALLED_S, the median call 0.213-0.234
-ms, against 7-17% of calls stalled for 3.8-4.2 ms and medians of 0.276-0.299 ms with the default scheduling
-in the pairs started between them. That fits a woken thread waiting behind an ordinary thread running on
-its core until the kernel's next tick (Linux 6.18's EEVDF scheduler lets the running one finish its slice),
-which a real-time thread does not: it preempts an ordinary one at once. ``python -m
-benchmarks.predict_accuracy --realtime`` runs a whole validation (profiles, calibration and steps alike)
-that way.
+Each of the ``--pairs`` runs twice, in fresh processes each time: with the kernel's default scheduling, then
+with both processes (and the threads they start: gloo's worker and transport threads) at real-time priority
+(:func:`run_realtime`, SCHED_FIFO's lowest level; ``realtime`` in the table), where the system lets this user
+set it. On this project's VM (session 31, three pairs) the stalls were gone at real-time priority: no call
+over STALLED_S, the median call 0.213-0.234 ms, against 7-17% of calls stalled for 3.8-4.2 ms and medians of
+0.276-0.299 ms with the default scheduling in the pairs started between them. That fits a woken thread waiting
+behind an ordinary thread running on its core until the kernel's next tick (Linux 6.18's EEVDF scheduler lets
+the running one finish its slice), which a real-time thread does not: it preempts an ordinary one at once.
+``python -m benchmarks.predict_accuracy --realtime`` runs a whole validation (profiles, calibration and steps
+alike) that way.
 """
 
 from __future__ import annotations
