@@ -77,6 +77,8 @@ COLLECTIVE_CALLS = 300
 STALLED_S = 1e-3
 # run_realtime's priority: SCHED_FIFO's lowest level, above every ordinary (SCHED_OTHER) thread.
 REALTIME_PRIORITY = 1
+# What to say where run_realtime is refused.
+REALTIME_REFUSED = "this user may not set SCHED_FIFO: run as root, or raise ulimit -r to 1"
 
 
 def run_realtime() -> None:
@@ -247,7 +249,7 @@ def main() -> int:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     except PermissionError:
         del policies["realtime"]
-        print("(no realtime pairs: this user may not set SCHED_FIFO; run as root, or raise ulimit -r)")
+        print(f"(no realtime pairs: {REALTIME_REFUSED})")
     for pair in range(args.pairs):
         for policy, realtime in policies.items():
             times = collective_pair(COLLECTIVE_CALLS, realtime)

@@ -88,7 +88,7 @@ from autotuner.predict.steps import run_steps
 from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK, HOST_WORK_FLUSHED
 from autotuner.results.calibration import load as load_calibration
-from benchmarks.machine_noise import run_realtime
+from benchmarks.machine_noise import REALTIME_REFUSED, run_realtime
 
 CASES = {
     "tiny": ["case=tiny"],
@@ -548,7 +548,7 @@ def main() -> int:
         try:
             run_realtime()  # inherited by every process and thread started from here on
         except PermissionError:
-            parser.error("--realtime: this user may not set SCHED_FIFO: run as root, or raise ulimit -r to 1")
+            parser.error(f"--realtime: {REALTIME_REFUSED}")
     print(f"{SCHEDULING}: {REALTIME if args.realtime else DEFAULT_SCHEDULING}")
     threads = args.threads or "each process's share of the cores"
     print(f"intra-op threads per process (profiles, steps, calibration): {threads}")
