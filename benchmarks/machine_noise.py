@@ -120,8 +120,8 @@ def make_probe(name: str, cpu: int) -> Callable[[], object]:
 
 
 def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = None) -> list[float]:
-    """Median seconds of a call, per block of ``block`` calls, for ``seconds`` on core ``cpu`` (``warm``, an
-    event: set once warmed up)."""
+    """Median seconds of a call, per block of ``block`` calls, for ``seconds`` on core ``cpu`` and at least
+    two blocks, whose spread main() prints (``warm``, an event: set once warmed up)."""
     call = make_probe(name, cpu)
     for _ in range(3 * block):  # warm: the allocator, the caches, the CPU's clock
         call()
@@ -129,7 +129,7 @@ def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = N
         warm.set()
     medians = []
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    while time.perf_counter() < end or len(medians) < 2:
         times = []
         for _ in range(block):
             start = time.perf_counter()
