@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.ops.naming import PHASES
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.table import text_table
@@ -88,7 +89,7 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
         unit, scale = common_time_unit(cells, digits)
         header = [f"[ {op} ]  ({unit})", *points]
         lines = []
-        for phase in ("forward", "backward"):
+        for phase in PHASES:
             for position, label in enumerate(labels):
                 line = [f"{phase:8} {label}"]
                 for point in points:

@@ -35,8 +35,9 @@ RESULTS_SIDE = ("autotuner.results", "autotuner.report")
 # The parts, top to bottom (a module is in the first part one of whose prefixes it is under): a part may
 # import its own modules and those of the parts after it. The structured config knows the launchers' and
 # the sampler's settings, so it sits beside the launchers. The results side is used by the parts above
-# the ops and may import only the base, and the op tree (ops_test.places: names and places, no torch),
-# which tells the report which ops make up a layer. The predictor reads results rows and calibrations,
+# the ops and may import only the base, the op tree (ops_test.places: names and places, no torch),
+# which tells the report which ops make up a layer, and the names of ranges and phases (ops.naming, no
+# torch either), which the report's columns and the ranges in a trace share. The predictor reads results rows and calibrations,
 # counts parameters from the model config and may run real steps (launchers and below): it sits just
 # under the entry points.
 PARTS = (
@@ -50,7 +51,7 @@ PARTS = (
     ("base", ("autotuner.errors", "autotuner")),
 )
 RESULTS_USERS = ("entry", "predict", "launchers", "capture", "runner")
-RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places")
+RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places", "autotuner.ops.naming")
 MODEL_STACK = ("megatron", "torch.nn")
 
 

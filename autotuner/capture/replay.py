@@ -41,6 +41,7 @@ from autotuner.capture.schema import Capture, load
 from autotuner.capture.tensors import NotReplayable
 from autotuner.errors import UserError
 from autotuner.model.runtime import DTYPES
+from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import LAYER, REGISTRY, OpTest
 from autotuner.runner import RunSpec
 from autotuner.runner.spec import register_feed
@@ -155,7 +156,7 @@ def _generic_spec(spec: RunSpec, capture: Capture, dtype: str | None) -> RunSpec
         op = OpTest(name=name, build=build, needs=frozenset(), description=record.callee)
         point = CallPoint(seq_len=None, micro_batch_size=None, signature=signature_label(record))  # type: ignore[arg-type]
         ops.append(op)
-        phases = ("forward", "backward") if build.has_backward else ("forward",)
+        phases = PHASES if build.has_backward else PHASES[:1]
         plan += [(point, op, phase) for phase in phases if phase in spec.phases]
         counts[(name, point.label)] = call.count
     if not ops:

@@ -72,7 +72,7 @@ from autotuner.measure.memory import _kineto_quiet
 from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import Measurement
 from autotuner.ops.annotate import RecordFunctionAnnotator, annotating, set_range_context
-from autotuner.ops.naming import parse_range
+from autotuner.ops.naming import PHASES, parse_range
 from autotuner.ops_test.base import OpCall, OpTest, ShapePoint
 from autotuner.runner import Phase
 
@@ -303,7 +303,7 @@ class TorchProfilerObserver:
     def _measurements(self, events: Any, op: str, point: str, with_backward: bool) -> dict[str, Measurement]:
         times = range_times_ns(events, op, point, self.cuda)
         out = {}
-        for phase in ("forward", "backward") if with_backward else ("forward",):
+        for phase in PHASES if with_backward else PHASES[:1]:
             found = times.get(phase, {})
             if sorted(found) != list(range(self.options.active)):
                 side = "GPU-side spans of " if self.cuda else ""

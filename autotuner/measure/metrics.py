@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotuner.measure.flops import count_flops
 from autotuner.measure.memory import SavedTensorsMeter, gradient_buffers, peak_bytes, weight_bytes
+from autotuner.ops.naming import PHASES
 from autotuner.results import SCHEMA
 from autotuner.results.calibration import roofline
 
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     import torch
 
     from autotuner.runner import Phase
-
-PHASES = ("forward", "backward")
 
 
 @dataclass

@@ -65,6 +65,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autotuner.ops.naming import PHASES
 from autotuner.predict.inputs import Measurements, ModelShape, describe_row
 from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 
@@ -268,7 +269,7 @@ def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None 
     (memory of these ops grows with s*b), else None."""
     s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
     rows = {}
-    for phase in ("forward", "backward"):
+    for phase in PHASES:
         row = meas.exact(op, phase, s, b, tp) or meas.nearest(op, phase, s, b, tp)
         if row is not None:
             rows[phase] = row

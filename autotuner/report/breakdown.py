@@ -16,7 +16,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from autotuner.report.data import LAYER, LAYER_PARTS, PHASES, SUBLAYER_PARTS, Breakdown, Run, breakdown
+from autotuner.ops.naming import PHASES
+from autotuner.report.data import LAYER, LAYER_PARTS, SUBLAYER_PARTS, Breakdown, Run, breakdown
 from autotuner.report.style import EXCESS_COLOUR, REMAINDER_COLOUR, new_figure
 from autotuner.results.units import time_unit
 

@@ -20,8 +20,6 @@ from autotuner.ops_test.places import op_tree
 from autotuner.results import load_rows
 from autotuner.results.calibration import load as load_calibration  # the launcher's reader, its checks
 
-PHASES = ("forward", "backward")
-
 # The transformer layer's direct sub-ops: they do not overlap and run one after the other, so their
 # medians sum to the layer's median minus the glue between them (residual bookkeeping, Python calls).
 # Derived from the places the ops declare (autotuner.ops_test.places, which imports no torch).

@@ -20,7 +20,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, NullFormatter
 
-from autotuner.report.data import PHASES, Run
+from autotuner.ops.naming import PHASES
+from autotuner.report.data import Run
 from autotuner.report.style import MARKERS, new_figure
 
 EXPERTS = "experts"

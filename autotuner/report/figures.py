@@ -12,8 +12,9 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from autotuner.ops.naming import PHASES
 from autotuner.report import breakdown, experts, roofline, scaling
-from autotuner.report.data import LAYER, LAYER_PARTS, PHASES, SUBLAYER_PARTS, Run
+from autotuner.report.data import LAYER, LAYER_PARTS, SUBLAYER_PARTS, Run
 from autotuner.report.style import op_colours, save
 
 

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
+from autotuner.ops.naming import PHASES
 from autotuner.report.data import (
     LAYER,
     LAYER_PARTS,
-    PHASES,
     Run,
     Speedup,
     breakdown,
