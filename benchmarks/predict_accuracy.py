@@ -71,7 +71,6 @@ import io
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -84,7 +83,7 @@ from autotuner.ops.naming import PHASES
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
 from autotuner.predict.schedule import simulate
-from autotuner.predict.steps import run_steps
+from autotuner.predict.steps import run_process_group, run_steps
 from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK, HOST_WORK_FLUSHED
 from autotuner.results.calibration import load as load_calibration
@@ -215,6 +214,14 @@ def pooled(logs: list[Path]) -> int:
 STAGE_OPS = ("embedding", "transformer_layer", "final_layernorm", "output_layer")
 
 
+def _run_whole(command: list[str], timeout_s: float, env: dict[str, str] | None = None) -> None:
+    """``command`` with its output captured, every process it starts stopped with it if this run stops
+    (autotuner.predict.steps.run_process_group: a stopped benchmark left torchrun's workers running
+    into its next round's steps); CalledProcessError if it fails."""
+    done = run_process_group(command, dict(os.environ) if env is None else env, timeout_s)
+    done.check_returncode()
+
+
 def _quiet_run(argv: list[str]) -> int:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return run(argv)
@@ -281,7 +288,7 @@ def profile(
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     command += ["-m", "autotuner.main", *argv, f"tf.tensor_model_parallel_size={layout.tp}"]
     command += [f"tf.expert_model_parallel_size={layout.ep}"] if layout.ep > 1 else []
-    subprocess.run(command, check=True, capture_output=True, timeout=900)
+    _run_whole(command, timeout_s=900)
 
 
 def layout_of(name: str) -> Layout:
@@ -320,16 +327,12 @@ def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     the Adam step alone and with both processes at it, the pipeline's transfers, the collectives (the
     device's on ``threads`` intra-op threads, as the steps run; 0: torch's default). Returns a line of
     what the predicted steps depend on most."""
-    quiet = {"check": True, "capture_output": True, "timeout": 600}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    subprocess.run(
-        [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)],
-        env=env,
-        **quiet,
-    )
+    device = [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)]
+    _run_whole(device, timeout_s=600, env=env)
     links = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     links += ["-m", "autotuner.calibrate", "--device", "cpu", "--collectives", "--out", str(calibration)]
-    subprocess.run(links, **quiet)
+    _run_whole(links, timeout_s=600)
     cal = load_calibration(calibration)
     return (
         f"copy {cal['memory_bandwidth'] / 1e9:.1f} GB/s, Adam {cal['adam_seconds_per_parameter'] * 1e9:.2f} "

@@ -37,9 +37,9 @@ RESULTS_SIDE = ("autotuner.results", "autotuner.report")
 # the sampler's settings, so it sits beside the launchers. The results side is used by the parts above
 # the ops and may import only the base, the op tree (ops_test.places: names and places, no torch),
 # which tells the report which ops make up a layer, and the names of ranges and phases (ops.naming, no
-# torch either), which the report's columns and the ranges in a trace share. The predictor reads results rows and calibrations,
-# counts parameters from the model config and may run real steps (launchers and below): it sits just
-# under the entry points.
+# torch either), which the report's columns and the ranges in a trace share. The predictor reads results
+# rows and calibrations, counts parameters from the model config and may run real steps (launchers and
+# below): it sits just under the entry points.
 PARTS = (
     ("entry", tuple(sorted(ENTRY_POINTS))),
     ("predict", ("autotuner.predict",)),

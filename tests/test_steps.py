@@ -4,13 +4,20 @@ two model chunks per rank (its interleaved schedule) and, for the MoE model, EP=
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from autotuner.errors import UserError
 from autotuner.predict.in_step import IN_STEP_KEYS
 from autotuner.predict.layout import Layout
 from autotuner.predict.step_measurement import RankSteps, StepMeasurement
-from autotuner.predict.steps import measure_steps, run_steps
+from autotuner.predict.steps import measure_steps, run_process_group, run_steps
 from benchmarks.predict_accuracy import CASES
 
 # Four micro-batches of one 16-token sequence: the schedules accumulate over several of them.
@@ -626,3 +633,58 @@ def test_expert_parallel_steps_of_the_moe_model(tmp_path):
         assert rank.parameter_bytes == 4 * (dense + routed // 2)
         assert min(rank.reduce_s[result.warmup + 1 :]) > 0 and rank.step_peak_bytes > 0
     assert result.losses[-1] < result.losses[0] - 0.05
+
+
+# A command that starts a grandchild (as torchrun starts its workers), writes the grandchild's pid to the
+# file it is given and waits: what run_process_group must stop whole.
+SOURCE = Path(__file__).resolve().parents[1]
+GRANDPARENT = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "open(sys.argv[1], 'w').write(str(child.pid))\n"
+    "time.sleep(120)\n"
+)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by whoever adopted it, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _grandchild(pid_file: Path) -> int:
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, "the command never started its grandchild"
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+def test_a_step_run_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process_group([sys.executable, "-c", GRANDPARENT, str(pid_file)], dict(os.environ), timeout_s=3)
+    assert not _running(_grandchild(pid_file))
+
+
+def test_a_sigterm_while_steps_run_stops_them_and_ends_as_a_sigterm_would(tmp_path):
+    """What SLURM sends at the time limit: the waiting process ends with SIGTERM's status, and the steps'
+    processes, which the signal to it does not reach, are stopped with it."""
+    pid_file = tmp_path / "grandchild.pid"
+    waiter = (
+        "import os, sys\n"
+        "from autotuner.predict.steps import run_process_group\n"
+        "run_process_group([sys.executable, '-c', sys.argv[1], sys.argv[2]], dict(os.environ), 600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", waiter, GRANDPARENT, str(pid_file)], cwd=SOURCE)
+    grandchild = _grandchild(pid_file)
+    assert _running(grandchild)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(grandchild)

@@ -67,8 +67,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -343,10 +345,65 @@ def run_steps(
     A run past ``timeout_s`` (a rank that hangs in the pipeline) is killed: subprocess.TimeoutExpired."""
     command = steps_command(case, overrides, layout, repeats, warmup, out, lr, flush_in_layers)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = run_process_group(command, env, timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"measured steps failed ({proc.returncode}): {_worker_error(proc.stderr)}")
     return StepMeasurement.from_json(json.loads(Path(out).read_text()))
+
+
+def run_process_group(
+    command: list[str], env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """``command`` run to its end in a session of its own, its output captured. Whatever ends the wait
+    early ends every process the command started, not only the first: a SIGTERM sent to this process
+    (what SLURM sends at the time limit) or a Ctrl-C reaches none of them, and a torchrun killed outright
+    leaves its workers running (it starts each in a session of its own, so only its own shutdown reaches
+    them; a hung rank would hold its core until its collective's timeout). So on the timeout
+    (subprocess.TimeoutExpired, raised), any exception, or a SIGTERM (handled while the command runs, then
+    passed on to this process's own handler or default) the session gets SIGTERM, which torchrun passes on
+    to its workers, killing those left after its own 30 s; then, after :data:`STOP_GRACE_S`, SIGKILL to
+    whatever is left of it."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    on_main = threading.current_thread() is threading.main_thread()  # only it may set a handler
+    previous = signal.getsignal(signal.SIGTERM) if on_main else None
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _stop_session(proc)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # as if the handler had not been here
+
+    if on_main:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException:
+        _stop_session(proc)
+        raise
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+# seconds a stopped session's processes get to end on SIGTERM: past torchrun's own 30 s for its workers
+STOP_GRACE_S = 35.0
+
+
+def _stop_session(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM to every process of ``proc``'s session, then SIGKILL to any left after the grace."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            return  # every process of the session has ended
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            continue
+        if signum == signal.SIGTERM:
+            time.sleep(0.1)  # torchrun ends first; its workers, signalled too, a moment after
 
 
 def _worker_error(stderr: str) -> str:
