@@ -218,8 +218,7 @@ def _run_whole(command: list[str], timeout_s: float, env: dict[str, str] | None 
     """``command`` with its output captured, every process it starts stopped with it if this run stops
     (autotuner.predict.steps.run_process_group: a stopped benchmark left torchrun's workers running
     into its next round's steps); CalledProcessError if it fails."""
-    done = run_process_group(command, dict(os.environ) if env is None else env, timeout_s)
-    done.check_returncode()
+    run_process_group(command, env, timeout_s).check_returncode()
 
 
 def _quiet_run(argv: list[str]) -> int:

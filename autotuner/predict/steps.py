@@ -63,6 +63,7 @@ runs it and reads the result): tp * pp * dp processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -352,26 +353,26 @@ def run_steps(
 
 
 def run_process_group(
-    command: list[str], env: dict[str, str], timeout_s: float
+    command: list[str], env: dict[str, str] | None, timeout_s: float
 ) -> subprocess.CompletedProcess[str]:
-    """``command`` run to its end in a session of its own, its output captured. Whatever ends the wait
-    early ends every process the command started, not only the first: a SIGTERM sent to this process
-    (what SLURM sends at the time limit) or a Ctrl-C reaches none of them, and a torchrun killed outright
-    leaves its workers running (it starts each in a session of its own, so only its own shutdown reaches
-    them; a hung rank would hold its core until its collective's timeout). So on the timeout
-    (subprocess.TimeoutExpired, raised), any exception, or a SIGTERM (handled while the command runs, then
-    passed on to this process's own handler or default) the session gets SIGTERM, which torchrun passes on
-    to its workers, killing those left after its own 30 s; then, after :data:`STOP_GRACE_S`, SIGKILL to
-    whatever is left of it."""
+    """``command`` run to its end in a session of its own, its output captured (``env``: None inherits
+    this process's). Whatever ends the wait early ends every process the command started, not only the
+    first: a SIGTERM sent to this process (what SLURM sends at the time limit) or a Ctrl-C reaches none of
+    them, and a torchrun killed outright leaves its workers running (it starts each in a session of its
+    own, so only its own shutdown reaches them; a hung rank would hold its core until its collective's
+    timeout). So on the timeout (subprocess.TimeoutExpired, raised), any exception, or a SIGTERM (handled
+    while the command runs, then passed on to this process's own handler or default) the session gets
+    SIGTERM, which torchrun passes on to its workers, killing those left after its own 30 s; then, after
+    :data:`STEPS_STOP_GRACE_S`, SIGKILL to whatever is left of it."""
     proc = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     on_main = threading.current_thread() is threading.main_thread()  # only it may set a handler
-    previous = signal.getsignal(signal.SIGTERM) if on_main else None
+    previous = (signal.getsignal(signal.SIGTERM) or signal.SIG_DFL) if on_main else signal.SIG_DFL
 
     def on_sigterm(signum: int, frame: Any) -> None:
         _stop_session(proc)
-        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signum, previous)
         os.kill(os.getpid(), signum)  # as if the handler had not been here
 
     if on_main:
@@ -383,27 +384,24 @@ def run_process_group(
         raise
     finally:
         if on_main:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, previous)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
-# seconds a stopped session's processes get to end on SIGTERM: past torchrun's own 30 s for its workers
-STOP_GRACE_S = 35.0
+# Seconds a stopped steps' session gets to end on SIGTERM: past torchrun's own 30 s for its workers (the
+# nsys launcher's STOP_GRACE_S is another thing: how long nsys may take to save its report).
+STEPS_STOP_GRACE_S = 35.0
 
 
 def _stop_session(proc: subprocess.Popen[str]) -> None:
     """SIGTERM to every process of ``proc``'s session, then SIGKILL to any left after the grace."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            return  # every process of the session has ended
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            continue
-        if signum == signal.SIGTERM:
-            time.sleep(0.1)  # torchrun ends first; its workers, signalled too, a moment after
+    with contextlib.suppress(ProcessLookupError):  # raised once every process of the session has ended
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STEPS_STOP_GRACE_S)
+        time.sleep(0.1)  # torchrun ends first; its workers, signalled too, a moment after
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _worker_error(stderr: str) -> str:
