@@ -378,6 +378,9 @@ class Round(NamedTuple):
     # the step from the same flushed rows and warm rows whose forwards were timed back to back, as the
     # benchmark and the profiling plan profiled them before session 29 (a third profile in the round)
     back_to_back_predicted_s: float | None = None
+    # the step from the same rows with a stage's first forward op taking its flushed row whatever its warm
+    # row timed, as the predictor took it before session 33 (autotuner.predict.caches.warm_visits)
+    first_forward_flushed_predicted_s: float | None = None
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
@@ -429,6 +432,8 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         profile(case, layout, back_to_back, calibration, False, threads, after_backward=False)
         cold = profile_dir(Path(folder), "cold")  # this round's flushed rows, profiled above
         back_to_back_pred = predict(load_runs([back_to_back, cold]), layout, calibrated)
+        unmarked = [{**row, "forward_after_backward": False} for row in runs.rows]
+        first_flushed = predict(dataclasses.replace(runs, rows=unmarked), layout, calibrated).step_seconds
         checked = validate(pred, *steps_args, repeats=repeats)
     bracket = (before + checked.measured_step_s) / 2
     return Round(
@@ -454,6 +459,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         host_forward=forward_host_work(pred, checked),
         warm_host_predicted_s=warm_host,
         back_to_back_predicted_s=back_to_back_pred.step_seconds,
+        first_forward_flushed_predicted_s=first_flushed,
     )
 
 
@@ -642,6 +648,11 @@ def main() -> int:
                         "the warm rows' forwards timed back to back, not each after its backward (the "
                         "benchmark before session 29)",
                         lambda r: r.back_to_back_predicted_s,
+                    ),
+                    (
+                        "a stage's first forward op from its flushed row, whatever its warm row timed (the "
+                        "predictor before session 33)",
+                        lambda r: r.first_forward_flushed_predicted_s,
                     ),
                 ):
                     beside = [predicted_of(r) / r.measured_s for r in results if predicted_of(r)]

@@ -127,13 +127,17 @@ def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations
     return ops
 
 
-def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[str, str], int]:
+def warm_visits(
+    sweep: list[SweepOp], caches: CacheSizes | None, timed_after_backward: frozenset[str] = frozenset()
+) -> dict[tuple[str, str], int]:
     """{(op, phase): how many of its visits per micro-batch find their data where its warm row did}
     (module docstring): the bytes touched since the op's previous visit (its backward's previous
     visit is its forward; its forward's, the last micro-batch's backward) fit the cache the warm row ran
     in, or the visit right before it in the step is the same op's, in the same phase (a layer after the
-    layer before it). Never the sweep's first forward, which follows a backward (a forward after a
-    backward), nor without cache sizes (assumed exceeded), nor for an op larger than the shared cache."""
+    layer before it). Never the sweep's first forward, which follows the stage's backward (ending with
+    its own), unless the op is in ``timed_after_backward``: its warm forward row was timed after its own
+    backward, as that visit runs; nor without cache sizes (assumed exceeded), nor for an op larger than the
+    shared cache."""
     found = {(op.name, phase): 0 for op in sweep for phase in PHASES}
     if caches is None:
         return found
@@ -145,21 +149,24 @@ def warm_visits(sweep: list[SweepOp], caches: CacheSizes | None) -> dict[tuple[s
             room = caches.private if own <= caches.private else caches.shared
             just_before = i - 1 if phase == "forward" else i + 1  # the backward sweeps in reverse
             follows_itself = 0 <= just_before < len(sweep) and sweep[just_before].name == op.name
-            after_backward = phase == "forward" and i == 0
+            after_backward = phase == "forward" and i == 0 and op.name not in timed_after_backward
             warm = own <= caches.shared and not after_backward and (distance <= room or follows_itself)
             found[(op.name, phase)] += int(warm)
     return found
 
 
 def cache_plan(
-    sweeps: list[list[SweepOp]], calibration: Mapping[str, Any] | None
+    sweeps: list[list[SweepOp]],
+    calibration: Mapping[str, Any] | None,
+    timed_after_backward: frozenset[str] = frozenset(),
 ) -> tuple[list[dict], bool, bool, str]:
-    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes, whether any
-    visit wants warm rows, any flushed ones, and why, in words."""
+    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes and the ops
+    whose warm forward rows were timed after their backward, whether any visit wants warm rows, any
+    flushed ones, and why, in words."""
     from autotuner.results.units import human_bytes
 
     caches = CacheSizes.from_calibration(calibration)
-    plans = [warm_visits(sweep, caches) for sweep in sweeps]
+    plans = [warm_visits(sweep, caches, timed_after_backward) for sweep in sweeps]
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)
     if caches is None:
@@ -169,7 +176,8 @@ def cache_plan(
             f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
             f"bytes touched since the op's last visit within the {human_bytes(caches.private)} private or "
             f"{human_bytes(caches.shared)} shared cache it ran from, or the visit before it the same op's; "
-            "never a stage's first forward op, which follows a backward)"
+            "never a stage's first forward op, which follows a backward, unless its warm forward row "
+            "was timed after its backward)"
         )
         if not (calibration or {}).get("shared_cache_bytes"):
             why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"

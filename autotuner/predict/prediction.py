@@ -366,6 +366,19 @@ def _forward_order_note(warm: TimeModel | None, layout: Layout) -> list[str]:
     ]
 
 
+def timed_after_backward(warm: Measurements) -> frozenset[str]:
+    """The ops whose warm forward rows (those ``warm`` chose) were all timed each after the op's backward
+    (``timing.forward_after_backward``): a stage's first forward op, which follows the stage's backward
+    ending with its own, runs as those rows ran (autotuner.predict.caches.warm_visits)."""
+    forwards: dict[str, list[bool]] = {}
+    for key, r in warm.index.items():
+        if key[1] == "forward":
+            forwards.setdefault(key[0], []).append(
+                not r.get("cache_flush") and bool(r.get("forward_after_backward"))
+            )
+    return frozenset(op for op, after in forwards.items() if all(after))
+
+
 def predict(
     runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None = None, model: ModelShape | None = None
 ) -> Prediction:
@@ -380,13 +393,18 @@ def predict(
         memory = _memory(either_cache, model, layout, single)
         activations = layer_activation(either_cache, model, layout, single).value
         sweeps = [stage_sweep(model, layout, stage, activations) for stage in range(layout.pp)]
-        warm, wants_warm, wants_cold, why = cache_plan(sweeps, calibration)
         cpu = measured_on_cpu(runs.rows)
         processes = layout.gpus if cpu else None  # on a CPU, rows profiled beside as many win
+        warm_rows = Measurements(runs.rows, layout.dtype, cold=False, ep=layout.ep, processes=processes)
+        warm, wants_warm, wants_cold, why = cache_plan(sweeps, calibration, timed_after_backward(warm_rows))
 
         def time_model(cold: bool) -> TimeModel:
             """The rows of one cache mode preferred (the other's stand in, with a warning)."""
-            meas = Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep, processes=processes)
+            meas = (
+                Measurements(runs.rows, layout.dtype, cold=cold, ep=layout.ep, processes=processes)
+                if cold
+                else warm_rows
+            )
             ep1 = (
                 Measurements(runs.rows, layout.dtype, cold=cold, ep=1, processes=processes)
                 if layout.ep > 1
