@@ -117,6 +117,7 @@ from autotuner.results.calibration import (
     load,
     merge_links,
 )
+from autotuner.termination import unwinding_on_sigterm
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
@@ -478,6 +479,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
     return 0
 
 
+@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0]

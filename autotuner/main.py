@@ -11,13 +11,10 @@ import contextlib
 import itertools
 import os
 import shlex
-import signal
 import sys
-import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
 from autotuner.errors import UserError
+from autotuner.termination import unwinding_on_sigterm
 
 # Hydra's own flags: those that take a value, and those that print instead of running.
 _FLAGS_WITH_VALUE = {
@@ -351,11 +349,6 @@ def _dry_run(argv: list[str]) -> bool:
     return True
 
 
-class _Terminated(BaseException):
-    """Raised by the SIGTERM handler: a BaseException, so the runner's per-op ``except Exception`` does
-    not record it as a failed row, and files being written are cleaned up (autotuner.results.atomic)."""
-
-
 def _resume_command(original: list[str]) -> str | None:
     """The command that finishes this run (the original arguments, ``resume=true`` and its directory), or
     None before Hydra named the directory, in a ``-m`` sweep, or for nsys (which cannot resume)."""
@@ -374,41 +367,26 @@ def _resume_command(original: list[str]) -> str | None:
 @contextlib.contextmanager
 def _guarded_run(original: list[str]) -> Iterator[None]:
     """Around Hydra's run: on SIGTERM (what SLURM sends at the time limit or on preemption) say how to
-    finish the run, then end as the signal would have (exit status 143); pass the user's umask on to
-    processes that reset it (nsys); release the run directory's locks when the run ends in-process."""
+    finish the run, unwind (files being written are cleaned up: autotuner.results.atomic) and end as the
+    signal would have, exit status 143 (autotuner.termination); pass the user's umask on to processes
+    that reset it (nsys); release the run directory's locks when the run ends in-process."""
     from autotuner.launchers.common import release_run_dirs
     from autotuner.results.atomic import remember_user_umask
 
-    remember_user_umask()
-    handled = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if handled else None
-
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def say_how_to_finish() -> bool:
         command = _resume_command(original)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         if command is None:  # nothing to resume (no directory yet, a sweep, nsys): end as by default
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            return False
         if os.environ.get("RANK", "0") == "0":
             # os.write, not print: the handler may interrupt a print to stderr, which must not re-enter
             os.write(2, f"autotuner: terminated; finish the run with: {command}\n".encode())
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            # Unwinding could wait in a collective or the process group's teardown: end now.
-            os.kill(os.getpid(), signal.SIGTERM)
-        raise _Terminated
+        return True
 
-    if handled:
-        signal.signal(signal.SIGTERM, on_sigterm)
+    remember_user_umask()
     try:
-        yield
-    except _Terminated:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler is SIG_DFL again: the process ends here
-        raise SystemExit(128 + signal.SIGTERM) from None
+        with unwinding_on_sigterm(say_how_to_finish):
+            yield
     finally:
-        if handled:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         release_run_dirs()
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from autotuner.measure.timer import median_ci
 from autotuner.predict.prediction import load_calibration_for, predict
 from autotuner.predict.steps import run_steps
+from autotuner.termination import unwinding_on_sigterm
 from benchmarks.predict_accuracy import (
     CASES,
     LAYOUTS,
@@ -76,6 +77,7 @@ def order_verdict(predicted: float, measured: list[float]) -> tuple[str, tuple[f
     return ("right" if (predicted < 1) == (high < 1) else "wrong"), ci
 
 
+@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", default="llama_small", help=f"one of {', '.join(CASES)}")

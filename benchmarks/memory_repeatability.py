@@ -18,9 +18,11 @@ from pathlib import Path
 
 from autotuner.predict.layout import Layout
 from autotuner.predict.steps import run_steps
+from autotuner.termination import unwinding_on_sigterm
 from benchmarks.predict_accuracy import CASES, LAYOUTS, MBS, MICROBATCHES, SEQ, cpu_share
 
 
+@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=6, help="fresh measurements of the same steps")

@@ -87,6 +87,7 @@ from autotuner.predict.steps import run_process_group, run_steps
 from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK, HOST_WORK_FLUSHED
 from autotuner.results.calibration import load as load_calibration
+from autotuner.termination import unwinding_on_sigterm
 from benchmarks.machine_noise import REALTIME_REFUSED, run_realtime
 
 CASES = {
@@ -513,6 +514,7 @@ def print_pairs(label: str, who: str, between: str, entries: list[tuple[int, flo
         )
 
 
+@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per measurement")

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from autotuner.main import run
+from autotuner.ops.naming import PHASES
 
 OPS = ("transformer_layer", "mlp", "linear_fc1")
 BOUNDS = (1 / 1.5, 1.5)
@@ -108,7 +109,7 @@ def main() -> None:
     )
     ratios = {}
     for op in OPS:
-        for phase in ("forward", "backward"):
+        for phase in PHASES:
             profiler, reference = rows[("torch_profiler", op, phase)], rows[("get_data", op, phase)]
             fastest_p = min(r["min_us"] for r in profiler)
             fastest_g = min(r["min_us"] for r in reference)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from autotuner.measure.timer import DeviceTimer, median_ci
+from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
 from autotuner.predict.stage_trainer import StageTrainer
 from autotuner.runner import Phase
@@ -95,7 +96,7 @@ class Bench:
     def _phases(self, layer: Any) -> dict[str, Phase]:
         hidden, rest = self._inputs[id(layer)]
         call = OpCall(lambda x: layer(x, **rest), (hidden,), layer)
-        return {name: Phase(name, call, seed=0) for name in ("forward", "backward")}
+        return {name: Phase(name, call, seed=0) for name in PHASES}
 
     def step(self, timed: bool) -> None:
         if timed:

@@ -693,3 +693,29 @@ def test_a_sigterm_while_steps_run_stops_them_and_ends_as_a_sigterm_would(tmp_pa
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
     assert _ends(grandchild)
+
+
+def test_a_sigterm_under_an_entry_point_removes_its_temporary_folders_then_ends_as_a_sigterm_would(tmp_path):
+    """autotuner.predict ... validate=true, autotuner.calibrate and the benchmarks keep their steps and
+    profiles in temporary folders; under autotuner.termination.unwinding_on_sigterm (theirs, and a nested
+    one as autotuner.main's inside a benchmark) a SIGTERM while the steps run stops the steps' processes,
+    removes both folders on the way out, and still ends the process by SIGTERM."""
+    pid_file, scratch = tmp_path / "grandchild.pid", tmp_path / "scratch"
+    scratch.mkdir()
+    waiter = (
+        "import os, sys, tempfile\n"
+        "from autotuner.predict.steps import run_process_group\n"
+        "from autotuner.termination import unwinding_on_sigterm\n"
+        "with unwinding_on_sigterm(), tempfile.TemporaryDirectory(dir=sys.argv[3]) as outer:\n"
+        "    with unwinding_on_sigterm(), tempfile.TemporaryDirectory(dir=outer):\n"
+        "        run_process_group([sys.executable, '-c', sys.argv[1], sys.argv[2]], dict(os.environ), 600)\n"
+    )
+    command = [sys.executable, "-c", waiter, GRANDPARENT, str(pid_file), str(scratch)]
+    proc = subprocess.Popen(command, cwd=SOURCE)
+    grandchild = _grandchild(pid_file)
+    (outer,) = scratch.iterdir()
+    assert len(list(outer.iterdir())) == 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert _ends(grandchild)
+    assert list(scratch.iterdir()) == []

@@ -16,26 +16,31 @@ fits there, else the shared last-level cache (``shared_cache_bytes``: the L3 of 
 and, whatever lies between, when the visit right before it is the same op's in the same phase (a layer's
 forward after the previous layer's, its backward after the next layer's); never for an op larger than the
 shared cache, nor for the first op of a stage's forward, which follows a backward (the last micro-batch's,
-ending with this op's own: in 1F1B's steady state every forward does). What a backward leaves cold is not
-that op's data but, as a flush does, the code and the memory the allocator recycles: tiny's embedding
-forward, the first op of each of its micro-batches, took 0.153 ms inside real steps, 0.026 back to back
-and 0.187 right after a backward of the model, its flushed row 0.19 in an earlier profile (session 23, one
-process); a layer's forward after its backward 1.11-1.20x its back-to-back time against 1.28-1.41x after a
-flush (tiny) and 1.06-1.09x against 1.11-1.13x (llama-shaped; ``python -m
-benchmarks.forward_after_backward``): between the two, the flushed one the nearer for the op that short. A
-pipeline's later stage starts its forward with a layer, which this sends to its flushed row (tiny PP2's
-layer forward took 1.96-2.01 ms inside the steps in session 15, its warm row then 1.28, its flushed row
-1.72). Other visits take its flushed row, and an op visited both ways the mean of the two by its visits
-(:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is LRU-like
-and ignores that a cache keeps some of a larger working set; it is what the measurements showed on this
-project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped model's layers, timed by
-hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward, their warm rows 2.82 and
-4.30, their flushed rows 4.07 and 5.72; the tiny model's layers took 1.27-1.46 and 1.24 ms against warm
-rows of 1.18 and 1.24 and flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the
-flushed rows for both (their memory exceeds a core's L2) and over-predicted the llama-shaped
-forward-backward by 6-25%. A layer that follows a layer: what makes a flushed row slow on a CPU is less
-the op's own weights leaving the cache than what the flush evicts besides, the code and the memory the
-allocator recycles, which the layer before it has just run and used (session 21, ``python -m
+ending with this op's own: in 1F1B's steady state every forward does), unless its warm forward row was
+timed after the op's backward (``timing.forward_after_backward``), as that visit runs. Until session 29
+the warm forwards were timed back to back, and a backward leaves cold what a flush does, the code and the
+memory the allocator recycles, so that visit took the flushed row (a layer's forward after its backward
+1.11-1.20x its back-to-back time against 1.28-1.41x after a flush (tiny) and 1.06-1.09x against
+1.11-1.13x (llama-shaped; ``python -m benchmarks.forward_after_backward``); tiny PP2's later stage's layer
+forward took 1.96-2.01 ms inside the steps in session 15, its warm row then 1.28, its flushed row 1.72).
+With rows timed after the backward the flushed row over-read it: in session 32 that visit took 1.098 ms
+inside tiny PP2's steps, the layer's warm row 1.096 and its flushed row 1.352 (medians of six rounds); in
+session 33, from the warm row, it read 1.019 of its time inside the steps (``python -m
+benchmarks.predict_accuracy --cases tiny --layouts pp2``, which prints the step both ways). The embedding,
+the first stage's first op, is the exception neither row times: inside tiny's TP1 steps it took 0.085 ms
+(session 33, medians of six rounds), 4x its warm row (0.021) and 0.7x its flushed one (0.12-0.13), the
+first op after the schedule's own work between micro-batches; the 0.06 ms a micro-batch it now reads
+under is 1% of tiny's step. Other visits take its flushed row, and an op visited both ways the mean of
+the two by its visits (:func:`blend`, said in its source). Without cache sizes every visit is assumed
+cold. The rule is LRU-like and ignores that a cache keeps some of a larger working set; it is what the
+measurements showed on this project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped
+model's layers, timed by hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward,
+their warm rows 2.82 and 4.30, their flushed rows 4.07 and 5.72; the tiny model's layers took 1.27-1.46
+and 1.24 ms against warm rows of 1.18 and 1.24 and flushed ones of 2.06 and 1.61. The stage-wide choice
+the rule replaced took the flushed rows for both (their memory exceeds a core's L2) and over-predicted the
+llama-shaped forward-backward by 6-25%. A layer that follows a layer: what makes a flushed row slow on a
+CPU is less the op's own weights leaving the cache than what the flush evicts besides, the code and the
+memory the allocator recycles, which the layer before it has just run and used (session 21, ``python -m
 benchmarks.forward_after_backward``, one thread, a layer's forward over its back-to-back time: after a
 flush 1.30-1.68x (tiny) and 1.09-1.16x (llama-shaped); after the flush and then another layer's forward,
 this layer's weights still evicted, 1.01-1.09x and 1.03-1.06x; after another layer alone 0.98-1.02x and

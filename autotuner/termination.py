@@ -1,0 +1,70 @@
+"""Ending on SIGTERM as the signal would, once the ``with`` blocks and ``finally`` clauses have run.
+
+SLURM sends SIGTERM at a job's time limit or on preemption, torchrun to its workers when one fails, a user
+with ``kill``. Python's default for SIGTERM ends the process on the spot: no ``finally`` runs, so a
+temporary directory of measured steps stays behind in /tmp and a lock or a half-written file is not
+cleaned up. :func:`unwinding_on_sigterm` turns the signal into :class:`Terminated`, a BaseException (so
+that no per-op ``except Exception`` records it as that op's failure), lets the stack unwind through every
+cleanup, and then ends the process by the signal itself: whoever started it (SLURM, a shell, torchrun)
+still sees it killed by SIGTERM, exit status 143. Two cases end at once instead, as by default: a second
+SIGTERM during the unwinding, and a process with other ranks (``WORLD_SIZE`` above 1), whose unwinding
+could wait forever in a collective or in the process group's teardown for a rank that is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class Terminated(BaseException):
+    """Raised by :func:`unwinding_on_sigterm`'s handler; caught by it once the stack has unwound."""
+
+
+def _end_by_sigterm() -> None:
+    """End this process by SIGTERM's default action (the status a parent reads: killed by signal 15)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def unwinding_on_sigterm(on_signal: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Inside, a SIGTERM raises :class:`Terminated` where the main thread is, and on leaving the process
+    ends as the signal would (module docstring). ``on_signal`` runs first, in the handler, and says
+    whether to unwind (False: end at once). Nested in another (a benchmark running a profile in its own
+    process), it passes Terminated on, so that the outer one's cleanups run too. Outside the main thread
+    (where no handler may be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    enclosed = getattr(previous, "unwinds", False)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        unwind = on_signal() if on_signal is not None else True
+        if not unwind or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            _end_by_sigterm()
+        raise Terminated
+
+    on_sigterm.unwinds = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGTERM, on_sigterm)
+    terminated = False
+    try:
+        yield
+    except Terminated:
+        terminated = True
+        if enclosed:
+            raise
+        _end_by_sigterm()
+        raise SystemExit(128 + signal.SIGTERM) from None  # not reached: the signal ends the process
+    finally:
+        if not terminated:  # else SIG_DFL stays: a second SIGTERM while unwinding ends the process
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
