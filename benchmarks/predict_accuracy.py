@@ -52,7 +52,10 @@ since then a stage whose ops sweep the shared cache takes the host work timed wi
 autotuner.predict.caches.host_work_cached); the same prediction from warm rows whose forwards were timed
 back to back (the benchmark before session 29, a third profile in the round; since then the warm
 profile times each forward after the op's backward, as a step runs it and as the predictor's profiling
-plan asks: autotuner.measure.timer, "A forward follows its backward"); the ops inside the
+plan asks: autotuner.measure.timer, "A forward follows its backward"); the same rows with a stage's
+first forward op from its flushed row whatever its warm row timed (the predictor before session 33; since
+then from the warm row where that was timed after the op's backward, as the visit runs:
+autotuner.predict.caches.warm_visits); the ops inside the
 forward-backward, each hooked op's predicted time per visit / its time inside the measured steps
 (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in its
 median step, per stage the host work of a

@@ -3,6 +3,7 @@ synthetic rows, provenance, missing measurements, bad input, and one real tiny r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -495,27 +496,33 @@ def test_warm_forwards_timed_after_their_backward_win_and_back_to_back_ones_are_
         assert not any("back to back" in w for w in predict(load_runs(runs), layout, roomy).warnings)
 
 
-def test_a_stages_first_forward_takes_its_warm_row_only_where_that_row_followed_its_backward(tmp_path):
-    """A stage's first forward op (the embedding) follows the stage's backward, which ends with the op's
-    own: a warm forward row timed after that backward (timing.forward_after_backward) times that visit,
-    one timed back to back does not and the flushed row stands in. Caches that hold every op, so only
-    that rule decides; the rows' own times tell which row each visit took."""
-    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+def test_a_later_stages_first_layer_takes_its_warm_row_only_where_that_row_followed_its_backward(tmp_path):
+    """A later pipeline stage's first forward op (a layer) follows the stage's backward, which ends with
+    the layer's own: a warm forward row timed after that backward (timing.forward_after_backward) times
+    that visit, one timed back to back does not and the flushed row stands in. The first stage's
+    embedding keeps its flushed row either way: its backward does not read its table. Caches that hold
+    every op, so only that rule decides; the rows' own times tell which row each visit took."""
+    layout = Layout(seq_len=32, global_batch_size=4, pp=2, dtype="fp32")
     roomy = {**CAL, "warm_cache_bytes": 2**30, "shared_cache_bytes": 2**30}
     cold = [{**r, "cache_flush": True, "median_us": r["median_us"] * 3} for r in base_rows()]
     in_order = [{**r, "forward_after_backward": r["phase"] == "forward"} for r in base_rows()]
 
-    def embedding_forward(warm_rows, name):
+    def forwards(warm_rows, name):
         runs = load_runs([make_run(tmp_path, cold, f"cold-{name}"), make_run(tmp_path, warm_rows, name)])
         pred = predict(runs, layout, roomy)
-        return pred, next(
-            t.seconds for op, phase, t, _ in pred.stages[0].items if (op, phase) == ("embedding", "forward")
-        )
+        per_stage = [
+            {op: t.seconds for op, phase, t, _ in stage.items if phase == "forward"} for stage in pred.stages
+        ]
+        return pred, per_stage
 
-    pred, after = embedding_forward(in_order, "after")
-    assert after == pytest.approx(100 * US)
+    pred, after = forwards(in_order, "after")
+    # stage 1's two layer visits a micro-batch: the first after the backward, the second after a layer
+    assert after[1]["transformer_layer"] == pytest.approx(1000 * US)
+    assert after[0]["embedding"] == pytest.approx(300 * US)
     assert "unless its warm forward row was timed after its backward" in pred.to_json()["cache"]
-    assert embedding_forward(base_rows(), "b2b")[1] == pytest.approx(300 * US)
+    _, back_to_back = forwards(base_rows(), "b2b")
+    assert back_to_back[1]["transformer_layer"] == pytest.approx((1000 + 3000) / 2 * US)
+    assert back_to_back[0]["embedding"] == pytest.approx(300 * US)
 
 
 def test_rows_that_spread_widely_are_named_with_their_share_of_the_stage(tmp_path):
@@ -578,7 +585,7 @@ def test_warm_visits_follow_the_stage_sweep():
     from autotuner.predict.caches import CacheSizes, SweepOp, warm_visits
 
     mb = 1e6
-    sweep = [SweepOp("embedding", 4 * mb, 4 * mb, 1 * mb)]
+    sweep = [SweepOp("embedding", 4 * mb, 4 * mb, 1 * mb, backward_reads_weights=False)]
     sweep += [SweepOp("transformer_layer", 3 * mb, 3 * mb, 2 * mb)] * 4
     sweep += [SweepOp("final_layernorm", 100, 100, 1000), SweepOp("output_layer", 4 * mb, 4 * mb, 2 * mb)]
     caches = CacheSizes(private=1 * mb, shared=32 * mb)
@@ -608,11 +615,14 @@ def test_warm_visits_follow_the_stage_sweep():
     # flushed, the other three follow a layer
     later = warm_visits(sweep[1:5], caches)
     assert later[("transformer_layer", "forward")] == 3 and later[("transformer_layer", "backward")] == 4
-    # unless the warm forward row was timed after the op's own backward (timing.forward_after_backward),
-    # as that first forward runs: then it is warm, and only the sweep's first op changes
+    # unless the warm forward row was timed after the op's own backward (timing.forward_after_backward)
+    # and that backward reads the weights, as the layer's does: then that row times the visit as it runs.
+    # The embedding's backward only adds into its table's gradient: its first forward stays flushed
     after = frozenset({"embedding", "transformer_layer"})
     assert warm_visits(sweep[1:5], caches, after)[("transformer_layer", "forward")] == 4
-    assert warm_visits(sweep, caches, after) == {**warm_visits(sweep, caches), ("embedding", "forward"): 1}
+    assert warm_visits(sweep, caches, after) == warm_visits(sweep, caches)
+    reading = [dataclasses.replace(sweep[0], backward_reads_weights=True), *sweep[1:]]
+    assert warm_visits(reading, caches, after)[("embedding", "forward")] == 1
     # a GPU's L2 is both caches: a layer larger than it finds nothing cached; without sizes, nothing is
     gpu = warm_visits(sweep, CacheSizes(private=4.5 * mb, shared=4.5 * mb))
     assert gpu[("transformer_layer", "forward")] == gpu[("transformer_layer", "backward")] == 0
