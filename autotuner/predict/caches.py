@@ -30,7 +30,8 @@ the warm row, it read 1.019 of its time inside the steps (``python -m benchmarks
 adds into the table's gradient), so its warm row, timed after that backward, still finds what its previous
 forward sample left, where a step's forward comes a whole sweep of the stage later: inside tiny's TP1 steps
 its forward took 0.085 ms, 4x that warm row (0.021) and 0.7x its flushed one (0.12-0.13; session 33, medians
-of six rounds), and it keeps the flushed row, over by about 1% of tiny's step (from the warm row, under by
+of six rounds; session 23: 0.153 ms inside the steps, 0.026 back to back, 0.187 right after a backward of the
+whole model), and it keeps the flushed row, over by about 1% of tiny's step (from the warm row, under by
 1.6-1.7% of it). Other visits take its flushed row, and an op visited both ways the mean of the two by its
 visits (:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is
 LRU-like and ignores that a cache keeps some of a larger working set; it is what the measurements showed on
