@@ -383,7 +383,9 @@ def run_process_group(
         _stop_session(proc)
         raise
     finally:
-        if on_main:
+        # unless the SIGTERM came and was passed on: what handled it then stays (autotuner.termination's
+        # handler leaves SIG_DFL while it unwinds, so that a second SIGTERM ends the process at once)
+        if on_main and signal.getsignal(signal.SIGTERM) is on_sigterm:
             signal.signal(signal.SIGTERM, previous)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
