@@ -19,8 +19,11 @@ the times of its sizes (``collective_points``), those decide, as measured times 
   about affine in its size: a latency plus bytes over bandwidth; measured curves bend where caches or
   protocols change, which the points follow and one bandwidth would not);
 * above the largest, its time plus the extra bytes at the plateau: ``t_max + f * (B - B_max) / W``;
-* below the smallest, the latency that size paid beyond its bandwidth term, plus the bytes at the
-  plateau: ``a + f * B / W`` with ``a = t_min - f * B_min / W`` (at least 0).
+* below the smallest, the latency that size paid beyond its bandwidth term, plus the rest of its time
+  scaled by bytes: ``a + (t_min - a) * B / B_min`` with ``a = t_min - f * B_min / W``, which is
+  ``a + f * B / W``, the bytes at the plateau; where the smallest size ran faster than the plateau's
+  bandwidth gives (noise, or a size that fits a cache), ``a`` is 0 and the bytes go at that size's own
+  rate, so that each calibrated size gets its own time back.
 
 Bus bandwidth hardly depends on ``n`` for a ring on one kind of link, so a world size not calibrated
 takes the nearest one calibrated on the same backend (its bandwidth, not its points); with nothing
@@ -149,9 +152,10 @@ def _from_points(
     if nbytes <= low_n:
         latency = max(0.0, low_t - factor * low_n / bandwidth)
         return (
-            latency + factor * nbytes / bandwidth,
-            f"latency {latency * 1e6:.1f} us (of {low_n} B's {low_t * 1e6:.1f} us) + {factor:.3g} * "
-            f"{nbytes:.0f} B / {bandwidth / 1e9:.3g} GB/s ({where})",
+            latency + (low_t - latency) * nbytes / low_n,
+            f"latency {latency * 1e6:.1f} us (of {low_n} B's {low_t * 1e6:.1f} us) + the rest of its time "
+            f"x {nbytes:.0f} / {low_n} B ({where}; the rest is {factor:.3g} * bytes / {bandwidth / 1e9:.3g} "
+            "GB/s where that size ran no faster than the plateau)",
         )
     for (n0, t0), (n1, t1) in zip(points, points[1:], strict=False):
         if n0 <= nbytes <= n1:
