@@ -88,7 +88,7 @@ from typing import Any
 import torch
 
 from autotuner.errors import UserError
-from autotuner.measure.cache import last_level_cache_bytes, warm_cache_bytes
+from autotuner.measure.cache import last_level_cache_bytes, shared_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.host_heap import keep_freed_memory
 from autotuner.model.runtime import (
@@ -158,7 +158,9 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     peak_flops = {}
     for dtype, n in MATMUL_SIZE[device.type].items():
         peak_flops[dtype] = 2 * n**3 / _median_s(matmul_call(n, n, n, device, DTYPES[dtype]), device, policy)
-    size = max(8 * last_level_cache_bytes(device), 64 * 2**20)
+    # far past the cache a core can keep (autotuner.measure.cache: not the size a VM reports, which
+    # made this 4 GiB on one)
+    size = max(8 * shared_cache_bytes(device), 64 * 2**20)
     copy = copy_call(size, device)
     result: dict[str, Any] = {
         "device_type": device.type,
@@ -169,7 +171,8 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         # where a warm row's data sits between calls, so where a step's op can find it again:
         # autotuner.predict.caches.cache_plan
         "warm_cache_bytes": warm_cache_bytes(device),
-        "shared_cache_bytes": last_level_cache_bytes(device),
+        "shared_cache_bytes": shared_cache_bytes(device),
+        "shared_cache_bytes_reported": last_level_cache_bytes(device),
     }
     per_parameter, per_tensor, count = adam_rates(device, policy)
     result["adam_seconds_per_parameter"] = per_parameter

@@ -149,6 +149,41 @@ def _jittered(ns: int) -> Iterator[int]:
     return cycle([ns, ns + ns // 100])
 
 
+def test_the_shared_cache_ends_where_a_core_rereads_at_memorys_rate():
+    """autotuner.measure.cache.cached_extent on read rates (GB/s by MiB) of session 34's VM, whose sysfs
+    reports a 480 MiB L3: 64 MiB still read 1.7x faster than the largest size, 128 MiB at its rate. A
+    size read at memory's rate ends the cache even where a larger one reads faster again; where the
+    smallest already does, there is no shared cache to speak of."""
+    from autotuner.measure.cache import cached_extent
+
+    mib = 2**20
+    vm = {4: 23.5, 8: 25.4, 16: 26.0, 32: 26.9, 64: 20.8, 128: 12.8, 256: 12.6, 512: 12.0, 1024: 11.7}
+    assert cached_extent({k * mib: v for k, v in vm.items()}) == 64 * mib
+    dip = {**vm, 16: 12.0}
+    assert cached_extent({k * mib: v for k, v in dip.items()}) == 8 * mib
+    assert cached_extent({4 * mib: 12.0, 8 * mib: 30.0, 16 * mib: 11.0}) is None
+
+
+def test_the_measured_shared_cache_lies_between_a_cores_own_and_the_reported_one():
+    """On this machine's CPU: at least the cache a core has to itself, at most what sysfs reports, else one
+    of the doubling sizes probed; the flush writes four times it (twice the first size that does not stay)."""
+    from autotuner.measure.cache import (
+        CacheFlusher,
+        last_level_cache_bytes,
+        shared_cache_bytes,
+        warm_cache_bytes,
+    )
+
+    shared, private = shared_cache_bytes(CPU), warm_cache_bytes(CPU)
+    assert private <= shared <= last_level_cache_bytes(CPU)
+    ratio = shared // private
+    assert shared in (private, last_level_cache_bytes(CPU)) or (
+        shared % private == 0 and ratio & (ratio - 1) == 0
+    )
+    assert CacheFlusher(CPU).buffer.numel() == 4 * shared
+    assert shared_cache_bytes(CPU) == shared  # measured once a process
+
+
 def test_the_default_clock_is_the_hosts_and_a_sleep_never_reads_short():
     assert DeviceTimer(CPU).clock_ns is time.perf_counter_ns
     assert DeviceTimer(CPU).time_ns(lambda: time.sleep(0.002), calls=2) >= 4 * MS

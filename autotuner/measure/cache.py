@@ -1,16 +1,30 @@
-"""The device's last-level cache: its size, and a flush that evicts it between samples.
+"""The device's caches: their sizes, and a flush that evicts the shared one between samples.
 
-On a GPU the last-level cache is L2 (``L2_cache_size`` of the device properties). On a CPU it is the
-largest cache the kernel reports in sysfs (usually the shared L3); 32 MiB where nothing is reported.
+On a GPU the last-level cache is L2 (``L2_cache_size`` of the device properties), and its size is what
+the device has. On a CPU the kernel's sysfs reports each cache's size, but under a hypervisor the shared
+L3 it reports is the host socket's, which the guest's cores share with every other tenant's: this
+project's development VM reports 480 MiB, yet a core re-reads 64 MiB at 21-25 GB/s and 128 MiB at the
+11-12 GB/s of memory (session 34, one thread). A flush sized by the report wrote 960 MiB before every
+sample (about 0.1 s: a flushed profile got 8-10 samples an op in its budget) and the predictor counted
+480 MiB of room for a stage's data. So on a CPU the shared cache's size is measured
+(:func:`shared_cache_bytes`): the largest buffer that one core re-reads clearly faster than memory, found
+by reading buffers of doubling size up to twice the reported size. It takes about a second, once a process.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from pathlib import Path
 
 import torch
 
 _DEFAULT_CPU_CACHE = 32 * 2**20
+# A size still counts as cached while one core re-reads it this much faster than the largest size probed
+# (which no cache holds: twice the reported one). The VM above: 1.7x at 64 MiB, 0.9x at 128 MiB.
+CACHED_OVER_MEMORY = 1.3
+# Reading more than this to find the cache's end costs more time and memory than it tells.
+_PROBE_LIMIT = 2 * 2**30
 
 
 def _parse_size(text: str) -> int:
@@ -34,6 +48,8 @@ def _cpu_caches() -> list[tuple[int, bool]]:
 
 
 def last_level_cache_bytes(device: torch.device) -> int:
+    """The last-level cache as the device reports it: a GPU's L2; the largest cache in a CPU's sysfs
+    (32 MiB where none is reported), which may be more than this process can keep (module docstring)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).L2_cache_size)
     return max((size for size, _ in _cpu_caches()), default=_DEFAULT_CPU_CACHE)
@@ -48,12 +64,74 @@ def warm_cache_bytes(device: torch.device) -> int:
     return max((size for size, private in _cpu_caches() if private), default=2**20)
 
 
+def _read_seconds(buffer: torch.Tensor, reads: int = 5) -> float:
+    """The fastest of ``reads`` passes over ``buffer`` (a sum reads every byte once): the fastest, since a
+    pass can only be slowed by the machine, not sped up."""
+    buffer.sum()  # the first pass brings it in
+    best = float("inf")
+    for _ in range(reads):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_rates(sizes: list[int]) -> dict[int, float]:
+    """Bytes per second at which one thread re-reads a buffer of each size (fp32, so whole multiples of 4)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's view: with more, each core's share of the cache and the memory
+    try:
+        rates = {}
+        for size in sizes:
+            buffer = torch.ones(size // 4, dtype=torch.float32)
+            rates[size] = size / _read_seconds(buffer)
+            del buffer
+        return rates
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cached_extent(rates: dict[int, float]) -> int | None:
+    """The largest size, of doubling ``rates``, up to which every size reads at least CACHED_OVER_MEMORY
+    times faster than the largest (taken as memory's rate); None when the smallest does not."""
+    sizes = sorted(rates)
+    memory = rates[sizes[-1]]
+    extent = None
+    for size in sizes[:-1]:
+        if rates[size] < CACHED_OVER_MEMORY * memory:
+            break
+        extent = size
+    return extent
+
+
+@functools.cache
+def shared_cache_bytes(device: torch.device) -> int:
+    """The shared cache this process can keep data in: a GPU's L2; on a CPU the largest buffer of doubling
+    size, from twice a core's own cache to the reported last-level cache, that one core re-reads at
+    least CACHED_OVER_MEMORY times faster than twice the reported size (module docstring). At most the
+    reported size; a core's own cache where even the smallest reads at memory's rate."""
+    reported = last_level_cache_bytes(device)
+    if device.type == "cuda":
+        return reported
+    private = warm_cache_bytes(device)
+    largest = min(max(2 * reported, 4 * private), _PROBE_LIMIT)
+    sizes = []
+    size = 2 * private
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    sizes.append(largest)
+    extent = cached_extent(read_rates(sizes))
+    return min(reported, extent) if extent is not None else private
+
+
 class CacheFlusher:
-    """Writes over a buffer twice the last-level cache, so the next sample starts with a cold cache."""
+    """Writes over a buffer four times the shared cache this process can keep (:func:`shared_cache_bytes`:
+    twice the first size that no longer stays), so the next sample starts with a cold cache."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.buffer = torch.empty(2 * last_level_cache_bytes(device), dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(4 * shared_cache_bytes(device), dtype=torch.uint8, device=device)
 
     def __call__(self) -> None:
         self.buffer.zero_()

@@ -10,49 +10,61 @@ backward, with every op before it in between (1F1B's steady state alternates a f
 way; the interleaved schedule's chunks put more between, which this undercounts). The distinct bytes of an op
 are its weights, their fp32 main gradients and what its forward saves, from the model's sizes and the layer's
 measured ``activation_bytes`` (:func:`stage_sweep`, :func:`warm_visits`). A visit takes the op's warm row when
-those bytes fit the cache its warm row ran from: a core's own cache (calibration ``warm_cache_bytes``: a CPU
-core's L2, a GPU's L2) for an op that fits there, else the shared last-level cache (``shared_cache_bytes``:
-the L3 of a CPU; a GPU's L2 again); and, whatever lies between, when the visit right before it is the same
-op's in the same phase (a layer's forward after the previous layer's, its backward after the next layer's);
-never for an op larger than the shared cache, nor for the first op of a stage's forward, which follows a
-backward (the last micro-batch's, ending with this op's own: in 1F1B's steady state every forward does),
-unless its warm forward row was timed after the op's backward (``timing.forward_after_backward``) and that
-backward reads the weights the forward reads, as a layer's does: then the row times the visit as it runs.
-Until session 29 the warm forwards were timed back to back, and a backward leaves cold what a flush does, the
-code and the memory the allocator recycles, so that visit took the flushed row (a layer's forward after its
-backward 1.11-1.20x its back-to-back time against 1.28-1.41x after a flush (tiny) and 1.06-1.09x against
-1.11-1.13x (llama-shaped; ``python -m benchmarks.forward_after_backward``); tiny PP2's later stage's layer
-forward took 1.96-2.01 ms inside the steps in session 15, its warm row then 1.28, its flushed row 1.72). With
-rows timed after the backward the flushed row over-read it: in session 32 that visit took 1.098 ms inside tiny
-PP2's steps, the layer's warm row 1.096 and its flushed row 1.352 (medians of six rounds); in session 33, from
-the warm row, it read 1.019 of its time inside the steps (``python -m benchmarks.predict_accuracy --cases tiny
---layouts pp2``, which prints the step both ways). The embedding's backward does not read its table (it only
-adds into the table's gradient), so its warm row, timed after that backward, still finds what its previous
-forward sample left, where a step's forward comes a whole sweep of the stage later: inside tiny's TP1 steps
-its forward took 0.085 ms, 4x that warm row (0.021) and 0.7x its flushed one (0.12-0.13; session 33, medians
-of six rounds; session 23: 0.153 ms inside the steps, 0.026 back to back, 0.187 right after a backward of the
-whole model), and it keeps the flushed row, over by about 1% of tiny's step (from the warm row, under by
-1.6-1.7% of it). Other visits take its flushed row, and an op visited both ways the mean of the two by its
-visits (:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is
-LRU-like and ignores that a cache keeps some of a larger working set; it is what the measurements showed on
-this project's 2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped model's layers, timed by
-hooks inside its real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward, their warm rows 2.82 and 4.30,
-their flushed rows 4.07 and 5.72; the tiny model's layers took 1.27-1.46 and 1.24 ms against warm rows of 1.18
-and 1.24 and flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the flushed rows for
-both (their memory exceeds a core's L2) and over-predicted the llama-shaped forward-backward by 6-25%. A layer
-that follows a layer: what makes a flushed row slow on a CPU is less the op's own weights leaving the cache
-than what the flush evicts besides, the code and the memory the allocator recycles, which the layer before it
-has just run and used (session 21, ``python -m benchmarks.forward_after_backward``, one thread, a layer's
-forward over its back-to-back time: after a flush 1.30-1.68x (tiny) and 1.09-1.16x (llama-shaped); after the
-flush and then another layer's forward, this layer's weights still evicted, 1.01-1.09x and 1.03-1.06x; after
-another layer alone 0.98-1.02x and 1.00-1.01x). Without this clause the llama-shaped TP1 stage took 1 of its 4
-layer visits a phase from the flushed row and read 11% (forward) and 8% (backward) over the layers' time
-inside the steps, where its warm rows read 0.99-1.04 of it (``python -m benchmarks.row_in_step``); inside the
-steps no visit of a layer ran slower than the rest. On a GPU a real model's layer exceeds the L2 and takes its
-flushed row. Where the runs hold only one kind of row, it stands in for the other and the prediction warns. A
-warm forward row timed after the op's backward (``timing.forward_after_backward``, as every forward of an op
-in a step runs) wins over one timed back to back, which on a CPU reads under a step's forward; a CPU
-prediction from back-to-back ones says so (autotuner.measure.timer, "A forward follows its backward").
+those bytes fit the shared last-level cache (calibration ``shared_cache_bytes``: a GPU's L2; on a CPU the L3 a
+core keeps data in, as measured: autotuner.measure.cache), or, whatever lies between, when the visit right
+before it is the same op's in the same phase (a layer's forward after the previous layer's, its backward after
+the next layer's); never for an op larger than that cache, nor for the first op of a stage's forward, which
+follows a backward (the last micro-batch's, ending with this op's own: in 1F1B's steady state every forward
+does), unless its warm forward row was timed after the op's backward (``timing.forward_after_backward``), as
+the visit runs. Until session 29 the warm forwards were timed back to back, and a backward leaves cold what a
+flush does, the code and the memory the allocator recycles, so that visit took the flushed row (a layer's
+forward after its backward 1.11-1.20x its back-to-back time against 1.28-1.41x after a flush (tiny) and
+1.06-1.09x against 1.11-1.13x (llama-shaped; ``python -m benchmarks.forward_after_backward``); tiny PP2's
+later stage's layer forward took 1.96-2.01 ms inside the steps in session 15, its warm row then 1.28, its
+flushed row 1.72). With rows timed after the backward the flushed row over-read it: in session 32 that visit
+took 1.098 ms inside tiny PP2's steps, the layer's warm row 1.096 and its flushed row 1.352 (medians of six
+rounds); in session 33, from the warm row, it read 1.019 of its time inside the steps (``python -m
+benchmarks.predict_accuracy --cases tiny --layouts pp2``, which prints the step both ways).
+
+**Small ops between.** Until session 34 an op whose own bytes fit a core's private cache (calibration
+``warm_cache_bytes``, a CPU's L2) took its warm row only when what lay between its visits fitted there too,
+and the embedding's first forward kept its flushed row (its backward only adds into the table's gradient, so a
+warm row timed after it still finds what the last forward sample left). Neither row is what such a visit pays:
+inside the steps the op before it has just run the code and used the allocator's memory, which a flush evicts,
+and its own data come from the shared cache. How far the flushed row over-reads depends on the machine. On
+session 33's 2-core AMD VM (a 32 MiB L3), tiny's final norm forward took 0.06-0.16 ms inside the steps against
+its warm row of 0.02 and flushed row of 0.14-0.25, the embedding's first forward 0.085 against 0.021 and
+0.12-0.13 (warm: under by 1.6% of tiny's step; flushed: over by 1%). On session 34's Intel VM, whose host
+socket's L3 other tenants share, the flushed rows of the small ops read 5-12x their time inside the steps
+(tiny TP1, one validation each: the final norm's forward 0.086 ms inside, warm 0.055, flushed 0.68; the
+embedding's first forward 0.131 and 0.207 inside, warm 0.059, flushed 0.69 and 1.10; the embedding's backward
+0.087 inside, warm 0.069, flushed 0.93; the output layer's forward 1.25 ms inside, warm 1.14, flushed 2.54),
+and the step read 1.45 of its measured time from the same rows with the old rule and 1.17 with this one. The
+warm row errs by at most a few percent of a step on both machines, the flushed row by up to 7% (the
+embedding's first forward alone, four visits a step), so these visits take the warm row. A third kind of row,
+timed after a flush of the private cache alone, would time them as they run; it is not built.
+
+Other visits take an op's flushed row, and an op visited both ways the mean of the two by its visits
+(:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is LRU-like and
+ignores that a cache keeps some of a larger working set; it is what the measurements showed on this project's
+2-core CPU (1 MiB L2 per core, 32 MiB shared L3): the llama-shaped model's layers, timed by hooks inside its
+real step, took 2.9-3.2 ms forward and 4.3-4.5 ms backward, their warm rows 2.82 and 4.30, their flushed rows
+4.07 and 5.72; the tiny model's layers took 1.27-1.46 and 1.24 ms against warm rows of 1.18 and 1.24 and
+flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the flushed rows for both (their
+memory exceeds a core's L2) and over-predicted the llama-shaped forward-backward by 6-25%. A layer that
+follows a layer: what makes a flushed row slow on a CPU is less the op's own weights leaving the cache than
+what the flush evicts besides, the code and the memory the allocator recycles, which the layer before it has
+just run and used (session 21, ``python -m benchmarks.forward_after_backward``, one thread, a layer's forward
+over its back-to-back time: after a flush 1.30-1.68x (tiny) and 1.09-1.16x (llama-shaped); after the flush and
+then another layer's forward, this layer's weights still evicted, 1.01-1.09x and 1.03-1.06x; after another
+layer alone 0.98-1.02x and 1.00-1.01x). Without this clause the llama-shaped TP1 stage took 1 of its 4 layer
+visits a phase from the flushed row and read 11% (forward) and 8% (backward) over the layers' time inside the
+steps, where its warm rows read 0.99-1.04 of it (``python -m benchmarks.row_in_step``); inside the steps no
+visit of a layer ran slower than the rest. On a GPU a real model's layer exceeds the L2 and takes its flushed
+row. Where the runs hold only one kind of row, it stands in for the other and the prediction warns. A warm
+forward row timed after the op's backward (``timing.forward_after_backward``, as every forward of an op in a
+step runs) wins over one timed back to back, which on a CPU reads under a step's forward; a CPU prediction
+from back-to-back ones says so (autotuner.measure.timer, "A forward follows its backward").
 
 The same sweep says whether a stage's host work outside its ops finds its own data cached
 (:func:`host_work_cached`; autotuner.predict.timing, "Host work outside the ops").
@@ -78,16 +90,12 @@ from autotuner.predict.op_time import OpTime
 class SweepOp:
     """One op of a stage's sweep (module docstring, "Warm or cold caches") and the distinct bytes it
     touches on one GPU per micro-batch: its weights, their fp32 main gradients (written in its
-    backward), and what its forward saves (the output layer: the logits). ``backward_reads_weights``: its
-    backward reads the weights its forward read (a GEMM's input gradient, a norm's), so that a forward
-    right after it finds them where a warm row timed after the backward did; an embedding's backward only
-    adds into its table's gradient."""
+    backward), and what its forward saves (the output layer: the logits)."""
 
     name: str
     weights: float
     grads: float
     activations: float
-    backward_reads_weights: bool = True
 
     @property
     def footprint(self) -> float:
@@ -100,19 +108,16 @@ class SweepOp:
 
 @dataclass(frozen=True)
 class CacheSizes:
-    """``private``: the cache one core (or a GPU) has to itself, where a warm row of an op smaller than it
-    ran (calibration ``warm_cache_bytes``); ``shared``: the last-level cache, where a larger op's warm row
-    ran (``shared_cache_bytes``; a GPU's L2 is both)."""
+    """``shared``: the last-level cache a warm row's data stay in between its calls (calibration
+    ``shared_cache_bytes``; from a calibration older than it, ``warm_cache_bytes``, a core's own)."""
 
-    private: float
     shared: float
 
     @classmethod
     def from_calibration(cls, calibration: Mapping[str, Any] | None) -> CacheSizes | None:
-        warm = (calibration or {}).get("warm_cache_bytes")
-        if not warm:
-            return None
-        return cls(float(warm), float(max(warm, (calibration or {}).get("shared_cache_bytes") or warm)))
+        calibration = calibration or {}
+        size = calibration.get("shared_cache_bytes") or calibration.get("warm_cache_bytes")
+        return cls(float(size)) if size else None
 
 
 def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations: float) -> list[SweepOp]:
@@ -123,7 +128,7 @@ def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations
     table = model.vocab * model.hidden / tp
     layer = model.layer_params_on_rank(tp, layout.ep)
     ops = (
-        [SweepOp("embedding", table * per, table * GRAD_BYTES, tokens * model.hidden * per, False)]
+        [SweepOp("embedding", table * per, table * GRAD_BYTES, tokens * model.hidden * per)]
         if stage == 0
         else []
     )
@@ -142,12 +147,11 @@ def warm_visits(
 ) -> dict[tuple[str, str], int]:
     """{(op, phase): how many of its visits per micro-batch find their data where its warm row did}
     (module docstring): the bytes touched since the op's previous visit (its backward's previous
-    visit is its forward; its forward's, the last micro-batch's backward) fit the cache the warm row ran
-    in, or the visit right before it in the step is the same op's, in the same phase (a layer after the
-    layer before it). Never the sweep's first forward, which follows the stage's backward (ending with
-    its own), unless the op is in ``timed_after_backward`` (its warm forward row was timed after its own
-    backward, as that visit runs) and that backward reads its weights (not an embedding's); nor without
-    cache sizes (assumed exceeded), nor for an op larger than the shared cache."""
+    visit is its forward; its forward's, the last micro-batch's backward) fit the shared cache, or the
+    visit right before it in the step is the same op's, in the same phase (a layer after the layer before
+    it). Never the sweep's first forward, which follows the stage's backward (ending with its own), unless
+    the op is in ``timed_after_backward`` (its warm forward row was timed after its own backward, as that
+    visit runs); nor without cache sizes (assumed exceeded), nor for an op larger than the shared cache."""
     found = {(op.name, phase): 0 for op in sweep for phase in PHASES}
     if caches is None:
         return found
@@ -155,16 +159,14 @@ def warm_visits(
     for i, op in enumerate(sweep):
         for phase in PHASES:
             distance = before[i] if phase == "forward" else before[-1] - before[i + 1]
-            own = op.own(phase)
-            room = caches.private if own <= caches.private else caches.shared
             just_before = i - 1 if phase == "forward" else i + 1  # the backward sweeps in reverse
             follows_itself = 0 <= just_before < len(sweep) and sweep[just_before].name == op.name
-            after_backward = (
-                phase == "forward"
-                and i == 0
-                and not (op.name in timed_after_backward and op.backward_reads_weights)
+            after_backward = phase == "forward" and i == 0 and op.name not in timed_after_backward
+            warm = (
+                op.own(phase) <= caches.shared
+                and not after_backward
+                and (distance <= caches.shared or follows_itself)
             )
-            warm = own <= caches.shared and not after_backward and (distance <= room or follows_itself)
             found[(op.name, phase)] += int(warm)
     return found
 
@@ -184,14 +186,13 @@ def cache_plan(
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)
     if caches is None:
-        why = "the calibration names no warm_cache_bytes: assumed every op's data leaves the cache"
+        why = "the calibration names no shared_cache_bytes: assumed every op's data leaves the cache"
     else:
         why = (
             f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
-            f"bytes touched since the op's last visit within the {human_bytes(caches.private)} private or "
-            f"{human_bytes(caches.shared)} shared cache it ran from, or the visit before it the same op's; "
-            "never a stage's first forward op, which follows a backward, unless its warm forward row "
-            "was timed after its backward and that reads its weights)"
+            f"bytes touched since the op's last visit within the {human_bytes(caches.shared)} shared cache, "
+            "or the visit before it the same op's; never a stage's first forward op, which follows a "
+            "backward, unless its warm forward row was timed after its backward)"
         )
         if not (calibration or {}).get("shared_cache_bytes"):
             why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"

@@ -14,7 +14,9 @@ other accepts too. The file is plain JSON::
      "grad_accumulation_seconds_per_parameter": {"bf16": <s>, ...},  optional: a gradient of that
                                                              dtype added into an fp32 one, per parameter
      "warm_cache_bytes": <bytes>,                            optional: the GPU's L2, a CPU core's own
-     "shared_cache_bytes": <bytes>,                          optional: the last-level cache (CPU: L3)
+     "shared_cache_bytes": <bytes>,                          optional: the last-level cache (CPU: the
+                                                             L3 a core keeps data in, as measured)
+     "shared_cache_bytes_reported": <bytes>,                 optional: the size the device reports
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
      "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
