@@ -117,6 +117,7 @@ from autotuner.results.calibration import (
     load,
     merge_links,
 )
+from autotuner.results.units import human_bytes
 from autotuner.termination import unwinding_on_sigterm
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
@@ -168,8 +169,8 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
         "peak_flops": peak_flops,
         "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
         "buffer_bytes": size,
-        # where a warm row's data sits between calls, so where a step's op can find it again:
-        # autotuner.predict.caches.cache_plan
+        # where a warm row's data sit between calls, so where a step's op can find them again:
+        # autotuner.predict.caches.cache_plan (the shared cache; a core's own in a calibration without it)
         "warm_cache_bytes": warm_cache_bytes(device),
         "shared_cache_bytes": shared_cache_bytes(device),
         "shared_cache_bytes_reported": last_level_cache_bytes(device),
@@ -520,6 +521,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dtype, flops in result["peak_flops"].items():
         print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")
     print(f"copy          {result['memory_bandwidth'] / 1e9:10.2f} GB/s")
+    print(
+        f"caches        {human_bytes(result['warm_cache_bytes'])} a core's own, "
+        f"{human_bytes(result['shared_cache_bytes'])} shared as kept "
+        f"({human_bytes(result['shared_cache_bytes_reported'])} reported)"
+    )
     print(f"Adam step     {result['adam_seconds_per_parameter'] * 1e9:10.3f} ns per parameter")
     print(f"Adam step     {result[ADAM_PER_TENSOR] * 1e6:10.3f} us per tensor")
     for dtype, rate in result[GRAD_ACCUMULATION].items():

@@ -53,8 +53,9 @@ autotuner.predict.caches.host_work_cached); the same prediction from warm rows w
 back to back (the benchmark before session 29, a third profile in the round; since then the warm
 profile times each forward after the op's backward, as a step runs it and as the predictor's profiling
 plan asks: autotuner.measure.timer, "A forward follows its backward"); the same rows with a stage's
-first forward op from its flushed row whatever its warm row timed (the predictor before session 33; since
-then from the warm row where that was timed after the op's backward, as the visit runs:
+first forward op from its flushed row whatever its warm row timed (the predictor before session 33, and
+for the embedding before session 34; since then from the warm row where that was timed after the op's
+backward, as the visit runs:
 autotuner.predict.caches.warm_visits); the ops inside the
 forward-backward, each hooked op's predicted time per visit / its time inside the measured steps
 (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in its
@@ -383,7 +384,8 @@ class Round(NamedTuple):
     # benchmark and the profiling plan profiled them before session 29 (a third profile in the round)
     back_to_back_predicted_s: float | None = None
     # the step from the same rows with a stage's first forward op taking its flushed row whatever its warm
-    # row timed, as the predictor took it before session 33 (autotuner.predict.caches.warm_visits)
+    # row timed, as the predictor took it before session 33 (and the embedding's before session 34:
+    # autotuner.predict.caches.warm_visits)
     first_forward_flushed_predicted_s: float | None = None
 
 
@@ -656,7 +658,7 @@ def main() -> int:
                     ),
                     (
                         "a stage's first forward op from its flushed row, whatever its warm row timed (the "
-                        "predictor before session 33)",
+                        "predictor before session 33; the embedding's before session 34)",
                         lambda r: r.first_forward_flushed_predicted_s,
                     ),
                 ):

@@ -106,7 +106,13 @@ def load(path: str | Path) -> dict[str, Any]:
             f'calibration file {path} needs peak_flops, FLOP/s per dtype ({{"fp32": 1e12, ...}}): {_FIX}'
         )
     # optional: a CPU has no host transfers; a file from before the optimizer was timed has no Adam rate
-    optional = (*TRANSFER_CEILINGS, "adam_seconds_per_parameter", "warm_cache_bytes", "shared_cache_bytes")
+    optional = (
+        *TRANSFER_CEILINGS,
+        "adam_seconds_per_parameter",
+        "warm_cache_bytes",
+        "shared_cache_bytes",
+        "shared_cache_bytes_reported",
+    )
     given = [k for k in optional if k in data]
     wrong = [k for k in ("memory_bandwidth", *given) if not _rate(data.get(k))]
     if wrong:
