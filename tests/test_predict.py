@@ -661,6 +661,11 @@ def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
     assert "of 14 op visits per micro-batch find their data" in pred.to_json()["cache"]  # 7 ops x 2 phases
     older = predict(both, layout, {**CAL, "warm_cache_bytes": 1024})  # a calibration from before the L3
     assert "names no shared_cache_bytes" in older.cache_note and "0 of 14" in older.cache_note
+    # a CPU calibration from before the shared cache was measured holds the size the CPU reports
+    reported = predict(both, layout, {**cal, "device_type": "cpu"})
+    assert "the size the CPU reports" in reported.cache_note and "measures it" in reported.cache_note
+    measured = {**cal, "device_type": "cpu", "shared_cache_bytes_reported": 8 * room}
+    assert "reports" not in predict(both, layout, measured).cache_note
     assert not any("cache" in w for w in pred.warnings)
 
 

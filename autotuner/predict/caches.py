@@ -194,8 +194,14 @@ def cache_plan(
             "or the visit before it the same op's; never a stage's first forward op, which follows a "
             "backward, unless its warm forward row was timed after its backward)"
         )
-        if not (calibration or {}).get("shared_cache_bytes"):
+        calibration = calibration or {}
+        if not calibration.get("shared_cache_bytes"):
             why += "; the calibration names no shared_cache_bytes (python -m autotuner.calibrate records it)"
+        elif calibration.get("device_type") == "cpu" and "shared_cache_bytes_reported" not in calibration:
+            why += (
+                "; the calibration's shared_cache_bytes is the size the CPU reports, more than a VM's cores "
+                "may keep (a calibration by python -m autotuner.calibrate now measures it)"
+            )
     return plans, warm > 0, warm < visits, why
 
 
