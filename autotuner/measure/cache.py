@@ -25,7 +25,8 @@ _DEFAULT_CPU_CACHE = 32 * 2**20
 # (which no cache holds: twice the reported one). The VM above, one sweep's medians of five reads: 1.9-2.3x
 # at 32 MiB, 1.0-1.3x at 64 MiB (at times 1.9x by the fastest read: the fastest read of one sweep and a
 # threshold of 1.3 put the end at 32 MiB in some processes and 64 in others, and the predictor's plan
-# with it; medians over three sweeps and 1.5: 32 MiB in 6 processes of 6).
+# with it; medians over three sweeps and 1.5: 32 MiB in 6 processes of 6, 64 in a calibration half an hour
+# later: what the other tenants leave of the L3 moves, and no statistic of one process pins it).
 CACHED_OVER_MEMORY = 1.5
 # Reading more than this to find the cache's end costs more time and memory than it tells.
 _PROBE_LIMIT = 2 * 2**30
