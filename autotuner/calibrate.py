@@ -106,6 +106,7 @@ from autotuner.results.calibration import (
     ADAM_IN_STEP,
     ADAM_PER_TENSOR,
     ADAM_TOGETHER,
+    ADAM_ZERO_STATE,
     COLLECTIVES,
     GRAD_ACCUMULATION,
     HOST_WORK,
@@ -136,6 +137,8 @@ ADAM_LAYERS = {"cuda": (4096, 11008, 1), "cpu": (512, 1408, 4)}
 # The Adam step's second set: many small tensors (count, elements each), whose step is mostly the cost
 # per tensor that a set of a few large ones hides.
 ADAM_SMALL_TENSORS = (256, 256)
+# The gradient every timed Adam step gets (a fixed value: its states neither zero nor denormal).
+ADAM_GRAD = 1e-3
 
 # Host transfer sizes tried for the pageable ceilings (the best rate is kept).
 TRANSFER_SIZES = (16 * 2**20, 64 * 2**20, 256 * 2**20)
@@ -148,6 +151,10 @@ COLLECTIVE_SIZES = {"cuda": (2**20, 2**24, 2**28, 2**30), "cpu": (2**16, 2**20, 
 PLATEAU_FRACTION = 0.15
 
 
+# How every rate here is sampled: fewer warm-up calls than an op's row takes (the calls are large).
+POLICY = SamplingPolicy(warmup=2, min_samples=5, budget_s=1.0, target_rel_ci=0.02)
+
+
 def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> float:
     return sample(DeviceTimer(device), lambda: call.fn(*call.inputs), policy).median_ns * 1e-9
 
@@ -155,7 +162,7 @@ def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> flo
 def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dict[str, Any]:
     """Measure the ceilings of ``device`` with the functional ops' calls at peak sizes; plain data."""
     keep_freed_memory(device)  # as the processes whose rows and steps these rates serve
-    policy = policy or SamplingPolicy(warmup=2, min_samples=5, budget_s=1.0, target_rel_ci=0.02)
+    policy = policy or POLICY
     peak_flops = {}
     for dtype, n in MATMUL_SIZE[device.type].items():
         peak_flops[dtype] = 2 * n**3 / _median_s(matmul_call(n, n, n, device, DTYPES[dtype]), device, policy)
@@ -179,6 +186,7 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     result["adam_seconds_per_parameter"] = per_parameter
     result[ADAM_PER_TENSOR] = per_tensor
     result["adam_parameters"] = count
+    result[ADAM_ZERO_STATE] = adam_zero_state_seconds(device, policy)
     result[GRAD_ACCUMULATION] = grad_accumulation_seconds(device, policy, size)
     if device.type == "cuda":
         # A pageable copy is staged through a pinned buffer by the driver, and its rate depends on the size
@@ -290,8 +298,7 @@ def adam_rates(
     over fp32 weights with gradients: a step over the layers of ``ADAM_LAYERS`` (few large tensors) and
     one over ``ADAM_SMALL_TENSORS`` (many small ones), solved for the two costs (module docstring). Under
     torchrun with a barrier ``timer`` and an ``agreement``: every rank's steps at once."""
-    h, f, layers = ADAM_LAYERS[device.type]
-    large = [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
+    large = _adam_layer_shapes(device)
     count, numel = ADAM_SMALL_TENSORS
     small = [(numel,)] * count
     (t_large, p_large), (t_small, p_small) = (
@@ -304,18 +311,36 @@ def adam_rates(
     return (t_large - n_large * per_tensor) / p_large, per_tensor, p_large
 
 
+def _adam_layer_shapes(device: torch.device) -> list[tuple[int, int]]:
+    """The weight matrices of ``ADAM_LAYERS``' layers for ``device``."""
+    h, f, layers = ADAM_LAYERS[device.type]
+    return [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
+
+
+def adam_zero_state_seconds(device: torch.device, policy: SamplingPolicy) -> float:
+    """Seconds per parameter that ``torch.optim.Adam.step`` takes more where a parameter's gradient and
+    moments are zero than where they are not (module docstring): the layers of ``ADAM_LAYERS`` stepped
+    with zero gradients and with the calibration's, their difference per parameter (0 where none)."""
+    large = _adam_layer_shapes(device)
+    (zero, count), (nonzero, _) = (
+        _adam_step_seconds(large, device, policy, None, None, grad) for grad in (0.0, ADAM_GRAD)
+    )
+    return max(0.0, (zero - nonzero) / count)
+
+
 def _adam_step_seconds(
     shapes: list[tuple[int, ...]],
     device: torch.device,
     policy: SamplingPolicy,
     timer: DeviceTimer | None,
     agreement: RankAgreement | None,
+    grad: float = ADAM_GRAD,
 ) -> tuple[float, int]:
     """(median seconds of one ``torch.optim.Adam.step``, parameters it updated) over fp32 weights of
-    ``shapes`` with gradients (the states are made by an untimed first step)."""
+    ``shapes`` with gradients ``grad`` (the states are made by an untimed first step)."""
     params = [torch.zeros(shape, device=device, requires_grad=True) for shape in shapes]
     for param in params:
-        param.grad = torch.full_like(param, 1e-3)
+        param.grad = torch.full_like(param, grad)
     optimizer = torch.optim.Adam(params, lr=1e-6)
     optimizer.step()  # allocates exp_avg and exp_avg_sq: not part of a step in training
     measured = sample(timer or DeviceTimer(device), optimizer.step, policy, agreement=agreement)
@@ -528,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"Adam step     {result['adam_seconds_per_parameter'] * 1e9:10.3f} ns per parameter")
     print(f"Adam step     {result[ADAM_PER_TENSOR] * 1e6:10.3f} us per tensor")
+    print(f"Adam step     {result[ADAM_ZERO_STATE] * 1e9:10.3f} ns more per parameter whose moments are zero")
     for dtype, rate in result[GRAD_ACCUMULATION].items():
         print(f"grad += {dtype:5} {rate * 1e12:10.3f} ps per parameter (into fp32)")
     for key, caches in ((HOST_WORK, ""), (HOST_WORK_FLUSHED, " (the caches flushed inside each layer)")):

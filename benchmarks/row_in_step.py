@@ -132,24 +132,30 @@ def in_step_times(visits: list[tuple[str, int, float, float]]) -> dict[str, list
     return {kind: [end - start for key, _, start, end in visits if key == IN_STEP[kind]] for kind in IN_STEP}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def steps_arguments(description: str, rounds: int) -> tuple[list[str], int, int]:
+    """(cases, rounds, intra-op threads) from the command line of a benchmark that trains the steps' own
+    model in its process (this one, benchmarks.adam_in_step); ``rounds``: the default."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--cases", default="tiny,llama_small", help="comma-separated: tiny, llama_small")
-    parser.add_argument("--rounds", type=two_or_more("rounds"), default=30)
+    parser.add_argument("--rounds", type=two_or_more("rounds"), default=rounds)
     parser.add_argument("--threads", type=threads_per_process, default=1, help="intra-op threads (0: all)")
     args = parser.parse_args()
     cases = args.cases.split(",")
     for case in cases:
         if case not in ("tiny", "llama_small"):
             parser.error(f"--cases {case!r}: give tiny, llama_small or both, comma-separated")
-    threads = args.threads or torch.get_num_threads()
+    return cases, args.rounds, args.threads or torch.get_num_threads()
+
+
+def main() -> None:
+    cases, rounds, threads = steps_arguments(__doc__.split("\n\n")[0], 30)
     rng = random.Random(0)
     for case in cases:
         bench = Bench(case, threads)
         rows: dict[str, list[float]] = {kind: [] for kind in KINDS}
         ratios: dict[str, list[float]] = {kind: [] for kind in KINDS}
         inside: dict[str, list[float]] = {kind: [] for kind in IN_STEP}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             bench.step(timed=True)
             visits = in_step_times(bench.clock.timelines[-1])
             times = bench.rows(rng)
@@ -161,7 +167,7 @@ def main() -> None:
                 inside[kind] += visits[kind]
         print(
             f"{case} TransformerLayer, TP1 s{bench.layout.seq_len} b{bench.layout.micro_batch_size}, "
-            f"{bench.layout.microbatches} micro-batches, fp32, {threads} thread(s), {args.rounds} rounds: "
+            f"{bench.layout.microbatches} micro-batches, fp32, {threads} thread(s), {rounds} rounds: "
             "per visit, median ms; row / in-step, median over the rounds [95% CI]"
         )
         for kind in KINDS:

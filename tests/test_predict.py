@@ -913,6 +913,51 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     assert 0 < step["bubble_fraction"] < 1 / 4 and len(step["schedule"]["boxes"]) == 2 * 2 * 4
 
 
+def test_adam_pays_its_zero_state_rate_for_embedding_rows_no_token_touches(tmp_path):
+    """An untied embedding's rows that no token of the global batch touches keep zero gradients and
+    moments, which torch's CPU Adam steps slower (autotuner.calibrate.adam_zero_state_seconds): the first
+    stage pays the calibrated rate for them, the step waits for the slowest stage's Adam."""
+    import dataclasses
+
+    import torch
+
+    from autotuner.predict.inputs import ModelShape
+
+    layout = Layout(seq_len=32, global_batch_size=2, dtype="fp32")  # 64 tokens a step
+    cal = {**CAL, "adam_seconds_per_parameter": 2e-9, "adam_seconds_per_tensor": 5e-5}
+    zero_cal = {**cal, "adam_seconds_per_zero_state_parameter": 3e-9}
+    plain = predict(load_runs([make_run(tmp_path, base_rows(), "plain", cal)]), layout, cal)
+    runs = load_runs([make_run(tmp_path, base_rows(), "zero", zero_cal)])
+    zero = predict(runs, layout, zero_cal)
+    # the expected untouched rows against the validation's own draws (autotuner.predict.stage_trainer:
+    # torch.randint over the vocabulary), counted over many global batches
+    generator = torch.Generator().manual_seed(0)
+    counted = [VOCAB - len(torch.randint(VOCAB, (64,), generator=generator).unique()) for _ in range(4000)]
+    model = ModelShape.from_environment(runs.env)
+    untouched = model.untouched_embedding_params(1, 64)
+    assert untouched == pytest.approx(sum(counted) / len(counted) * H, rel=0.01)
+    assert 0.9 * VOCAB * H < untouched < VOCAB * H  # 64 tokens touch at most 64 of 1024 rows
+    assert zero.step.optimizer == pytest.approx(plain.step.optimizer + untouched * 3e-9)
+    assert "ns per parameter whose moments are zero" in zero.step.optimizer_source.detail
+    # a table tied to the output layer gets a gradient in every row
+    tied = dataclasses.replace(model, tie_embeddings=True)
+    assert tied.untouched_embedding_params(1, 64) == 0.0
+    # PP2: the first stage holds the table; at a rate this high its Adam is the step's
+    pp = Layout(seq_len=32, pp=2, global_batch_size=2, dtype="fp32")
+    slow_cal = {**cal, "adam_seconds_per_zero_state_parameter": 1e-6}
+    slow = predict(load_runs([make_run(tmp_path, base_rows(), "slow", slow_cal)]), pp, slow_cal)
+    stage0_tensors = 2 * 6 + 1  # two layers of six, the embedding
+    zeroing = 4 * STAGE0_PARAMS / CAL["memory_bandwidth"]
+    expected = STAGE0_PARAMS * 2e-9 + stage0_tensors * 5e-5 + untouched * 1e-6 + zeroing
+    assert slow.step.optimizer == pytest.approx(expected)
+    # the distributed optimizer over dp=2: the rank whose share holds the rows pays them, up to its share
+    shares = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32", distributed_optimizer=True)
+    sharded = predict(load_runs([make_run(tmp_path, base_rows(), "shares", slow_cal)]), shares, slow_cal)
+    params = 4 * LAYER_PARAMS + H + 2 * VOCAB * H
+    expected = params / 2 * 2e-9 + 5e-5 + min(untouched, params / 2) * 1e-6 + 4 * params / 1e10
+    assert sharded.step.optimizer == pytest.approx(expected)
+
+
 def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_step():
     """autotuner.calibrate.adam_in_step, by hand: each timed step's optimizer phase less the rates' share
     (per tensor, per parameter, and the gradients' zeroing over the copy bandwidth), median over the steps
@@ -940,7 +985,13 @@ def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_
 def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_entries(tmp_path):
     import torch
 
-    from autotuner.calibrate import ADAM_LAYERS, MATMUL_SIZE, adam_rates, grad_accumulation_seconds
+    from autotuner.calibrate import (
+        ADAM_LAYERS,
+        MATMUL_SIZE,
+        adam_rates,
+        adam_zero_state_seconds,
+        grad_accumulation_seconds,
+    )
     from autotuner.errors import UserError
     from autotuner.measure.timer import SamplingPolicy
     from autotuner.results.calibration import HOST_WORK_PARTS, load
@@ -953,6 +1004,10 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
     assert 28 / 1e12 < per_parameter < 1e-6
     # torch's Adam on a CPU loops over the tensors, a dozen small ops each: microseconds, not nothing
     assert 1e-6 < per_tensor < 1e-3
+    # zero gradients and moments: never negative, nor ten times a parameter's own step (session 35's VM:
+    # 2.4 ns more a parameter, where the step took 3.6)
+    zero_state = adam_zero_state_seconds(torch.device("cpu"), policy)
+    assert 0 <= zero_state < 10 * per_parameter
     seconds = per_parameter * count
     nbytes = 2**24
     added = grad_accumulation_seconds(torch.device("cpu"), policy, nbytes)
@@ -968,12 +1023,16 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
     (tmp_path / "good.json").write_text(json.dumps(good))
     assert load(tmp_path / "good.json")["adam_seconds_per_parameter"] == pytest.approx(seconds / count)
     good["adam_seconds_per_tensor"] = per_tensor
+    good["adam_seconds_per_zero_state_parameter"] = zero_state
     (tmp_path / "good.json").write_text(json.dumps(good))
     assert load(tmp_path / "good.json")["adam_seconds_per_tensor"] == per_tensor
+    assert load(tmp_path / "good.json")["adam_seconds_per_zero_state_parameter"] == zero_state
     for key, value in (
         ("adam_seconds_per_parameter", -1),
         ("adam_seconds_per_tensor", -1e-6),
         ("adam_seconds_per_tensor", "slow"),
+        ("adam_seconds_per_zero_state_parameter", -1e-9),
+        ("adam_seconds_per_zero_state_parameter", "slow"),
         ("adam_seconds_per_step_in_training", -1e-4),
         ("adam_seconds_per_step_in_training", True),
         ("warm_cache_bytes", "big"),

@@ -166,6 +166,15 @@ class ModelShape:
             count += self.final_norm_params // self.hidden + (not self.tie_embeddings)
         return count
 
+    def untouched_embedding_params(self, tp: int, tokens: int) -> float:
+        """The embedding table's parameters on one GPU of the first stage in rows that none of ``tokens``
+        tokens, drawn uniformly from the vocabulary, touches: (vocab / tp) x hidden x (1 - 1/vocab)^tokens
+        expected. Their gradients, and so their Adam moments, stay zero. None when the table is tied to the
+        output layer, whose gradient reaches every row."""
+        if self.tie_embeddings:
+            return 0.0
+        return self.vocab / tp * self.hidden * (1 - 1 / self.vocab) ** tokens
+
     def layer_params_on_rank(self, tp: int, ep: int) -> float:
         """A layer's parameters on one GPU: everything but the routed experts / tp, plus their share."""
         return (self.layer_params - self.expert_params) / tp + self.expert_params_on_rank(tp, ep)

@@ -83,6 +83,7 @@ from autotuner.results.calibration import (
     ADAM_IN_STEP,
     ADAM_PER_TENSOR,
     ADAM_TOGETHER,
+    ADAM_ZERO_STATE,
     GRAD_ACCUMULATION,
     HOST_WORK,
     HOST_WORK_FLUSHED,
@@ -398,8 +399,21 @@ def step_time(
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
     dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
-    tensors = tm.model.stage_tensors(lay.ep, stages[largest].layers, largest == 0, largest == lay.pp - 1)
-    optimizer, opt_src = optimizer_step(tm, stage_params[largest], stage_expert_params[largest], tensors)
+    # Adam: the next step waits for the slowest stage's
+    untouched = tm.model.untouched_embedding_params(lay.tp, lay.global_batch_size * lay.seq_len)
+    optimizer, opt_src = max(
+        (
+            optimizer_step(
+                tm,
+                stage_params[i],
+                stage_expert_params[i],
+                tm.model.stage_tensors(lay.ep, st.layers, i == 0, i == lay.pp - 1),
+                untouched if i == 0 else 0.0,
+            )
+            for i, st in enumerate(stages)
+        ),
+        key=lambda timed: timed[0],
+    )
     bubble = pipe / (lay.microbatches * pace) - 1 if pace > 0 else 0.0
     return StepTime(
         pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula, sched, closed, exchange, overlapped
@@ -440,9 +454,12 @@ def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[fl
     return seconds, Source("modelled", "; ".join(details))
 
 
-def optimizer_step(tm: TimeModel, params: float, expert_params: float, tensors: int) -> tuple[float, Source]:
+def optimizer_step(
+    tm: TimeModel, params: float, expert_params: float, tensors: int, zero_state: float = 0.0
+) -> tuple[float, Source]:
     """The optimizer's part of a step on the GPU holding ``params`` parameters, ``expert_params`` of them
-    routed experts', in ``tensors`` parameter tensors (module docstring)."""
+    routed experts', in ``tensors`` parameter tensors, ``zero_state`` of them with zero gradients and
+    moments (module docstring)."""
     lay = tm.layout
     bw, said = tm.memory_bandwidth()
     per_rank = lay.optimizer_params(params, expert_params)
@@ -487,6 +504,15 @@ def optimizer_step(tm: TimeModel, params: float, expert_params: float, tensors: 
         adam += stepped * per_tensor
         what = "flat buffer shares" if lay.distributed_optimizer else "parameter tensors"
         detail += f"; + {per_tensor * 1e6:.3g} us per tensor x {stepped} {what}"
+    per_zero = tm.calibration.get(ADAM_ZERO_STATE)
+    if per_zero and zero_state:
+        # with the distributed optimizer the rank whose share holds the table's rows steps them all
+        zeros = min(zero_state, per_rank)
+        adam += zeros * per_zero
+        detail += (
+            f"; + {per_zero * 1e9:.3g} ns per parameter whose moments are zero x {zeros:.4g} (embedding rows "
+            "no token of the global batch touches, tokens drawn uniformly)"
+        )
     in_training = tm.calibration.get(ADAM_IN_STEP)
     if in_training:
         adam += in_training

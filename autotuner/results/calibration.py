@@ -60,6 +60,9 @@ LINK_KEYS = {kind: f"{kind}_bandwidth" for kind in COLLECTIVES}
 ADAM_TOGETHER = "adam_seconds_per_parameter_together"
 # Seconds per tensor of torch's Adam step, besides its seconds per parameter (zero where it hides).
 ADAM_PER_TENSOR = "adam_seconds_per_tensor"
+# Seconds per parameter more, beside ``adam_seconds_per_parameter``, that Adam takes for a parameter whose
+# gradient and moments are zero (an embedding row no token touched: autotuner.predict.timing.optimizer_step).
+ADAM_ZERO_STATE = "adam_seconds_per_zero_state_parameter"
 # Seconds an Adam step inside a training step takes beyond its rates per parameter and per tensor (timed
 # back to back), once a step: on a CPU, from the host work's real steps (autotuner.calibrate.adam_in_step).
 ADAM_IN_STEP = "adam_seconds_per_step_in_training"
@@ -120,7 +123,7 @@ def load(path: str | Path) -> dict[str, Any]:
             f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
             f"seconds per parameter): {_FIX}"
         )
-    for key, example in ((ADAM_PER_TENSOR, "4e-05"), (ADAM_IN_STEP, "5e-04")):
+    for key, example in ((ADAM_PER_TENSOR, "4e-05"), (ADAM_ZERO_STATE, "3e-09"), (ADAM_IN_STEP, "5e-04")):
         seconds = data.get(key, 0.0)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
             raise UserError(
