@@ -20,7 +20,13 @@ as the get_data launcher:
   Adam against 0.5 predicted from the rate per parameter alone. Its temporaries, a tensor's size each,
   are where a process's heap shows: on a CPU the calibration keeps freed memory, as the profiles and the
   steps do (autotuner.model.host_heap; with glibc's defaults this set's step took 10,400 page faults and
-  4.1 ns per parameter on this project's VM, where the training steps' Adam took none);
+  4.1 ns per parameter on this project's VM, where the training steps' Adam took none). And the same
+  layers stepped with zero gradients, whose moments stay zero, for what such a parameter costs more
+  (``adam_seconds_per_zero_state_parameter``): an untied embedding's rows that no token of a step touches
+  are such parameters, 925,696 of the llama-shaped model's 5.26 M in the validation's steps, and on
+  session 35's VM a CPU Adam step took 2.4 ns a parameter more over them than over others (torch's
+  ``sqrt`` of zeros ran about ten times slower than of other values), 12% of that model's Adam
+  (``python -m benchmarks.adam_in_step``);
 * the gradient accumulation a training step makes per micro-batch: ``main_grad.add_(grad)``, a gradient
   of each dtype added into an fp32 gradient of ``buffer_bytes`` (``grad_accumulation_seconds_per_parameter``,
   per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it
@@ -275,7 +281,7 @@ def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> floa
     from autotuner.predict.layout import DTYPE_BYTES
     from autotuner.predict.memory import GRAD_BYTES
 
-    extra = []
+    extra = []  # the minimal model's untouched embedding rows (~1,500 parameters, microseconds) stay in it
     for _, measured in steps:
         rank = measured.ranks[0]
         params = rank.parameter_bytes / DTYPE_BYTES[measured.layout.dtype]

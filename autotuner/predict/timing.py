@@ -52,19 +52,23 @@ exchange charged to both ends (interleaved on GPUs: to the receiving box, the ex
 compute as Megatron-LM runs that schedule); the pipeline time is where the last box ends. For equal
 stages and free exchanges that is Narayanan et al. 2021's (m + p - 1) x (t_f + t_b), m * (t_f + t_b) * (1
 + (p-1)/(v*m)) interleaved (section 2.2; printed beside it), which paces every stage at the slowest one.
-Then the data-parallel gradient reduction after the backward (all-reduce of the stage's dense gradients
-over dp and of its routed experts' over the tp*dp/ep ranks holding the same experts; with the distributed
-optimizer reduce-scatter of the gradients + all-gather of the parameters) and the Adam step (bytes read
-and written per parameter over the calibrated memory bandwidth), or, where the calibration timed it, the
-Adam step's measured time per parameter (``adam_seconds_per_parameter``; for a layout of several CPU
-processes, which share one memory, the rate timed with all of them at it) x the stage's parameters, plus
-its measured time per tensor (``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors)
-x the tensors it steps (the stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed
-optimizer each flat buffer's share, as autotuner.predict.steps runs it), plus, where a CPU calibration
-timed it inside real steps, what a step's Adam takes there beyond those back-to-back rates, once a step
-(``adam_seconds_per_step_in_training``: autotuner.calibrate.adam_in_step), plus zeroing the gradients
-for the next step (4 B written per parameter) and with bf16/fp16 the copy of the fp32 main parameters
-into the model's dtype. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
+Then the data-parallel gradient reduction after the backward (all-reduce of the stage's dense gradients over
+dp and of its routed experts' over the tp*dp/ep ranks holding the same experts; with the distributed optimizer
+reduce-scatter of the gradients + all-gather of the parameters) and the Adam step (bytes read and written per
+parameter over the calibrated memory bandwidth), or, where the calibration timed it, the Adam step's measured
+time per parameter (``adam_seconds_per_parameter``; for a layout of several CPU processes, which share one
+memory, the rate timed with all of them at it) x the stage's parameters, plus its measured time per tensor
+(``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors) x the tensors it steps (the
+stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed optimizer each flat buffer's
+share, as autotuner.predict.steps runs it), plus its measured cost for each parameter whose gradient and
+moments are zero (``adam_seconds_per_zero_state_parameter``) x the first stage's embedding parameters in rows
+no token of the global batch touches (``ModelShape.untouched_embedding_params``: tokens drawn uniformly, as
+the validation's steps draw them, one global batch every step; over a real run's varied text they dwindle to
+the vocabulary's unused entries), plus, where a CPU calibration timed it inside real steps, what a step's Adam
+takes there beyond those back-to-back rates, once a step (``adam_seconds_per_step_in_training``:
+autotuner.calibrate.adam_in_step), plus zeroing the gradients for the next step (4 B written per parameter)
+and with bf16/fp16 the copy of the fp32 main parameters into the model's dtype; the step waits for the slowest
+stage's. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
 """
 
 from __future__ import annotations
