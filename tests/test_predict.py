@@ -395,9 +395,9 @@ def test_host_work_timed_flushed_where_the_stage_sweeps_the_shared_cache(tmp_pat
     between = {**base, "warm_cache_bytes": 2**20, "shared_cache_bytes": int(1.5 * swept)}
     seconds, detail, _ = host_work_s(one, between)
     assert seconds == pytest.approx(1e-4 + 4 * 2e-5) and "within" in detail  # one process: it fits
-    seconds, detail, _ = host_work_s(dp2, between)  # two processes sweep one host's cache: 2x, beyond
+    seconds, detail, _ = host_work_s(dp2, between)  # two processes sweep one host's cache: half each, beyond
     assert seconds == pytest.approx(3 * (1e-4 + 4 * 2e-5))
-    assert "flushed" in detail and "x 2 processes" in detail and "beyond" in detail
+    assert "flushed" in detail and "a share of 1/2: 2 processes on one host" in detail and "beyond" in detail
     small = {**base, "warm_cache_bytes": 2**10, "shared_cache_bytes": int(0.9 * swept)}
     assert host_work_s(one, small)[0] == pytest.approx(3 * (1e-4 + 4 * 2e-5))
     assert host_work_s(one, base)[0] == pytest.approx(3 * (1e-4 + 4 * 2e-5))  # no cache sizes: swept
@@ -630,6 +630,11 @@ def test_warm_visits_follow_the_stage_sweep():
     assert gpu[("transformer_layer", "forward")] == gpu[("transformer_layer", "backward")] == 0
     assert warm_visits(sweep[1:5], CacheSizes(4.5 * mb), after)[("transformer_layer", "forward")] == 0
     assert set(warm_visits(sweep, None).values()) == {0}
+    # two processes of one host (a CPU layout's ranks), each sweeping its own stage: each keeps half, so a
+    # 64 MB cache shared by two plans as the 32 MB one above, and 48 MB by two as the 24 MB one alone
+    assert warm_visits(sweep, CacheSizes(shared=64 * mb, processes=2)) == warm_visits(sweep, caches)
+    assert warm_visits(sweep, CacheSizes(48 * mb, 2)) == warm_visits(sweep, CacheSizes(24 * mb))
+    assert warm_visits(sweep, CacheSizes(48 * mb, 2)) != roomy
 
 
 def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
@@ -659,6 +664,14 @@ def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
     assert layer.seconds == pytest.approx((3 * 1000 + 1 * 1500) / 4 * US)
     assert "3 of 4 visits per micro-batch with the data cached" in layer.source.detail
     assert "of 14 op visits per micro-batch find their data" in pred.to_json()["cache"]  # 7 ops x 2 phases
+    # on a CPU, DP2's two processes share the host's cache, each sweeping its own copy of the stage: twice
+    # the room plans as one process's, the same room leaves each too little for a layer's own data
+    dp2 = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32")
+    shared = predict(both, dp2, {**cal, "shared_cache_bytes": 2 * room})
+    assert shared.stages[0].items[0][2].seconds == pytest.approx(layer.seconds)
+    assert "a share of 1/2: 2 processes on one host" in shared.cache_note
+    halved = predict(both, dp2, cal).stages[0].items[0][2]
+    assert halved.seconds == pytest.approx(1500 * US)
     older = predict(both, layout, {**CAL, "warm_cache_bytes": 1024})  # a calibration from before the L3
     assert "names no shared_cache_bytes" in older.cache_note and "0 of 14" in older.cache_note
     # a CPU calibration from before the shared cache was measured holds the size the CPU reports

@@ -44,6 +44,14 @@ warm row errs by at most a few percent of a step on both machines, the flushed r
 embedding's first forward alone, four visits a step), so these visits take the warm row. A third kind of row,
 timed after a flush of the private cache alone, would time them as they run; it is not built.
 
+**Processes of one host.** A CPU layout's processes share the host's cache, each sweeping its own stage
+(or its own copy of it), and each keeps an even share of it (:class:`CacheSizes`, ``processes``); a GPU's L2
+is its own. The host work's rule (:func:`host_work_cached`) has counted so since session 28; the op visits
+since session 35: before, the llama-shaped PP2's last stage (two layers, the final norm, the output layer:
+about 20 MB a micro-batch) took its output layer's forward from the warm row, within the 32 MiB cache one
+process keeps, and that row read 0.797 and 0.809 of the forward's time inside the steps (sessions 34 and 35,
+four rounds each), where the flushed row read 1.07-1.15 of it on one process (TP1).
+
 Other visits take an op's flushed row, and an op visited both ways the mean of the two by its visits
 (:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is LRU-like and
 ignores that a cache keeps some of a larger working set; it is what the measurements showed on this project's
@@ -109,15 +117,32 @@ class SweepOp:
 @dataclass(frozen=True)
 class CacheSizes:
     """``shared``: the last-level cache a warm row's data stay in between its calls (calibration
-    ``shared_cache_bytes``; from a calibration older than it, ``warm_cache_bytes``, a core's own)."""
+    ``shared_cache_bytes``; from a calibration older than it, ``warm_cache_bytes``, a core's own);
+    ``processes``: how many of a layout's processes share it, each sweeping its own stage (a CPU layout's
+    ranks share one host's cache; a GPU's L2 is its own): each keeps an even share, :attr:`each`."""
 
     shared: float
+    processes: int = 1
+
+    @property
+    def each(self) -> float:
+        return self.shared / self.processes
 
     @classmethod
-    def from_calibration(cls, calibration: Mapping[str, Any] | None) -> CacheSizes | None:
+    def from_calibration(cls, calibration: Mapping[str, Any] | None, processes: int = 1) -> CacheSizes | None:
         calibration = calibration or {}
         size = calibration.get("shared_cache_bytes") or calibration.get("warm_cache_bytes")
-        return cls(float(size)) if size else None
+        return cls(float(size), processes) if size else None
+
+    def said(self) -> str:
+        from autotuner.results.units import human_bytes
+
+        beside = (
+            f", a share of 1/{self.processes}: {self.processes} processes on one host"
+            if self.processes > 1
+            else ""
+        )
+        return f"the {human_bytes(self.shared)} shared cache{beside}"
 
 
 def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations: float) -> list[SweepOp]:
@@ -163,9 +188,9 @@ def warm_visits(
             follows_itself = 0 <= just_before < len(sweep) and sweep[just_before].name == op.name
             after_backward = phase == "forward" and i == 0 and op.name not in timed_after_backward
             warm = (
-                op.own(phase) <= caches.shared
+                op.own(phase) <= caches.each
                 and not after_backward
-                and (distance <= caches.shared or follows_itself)
+                and (distance <= caches.each or follows_itself)
             )
             found[(op.name, phase)] += int(warm)
     return found
@@ -175,13 +200,12 @@ def cache_plan(
     sweeps: list[list[SweepOp]],
     calibration: Mapping[str, Any] | None,
     timed_after_backward: frozenset[str] = frozenset(),
+    processes: int = 1,
 ) -> tuple[list[dict], bool, bool, str]:
-    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes and the ops
-    whose warm forward rows were timed after their backward, whether any visit wants warm rows, any
-    flushed ones, and why, in words."""
-    from autotuner.results.units import human_bytes
-
-    caches = CacheSizes.from_calibration(calibration)
+    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes, shared by
+    ``processes`` processes of one host, and the ops whose warm forward rows were timed after their
+    backward, whether any visit wants warm rows, any flushed ones, and why, in words."""
+    caches = CacheSizes.from_calibration(calibration, processes)
     plans = [warm_visits(sweep, caches, timed_after_backward) for sweep in sweeps]
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)
@@ -190,7 +214,7 @@ def cache_plan(
     else:
         why = (
             f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
-            f"bytes touched since the op's last visit within the {human_bytes(caches.shared)} shared cache, "
+            f"bytes touched since the op's last visit within {caches.said()}, "
             "or the visit before it the same op's; never a stage's first forward op, which follows a "
             "backward, unless its warm forward row was timed after its backward)"
         )
@@ -226,18 +250,15 @@ def blend(warm: OpTime, cold: OpTime, warm_count: int, count: int) -> OpTime:
     )
 
 
-def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None, processes: int) -> tuple[bool, str]:
+def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None) -> tuple[bool, str]:
     """Whether a stage's host work finds its own data in the shared cache (autotuner.predict.timing, "Host
-    work outside the ops"): a micro-batch's ops on the stage, in each of the ``processes`` that share the
-    host, touch no more bytes than it holds; and why, in words. Without cache sizes, assumed not."""
+    work outside the ops"): a micro-batch's ops on the stage touch no more bytes than this process's share
+    of it holds; and why, in words. Without cache sizes, assumed not."""
     from autotuner.results.units import human_bytes
 
     if caches is None:
         return False, "the calibration names no cache sizes: assumed swept out"
     touched = sum(op.footprint for op in sweep)
-    beside = f" x {processes} processes on one host" if processes > 1 else ""
-    cached = touched * processes <= caches.shared
-    return cached, (
-        f"a micro-batch's ops touch {human_bytes(touched)}{beside}, "
-        f"{'within' if cached else 'beyond'} the {human_bytes(caches.shared)} shared cache"
-    )
+    cached = touched <= caches.each
+    where = "within" if cached else "beyond"
+    return cached, f"a micro-batch's ops touch {human_bytes(touched)}, {where} {caches.said()}"

@@ -396,7 +396,11 @@ def predict(
         cpu = measured_on_cpu(runs.rows)
         processes = layout.gpus if cpu else None  # on a CPU, rows profiled beside as many win
         warm_rows = Measurements(runs.rows, layout.dtype, cold=False, ep=layout.ep, processes=processes)
-        warm, wants_warm, wants_cold, why = cache_plan(sweeps, calibration, timed_after_backward(warm_rows))
+        # a CPU layout's processes share one host's cache, each sweeping its own stage; a GPU's L2 is its own
+        sharing = processes or 1
+        warm, wants_warm, wants_cold, why = cache_plan(
+            sweeps, calibration, timed_after_backward(warm_rows), sharing
+        )
 
         def time_model(cold: bool) -> TimeModel:
             """The rows of one cache mode preferred (the other's stand in, with a warning)."""
@@ -418,8 +422,8 @@ def predict(
         tm = time_model(cold)
         meas = tm.meas
         warm_tm = time_model(False) if cold and wants_warm else None
-        caches = CacheSizes.from_calibration(calibration)
-        host_cached = [host_work_cached(sweep, caches, layout.gpus) for sweep in sweeps]
+        caches = CacheSizes.from_calibration(calibration, sharing)
+        host_cached = [host_work_cached(sweep, caches) for sweep in sweeps]
         stages = stage_times(tm, [m.params.value for m in memory], warm_tm, warm, host_cached)
         experts = [model.stage_expert_params(layout.tp, layout.ep, st.layers) for st in stages]
         step = step_time(tm, stages, [m.params.value for m in memory], experts)
