@@ -135,6 +135,7 @@ class CacheSizes:
         return cls(float(size), processes) if size else None
 
     def said(self) -> str:
+        """The cache and this process's share of it, in words."""
         from autotuner.results.units import human_bytes
 
         beside = (

@@ -169,8 +169,8 @@ class ModelShape:
     def untouched_embedding_params(self, tp: int, tokens: int) -> float:
         """The embedding table's parameters on one GPU of the first stage in rows that none of ``tokens``
         tokens, drawn uniformly from the vocabulary, touches: (vocab / tp) x hidden x (1 - 1/vocab)^tokens
-        expected. Their gradients, and so their Adam moments, stay zero. None when the table is tied to the
-        output layer, whose gradient reaches every row."""
+        expected. Their gradients, and so their Adam moments, stay zero. None where the table is tied to
+        the output layer, whose gradient reaches every row."""
         if self.tie_embeddings:
             return 0.0
         return self.vocab / tp * self.hidden * (1 - 1 / self.vocab) ** tokens
