@@ -192,7 +192,7 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     result["adam_seconds_per_parameter"] = per_parameter
     result[ADAM_PER_TENSOR] = per_tensor
     result["adam_parameters"] = count
-    result[ADAM_ZERO_STATE] = adam_zero_state_seconds(device, policy)
+    result[ADAM_ZERO_STATE] = adam_zero_state_seconds(device, policy, per_parameter, per_tensor)
     result[GRAD_ACCUMULATION] = grad_accumulation_seconds(device, policy, size)
     if device.type == "cuda":
         # A pageable copy is staged through a pinned buffer by the driver, and its rate depends on the size
@@ -323,15 +323,16 @@ def _adam_layer_shapes(device: torch.device) -> list[tuple[int, int]]:
     return [(3 * h, h), (h, h), (2 * f, h), (h, f)] * layers
 
 
-def adam_zero_state_seconds(device: torch.device, policy: SamplingPolicy) -> float:
+def adam_zero_state_seconds(
+    device: torch.device, policy: SamplingPolicy, per_parameter: float, per_tensor: float
+) -> float:
     """Seconds per parameter that ``torch.optim.Adam.step`` takes more where a parameter's gradient and
-    moments are zero than where they are not (module docstring): the layers of ``ADAM_LAYERS`` stepped
-    with zero gradients and with the calibration's, their difference per parameter (0 where none)."""
+    moments are zero than :func:`adam_rates`' ``per_parameter`` and ``per_tensor`` give (module
+    docstring): the layers of ``ADAM_LAYERS`` stepped with zero gradients, less what those rates give for
+    them, per parameter (0 where nothing is left)."""
     large = _adam_layer_shapes(device)
-    (zero, count), (nonzero, _) = (
-        _adam_step_seconds(large, device, policy, None, None, grad) for grad in (0.0, ADAM_GRAD)
-    )
-    return max(0.0, (zero - nonzero) / count)
+    zero, count = _adam_step_seconds(large, device, policy, None, None, grad=0.0)
+    return max(0.0, (zero - len(large) * per_tensor) / count - per_parameter)
 
 
 def _adam_step_seconds(

@@ -85,6 +85,12 @@ def _fresh_adam(masters: list[torch.Tensor], step_grads: bool) -> torch.optim.Ad
     return optimizer
 
 
+def _calibration_rates(device: torch.device) -> tuple[float, float, float]:
+    """(per parameter, per tensor, per zero-state parameter) as autotuner.calibrate times them."""
+    per_parameter, per_tensor, _ = adam_rates(device, POLICY)
+    return per_parameter, per_tensor, adam_zero_state_seconds(device, POLICY, per_parameter, per_tensor)
+
+
 def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     name, overrides = CASES[case][0].split("=", 1)[1], CASES[case][1:]
     layout = layout_of("tp1")
@@ -93,8 +99,9 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     flush = CacheFlusher(device)
     for _ in range(2):  # first calls; Adam's states made
         trainer.forward_backward()
+        zeros = sum(int((m.grad == 0).sum()) for m in masters)  # the same every step: one global batch
         trainer.optimizer_step()
-    rates = [(*adam_rates(device, POLICY), adam_zero_state_seconds(device, POLICY))]
+    rates = [_calibration_rates(device)]
     params, tensors = sum(m.numel() for m in masters), len(masters)
     args = trainer.spec.model_args
     shape = ModelShape.from_config(
@@ -104,7 +111,6 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for _ in range(rounds):
         trainer.forward_backward()
-        zeros = sum(int((m.grad == 0).sum()) for m in masters)  # the same every round: one global batch
         times[IN_STEP].append(_seconds(trainer.optimizer.step))
         copies = {STEP_GRADS: _fresh_adam(masters, True), CONSTANT_GRADS: _fresh_adam(masters, False)}
         runs = {BACK_TO_BACK: trainer.optimizer.step, **{kind: adam.step for kind, adam in copies.items()}}
@@ -117,8 +123,8 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
             times[kind].append(_seconds(runs[kind]))
         del copies, runs
         trainer.optimizer_step()  # the back-to-back step already updated; this one zeroes the buffers too
-    rates.append((*adam_rates(device, POLICY), adam_zero_state_seconds(device, POLICY)))
-    per_parameter, per_tensor, _, per_zero = (statistics.fmean(r[i] for r in rates) for i in range(4))
+    rates.append(_calibration_rates(device))
+    per_parameter, per_tensor, per_zero = (statistics.fmean(r[i] for r in rates) for i in range(3))
     predicted = per_parameter * params + per_tensor * tensors + per_zero * zeros
     print(
         f"{case}: Adam over {params:,} parameters in {tensors} tensors, {zeros:,} of them with zero "

@@ -1019,7 +1019,7 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
     assert 1e-6 < per_tensor < 1e-3
     # zero gradients and moments: never negative, nor ten times a parameter's own step (session 35's VM:
     # 2.4 ns more a parameter, where the step took 3.6)
-    zero_state = adam_zero_state_seconds(torch.device("cpu"), policy)
+    zero_state = adam_zero_state_seconds(torch.device("cpu"), policy, per_parameter, per_tensor)
     assert 0 <= zero_state < 10 * per_parameter
     seconds = per_parameter * count
     nbytes = 2**24

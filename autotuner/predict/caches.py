@@ -199,14 +199,13 @@ def warm_visits(
 
 def cache_plan(
     sweeps: list[list[SweepOp]],
+    caches: CacheSizes | None,
     calibration: Mapping[str, Any] | None,
     timed_after_backward: frozenset[str] = frozenset(),
-    processes: int = 1,
 ) -> tuple[list[dict], bool, bool, str]:
-    """Per stage the warm visits (:func:`warm_visits`) with the calibration's cache sizes, shared by
-    ``processes`` processes of one host, and the ops whose warm forward rows were timed after their
-    backward, whether any visit wants warm rows, any flushed ones, and why, in words."""
-    caches = CacheSizes.from_calibration(calibration, processes)
+    """Per stage the warm visits (:func:`warm_visits`) with ``caches`` (the ``calibration``'s, this
+    process's share) and the ops whose warm forward rows were timed after their backward, whether any
+    visit wants warm rows, any flushed ones, and why, in words."""
     plans = [warm_visits(sweep, caches, timed_after_backward) for sweep in sweeps]
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)

@@ -397,9 +397,9 @@ def predict(
         processes = layout.gpus if cpu else None  # on a CPU, rows profiled beside as many win
         warm_rows = Measurements(runs.rows, layout.dtype, cold=False, ep=layout.ep, processes=processes)
         # a CPU layout's processes share one host's cache, each sweeping its own stage; a GPU's L2 is its own
-        sharing = processes or 1
+        caches = CacheSizes.from_calibration(calibration, processes or 1)
         warm, wants_warm, wants_cold, why = cache_plan(
-            sweeps, calibration, timed_after_backward(warm_rows), sharing
+            sweeps, caches, calibration, timed_after_backward(warm_rows)
         )
 
         def time_model(cold: bool) -> TimeModel:
@@ -422,7 +422,6 @@ def predict(
         tm = time_model(cold)
         meas = tm.meas
         warm_tm = time_model(False) if cold and wants_warm else None
-        caches = CacheSizes.from_calibration(calibration, sharing)
         host_cached = [host_work_cached(sweep, caches) for sweep in sweeps]
         stages = stage_times(tm, [m.params.value for m in memory], warm_tm, warm, host_cached)
         experts = [model.stage_expert_params(layout.tp, layout.ep, st.layers) for st in stages]
