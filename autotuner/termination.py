@@ -9,6 +9,14 @@ cleanup, and then ends the process by the signal itself: whoever started it (SLU
 still sees it killed by SIGTERM, exit status 143. Two cases end at once instead, as by default: a second
 SIGTERM during the unwinding, and a process with other ranks (``WORLD_SIZE`` above 1), whose unwinding
 could wait forever in a collective or in the process group's teardown for a rank that is gone.
+
+A handler's raise can be lost. Python runs a signal handler wherever the main thread is, finalizers
+included, and an exception raised in a ``__del__`` or a weakref callback is printed ("Exception ignored
+in ...") and dropped: the program goes on as if no signal had come, its handler already spent. Finalizers
+run at every iteration of some ops (autotuner.ops.instrument frees a hook holder with each embedding
+forward's graph), and a stop lost there let an nsys worker measure its whole plan after SIGTERM. So the
+handlers raise through :func:`raise_stop`, which remembers the stop, and the loops that measure call
+:func:`check_stop` between iterations and between ops, which raises it again if it was lost.
 """
 
 from __future__ import annotations
@@ -19,11 +27,34 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 
 class Terminated(BaseException):
     """Raised by :func:`unwinding_on_sigterm`'s handler; caught by it once the stack has unwound."""
+
+
+_raised_stop: Callable[[], BaseException] | None = None  # see raise_stop
+
+
+def raise_stop(stop: Callable[[], BaseException]) -> NoReturn:
+    """Raise ``stop()`` from a signal handler, remembered for :func:`check_stop` (module docstring)."""
+    global _raised_stop
+    _raised_stop = stop
+    raise stop()
+
+
+def check_stop() -> None:
+    """Raise again the stop a handler raised, if it has not been caught (:func:`forget_stop`) since: a
+    finalizer swallowed it. Call it where the program does its work, never in cleanup."""
+    if _raised_stop is not None:
+        raise _raised_stop()
+
+
+def forget_stop() -> None:
+    """The stop was caught where it was meant to be: :func:`check_stop` has nothing to raise again."""
+    global _raised_stop
+    _raised_stop = None
 
 
 def _end_by_sigterm() -> None:
@@ -52,7 +83,7 @@ def unwinding_on_sigterm(on_signal: Callable[[], bool] | None = None) -> Iterato
         unwind = on_signal() if on_signal is not None else True
         if not unwind or int(os.environ.get("WORLD_SIZE", 1)) > 1:
             _end_by_sigterm()
-        raise Terminated
+        raise_stop(Terminated)
 
     on_sigterm.unwinds = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -63,6 +94,7 @@ def unwinding_on_sigterm(on_signal: Callable[[], bool] | None = None) -> Iterato
         terminated = True
         if enclosed:
             raise
+        forget_stop()
         _end_by_sigterm()
         raise SystemExit(128 + signal.SIGTERM) from None  # not reached: the signal ends the process
     finally:

@@ -322,6 +322,71 @@ def test_sigterm_prints_the_command_that_finishes_the_run(tmp_path, capsys):
     assert len(rows) == 6 and rows[: len(done)] == done
 
 
+# Freed at once, the object sends the signal to its own process and runs on: the handler runs inside
+# its finalizer, where Python prints an exception and drops it.
+_SIGNAL_IN_A_FINALIZER = """
+import os, signal, sys
+SIGNUM = signal.Signals[sys.argv[1]]
+
+class SignalsWhenFreed:
+    def __del__(self):
+        os.kill(os.getpid(), SIGNUM)
+        for _ in range(1000):
+            pass
+"""
+
+_MEASURING_LOOPS = {
+    # autotuner.main's handler (get_data, torch_profiler), and the runner's check between ops
+    "SIGTERM": """
+from autotuner.termination import check_stop, unwinding_on_sigterm
+done = 0
+with unwinding_on_sigterm():
+    try:
+        for i in range(1000):
+            check_stop()
+            if i == 3:
+                SignalsWhenFreed()
+            done += 1
+    finally:
+        print(done, flush=True)  # the process ends by the signal on leaving the with
+""",
+    # the nsys worker's handler, and its observer's check between iterations
+    "SIGINT": """
+from types import SimpleNamespace
+import torch
+from autotuner.launchers.nsys_worker import NsysObserver, Stopped, _stop_on_signals
+_stop_on_signals()
+runs = []
+def run():
+    runs.append(1)
+    if len(runs) == 4:
+        SignalsWhenFreed()
+observer = NsysObserver(torch.device("cpu"), warmup=2, iterations=1000)
+phase = SimpleNamespace(name="forward", prepare=None, run=run)
+try:
+    observer.observe(SimpleNamespace(name="embedding"), SimpleNamespace(label="p"), phase)
+except Stopped as exc:
+    print(len(runs), flush=True)
+    raise SystemExit(128 + exc.signum)
+""",
+}
+
+
+@pytest.mark.parametrize("signame", sorted(_MEASURING_LOOPS))
+def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_measuring(signame):
+    """The stop handlers raise, and an exception raised in a finalizer is lost: a SIGTERM landing while
+    one ran (autotuner.ops.instrument frees a hook holder with each embedding forward) once let an nsys
+    worker measure its whole plan after it. The loops that measure raise the stop again."""
+    script = _SIGNAL_IN_A_FINALIZER + _MEASURING_LOOPS[signame]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, signame], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    signum = signal.Signals[signame]
+    assert "Exception ignored in" in proc.stderr, proc.stderr[-3000:]  # the handler's own raise was lost
+    assert proc.returncode in (-signum, 128 + signum), proc.stderr[-3000:]
+    assert proc.stdout.split() == ["4"]  # the iteration that freed the object was the last
+
+
 @pytest.mark.nsys
 def test_files_of_an_nsys_run_follow_the_umask(tmp_path, nsys_bin):
     """nsys starts its program with umask 0; the worker's files must still get the user's mode."""

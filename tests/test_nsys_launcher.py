@@ -484,9 +484,10 @@ def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
     """A real ``python -m autotuner.main`` process, signalled once its worker has finished a row: it
     exits 128 + N with nsys's report read, the measured rows ok, the rest failed, and nothing left."""
     run_dir = tmp_path / "run"
-    # The whole plan at 50 iterations a row took the worker 6.7 s alone on the 2-core VM; with a second
-    # suite beside it, the signal's way through the main process to nsys to the worker once took longer
-    # than the rest of the plan, and the last op was measured. At 500 the rest of the plan is a minute.
+    # At 500 iterations a row the rest of the plan takes the worker half a minute or more after the first
+    # row (6.7 s at 50, on the 2-core VM with a second suite beside it): the stop always comes first. (A
+    # plan once measured to its end after the signal: the worker's stop was lost in a finalizer, see
+    # test_faults.test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_measuring.)
     iterations = 500
     cmd = [
         sys.executable,

@@ -49,6 +49,7 @@ from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
+from autotuner.termination import check_stop, forget_stop, raise_stop
 
 WORKER_DIR = "worker"
 
@@ -134,6 +135,7 @@ class NsysObserver:
         return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=leave_out)
 
     def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
+        check_stop()  # a stop signal that a finalizer of the last iteration swallowed
         # Set before prepare(): the backward ranges are named when the forward builds the graph.
         set_range_context(point.label, iteration, warmup=warmup)
         if phase.prepare is not None:
@@ -212,13 +214,14 @@ def _stop_on_signals() -> None:
     this process too. Raised instead, the signal unwinds the op being run: the observer pops its
     ``measure`` range (so the report's last window is closed), and a row being written is either on
     disk whole or not at all (the writer replaces files atomically). A second signal during that
-    unwinding would stop it half-way, so it is ignored.
+    unwinding would stop it half-way, so it is ignored. Raised in a finalizer, the stop is lost; the
+    observer's and the runner's loops raise it again (autotuner.termination.raise_stop).
     """
 
     def stop(signum: int, frame: object) -> None:
         for other in (signal.SIGTERM, signal.SIGINT):
             signal.signal(other, signal.SIG_IGN)
-        raise Stopped(signum)
+        raise_stop(lambda: Stopped(signum))
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autotuner nsys worker: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Stopped as exc:
+        forget_stop()
         print(f"autotuner nsys worker: stopped by {exc}", file=sys.stderr)
         return 128 + exc.signum
 

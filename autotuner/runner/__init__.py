@@ -23,6 +23,7 @@ from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
 from autotuner.results import CALL_COLUMNS, ResultsWriter
 from autotuner.runner.plan import plan, row_identity
+from autotuner.termination import check_stop
 
 
 @dataclass
@@ -321,6 +322,7 @@ class Runner:
             op = ops[name]
             call, build_error = self._build(op, context, point)
             for phase_name in phases:
+                check_stop()  # a stop signal that a finalizer swallowed ends the plan here
                 bar.set_description(f"{name}.{phase_name} {point.label}")
                 row = self._base_row(op, point, phase_name)
                 if call is not None and call.row_fields:
