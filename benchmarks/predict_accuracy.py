@@ -159,6 +159,18 @@ def round_line(index: int, rounds: int, name: str, layout_name: str, said: Round
     )
 
 
+def round_parts(said: Round) -> str:
+    """Where a round's step went, predicted / measured: its phases, and stage 0's layer per visit (most
+    of a step). The rounds' spread (the A/A columns) is traced to its parts by these."""
+    phases = ", ".join(f"{phase} {p * 1e3:.4g}/{m * 1e3:.4g}" for phase, p, m in said.phases)
+    layer = ", ".join(
+        f"{what.split()[-1]} {p * 1e3:.3f}/{m * 1e3:.3f}"
+        for stage, what, p, m, _ in said.in_step
+        if stage == 0 and what.startswith("transformer_layer")
+    )
+    return f"  ms, predicted/measured: {phases}; stage 0's layer per visit: {layer}"
+
+
 # The run's scheduling line (a run's log opens with it; --pool judges runs of one scheduling together, a
 # log without the line ran before session 31 with the default).
 SCHEDULING = "scheduling"
@@ -601,6 +613,8 @@ def main() -> int:
                     said = results[-1]
                     print(  # each round as it ends (on stderr, beside the table): a long run's progress
                         round_line(index + 1, args.rounds, name, layout_name, said),
+                        round_parts(said),
+                        sep="\n",
                         file=sys.stderr,
                         flush=True,
                     )

@@ -1200,7 +1200,7 @@ def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, c
     """``--pool``: the round lines two runs printed, read back and judged as one run of all their rounds
     (three rounds each give no interval; six together do); a run at real-time priority (``--realtime``,
     its log's first line says so) is judged apart from them, not pooled with runs of the default."""
-    from benchmarks.predict_accuracy import REALTIME, SCHEDULING, Round, main, round_line
+    from benchmarks.predict_accuracy import REALTIME, SCHEDULING, Round, main, round_line, round_parts
 
     def one(step: float, drift: float) -> Round:
         empty = dict.fromkeys(Round._fields)
@@ -1212,17 +1212,29 @@ def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, c
                 "predicted_s": step,
                 "measured_s": 1.0,
                 "drift": drift,
+                "phases": (("forward-backward", 0.2, 0.21), ("optimizer", 0.023, 0.026)),
+                "in_step": (
+                    (0, "embedding forward", 1e-4, 3e-4, ""),
+                    (0, "transformer_layer forward", 0.004, 0.0045, ""),
+                    (0, "transformer_layer backward", 0.006, 0.0063, ""),
+                    (1, "transformer_layer forward", 0.003, 0.0031, ""),
+                ),
             }
         )
+
+    # each round's parts follow its line in a log, and are not read back as rounds
+    assert round_parts(one(1.0, 1.0)) == (
+        "  ms, predicted/measured: forward-backward 200/210, optimizer 23/26; "
+        "stage 0's layer per visit: forward 4.000/4.500, backward 6.000/6.300"
+    )
 
     logs = []
     for run, steps in enumerate(([0.97, 1.02, 0.99], [1.01, 0.98, 1.03], [0.5, 0.5, 0.5])):
         lines = [f"{SCHEDULING}: {REALTIME}"] if run == 2 else []  # logs before session 31 have no such line
         lines += ["intra-op threads per process (profiles, steps, calibration): 1"]
-        lines += [
-            round_line(i + 1, 3, "tiny", "tp1", one(step, 1.2 if i == 0 else 1.0))
-            for i, step in enumerate(steps)
-        ]
+        for i, step in enumerate(steps):
+            said = one(step, 1.2 if i == 0 else 1.0)
+            lines += [round_line(i + 1, 3, "tiny", "tp1", said), round_parts(said)]
         logs.append(tmp_path / f"run{run}.log")
         logs[-1].write_text("\n".join(lines) + "\n")
     with pytest.MonkeyPatch.context() as patch:
