@@ -6,6 +6,11 @@ as the get_data launcher:
 * matrix-product FLOP/s per dtype (square ``a @ b``; 2*n^3 FLOPs), the compute ceiling;
 * memory copy bandwidth (``dst.copy_(src)`` of a buffer far larger than the last-level cache; each copy
   reads and writes the buffer, 2 x its bytes), the memory ceiling;
+* zeroing bandwidth: ``zero_()`` of the copy's destination (``zeroing_bandwidth``), the rate a training
+  step zeroes its gradients at. Not half a copy on a CPU, whose core reads a line before writing it: on
+  session 36's VM the llama-shaped model's steps zeroed their 21 MB of gradient buffers in 2.90 ms after
+  their Adam step, which this rate gave as 2.82 and the copy bandwidth as 1.84 (``python -m
+  benchmarks.adam_in_step``); tiny's 0.9 MB, which stay in the cache, 0.09 against 0.12 and 0.08;
 * on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory;
 * the optimizer step: ``torch.optim.Adam.step`` (torch's default implementation for the device, the one
   autotuner.predict.steps trains with) over fp32 parameters and gradients, in seconds per parameter
@@ -118,6 +123,7 @@ from autotuner.results.calibration import (
     HOST_WORK,
     HOST_WORK_FLUSHED,
     LINK_KEYS,
+    ZEROING_BANDWIDTH,
     bus_factor,
     default_path,
     link_key,
@@ -172,15 +178,13 @@ def calibrate(device: torch.device, policy: SamplingPolicy | None = None) -> dic
     peak_flops = {}
     for dtype, n in MATMUL_SIZE[device.type].items():
         peak_flops[dtype] = 2 * n**3 / _median_s(matmul_call(n, n, n, device, DTYPES[dtype]), device, policy)
-    # far past the cache a core can keep (autotuner.measure.cache: not the size a VM reports, which
-    # made this 4 GiB on one)
-    size = max(8 * shared_cache_bytes(device), 64 * 2**20)
-    copy = copy_call(size, device)
+    bandwidth, zeroing, size = memory_rates(device, policy)
     result: dict[str, Any] = {
         "device_type": device.type,
         "environment": environment(device),
         "peak_flops": peak_flops,
-        "memory_bandwidth": copy.bytes_moved["forward"] / _median_s(copy, device, policy),
+        "memory_bandwidth": bandwidth,
+        ZEROING_BANDWIDTH: zeroing,
         "buffer_bytes": size,
         # where a warm row's data sit between calls, so where a step's op can find them again:
         # autotuner.predict.caches.cache_plan (the shared cache; a core's own in a calibration without it)
@@ -279,7 +283,7 @@ def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> floa
     give, once a step (module docstring): the median, over the minimal model's timed steps at every depth
     (:func:`minimal_model_steps`), of each step's optimizer phase less those rates' share."""
     from autotuner.predict.layout import DTYPE_BYTES
-    from autotuner.predict.memory import GRAD_BYTES
+    from autotuner.predict.timing import gradient_zeroing_seconds
 
     extra = []  # the minimal model's untouched embedding rows (~1,500 parameters, microseconds) stay in it
     for _, measured in steps:
@@ -288,7 +292,7 @@ def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> floa
         modelled = (
             rank.optimizer_tensors * rates[ADAM_PER_TENSOR]
             + params * rates["adam_seconds_per_parameter"]
-            + GRAD_BYTES * params / rates["memory_bandwidth"]  # zeroing the gradients, as predicted
+            + gradient_zeroing_seconds(rates, params)[0]  # as predicted
         )
         extra += [seconds - modelled for seconds in rank.optimizer_s[measured.warmup + 1 :]]
     return max(0.0, statistics.median(extra))
@@ -355,6 +359,23 @@ def _adam_step_seconds(
     if agreement is not None:
         seconds = agreement.max(seconds)[0]  # every rank's step at once: the slowest rank's
     return seconds, sum(p.numel() for p in params)
+
+
+def memory_rates(device: torch.device, policy: SamplingPolicy) -> tuple[float, float, int]:
+    """(copy bandwidth, zeroing bandwidth, the buffer's bytes) of a buffer far past the cache a core can
+    keep (autotuner.measure.cache: not the size a VM reports, which made this 4 GiB on one): module
+    docstring."""
+    size = max(8 * shared_cache_bytes(device), 64 * 2**20)
+    copy = copy_call(size, device)
+    bandwidth = copy.bytes_moved["forward"] / _median_s(copy, device, policy)
+    return bandwidth, zeroing_bandwidth(copy.inputs[0], device, policy), size
+
+
+def zeroing_bandwidth(buffer: torch.Tensor, device: torch.device, policy: SamplingPolicy) -> float:
+    """Bytes per second that ``buffer.zero_()`` clears (module docstring), as a training step zeroes its
+    gradients (autotuner.predict.timing.gradient_zeroing_seconds); ``buffer`` far past the cache."""
+    seconds = sample(DeviceTimer(device), buffer.zero_, policy).median_ns * 1e-9
+    return buffer.numel() * buffer.element_size() / seconds
 
 
 def grad_accumulation_seconds(device: torch.device, policy: SamplingPolicy, nbytes: int) -> dict[str, float]:
@@ -553,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dtype, flops in result["peak_flops"].items():
         print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")
     print(f"copy          {result['memory_bandwidth'] / 1e9:10.2f} GB/s")
+    print(f"zeroing       {result[ZEROING_BANDWIDTH] / 1e9:10.2f} GB/s")
     print(
         f"caches        {human_bytes(result['warm_cache_bytes'])} a core's own, "
         f"{human_bytes(result['shared_cache_bytes'])} shared as kept "

@@ -30,7 +30,10 @@ shapes, so that each step between two kinds tells one cause apart:
   autotuner.predict.inputs.ModelShape.untouched_embedding_params).
 
 It prints each kind's median ms over the rounds and its ratio to the calibration's rates, median over the
-rounds [95% CI, order statistics: 6 rounds at least].
+rounds [95% CI, order statistics: 6 rounds at least]; then the zeroing of the gradient buffers that ends
+each round's last step (after its Adam, as a training step zeroes them for the next), beside what the
+calibration's zeroing rate (``zeroing_bandwidth``) and its copy bandwidth, the predictor's until session
+36, give for them.
 
 What it showed on session 35's VM (one thread, 12 rounds, before the zero-state rate was part of the
 prediction; / the per-parameter and per-tensor rates alone), two runs: the llama-shaped model's Adam in
@@ -40,7 +43,10 @@ the step 1.313 and 1.195, back to back 1.165 and 1.121, over separate tensors wi
 embedding's rows no token touched) have zero gradients, and a CPU Adam step over zero moments took 2.4 ns
 a parameter more than over others (``torch.sqrt`` of zeros ran about ten times slower than of other
 values there). Tiny: 1.562, 1.196, 1.045, 0.969 (its once-a-step extra, ``adam_seconds_per_step_in_
-training``, not in this prediction, is most of that first ratio).
+training``, not in this prediction, is most of that first ratio). Session 36, three llama-shaped runs:
+in the step 1.072, 1.061 and 1.300 (a noisy hour: the rate 3.89 ns a parameter before the rounds, 4.43
+after), back to back 1.016, 0.999, 1.076; the zeroing of its 21 MB of gradients after Adam 2.90 ms, 2.82
+from the calibration's zeroing rate, 1.84 from its copy bandwidth.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from collections.abc import Callable
 
 import torch
 
-from autotuner.calibrate import POLICY, adam_rates, adam_zero_state_seconds
+from autotuner.calibrate import POLICY, adam_rates, adam_zero_state_seconds, memory_rates
 from autotuner.measure.cache import CacheFlusher
 from autotuner.measure.timer import median_ci
 from autotuner.predict.inputs import ModelShape
@@ -85,10 +91,12 @@ def _fresh_adam(masters: list[torch.Tensor], step_grads: bool) -> torch.optim.Ad
     return optimizer
 
 
-def _calibration_rates(device: torch.device) -> tuple[float, float, float]:
-    """(per parameter, per tensor, per zero-state parameter) as autotuner.calibrate times them."""
+def _calibration_rates(device: torch.device) -> tuple[float, float, float, float, float]:
+    """(per parameter, per tensor, per zero-state parameter, copy bandwidth, zeroing bandwidth) as
+    autotuner.calibrate times them."""
     per_parameter, per_tensor, _ = adam_rates(device, POLICY)
-    return per_parameter, per_tensor, adam_zero_state_seconds(device, POLICY, per_parameter, per_tensor)
+    zero_state = adam_zero_state_seconds(device, POLICY, per_parameter, per_tensor)
+    return per_parameter, per_tensor, zero_state, *memory_rates(device, POLICY)[:2]
 
 
 def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
@@ -109,6 +117,7 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     )
     expected = shape.untouched_embedding_params(1, layout.global_batch_size * layout.seq_len)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    zeroing: list[float] = []
     for _ in range(rounds):
         trainer.forward_backward()
         times[IN_STEP].append(_seconds(trainer.optimizer.step))
@@ -122,10 +131,15 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
                 flush.buffer.sum()
             times[kind].append(_seconds(runs[kind]))
         del copies, runs
-        trainer.optimizer_step()  # the back-to-back step already updated; this one zeroes the buffers too
+        # the round's last Adam step, then the gradients' zeroing for the next step, as a step ends
+        trainer.optimizer.step()
+        zeroing.append(_seconds(lambda: [buffer.flat.zero_() for buffer in trainer.buffers]))
     rates.append(_calibration_rates(device))
-    per_parameter, per_tensor, per_zero = (statistics.fmean(r[i] for r in rates) for i in range(3))
+    per_parameter, per_tensor, per_zero, copy_bw, zeroing_bw = (
+        statistics.fmean(r[i] for r in rates) for i in range(5)
+    )
     predicted = per_parameter * params + per_tensor * tensors + per_zero * zeros
+    cleared = sum(buffer.flat.numel() * buffer.flat.element_size() for buffer in trainer.buffers)
     print(
         f"{case}: Adam over {params:,} parameters in {tensors} tensors, {zeros:,} of them with zero "
         f"gradients (the predictor expects {expected:,.0f}), fp32, {threads} thread(s), {rounds} rounds; the "
@@ -143,6 +157,14 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
             f"{interval}",
             flush=True,
         )
+    # what the predictor adds after Adam (autotuner.predict.timing.gradient_zeroing_seconds), both ways
+    took = statistics.median(zeroing)
+    print(
+        f"  zeroing the {cleared / 1e6:.1f} MB of gradient buffers after it: {took * 1e3:.2f} ms; at the "
+        f"calibration's zeroing rate {zeroing_bw / 1e9:.2f} GB/s {cleared / zeroing_bw * 1e3:.2f} ms, at "
+        f"its copy bandwidth {copy_bw / 1e9:.2f} GB/s {cleared / copy_bw * 1e3:.2f} ms (before session 36)",
+        flush=True,
+    )
 
 
 def main() -> None:

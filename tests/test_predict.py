@@ -258,6 +258,13 @@ def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tm
     )
     assert not any("Adam" in w for w in timed.warnings)
     assert "cost per tensor not timed" in timed.step.optimizer_source.detail
+    assert "at the copy bandwidth 10 GB/s (no zeroing_bandwidth" in timed.step.optimizer_source.detail
+    # a calibration that timed zeroing: the gradients cleared at that rate (a CPU's is not half a copy's)
+    zeroed_cal = {**cal, "zeroing_bandwidth": 4e9}
+    runs = load_runs([make_run(tmp_path, base_rows(), "zeroed", calibration=zeroed_cal)])
+    zeroed = predict(runs, layout, zeroed_cal)
+    assert zeroed.step.optimizer == pytest.approx(params * 2e-9 + 4 * params / 4e9)
+    assert "4 B per parameter at the calibrated zeroing 4 GB/s" in zeroed.step.optimizer_source.detail
     # with its cost per tensor: torch's Adam loops over the parameter tensors, here 6 per layer (two
     # RMSNorms, linear_qkv, linear_proj, fc1, fc2), the embedding, the final norm, the output layer
     looped_cal = {**cal, "adam_seconds_per_tensor": 5e-5}
@@ -973,8 +980,8 @@ def test_adam_pays_its_zero_state_rate_for_embedding_rows_no_token_touches(tmp_p
 
 def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_step():
     """autotuner.calibrate.adam_in_step, by hand: each timed step's optimizer phase less the rates' share
-    (per tensor, per parameter, and the gradients' zeroing over the copy bandwidth), median over the steps
-    of every depth; the warm-up and metered steps left out."""
+    (per tensor, per parameter, and the gradients' zeroing at the calibrated zeroing rate, else the copy
+    bandwidth), median over the steps of every depth; the warm-up and metered steps left out."""
     from autotuner.calibrate import adam_in_step
     from autotuner.predict.step_measurement import RankSteps, StepMeasurement
 
@@ -991,6 +998,9 @@ def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_
     shallow = depth(9, 10_000, (710e-6, 760e-6, 690e-6))  # 500, 550, 480 us beyond
     deep = depth(27, 40_000, (1160e-6, 1190e-6, 1500e-6))  # 500, 530, 840 us beyond
     assert adam_in_step([(1, shallow), (4, deep)], rates) == pytest.approx(515e-6)
+    # zeroing timed at half the copy rate: 10 us more of it per 10,000 parameters, that much less beyond
+    slower_zeroing = {**rates, "zeroing_bandwidth": 2e9}
+    assert adam_in_step([(1, shallow), (4, deep)], slower_zeroing) == pytest.approx(515e-6 - 25e-6)
     # steps no slower than the rates: nothing added, never a negative time
     assert adam_in_step([(1, depth(9, 10_000, (100e-6, 150e-6)))], rates) == 0.0
 
@@ -1004,6 +1014,7 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
         adam_rates,
         adam_zero_state_seconds,
         grad_accumulation_seconds,
+        zeroing_bandwidth,
     )
     from autotuner.errors import UserError
     from autotuner.measure.timer import SamplingPolicy
@@ -1011,6 +1022,10 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
 
     policy = SamplingPolicy(warmup=1, min_samples=3, max_samples=5, budget_s=0.5, target_rel_ci=0.5)
     per_parameter, per_tensor, count = adam_rates(torch.device("cpu"), policy)
+    # zeroing a buffer past the cache writes each byte once: slower than no memory, faster than a bus
+    buffer = torch.ones(2**26, dtype=torch.uint8)
+    zeroing = zeroing_bandwidth(buffer, torch.device("cpu"), policy)
+    assert 1e8 < zeroing < 1e13 and not buffer.any()
     h, f, layers = ADAM_LAYERS["cpu"]
     assert count == layers * (3 * h * h + h * h + 2 * f * h + h * f)
     # an Adam step reads and writes at least 28 B per fp32 parameter: not faster than the copy ceiling
@@ -1032,6 +1047,7 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
         "adam_seconds_per_parameter": seconds / count,
         "warm_cache_bytes": 2**25,
         "grad_accumulation_seconds_per_parameter": added,
+        "zeroing_bandwidth": zeroing,
     }
     (tmp_path / "good.json").write_text(json.dumps(good))
     assert load(tmp_path / "good.json")["adam_seconds_per_parameter"] == pytest.approx(seconds / count)
@@ -1049,6 +1065,8 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
         ("adam_seconds_per_step_in_training", -1e-4),
         ("adam_seconds_per_step_in_training", True),
         ("warm_cache_bytes", "big"),
+        ("zeroing_bandwidth", 0),
+        ("zeroing_bandwidth", "fast"),
         ("grad_accumulation_seconds_per_parameter", {"bf16": 0}),
         ("grad_accumulation_seconds_per_parameter", 3e-12),
         ("host_work_seconds_per_microbatch", {"forward": 1e-4, "backward": 3e-4}),

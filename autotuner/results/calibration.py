@@ -7,6 +7,8 @@ other accepts too. The file is plain JSON::
 
     {"peak_flops": {"fp32": <FLOP/s>, "bf16": ..., ...},   the matrix-product ceiling per dtype
      "memory_bandwidth": <bytes/s>,                          the copy ceiling
+     "zeroing_bandwidth": <bytes/s>,                         optional: bytes zeroed per second (a
+                                                             training step zeroes its gradients)
      "h2d_pinned": <bytes/s>, ...,                           on a GPU, the host-transfer ceilings
      "adam_seconds_per_parameter": <s>,                      optional: torch's Adam step per fp32
      "adam_parameters": <count>,                             parameter, and the count timed
@@ -63,6 +65,8 @@ ADAM_PER_TENSOR = "adam_seconds_per_tensor"
 # Seconds per parameter more, beside ``adam_seconds_per_parameter``, that Adam takes for a parameter whose
 # gradient and moments are zero (an embedding row no token touched: autotuner.predict.timing.optimizer_step).
 ADAM_ZERO_STATE = "adam_seconds_per_zero_state_parameter"
+# Bytes per second that ``zero_()`` clears in a buffer far past the cache, as a step zeroes its gradients.
+ZEROING_BANDWIDTH = "zeroing_bandwidth"
 # Seconds an Adam step inside a training step takes beyond its rates per parameter and per tensor (timed
 # back to back), once a step: on a CPU, from the host work's real steps (autotuner.calibrate.adam_in_step).
 ADAM_IN_STEP = "adam_seconds_per_step_in_training"
@@ -115,6 +119,7 @@ def load(path: str | Path) -> dict[str, Any]:
         "warm_cache_bytes",
         "shared_cache_bytes",
         "shared_cache_bytes_reported",
+        ZEROING_BANDWIDTH,
     )
     given = [k for k in optional if k in data]
     wrong = [k for k in ("memory_bandwidth", *given) if not _rate(data.get(k))]
