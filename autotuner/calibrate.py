@@ -8,9 +8,10 @@ as the get_data launcher:
   reads and writes the buffer, 2 x its bytes), the memory ceiling;
 * zeroing bandwidth: ``zero_()`` of the copy's destination (``zeroing_bandwidth``), the rate a training
   step zeroes its gradients at. Not half a copy on a CPU, whose core reads a line before writing it: on
-  session 36's VM the llama-shaped model's steps zeroed their 21 MB of gradient buffers in 2.90 ms after
-  their Adam step, which this rate gave as 2.82 and the copy bandwidth as 1.84 (``python -m
-  benchmarks.adam_in_step``); tiny's 0.9 MB, which stay in the cache, 0.09 against 0.12 and 0.08;
+  session 36's VM the llama-shaped model's steps zeroed their 21 MB of gradient buffers in 2.90 and 2.43
+  ms after their Adam step, which this rate gave as 2.82 and 2.77 and the copy bandwidth as 1.84 and 1.79
+  (``python -m benchmarks.adam_in_step``, two runs); tiny's 0.9 MB, which stay in the cache, 0.09 against
+  0.12 and 0.08;
 * on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory;
 * the optimizer step: ``torch.optim.Adam.step`` (torch's default implementation for the device, the one
   autotuner.predict.steps trains with) over fp32 parameters and gradients, in seconds per parameter

@@ -44,9 +44,10 @@ embedding's rows no token touched) have zero gradients, and a CPU Adam step over
 a parameter more than over others (``torch.sqrt`` of zeros ran about ten times slower than of other
 values there). Tiny: 1.562, 1.196, 1.045, 0.969 (its once-a-step extra, ``adam_seconds_per_step_in_
 training``, not in this prediction, is most of that first ratio). Session 36, three llama-shaped runs:
-in the step 1.072, 1.061 and 1.300 (a noisy hour: the rate 3.89 ns a parameter before the rounds, 4.43
-after), back to back 1.016, 0.999, 1.076; the zeroing of its 21 MB of gradients after Adam 2.90 ms, 2.82
-from the calibration's zeroing rate, 1.84 from its copy bandwidth.
+in the step 1.072, 1.300 (a noisy hour: the rate 3.89 ns a parameter before the rounds, 4.43 after) and
+1.065, back to back 1.016, 1.076, 0.958; the zeroing of its 21 MB of gradients after Adam (the last two)
+2.90 and 2.43 ms, 2.82 and 2.77 from the calibration's zeroing rate, 1.84 and 1.79 from its copy
+bandwidth.
 """
 
 from __future__ import annotations

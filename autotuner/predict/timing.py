@@ -535,8 +535,9 @@ def optimizer_step(
 def gradient_zeroing_seconds(calibration: Mapping[str, Any], params: float) -> tuple[float, str]:
     """Seconds a step takes to zero ``params`` fp32 gradients for the next one, and how, in words: at the
     calibration's zeroing rate, else at its copy bandwidth. They differ on a CPU, whose core reads a line
-    before writing it: on session 36's VM the llama-shaped model's steps zeroed their 21 MB in 2.90 ms,
-    the zeroing rate gave 2.82, the copy bandwidth (2 B moved a byte copied) 1.84 (autotuner.calibrate)."""
+    before writing it: on session 36's VM the llama-shaped model's steps zeroed their 21 MB in 2.43-2.90
+    ms, the zeroing rate gave 2.77-2.82, the copy bandwidth (2 B moved a byte copied) 1.79-1.84
+    (autotuner.calibrate)."""
     nbytes = GRAD_BYTES * params
     rate = calibration.get(ZEROING_BANDWIDTH)
     if rate:
