@@ -293,7 +293,7 @@ def adam_in_step(steps: list[tuple[int, Any]], rates: Mapping[str, Any]) -> floa
         modelled = (
             rank.optimizer_tensors * rates[ADAM_PER_TENSOR]
             + params * rates["adam_seconds_per_parameter"]
-            + gradient_zeroing_seconds(rates, params)[0]  # as predicted
+            + gradient_zeroing_seconds(rates, params, rates["memory_bandwidth"])[0]  # as predicted
         )
         extra += [seconds - modelled for seconds in rank.optimizer_s[measured.warmup + 1 :]]
     return max(0.0, statistics.median(extra))

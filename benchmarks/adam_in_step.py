@@ -134,7 +134,7 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
         del copies, runs
         # the round's last Adam step, then the gradients' zeroing for the next step, as a step ends
         trainer.optimizer.step()
-        zeroing.append(_seconds(lambda: [buffer.flat.zero_() for buffer in trainer.buffers]))
+        zeroing.append(_seconds(trainer.zero_gradients))
     rates.append(_calibration_rates(device))
     per_parameter, per_tensor, per_zero, copy_bw, zeroing_bw = (
         statistics.fmean(r[i] for r in rates) for i in range(5)

@@ -284,7 +284,11 @@ class StageTrainer:
             with torch.no_grad():
                 for (tensor, _), master in zip(self.pairs, self.masters, strict=True):
                     tensor.copy_(master)
-        for buffer in self.buffers:  # for the next step; they stay allocated (Megatron's DDP buffer)
+        self.zero_gradients()
+
+    def zero_gradients(self) -> None:
+        """The gradient buffers zeroed for the next step; they stay allocated (Megatron's DDP buffer)."""
+        for buffer in self.buffers:
             buffer.flat.zero_()
 
     def gather_params(self) -> None:

@@ -82,7 +82,7 @@ from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import blend
 from autotuner.predict.layout import Layout, Source
 from autotuner.predict.memory import GRAD_BYTES
-from autotuner.predict.op_time import ASSUMED_MEMORY_BANDWIDTH, OpTime, TimeModel
+from autotuner.predict.op_time import OpTime, TimeModel
 from autotuner.predict.schedule import Schedule, closed_form_s, overlaps_exchanges, simulate
 from autotuner.results.calibration import (
     ADAM_IN_STEP,
@@ -523,7 +523,7 @@ def optimizer_step(
     if in_training:
         adam += in_training
         detail += f"; + {in_training * 1e6:.3g} us a step more inside training steps (timed in real ones)"
-    zeroing, zeroing_said = gradient_zeroing_seconds(tm.calibration, params)
+    zeroing, zeroing_said = gradient_zeroing_seconds(tm.calibration, params, bw)
     detail += f"; + zeroing the gradients for the next step: {zeroing_said}"
     if lay.dtype in ("bf16", "fp16"):
         # the updated fp32 main parameters cast into the model's copy: read 4 B, write 2 B
@@ -532,18 +532,19 @@ def optimizer_step(
     return adam + zeroing, Source("scaled", detail)
 
 
-def gradient_zeroing_seconds(calibration: Mapping[str, Any], params: float) -> tuple[float, str]:
+def gradient_zeroing_seconds(
+    calibration: Mapping[str, Any], params: float, copy_bandwidth: float
+) -> tuple[float, str]:
     """Seconds a step takes to zero ``params`` fp32 gradients for the next one, and how, in words: at the
-    calibration's zeroing rate, else at its copy bandwidth. They differ on a CPU, whose core reads a line
-    before writing it: on session 36's VM the llama-shaped model's steps zeroed their 21 MB in 2.43-2.90
-    ms, the zeroing rate gave 2.77-2.82, the copy bandwidth (2 B moved a byte copied) 1.79-1.84
-    (autotuner.calibrate)."""
+    calibration's zeroing rate, else at ``copy_bandwidth`` (the calibration's). They differ on a CPU,
+    whose core reads a line before writing it: on session 36's VM the llama-shaped model's steps zeroed
+    their 21 MB in 2.43-2.90 ms, the zeroing rate gave 2.77-2.82, the copy bandwidth (2 B moved a byte
+    copied) 1.79-1.84 (autotuner.calibrate)."""
     nbytes = GRAD_BYTES * params
     rate = calibration.get(ZEROING_BANDWIDTH)
     if rate:
         return nbytes / rate, f"{GRAD_BYTES} B per parameter at the calibrated zeroing {rate / 1e9:.4g} GB/s"
-    bw = calibration.get("memory_bandwidth") or ASSUMED_MEMORY_BANDWIDTH
-    return nbytes / bw, (
-        f"{GRAD_BYTES} B per parameter at the copy bandwidth {bw / 1e9:.4g} GB/s (no zeroing_bandwidth in "
-        "the calibration: python -m autotuner.calibrate times it)"
+    return nbytes / copy_bandwidth, (
+        f"{GRAD_BYTES} B per parameter at the copy bandwidth {copy_bandwidth / 1e9:.4g} GB/s (no "
+        "zeroing_bandwidth in the calibration: python -m autotuner.calibrate times it)"
     )
