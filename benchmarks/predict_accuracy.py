@@ -16,10 +16,13 @@ cores, and its rows move about twice as far between profiles as one thread's (be
 With ``--realtime`` every process runs at real-time priority (benchmarks.machine_noise.run_realtime: on
 this VM gloo's collectives then stop stalling for a scheduler tick); a run's first line says which
 scheduling it had, and ``--pool`` judges the runs of each apart. Each
-op is profiled once with warm caches, each forward after the op's backward, and once flushed (the
+op is profiled with warm caches, each forward after the op's backward, and once flushed (the
 predictor takes, for each visit of an op in the step, the kind it runs in:
-autotuner.predict.caches.cache_plan). The device and the links between two
-processes are calibrated in every round, between its first steps and its profiles (python -m
+autotuner.predict.caches.cache_plan); warm twice, first and last of the round's profiles, and the
+predictor takes each op's mean of the two (a row times the machine in the second its samples took;
+autotuner.predict.inputs.repeated). Until session 36 a third profile timed the warm forwards back to
+back instead (the benchmark before session 29), for a line beside the prediction. The device and the
+links between two processes are calibrated in every round, between its first steps and its profiles (python -m
 autotuner.calibrate, and --collectives under torchrun: the Adam step's time per parameter, alone and
 with both processes at it, the pipeline's transfers and the gradients' all-reduce, the caches a warm row
 runs in, the memory bandwidth of modelled figures; ``--calibrate once``: once for the run, which shares
@@ -49,10 +52,9 @@ interleaved layout, the same prediction with each model chunk 1/v of its stage's
 before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the
 same prediction with every stage's host work as timed with warm caches (the predictor before session 28;
 since then a stage whose ops sweep the shared cache takes the host work timed with it flushed:
-autotuner.predict.caches.host_work_cached); the same prediction from warm rows whose forwards were timed
-back to back (the benchmark before session 29, a third profile in the round; since then the warm
-profile times each forward after the op's backward, as a step runs it and as the predictor's profiling
-plan asks: autotuner.measure.timer, "A forward follows its backward"); the same rows with a stage's
+autotuner.predict.caches.host_work_cached); the same prediction from the round's first warm profile
+alone (the benchmark before session 37; since then each op takes the mean of its two warm rows:
+autotuner.predict.inputs.repeated); the same rows with a stage's
 first forward op from its flushed row whatever its warm row timed (the predictor before session 33, and
 for the embedding before session 34; since then from the warm row where that was timed after the op's
 backward, as the visit runs:
@@ -392,9 +394,9 @@ class Round(NamedTuple):
     # the step from the same rows with the host work as timed with warm caches whatever the stage's ops
     # sweep, as the predictor took it before session 28 (None: no host work flushed in the calibration)
     warm_host_predicted_s: float | None = None
-    # the step from the same flushed rows and warm rows whose forwards were timed back to back, as the
-    # benchmark and the profiling plan profiled them before session 29 (a third profile in the round)
-    back_to_back_predicted_s: float | None = None
+    # the step from the round's first warm profile alone (and its flushed rows), as the benchmark predicted
+    # it before session 37: the warm rows of one moment in the round
+    one_profile_predicted_s: float | None = None
     # the step from the same rows with a stage's first forward op taking its flushed row whatever its warm
     # row timed, as the predictor took it before session 33 (and the embedding's before session 34:
     # autotuner.predict.caches.warm_visits)
@@ -435,21 +437,24 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             # all alike, past any interval
             calibration = Path(folder) / "calibration.json"
             calibrate_machine(calibration, threads)
-        runs = profiled_runs(case, layout, Path(folder), calibration, threads)
-        calibrated = load_calibration_for(runs, str(calibration))  # read and checked once, for both
-        pred = predict(runs, layout, calibrated)
-        medians = [{k: v for k, v in row.items() if k != "fenced_mean_us"} for row in runs.rows]
-        medians_predicted = predict(dataclasses.replace(runs, rows=medians), layout, calibrated).step_seconds
+        first = profiled_runs(case, layout, Path(folder), calibration, threads)
+        calibrated = load_calibration_for(first, str(calibration))  # read and checked once, for both
         alone_predicted = None
         if layout.pp > 1:  # the same round's steps judge the two ways of profiling a pipeline's stages
             alone = profiled_runs(case, layout, Path(folder), calibration, threads, alone=True)
             alone_predicted = predict(alone, layout, calibrated).step_seconds
+        # the warm rows again, last before the steps after them: with the first, they bracket the round
+        # as the steps do, and the predictor takes each op's mean of the two (autotuner.predict.inputs.
+        # repeated: a row times the machine in the second its samples took)
+        again = profile_dir(Path(folder), "warm-again")
+        profile(case, layout, again, calibration, False, threads)
+        runs = load_runs([*first.dirs, again])
+        pred = predict(runs, layout, calibrated)
+        one_profile = predict(first, layout, calibrated).step_seconds
+        medians = [{k: v for k, v in row.items() if k != "fenced_mean_us"} for row in runs.rows]
+        medians_predicted = predict(dataclasses.replace(runs, rows=medians), layout, calibrated).step_seconds
         even_chunks = even_chunks_step_s(pred, calibrated) if layout.vpp > 1 else None
         warm_host = warm_host_work_step_s(runs, layout, calibrated)
-        back_to_back = profile_dir(Path(folder), "warm-back-to-back")
-        profile(case, layout, back_to_back, calibration, False, threads, after_backward=False)
-        cold = profile_dir(Path(folder), "cold")  # this round's flushed rows, profiled above
-        back_to_back_pred = predict(load_runs([back_to_back, cold]), layout, calibrated)
         unmarked = [{**row, "forward_after_backward": False} for row in runs.rows]
         first_flushed = predict(dataclasses.replace(runs, rows=unmarked), layout, calibrated).step_seconds
         checked = validate(pred, *steps_args, repeats=repeats)
@@ -476,7 +481,7 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
         even_chunks_predicted_s=even_chunks,
         host_forward=forward_host_work(pred, checked),
         warm_host_predicted_s=warm_host,
-        back_to_back_predicted_s=back_to_back_pred.step_seconds,
+        one_profile_predicted_s=one_profile,
         first_forward_flushed_predicted_s=first_flushed,
     )
 
@@ -666,9 +671,9 @@ def main() -> int:
                         lambda r: r.warm_host_predicted_s,
                     ),
                     (
-                        "the warm rows' forwards timed back to back, not each after its backward (the "
-                        "benchmark before session 29)",
-                        lambda r: r.back_to_back_predicted_s,
+                        "the warm rows of the round's first profile alone, not the mean of two bracketing "
+                        "the round (the benchmark before session 37)",
+                        lambda r: r.one_profile_predicted_s,
                     ),
                     (
                         "a stage's first forward op from its flushed row, whatever its warm row timed (the "
@@ -678,9 +683,11 @@ def main() -> int:
                 ):
                     beside = [predicted_of(r) / r.measured_s for r in results if predicted_of(r)]
                     if beside:
+                        predicted = [predicted_of(r) for r in results if predicted_of(r)]
                         print(
                             f"{'':21} {label}: step {statistics.median(beside):.3f} "
-                            f"[{min(beside):.3f}, {max(beside):.3f}]"
+                            f"[{min(beside):.3f}, {max(beside):.3f}], "
+                            f"A/A pred {max(predicted) / min(predicted):.3f}"
                         )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}

@@ -464,6 +464,43 @@ def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
     assert len(cold_only.plan.missing) == 1  # one point, measured twice
 
 
+def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_mean(tmp_path):
+    """Two runs' rows of an op at one point, measured alike, are two moments of the machine: the visit
+    takes their mean and its source gives each; within one run the later row replaces the earlier; a row
+    that fits the visit better (a forward timed after its backward) still wins over repeats of a worse fit."""
+    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+
+    def visit(pred, op="transformer_layer", phase="forward"):
+        return next(t for name, ph, t, _ in pred.stages[0].items if (name, ph) == (op, phase))
+
+    slower = [
+        {**r, "median_us": r["median_us"] * 1.4} if r["op"] == "transformer_layer" else r for r in base_rows()
+    ]
+    first, second = make_run(tmp_path, base_rows(), "first"), make_run(tmp_path, slower, "second")
+    pred = predict(load_runs([first, second]), layout, CAL)
+    for phase, us in (("forward", 1000), ("backward", 2000)):
+        layer = visit(pred, phase=phase)
+        assert layer.seconds == pytest.approx(1.2 * us * US)
+        assert f"{1.2 * us:.4g}us median (the mean of 2 runs': {us}, {1.4 * us:.4g}us)" in layer.source.detail
+    embedding = visit(pred, "embedding")  # the same in both runs: their mean is it
+    assert embedding.seconds == pytest.approx(100 * US) and "the mean of 2 runs'" in embedding.source.detail
+    fenced = [{**r, "fenced_mean_us": r["median_us"] * 1.5} for r in base_rows()]
+    mixed = predict(load_runs([first, make_run(tmp_path, fenced, "fenced")]), layout, CAL)
+    assert visit(mixed).seconds == pytest.approx(1000 * US)  # the medians' mean where a run has no fence
+    # one run's two rows at a point: the later stands alone
+    again = make_run(tmp_path, [*base_rows(), *slower], "again")
+    assert visit(predict(load_runs([again]), layout, CAL)).seconds == pytest.approx(1400 * US)
+    # a forward timed after its backward fits a step's visit better than either repeat timed back to back
+    after = [
+        {**r, "forward_after_backward": True, "median_us": 900} if r["phase"] == "forward" else r
+        for r in base_rows()
+    ]
+    better = make_run(tmp_path, after, "after")
+    for runs in ([first, better, second], [better, first, second]):
+        pred = predict(load_runs(runs), layout, CAL)
+        assert visit(pred).seconds == pytest.approx(900 * US) and "the mean" not in visit(pred).source.detail
+
+
 def test_warm_forwards_timed_after_their_backward_win_and_back_to_back_ones_are_named(tmp_path):
     """Inside a step every forward of an op follows its previous micro-batch's backward: given warm forward
     rows timed both ways (timing.forward_after_backward), a visit takes those timed after the backward,

@@ -11,6 +11,7 @@ experts, router and shared experts (all stored; top-k of them active per token, 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -293,10 +294,11 @@ class Measurements:
     then one profiled in ``processes`` processes (``run_processes``; None: any), as a CPU layout's ops
     run beside that many (autotuner.predict.prediction), over one profiled in another count; then a
     forward timed after the op's backward (``timing.forward_after_backward``), as a step runs it, over one
-    timed back to back; otherwise
-    later runs' rows replace earlier ones at the same key. Rows timed after a pause
-    (``idle_before_ms`` above 0) are left out: they time another condition than a step's back-to-back
-    ops, not another sample of the same."""
+    timed back to back. Rows that fit equally from different runs (``run_dir``, set by
+    autotuner.predict.prediction.load_runs) are repeats, and the op stands for their mean
+    (:func:`repeated`); within one run a later row replaces an earlier one at the same key. Rows timed
+    after a pause (``idle_before_ms`` above 0) are left out: they time another condition than a step's
+    back-to-back ops, not another sample of the same."""
 
     def __init__(
         self,
@@ -308,6 +310,7 @@ class Measurements:
     ):
         self.dtype = dtype
         self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
+        repeats: dict[tuple[str, str, int, int, int], list[dict[str, Any]]] = {}
         self.skipped: set[str] = set()
         self.seen_ops: set[str] = set()
         self.devices: set[str] = set()
@@ -331,18 +334,22 @@ class Measurements:
                 int(row["micro_batch_size"]),
                 int(row.get("tensor_parallel") or 1),
             )
-            held = self.index.get(key)
-            if held is not None:
-                had, has = (_fits(r, cold, processes) for r in (held, row))
+            held = repeats.get(key, [])  # rows that fit equally, each from another run
+            if held:
+                had, has = (_fits(r, cold, processes) for r in (held[-1], row))
                 if had > has:
                     continue  # what was asked for stands, whatever came later
                 if has > had:
-                    held = None
-            if held is not None and held.get("rank") == "max" and row.get("rank") != "max":
+                    held = []
+            max_rank = [r.get("rank") == "max" for r in (*held[-1:], row)]
+            if max_rank == [True, False]:
                 continue  # the cross-rank row stands for the op, not one rank's
-            self.index[key] = dict(row)
+            if max_rank == [False, True]:
+                held = []
+            repeats[key] = [*(r for r in held if r.get("run_dir") != row.get("run_dir")), dict(row)]
             self.seen_ops.add(key[0])
             self.devices.add(str(row.get("device")))
+        self.index = {key: repeated(rows) for key, rows in repeats.items()}
 
     def exact(self, op: str, phase: str, s: int, b: int, tp: int) -> dict[str, Any] | None:
         return self.index.get((op, phase, s, b, tp))
@@ -378,10 +385,36 @@ def row_seconds(row: Mapping[str, Any]) -> float:
     return (fenced if fenced is not None else row["median_us"]) * 1e-6
 
 
+def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for the repeats of an op at a point (rows measured alike by different runs): the last, with
+    the mean of their times (the fenced means where every row has one, else the medians) and each run's
+    time in ``repeats_us``. A row times the machine in the second or so its samples took, and a shared
+    host's speed moves from one second to the next: on this project's 2-core VM a llama-shaped layer's
+    forward, timed without a break for 4 minutes, had its 1-second medians spread 0.93-1.05 of their
+    median (10th to 90th percentile) and its 20-second ones 0.95-1.04, while a row's own confidence
+    interval, from samples of one such second, is 2% wide. A step that runs for seconds pays the
+    machine's mean speed; rows of runs made at different moments average it, as the accuracy benchmark's
+    two warm profiles a round do (benchmarks.predict_accuracy)."""
+    if len(rows) == 1:
+        return rows[0]
+    statistic = "fenced_mean_us" if all(r.get("fenced_mean_us") is not None for r in rows) else "median_us"
+    mean = dict(rows[-1], median_us=statistics.fmean(float(r["median_us"]) for r in rows))
+    mean.pop("fenced_mean_us", None)
+    mean[statistic] = statistics.fmean(float(r[statistic]) for r in rows)
+    mean["repeats_us"] = [float(r[statistic]) for r in rows]
+    return mean
+
+
 def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
     rank = f" rank={row['rank']}" if row.get("rank") not in (None, 0) else ""
     statistic = "median" if row.get("fenced_mean_us") is None else "fenced mean"
+    repeats = row.get("repeats_us")
+    said = (
+        f" (the mean of {len(repeats)} runs': {', '.join(f'{us:.4g}' for us in repeats)}us)"
+        if repeats
+        else ""
+    )
     return (
         f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
-        f"{row_seconds(row) * 1e6:.4g}us {statistic}"
+        f"{row_seconds(row) * 1e6:.4g}us {statistic}{said}"
     )

@@ -96,6 +96,7 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
         for item in these:
             item["run_expert_parallel"] = int(run_ep)
             item["run_processes"] = int(this.get("world_size") or 1)  # the processes that profiled it
+            item["run_dir"] = str(path)  # rows of two runs at one point are repeats (inputs.Measurements)
         env = env or this
         rows += these
         if calibration is None and (path / "calibration.json").is_file():
