@@ -482,11 +482,18 @@ def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_mea
         layer = visit(pred, phase=phase)
         assert layer.seconds == pytest.approx(1.2 * us * US)
         assert f"{1.2 * us:.4g}us median (the mean of 2 runs': {us}, {1.4 * us:.4g}us)" in layer.source.detail
+    layer_share = (1.2 * 1000 + 1.2 * 2000) * 4 * US / pred.stages[0].total
+    assert [n for n in pred.notes if "runs more than" in n] == [
+        "2 of the ops used were timed by runs more than 5% apart (transformer_layer.backward (2000-2800us), "
+        f"transformer_layer.forward (1000-1400us)), {layer_share:.0%} of stage 0's forward and backward: the "
+        "machine ran at another speed in each, and each op takes their mean; runs at more moments narrow it"
+    ]
     embedding = visit(pred, "embedding")  # the same in both runs: their mean is it
     assert embedding.seconds == pytest.approx(100 * US) and "the mean of 2 runs'" in embedding.source.detail
     fenced = [{**r, "fenced_mean_us": r["median_us"] * 1.5} for r in base_rows()]
     mixed = predict(load_runs([first, make_run(tmp_path, fenced, "fenced")]), layout, CAL)
     assert visit(mixed).seconds == pytest.approx(1000 * US)  # the medians' mean where a run has no fence
+    assert not [n for n in mixed.notes if "runs more than" in n]  # the medians agree
     # one run's two rows at a point: the later stands alone
     again = make_run(tmp_path, [*base_rows(), *slower], "again")
     assert visit(predict(load_runs([again]), layout, CAL)).seconds == pytest.approx(1400 * US)
@@ -594,8 +601,8 @@ def test_rows_that_spread_widely_are_named_with_their_share_of_the_stage(tmp_pat
         "1 of the rows used spread widely (transformer_layer.forward (iqr=36%)), "
         f"{layer / stage.total:.0%} of stage 0's forward and backward: their means move between profiles by "
         "more than one profile's samples show (two TP=2 profiles of the same ops on a CPU, back to back, "
-        "differed by up to 30% an op); profile again and compare the two predictions before trusting a "
-        "difference of that size"
+        "differed by up to 30% an op); profile again and predict from both runs (each op then takes the mean "
+        "of its two rows) before trusting a difference of that size"
     ]
     quiet = predict(load_runs([make_run(tmp_path, base_rows(), "quiet")]), layout, CAL)
     assert not any("spread widely" in w for w in quiet.warnings)

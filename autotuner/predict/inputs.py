@@ -388,13 +388,15 @@ def row_seconds(row: Mapping[str, Any]) -> float:
 def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row for the repeats of an op at a point (rows measured alike by different runs): the last, with
     the mean of their times (the fenced means where every row has one, else the medians) and each run's
-    time in ``repeats_us``. A row times the machine in the second or so its samples took, and a shared
-    host's speed moves from one second to the next: on this project's 2-core VM a llama-shaped layer's
-    forward, timed without a break for 4 minutes, had its 1-second medians spread 0.93-1.05 of their
-    median (10th to 90th percentile) and its 20-second ones 0.95-1.04, while a row's own confidence
-    interval, from samples of one such second, is 2% wide. A step that runs for seconds pays the
-    machine's mean speed; rows of runs made at different moments average it, as the accuracy benchmark's
-    two warm profiles a round do (benchmarks.predict_accuracy)."""
+    time in ``repeats_us``. A row times the machine in the second or so its samples took, and its
+    confidence interval (the sampler stops at 2% wide) says how well it knows that second, not the
+    machine: on a shared host the speed moves from one second to the next. On this project's VMs a
+    llama-shaped layer's rows moved by 6.8-7.7% (forward) and 2.8-6.1% (backward) of their mean between
+    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``,
+    session 19), and the accuracy benchmark's whole predictions by 1.17-1.23 over rounds where the steps
+    moved by 1.04 (sessions 34-36: a step runs for seconds and pays the machine's mean speed). Rows of
+    runs made at different moments average it, as the accuracy benchmark's two warm profiles a round do
+    (benchmarks.predict_accuracy)."""
     if len(rows) == 1:
         return rows[0]
     statistic = "fenced_mean_us" if all(r.get("fenced_mean_us") is not None for r in rows) else "median_us"

@@ -71,6 +71,9 @@ ANALYTIC_OPS = frozenset({"transformer_layer", "self_attention", "output_layer"}
 # Without a calibration, and without any GEMM row to take a throughput from: said as an assumption.
 ASSUMED_PEAK_FLOPS = 1e12
 ASSUMED_MEMORY_BANDWIDTH = 1e10
+# Repeats of a row (autotuner.predict.inputs.repeated) further apart than this fraction are said: the CPU
+# target's 5%.
+REPEATS_APART = 0.05
 
 
 def dispatcher_collectives(
@@ -166,6 +169,7 @@ class TimeModel:
         self.other_cache_rows: set[str] = set()  # rows used that were measured the other way
         # rows used whose samples spread widely ("op.phase": their warning's figure, e.g. "iqr=36%")
         self.noisy_rows: dict[str, str] = {}
+        self.apart_rows: dict[str, str] = {}  # repeats further apart than REPEATS_APART (_note_noise)
         self._absent_ops: dict[str, bool] = {}  # _absent's answers: fixed by the rows and the model
         # _at_basis's answers, fixed by the rows, the model and the layout: an op tree is walked once per
         # (op, phase, basis) instead of once per question (autotuner.tune asks thousands of layouts)
@@ -208,10 +212,15 @@ class TimeModel:
 
     def _note_noise(self, row: Mapping[str, Any]) -> None:
         """A row the timer warned ``noisy`` (its IQR over autotuner.measure.timer.NOISY_IQR_FRACTION of its
-        median): its mean moves between profiles more than its samples show."""
+        median): its mean moves between profiles more than its samples show. And the mean of repeats
+        (rows of several runs: autotuner.predict.inputs.repeated) that lie further apart than
+        REPEATS_APART: the machine's speed moved between the runs."""
         said = next((w for w in str(row.get("warnings") or "").split(";") if w.startswith("noisy(")), None)
         if said is not None:
             self.noisy_rows[f"{row['op']}.{row['phase']}"] = said[len("noisy(") : -1]
+        repeats = row.get("repeats_us")
+        if repeats and max(repeats) > (1 + REPEATS_APART) * min(repeats):
+            self.apart_rows[f"{row['op']}.{row['phase']}"] = f"{min(repeats):.4g}-{max(repeats):.4g}us"
 
     def cache_warning(self) -> str | None:
         """What to say when rows of the other cache mode went into the prediction

@@ -36,7 +36,7 @@ from autotuner.predict.memory import (
     megatron_report,
     stage_memory,
 )
-from autotuner.predict.op_time import TimeModel
+from autotuner.predict.op_time import REPEATS_APART, TimeModel
 from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import OVERLAP, StageTime, StepTime, stage_times, step_time
 from autotuner.results import load_rows
@@ -318,28 +318,52 @@ def _noise_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> lis
     parallelism on this VM"), so the prediction moves with them; said where they carry NOISY_SHARE of a
     stage or more, naming the four that carry the most time."""
     noisy = {key: said for tm in models for key, said in tm.noisy_rows.items()}
-    if not noisy:
-        return []
-    shares, held = [], dict.fromkeys(noisy, 0.0)  # per stage its noisy share; per row its seconds a step
-    for st in stages:
-        mine = 0.0
-        for _, phase, t, count in st.items:
-            for leaf, seconds in t.parts.items():
-                if f"{leaf}.{phase}" in noisy:
-                    mine += seconds * count
-                    held[f"{leaf}.{phase}"] += seconds * count
-        shares.append((mine / st.total if st.total > 0 else 0.0, st.index))
-    share, stage = max(shares)
+    share, stage, named = _stage_share(stages, noisy)
     if share < NOISY_SHARE:
         return []
-    weightiest = sorted(noisy, key=lambda key: (-held[key], key))
-    named = ", ".join(f"{key} ({noisy[key]})" for key in weightiest[:4]) + (", ..." if len(noisy) > 4 else "")
     return [
         f"{len(noisy)} of the rows used spread widely ({named}), {share:.0%} of stage {stage}'s forward and "
         "backward: their means move between profiles by more than one profile's samples show (two TP=2 "
         "profiles of the same ops on a CPU, back to back, differed by up to 30% an op); profile again and "
-        "compare the two predictions before trusting a difference of that size"
+        "predict from both runs (each op then takes the mean of its two rows) before trusting a difference "
+        "of that size"
     ]
+
+
+def _repeats_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> list[str]:
+    """A note where ops timed by several runs whose rows lie more than REPEATS_APART apart
+    (autotuner.predict.inputs.repeated) carry NOISY_SHARE of a stage or more: the machine's speed moved
+    between the runs by about the CPU target, and the mean the prediction takes is as good as their
+    number."""
+    apart = {key: said for tm in models for key, said in tm.apart_rows.items()}
+    share, stage, named = _stage_share(stages, apart)
+    if share < NOISY_SHARE:
+        return []
+    return [
+        f"{len(apart)} of the ops used were timed by runs more than {REPEATS_APART:.0%} apart ({named}), "
+        f"{share:.0%} of stage {stage}'s forward and backward: the machine ran at another speed in each, "
+        "and each op takes their mean; runs at more moments narrow it"
+    ]
+
+
+def _stage_share(stages: Sequence[StageTime], rows: dict[str, str]) -> tuple[float, int, str]:
+    """The largest share of a stage's forward and backward that the ``rows`` (``op.phase``: what to say of
+    it) carry, that stage, and the four rows that carry the most time a step, named with what is said."""
+    if not rows:
+        return 0.0, 0, ""
+    shares, held = [], dict.fromkeys(rows, 0.0)  # per stage its rows' share; per row its seconds a step
+    for st in stages:
+        mine = 0.0
+        for _, phase, t, count in st.items:
+            for leaf, seconds in t.parts.items():
+                if f"{leaf}.{phase}" in rows:
+                    mine += seconds * count
+                    held[f"{leaf}.{phase}"] += seconds * count
+        shares.append((mine / st.total if st.total > 0 else 0.0, st.index))
+    share, stage = max(shares)
+    weightiest = sorted(rows, key=lambda key: (-held[key], key))
+    named = ", ".join(f"{key} ({rows[key]})" for key in weightiest[:4]) + (", ..." if len(rows) > 4 else "")
+    return share, stage, named
 
 
 def _forward_order_note(warm: TimeModel | None, layout: Layout) -> list[str]:
@@ -438,6 +462,7 @@ def predict(
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
     notes += _processes_note(models, layout)
     notes += _noise_note(models, stages)
+    notes += _repeats_note(models, stages)
     notes += _forward_order_note(warm_tm if cold else tm, layout)
     if not meas.index:
         notes.append(
