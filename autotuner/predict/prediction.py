@@ -311,39 +311,39 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
 NOISY_SHARE = 0.05
 
 
-def _noise_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> list[str]:
-    """A note where rows whose samples spread widely (the timer's ``noisy`` warning) carry a share of a
-    stage's time: such a row's mean moves between profiles by more than its samples' spread within one
-    profile suggests (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor
-    parallelism on this VM"), so the prediction moves with them; said where they carry NOISY_SHARE of a
-    stage or more, naming the four that carry the most time."""
+def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> list[str]:
+    """Notes where rows the prediction cannot pin carry NOISY_SHARE of a stage's time or more, naming the
+    four that carry the most: rows whose samples spread widely (the timer's ``noisy`` warning), whose
+    mean moves between profiles by more than their samples' spread within one profile suggests
+    (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor parallelism on this
+    VM"); and ops timed by several runs whose rows lie more than REPEATS_APART apart
+    (autotuner.predict.inputs.repeated): the machine's speed moved between the runs by about the CPU
+    target, and the mean the prediction takes is as good as their number."""
     noisy = {key: said for tm in models for key, said in tm.noisy_rows.items()}
-    share, stage, named = _stage_share(stages, noisy)
-    if share < NOISY_SHARE:
-        return []
-    return [
-        f"{len(noisy)} of the rows used spread widely ({named}), {share:.0%} of stage {stage}'s forward and "
-        "backward: their means move between profiles by more than one profile's samples show (two TP=2 "
-        "profiles of the same ops on a CPU, back to back, differed by up to 30% an op); profile again and "
-        "predict from both runs (each op then takes the mean of its two rows) before trusting a difference "
-        "of that size"
-    ]
-
-
-def _repeats_note(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> list[str]:
-    """A note where ops timed by several runs whose rows lie more than REPEATS_APART apart
-    (autotuner.predict.inputs.repeated) carry NOISY_SHARE of a stage or more: the machine's speed moved
-    between the runs by about the CPU target, and the mean the prediction takes is as good as their
-    number."""
     apart = {key: said for tm in models for key, said in tm.apart_rows.items()}
-    share, stage, named = _stage_share(stages, apart)
-    if share < NOISY_SHARE:
-        return []
-    return [
-        f"{len(apart)} of the ops used were timed by runs more than {REPEATS_APART:.0%} apart ({named}), "
-        f"{share:.0%} of stage {stage}'s forward and backward: the machine ran at another speed in each, "
-        "and each op takes their mean; runs at more moments narrow it"
-    ]
+    notes = []
+    for rows, text in (
+        (
+            noisy,
+            "{count} of the rows used spread widely ({named}), {share:.0%} of stage {stage}'s forward and "
+            "backward: their means move between profiles by more than one profile's samples show (two TP=2 "
+            "profiles of the same ops on a CPU, back to back, differed by up to 30% an op); profile again "
+            "and predict from both runs (each op then takes the mean of its two rows) before trusting a "
+            "difference of that size",
+        ),
+        (
+            apart,
+            "{count} of the ops used were timed by runs more than {apart:.0%} apart ({named}), {share:.0%} "
+            "of stage {stage}'s forward and backward: the machine ran at another speed in each, and each op "
+            "takes their mean; runs at more moments narrow it",
+        ),
+    ):
+        share, stage, named = _stage_share(stages, rows)
+        if share >= NOISY_SHARE:
+            notes.append(
+                text.format(count=len(rows), named=named, share=share, stage=stage, apart=REPEATS_APART)
+            )
+    return notes
 
 
 def _stage_share(stages: Sequence[StageTime], rows: dict[str, str]) -> tuple[float, int, str]:
@@ -461,8 +461,7 @@ def predict(
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
     notes += _processes_note(models, layout)
-    notes += _noise_note(models, stages)
-    notes += _repeats_note(models, stages)
+    notes += _spread_notes(models, stages)
     notes += _forward_order_note(warm_tm if cold else tm, layout)
     if not meas.index:
         notes.append(
