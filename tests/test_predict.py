@@ -481,7 +481,8 @@ def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_mea
     for phase, us in (("forward", 1000), ("backward", 2000)):
         layer = visit(pred, phase=phase)
         assert layer.seconds == pytest.approx(1.2 * us * US)
-        assert f"{1.2 * us:.4g}us median (the mean of 2 runs': {us}, {1.4 * us:.4g}us)" in layer.source.detail
+        said = f"{1.2 * us:.4g}us median (the mean of 2 runs': first {us}, second {1.4 * us:.4g}us)"
+        assert said in layer.source.detail
     layer_share = (1.2 * 1000 + 1.2 * 2000) * 4 * US / pred.stages[0].total
     assert [n for n in pred.notes if "runs more than" in n] == [
         "2 of the ops used were timed by runs more than 5% apart (transformer_layer.backward (2000-2800us), "

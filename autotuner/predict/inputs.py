@@ -14,6 +14,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -388,13 +389,13 @@ def row_seconds(row: Mapping[str, Any]) -> float:
 def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row for the repeats of an op at a point (rows measured alike by different runs): the last, with
     the mean of their times (the fenced means where every row has one, else the medians) and each run's
-    time in ``repeats_us``. A row times the machine in the second or so its samples took, and its
-    confidence interval (the sampler stops at 2% wide) says how well it knows that second, not the
+    directory and time in ``repeats_us``. A row times the machine in the second or so its samples took,
+    and its confidence interval (the sampler stops at 2% wide) says how well it knows that second, not the
     machine: on a shared host the speed moves from one second to the next. On this project's VMs a
     llama-shaped layer's rows moved by 6.8-7.7% (forward) and 2.8-6.1% (backward) of their mean between
     profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``,
-    session 19), and the accuracy benchmark's whole predictions by 1.17-1.23 over rounds where the steps
-    moved by 1.04 (sessions 34-36: a step runs for seconds and pays the machine's mean speed). Rows of
+    session 19), and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps
+    moved by 1.04 (session 36: a step runs for seconds and pays the machine's mean speed). Rows of
     runs made at different moments average it, as the accuracy benchmark's two warm profiles a round do
     (benchmarks.predict_accuracy)."""
     if len(rows) == 1:
@@ -403,7 +404,7 @@ def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     mean = dict(rows[-1], median_us=statistics.fmean(float(r["median_us"]) for r in rows))
     mean.pop("fenced_mean_us", None)
     mean[statistic] = statistics.fmean(float(r[statistic]) for r in rows)
-    mean["repeats_us"] = [float(r[statistic]) for r in rows]
+    mean["repeats_us"] = [(str(r.get("run_dir", "")), float(r[statistic])) for r in rows]
     return mean
 
 
@@ -411,11 +412,8 @@ def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
     rank = f" rank={row['rank']}" if row.get("rank") not in (None, 0) else ""
     statistic = "median" if row.get("fenced_mean_us") is None else "fenced mean"
     repeats = row.get("repeats_us")
-    said = (
-        f" (the mean of {len(repeats)} runs': {', '.join(f'{us:.4g}' for us in repeats)}us)"
-        if repeats
-        else ""
-    )
+    each = ", ".join(f"{Path(run).name} {us:.4g}" for run, us in repeats or ())
+    said = f" (the mean of {len(repeats)} runs': {each}us)" if repeats else ""
     return (
         f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
         f"{row_seconds(row) * 1e6:.4g}us {statistic}{said}"

@@ -218,7 +218,7 @@ class TimeModel:
         said = next((w for w in str(row.get("warnings") or "").split(";") if w.startswith("noisy(")), None)
         if said is not None:
             self.noisy_rows[f"{row['op']}.{row['phase']}"] = said[len("noisy(") : -1]
-        repeats = row.get("repeats_us")
+        repeats = [us for _, us in row.get("repeats_us") or ()]
         if repeats and max(repeats) > (1 + REPEATS_APART) * min(repeats):
             self.apart_rows[f"{row['op']}.{row['phase']}"] = f"{min(repeats):.4g}-{max(repeats):.4g}us"
 
