@@ -310,7 +310,6 @@ class Measurements:
         processes: int | None = None,
     ):
         self.dtype = dtype
-        self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {}
         repeats: dict[tuple[str, str, int, int, int], list[dict[str, Any]]] = {}
         self.skipped: set[str] = set()
         self.seen_ops: set[str] = set()
@@ -342,15 +341,17 @@ class Measurements:
                     continue  # what was asked for stands, whatever came later
                 if has > had:
                     held = []
-            max_rank = [r.get("rank") == "max" for r in (*held[-1:], row)]
-            if max_rank == [True, False]:
+            held_max, row_max = bool(held) and held[-1].get("rank") == "max", row.get("rank") == "max"
+            if held_max and not row_max:
                 continue  # the cross-rank row stands for the op, not one rank's
-            if max_rank == [False, True]:
+            if row_max and not held_max:
                 held = []
             repeats[key] = [*(r for r in held if r.get("run_dir") != row.get("run_dir")), dict(row)]
             self.seen_ops.add(key[0])
             self.devices.add(str(row.get("device")))
-        self.index = {key: repeated(rows) for key, rows in repeats.items()}
+        self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {
+            key: repeated(rows) for key, rows in repeats.items()
+        }
 
     def exact(self, op: str, phase: str, s: int, b: int, tp: int) -> dict[str, Any] | None:
         return self.index.get((op, phase, s, b, tp))
