@@ -1,6 +1,7 @@
 """Machine noise: how far this CPU's own speed moves, before any prediction is judged against it.
 
     python -m benchmarks.machine_noise [--seconds 10] [--block 30] [--gaps 0.1,1,5,20] [--pairs 3]
+        [--span-seconds 120] [--windows 0.2,1,5,10,30]
 
 A predicted step is built from ops profiled at one moment and compared with steps run at another, so
 the machine's drift between the two moments bounds what a comparison can show (benchmarks.predict_accuracy
@@ -13,6 +14,13 @@ running the same probe on another core over its median alone:
 * ``l3_gemm``: the same with 4096 outputs, a 4 MiB weight that only the shared last-level cache holds;
 * ``dram_copy``: a copy of 64 MiB, far beyond the caches: memory bandwidth;
 * ``dispatch``: thirty element-wise ops on 8 KiB tensors: the framework's own cost per op.
+
+Then how long a sample must span to draw the machine's speed rather than one moment of it: the
+``l3_gemm`` probe in blocks for ``--span-seconds``, its block medians pooled into consecutive windows of
+each of ``--windows`` seconds, and how far the windows' medians spread around the median of all (10th
+and 90th percentile, smallest and largest). A get_data row samples for about a second by default
+(``timing.budget_s``); ``timing.min_time_s`` makes it span longer (autotuner.measure.timer, "A second is
+one draw of the machine"). On session 38's VM (2-core AMD EPYC, 32 MiB L3), see the timer's docstring.
 
 Then how a core's caches fare while it waits: a small MLP forward (weights, input and intermediates
 about 0.5 MiB, in a core's own cache) timed back to back, and its first call after a gap of ``--gaps``
@@ -139,6 +147,31 @@ def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = N
     return medians
 
 
+def window_spread(
+    name: str, seconds: float, block: int, cpu: int, windows: list[float]
+) -> dict[float, list[float]]:
+    """Per window length of ``windows`` (seconds): the medians of ``name``'s calls in each consecutive
+    window of that length over ``seconds``, over the median of all its calls, sorted."""
+    call = make_probe(name, cpu)
+    for _ in range(3 * block):
+        call()
+    stamped = []  # (seconds since the start, one call's seconds)
+    start = time.perf_counter()
+    while (now := time.perf_counter()) - start < seconds:
+        for _ in range(block):
+            begin = time.perf_counter()
+            call()
+            stamped.append((now - start, time.perf_counter() - begin))
+    overall = statistics.median(t for _, t in stamped)
+    spread = {}
+    for window in windows:
+        groups: dict[int, list[float]] = {}
+        for at, t in stamped:
+            groups.setdefault(int(at // window), []).append(t)
+        spread[window] = sorted(statistics.median(g) / overall for g in groups.values())
+    return spread
+
+
 def resumed_calls(gap_s: float, spin: bool, cpu: int) -> tuple[float, float]:
     """(median seconds of the first call after a gap of ``gap_s``, of the calls back to back) of the
     ``small_mlp`` probe on core ``cpu``."""
@@ -201,6 +234,8 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=30, help="calls per block")
     parser.add_argument("--gaps", default="0.1,1,5,20", help="milliseconds, comma-separated")
     parser.add_argument("--pairs", type=int, default=3, help="fresh pairs of processes for the collective")
+    parser.add_argument("--span-seconds", type=float, default=120.0, help="the windows' probe run (0: none)")
+    parser.add_argument("--windows", default="0.2,1,5,10,30", help="window lengths, seconds, comma-separated")
     parser.add_argument("--collective-worker", type=int, metavar="CALLS", help=argparse.SUPPRESS)
     parser.add_argument("--collective-realtime", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -230,6 +265,18 @@ def main() -> int:
             f"{name:10} {statistics.median(alone) * 1e6:8.1f}us {deciles[-1] / deciles[0]:8.3f} "
             f"{max(alone) / min(alone):8.3f} {ratio:>13}"
         )
+    if args.span_seconds > 0:
+        windows = [float(w) for w in args.windows.split(",")]
+        print(f"\nl3_gemm for {args.span_seconds:g} s: windows' medians over the median of all calls")
+        print(f"{'window':>8} {'windows':>8} {'p10':>6} {'p90':>6} {'min':>6} {'max':>6}")
+        for window, medians in window_spread(
+            "l3_gemm", args.span_seconds, args.block, cpus[0], windows
+        ).items():
+            deciles = statistics.quantiles(medians, n=10) if len(medians) > 1 else medians * 9
+            print(
+                f"{window:7g}s {len(medians):8} {deciles[0]:6.3f} {deciles[-1]:6.3f} {medians[0]:6.3f} "
+                f"{medians[-1]:6.3f}"
+            )
     print(f"\na small MLP's first call after a gap / its calls back to back (medians of {RESUMES})")
     print(f"{'gap':>8} {'sleeping':>9} {'spinning':>9}  back to back")
     for gap_ms in (float(g) for g in args.gaps.split(",")):

@@ -2,7 +2,7 @@
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 6] [--cases tiny,llama_small,tiny_moe]
         [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once] [--threads 1]
-        [--realtime]
+        [--realtime] [--row-seconds 0]
     python -m benchmarks.predict_accuracy --pool LOG [LOG ...]    # the rounds of saved runs, judged together
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
@@ -281,10 +281,12 @@ def profile(
     threads: int = 0,
     alone: bool = False,
     after_backward: bool = True,
+    row_seconds: float = 0.0,
 ) -> None:
     """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`),
     in :func:`profile_processes` processes; warm, each forward sample after the op's backward
-    (``after_backward``, as the predictor's profiling plan asks: autotuner.predict.plan) or back to back."""
+    (``after_backward``, as the predictor's profiling plan asks: autotuner.predict.plan) or back to back;
+    each row's samples spanning at least ``row_seconds`` (``timing.min_time_s``; 0: get_data's default)."""
     argv = [
         *case,
         *cpu_share(layout.gpus, threads),
@@ -298,6 +300,7 @@ def profile(
         "report=false",
         f"calibration={calibration}",
         f"hydra.run.dir={run_dir}",
+        f"timing.min_time_s={row_seconds}",
     ]
     world = profile_processes(layout, alone)
     if world == 1:
@@ -330,13 +333,20 @@ def profile_dir(folder: Path, mode: str, alone: bool = False) -> Path:
 
 
 def profiled_runs(
-    case: list[str], layout: Layout, folder: Path, calibration: Path, threads: int = 0, alone: bool = False
+    case: list[str],
+    layout: Layout,
+    folder: Path,
+    calibration: Path,
+    threads: int = 0,
+    alone: bool = False,
+    row_seconds: float = 0.0,
 ) -> Runs:
     """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
     predictor reads them."""
     run_dirs = [profile_dir(folder, mode, alone) for mode in ("warm", "cold")]
     for run_dir in run_dirs:
-        profile(case, layout, run_dir, calibration, run_dir.name.endswith("cold"), threads, alone)
+        cold = run_dir.name.endswith("cold")
+        profile(case, layout, run_dir, calibration, cold, threads, alone, row_seconds=row_seconds)
     return load_runs(run_dirs)
 
 
@@ -425,8 +435,16 @@ def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
     return sched.end + step.dp_reduction + step.optimizer
 
 
-def one_round(name: str, layout_name: str, repeats: int, calibration: Path | None, threads: int) -> Round:
-    """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself."""
+def one_round(
+    name: str,
+    layout_name: str,
+    repeats: int,
+    calibration: Path | None,
+    threads: int,
+    row_seconds: float = 0.0,
+) -> Round:
+    """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself;
+    ``row_seconds``: each profiled row's least span (:func:`profile`)."""
     case, layout = CASES[name], layout_of(layout_name)
     steps_args = steps_arguments(case, layout, threads)
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
@@ -437,17 +455,17 @@ def one_round(name: str, layout_name: str, repeats: int, calibration: Path | Non
             # all alike, past any interval
             calibration = Path(folder) / "calibration.json"
             calibrate_machine(calibration, threads)
-        first = profiled_runs(case, layout, Path(folder), calibration, threads)
+        first = profiled_runs(case, layout, Path(folder), calibration, threads, row_seconds=row_seconds)
         calibrated = load_calibration_for(first, str(calibration))  # read and checked once, for both
         alone_predicted = None
         if layout.pp > 1:  # the same round's steps judge the two ways of profiling a pipeline's stages
-            alone = profiled_runs(case, layout, Path(folder), calibration, threads, alone=True)
+            alone = profiled_runs(case, layout, Path(folder), calibration, threads, True, row_seconds)
             alone_predicted = predict(alone, layout, calibrated).step_seconds
         # the warm rows again, last before the steps after them: with the first, they bracket the round
         # as the steps do, and the predictor takes each op's mean of the two (autotuner.predict.inputs.
         # repeated: a row times the machine in the second its samples took)
         again = profile_dir(Path(folder), "warm-again")
-        profile(case, layout, again, calibration, False, threads)
+        profile(case, layout, again, calibration, False, threads, row_seconds=row_seconds)
         runs = load_runs([*first.dirs, again])
         pred = predict(runs, layout, calibrated)
         one_profile = predict(first, layout, calibrated).step_seconds
@@ -567,6 +585,14 @@ def main() -> int:
         "level: a CPU VM's collectives then stop stalling for a scheduler tick (benchmarks.machine_noise)",
     )
     parser.add_argument(
+        "--row-seconds",
+        type=float,
+        default=0.0,
+        help="each profiled row's samples span at least this long (timing.min_time_s; default 0: get_data's "
+        "default sampling, about a second a row): on a VM whose speed moves second to second, a second is "
+        "one draw of it (autotuner.measure.timer)",
+    )
+    parser.add_argument(
         "--pool",
         nargs="+",
         type=Path,
@@ -574,6 +600,8 @@ def main() -> int:
         help="run nothing: judge the rounds of these runs' saved output (stdout and stderr) pooled",
     )
     args = parser.parse_args()
+    if args.row_seconds < 0:
+        parser.error(f"--row-seconds {args.row_seconds:g}: give 0 or more seconds")
     if args.pool:
         return pooled(args.pool)
     if args.realtime:
@@ -584,6 +612,7 @@ def main() -> int:
     print(f"{SCHEDULING}: {REALTIME if args.realtime else DEFAULT_SCHEDULING}")
     threads = args.threads or "each process's share of the cores"
     print(f"intra-op threads per process (profiles, steps, calibration): {threads}")
+    print(f"each profiled row's samples span at least: {args.row_seconds:g} s (timing.min_time_s)")
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
         calibration = Path(folder) / "calibration.json" if args.calibrate == "once" else None
         if calibration is not None:
@@ -614,7 +643,11 @@ def main() -> int:
             for layout_name in chosen:
                 results = []
                 for index in range(args.rounds):
-                    results.append(one_round(name, layout_name, args.repeats, calibration, args.threads))
+                    results.append(
+                        one_round(
+                            name, layout_name, args.repeats, calibration, args.threads, args.row_seconds
+                        )
+                    )
                     said = results[-1]
                     print(  # each round as it ends (on stderr, beside the table): a long run's progress
                         round_line(index + 1, args.rounds, name, layout_name, said),

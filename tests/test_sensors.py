@@ -202,6 +202,47 @@ def test_sampler_stops_on_precision_for_a_steady_op():
     assert len(clock.ran) == 7 and measurement.warnings == ["few_samples(6)"]
 
 
+def test_min_time_keeps_a_precise_op_sampling_until_its_samples_span_it():
+    """The steady op above stops at its sixth sample (12 ms) by default; with min_time_s=0.05 precision
+    stops it only at the first check past 50 ms, and a budget shorter than that waits for it too. The row
+    records the span either way (sampled_s: from the first sample after the probe to the stop). Neither
+    does max_samples before it."""
+    durations = [2 * MS, 2 * MS + 20_000, 2 * MS - 20_000] * 100
+    quick, _ = _scripted(durations, SamplingPolicy(warmup=1, min_samples=5, budget_s=10, target_rel_ci=0.05))
+    assert quick.samples == 6 and quick.columns()["sampled_s"] == pytest.approx(10e-3, rel=0.01)
+    spanned, _ = _scripted(
+        durations, SamplingPolicy(warmup=1, min_samples=5, budget_s=10, target_rel_ci=0.05, min_time_s=0.05)
+    )
+    # the probe, then 25 samples of 49.98 ms in all and a 26th past 50 ms: the first check past it stops
+    assert spanned.stop_reason == "precision" and spanned.samples == 27
+    assert spanned.sampled_s == pytest.approx(51.98e-3)
+    # max_samples waits for it too: a short op's blocks of back-to-back calls go on past 1000 samples
+    capped, _ = _scripted(_jittered(MS // 2), SamplingPolicy(warmup=0, max_samples=20, min_time_s=0.05))
+    assert capped.stop_reason == "precision" and capped.samples > 20 and capped.sampled_s >= 0.05
+    short_budget, _ = _scripted(
+        _jittered(2 * MS),
+        SamplingPolicy(warmup=0, min_samples=5, budget_s=0.01, target_rel_ci=0.0, min_time_s=0.05),
+    )
+    assert short_budget.stop_reason == "budget" and 0.05 <= short_budget.sampled_s < 0.05 + 2.1e-3
+
+
+def test_get_data_rows_record_the_span_timing_min_time_s_asks_for(tmp_path, capsys):
+    """timing.min_time_s reaches get_data's sampler: each row of a precise-at-once op (target_rel_ci=1)
+    spans at least it and says so in ``sampled_s``; a negative one is refused in one line, exit 2."""
+    from autotuner.main import run
+    from autotuner.results import load_rows
+
+    args = ["case=tiny", "ops=[final_layernorm]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]"]
+    args += ["timing.target_rel_ci=1", "progress=false", "report=false"]
+    assert run([*args, "timing.min_time_s=0.3", f"hydra.run.dir={tmp_path / 'spanned'}"]) == 0
+    rows = load_rows(tmp_path / "spanned" / "results.jsonl")
+    assert [r["phase"] for r in rows] == ["forward", "backward"]
+    assert all(r["stop_reason"] == "precision" and 0.3 <= r["sampled_s"] < 1.0 for r in rows), rows
+    assert run([*args, "timing.min_time_s=-1", f"hydra.run.dir={tmp_path / 'refused'}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "min_time_s" in line]
+    assert len(errors) == 1 and "fix timing.*" in errors[0]
+
+
 def test_samples_under_a_millisecond_are_checked_every_check_every():
     """Short samples are checked in blocks of check_every: at 5 samples the CI cannot exist yet, at 10
     it holds."""

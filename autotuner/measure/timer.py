@@ -75,12 +75,26 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   rare stall a typical step does not contain, so each row also keeps its fenced mean, the mean inside
   Tukey's outer fences (autotuner.measure.stats), which autotuner.predict adds up
   (docs/predictor_accuracy.md, "A sum of visits").
+* A second is one draw of the machine. Samples taken within a second share that second's speed, so on a
+  machine whose speed moves from second to second (a VM whose host cores and caches other tenants share) a row
+  sampled for a second is one draw of it, however many samples it holds, and its confidence interval, computed
+  as if the samples were independent, says how well it knows that second, not the machine. On session 38's
+  2-core AMD VM a GEMM whose weight sits in the shared cache (``python -m benchmarks.machine_noise``, its
+  windows: ``l3_gemm``, 120 s) had medians over 1-second windows of 0.86-1.12 of its median (10th-90th
+  percentile), over 10-second ones 0.89-1.06, over 30-second ones 0.90-1.04; one whose weight a core keeps
+  (scratch, an hour earlier) 0.95-1.14 over 1 s and 0.98-1.02 over 10 s. The llama-shaped layer's and
+  output layer's rows moved between six profiles by 0.12 of their mean (relative standard deviation, the
+  four rows' mean) sampled for the default second, by 0.085 with their samples spanning 5 s.
+  ``min_time_s`` makes a row's samples span at least that long (no stop on precision or ``max_samples``
+  before it, and a budget of at least it), as ``torch.utils.benchmark``'s ``min_run_time`` does; each row
+  records the seconds its samples spanned (``sampled_s``). Off by default: a row then costs what it did.
 * Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
   run before any sample is kept.
 
 Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` (one by one
-once a sample lasts over a millisecond) until the median is precise enough ("precision"), or the time
-budget runs out ("budget"), or ``max_samples`` were taken ("max_samples"); at least ``min_samples`` are
+once a sample lasts over a millisecond) until the median is precise enough ("precision"), or the time budget
+runs out ("budget"), or ``max_samples`` were taken ("max_samples"), but neither precision nor ``max_samples``
+stops it before ``min_time_s`` of sampling, and the budget is at least that; at least ``min_samples`` are
 always taken. "Precise enough" is one of two rules (``precision_rule``):
 
 * ``ci`` (the default): the 95% confidence interval of the median is narrower than ``target_rel_ci`` of
@@ -151,6 +165,9 @@ class Measurement:
     target_rel_iqr: float | None = None
     # On a GPU: per sample, the host's time to issue one call (its launches; the device runs them later)
     host_times_ns: list[float] = field(default_factory=list)
+    # get_data: the seconds the sampling loop ran after the warm-up, untimed steps included (the span the
+    # samples drew the machine's speed from); None where a launcher does not sample in time
+    sampled_s: float | None = None
 
     @property
     def samples(self) -> int:
@@ -253,6 +270,7 @@ class Measurement:
             "precision_rule": self.precision_rule if self.target is not None else None,
             "warnings": ";".join(self.warnings),
             **({"host_median_us": self.host_median_ns / 1e3} if self.host_times_ns else {}),
+            **({"sampled_s": self.sampled_s} if self.sampled_s is not None else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -371,10 +389,12 @@ class SamplingPolicy:
     """How to sample (see the module docstring for what each guards against).
 
     After ``warmup`` calls, samples come in blocks of ``check_every`` until the precision rule holds
-    (``precision_rule="ci"``: the median's 95% confidence interval is narrower than ``target_rel_ci`` of
-    it; ``"iqr"``: the IQR is under ``target_rel_iqr`` of the median), or ``budget_s`` seconds of sampling
-    have passed, or ``max_samples`` were taken; never fewer than ``min_samples``. A forward sample is a
-    block of calls lasting at least ``min_block_s``.
+    (``precision_rule="ci"``: the median's 95% confidence interval is narrower than ``target_rel_ci`` of it;
+    ``"iqr"``: the IQR is under ``target_rel_iqr`` of the median), or ``budget_s`` seconds of sampling have
+    passed, or ``max_samples`` were taken; never fewer than ``min_samples``, and neither on precision nor on
+    ``max_samples`` before ``min_time_s`` seconds of sampling (the budget is then at least that: the module
+    docstring, "A second is one draw of the machine"). A forward sample is a block of calls lasting at least
+    ``min_block_s``.
     """
 
     warmup: int = 3
@@ -386,6 +406,7 @@ class SamplingPolicy:
     min_block_s: float = 0.0002
     precision_rule: str = "ci"
     target_rel_iqr: float = 0.05
+    min_time_s: float = 0.0
 
 
 # A sample at least this long is followed by a stopping check of its own: the check (sorting at most
@@ -445,9 +466,11 @@ def sample(
         target_rel_iqr=policy.target_rel_iqr,
     )
     check_each: bool | None = None  # long samples are checked one by one: decided on the first sample
+    # whether the samples span min_time_s: agreed by the ranks at each check, as the stops are
+    spanned = policy.min_time_s <= 0
     started = timer.clock_ns()
     while True:
-        if measurement.samples < policy.max_samples:
+        if measurement.samples < policy.max_samples or not spanned:
             untimed()
             block_ns = timer.time_ns(run, calls)
             measurement.times_ns.append(block_ns / calls)
@@ -456,19 +479,24 @@ def sample(
             if check_each is None:
                 check_each = agree.max(block_ns)[0] >= CHECK_EACH_SAMPLE_NS
         n = measurement.samples
-        if not (check_each or n % policy.check_every == 0 or n >= policy.max_samples):
+        if not (check_each or n % policy.check_every == 0 or n == policy.max_samples):
             continue
         if n >= policy.min_samples:
-            precision, target = measurement.precision, measurement.target
-            precise = precision is not None and target is not None and precision <= target
-            not_precise, elapsed = agree.max(0.0 if precise else 1.0, (timer.clock_ns() - started) * 1e-9)
-            if not_precise == 0.0:
+            local_s = (timer.clock_ns() - started) * 1e-9
+            precise = False
+            if local_s >= policy.min_time_s:  # before it no stop on precision: spare the sort of the times
+                precision, target = measurement.precision, measurement.target
+                precise = precision is not None and target is not None and precision <= target
+            not_precise, elapsed = agree.max(0.0 if precise else 1.0, local_s)
+            spanned = elapsed >= policy.min_time_s
+            if not_precise == 0.0 and spanned:
                 measurement.stop_reason = "precision"
                 break
-            if elapsed >= policy.budget_s:
+            if elapsed >= max(policy.budget_s, policy.min_time_s):
                 measurement.stop_reason = "budget"
                 break
-        if n >= policy.max_samples:
+        if n >= policy.max_samples and spanned:
             measurement.stop_reason = "max_samples"
             break
+    measurement.sampled_s = (timer.clock_ns() - started) * 1e-9
     return measurement

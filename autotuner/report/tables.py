@@ -208,6 +208,7 @@ ROW_COLUMNS: list[tuple[str, Any]] = [
     ("samples", str),
     ("rel_ci", _number(".1%")),
     ("stop_reason", str),
+    ("sampled_s", _number(".2g")),
     ("weight_bytes", human_bytes),
     ("activation_bytes", human_bytes),
     ("peak_bytes", human_bytes),

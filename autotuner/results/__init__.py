@@ -123,6 +123,14 @@ class Row:
     rel_ci: float | None = _number(
         "width of the median's 95% confidence interval over the median", "fraction", "95% CI width", True
     )
+    sampled_s: float | None = _number(
+        "get_data: the seconds its samples spanned, the untimed steps between them included; the span it "
+        "drew the machine's speed from, which timing.min_time_s sets a floor to (autotuner.measure.timer, "
+        '"A second is one draw of the machine")',
+        "s",
+        "sampled",
+        True,
+    )
     warnings: str | None = _column(
         "``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..), drift(+..%), "
         "ci_target_missed / iqr_target_missed, cuda_graph_failed(..), cuda_graph_off(..), no_kernels (nsys "

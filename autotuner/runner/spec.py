@@ -78,14 +78,19 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         or timing.min_samples < 1
         or timing.max_samples < timing.min_samples
         or min(
-            timing.budget_s, timing.target_rel_ci, timing.min_block_s, timing.threads, timing.idle_before_ms
+            timing.budget_s,
+            timing.target_rel_ci,
+            timing.min_block_s,
+            timing.threads,
+            timing.idle_before_ms,
+            timing.min_time_s,
         )
         < 0
         or timing.check_every < 1
     ):
         raise UserError(
             "timing needs warmup >= 0, 1 <= min_samples <= max_samples, check_every >= 1 and budget_s, "
-            "target_rel_ci, min_block_s, threads, idle_before_ms >= 0: fix timing.*"
+            "target_rel_ci, min_block_s, threads, idle_before_ms, min_time_s >= 0: fix timing.*"
         )
     cpus = usable_cpus()
     if timing.threads > cpus:
