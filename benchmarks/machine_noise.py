@@ -15,12 +15,12 @@ running the same probe on another core over its median alone:
 * ``dram_copy``: a copy of 64 MiB, far beyond the caches: memory bandwidth;
 * ``dispatch``: thirty element-wise ops on 8 KiB tensors: the framework's own cost per op.
 
-Then how long a sample must span to draw the machine's speed rather than one moment of it: the
-``l3_gemm`` probe in blocks for ``--span-seconds``, its block medians pooled into consecutive windows of
-each of ``--windows`` seconds, and how far the windows' medians spread around the median of all (10th
-and 90th percentile, smallest and largest). A get_data row samples for about a second by default
-(``timing.budget_s``); ``timing.min_time_s`` makes it span longer (autotuner.measure.timer, "A second is
-one draw of the machine"). On session 38's VM (2-core AMD EPYC, 32 MiB L3), see the timer's docstring.
+Then how long a sample must span to draw the machine's speed rather than one moment of it: the ``l3_gemm``
+probe in blocks for ``--span-seconds``, its calls pooled into consecutive windows of each of ``--windows``
+seconds (a block's calls in the window it starts in), and how far the windows' medians spread around the
+median of all (10th and 90th percentile, smallest and largest). A get_data row samples for about a second by
+default (``timing.budget_s``); ``timing.min_time_s`` makes it span longer (autotuner.measure.timer, "A second
+is one draw of the machine"). On session 38's VM (2-core AMD EPYC, 32 MiB L3), see the timer's docstring.
 
 Then how a core's caches fare while it waits: a small MLP forward (weights, input and intermediates
 about 0.5 MiB, in a core's own cache) timed back to back, and its first call after a gap of ``--gaps``
@@ -127,47 +127,47 @@ def make_probe(name: str, cpu: int) -> Callable[[], object]:
     return dispatch
 
 
-def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = None) -> list[float]:
-    """Median seconds of a call, per block of ``block`` calls, for ``seconds`` on core ``cpu`` and at least
-    two blocks, whose spread main() prints (``warm``, an event: set once warmed up)."""
+def timed_blocks(
+    name: str, seconds: float, block: int, cpu: int, warm: Any = None
+) -> list[tuple[float, list[float]]]:
+    """(seconds from the start to the block's start, its calls' seconds) per block of ``block`` calls of
+    ``name`` on core ``cpu``, for ``seconds`` and at least two blocks (``warm``, an event: set once warmed
+    up)."""
     call = make_probe(name, cpu)
     for _ in range(3 * block):  # warm: the allocator, the caches, the CPU's clock
         call()
     if warm is not None:
         warm.set()
-    medians = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(medians) < 2:
+    blocks = []
+    start = time.perf_counter()
+    while (now := time.perf_counter()) - start < seconds or len(blocks) < 2:
         times = []
         for _ in range(block):
-            start = time.perf_counter()
+            begin = time.perf_counter()
             call()
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
-    return medians
+            times.append(time.perf_counter() - begin)
+        blocks.append((now - start, times))
+    return blocks
+
+
+def block_medians(name: str, seconds: float, block: int, cpu: int, warm: Any = None) -> list[float]:
+    """Median seconds of a call, per block of :func:`timed_blocks`, whose spread main() prints."""
+    return [statistics.median(times) for _, times in timed_blocks(name, seconds, block, cpu, warm)]
 
 
 def window_spread(
     name: str, seconds: float, block: int, cpu: int, windows: list[float]
 ) -> dict[float, list[float]]:
-    """Per window length of ``windows`` (seconds): the medians of ``name``'s calls in each consecutive
-    window of that length over ``seconds``, over the median of all its calls, sorted."""
-    call = make_probe(name, cpu)
-    for _ in range(3 * block):
-        call()
-    stamped = []  # (seconds since the start, one call's seconds)
-    start = time.perf_counter()
-    while (now := time.perf_counter()) - start < seconds:
-        for _ in range(block):
-            begin = time.perf_counter()
-            call()
-            stamped.append((now - start, time.perf_counter() - begin))
-    overall = statistics.median(t for _, t in stamped)
+    """Per window length of ``windows`` (seconds): the median of ``name``'s calls in each consecutive
+    window of that length (a block's calls in its start's window) over the median of all its calls,
+    sorted, from one run of :func:`timed_blocks` for ``seconds``."""
+    blocks = timed_blocks(name, seconds, block, cpu)
+    overall = statistics.median(t for _, times in blocks for t in times)
     spread = {}
     for window in windows:
         groups: dict[int, list[float]] = {}
-        for at, t in stamped:
-            groups.setdefault(int(at // window), []).append(t)
+        for at, times in blocks:
+            groups.setdefault(int(at // window), []).extend(times)
         spread[window] = sorted(statistics.median(g) / overall for g in groups.values())
     return spread
 
