@@ -28,44 +28,47 @@ with both processes at it, the pipeline's transfers and the gradients' all-reduc
 runs in, the memory bandwidth of modelled figures; ``--calibrate once``: once for the run, which shares
 one calibration's error among all rounds, past what their spread shows). The predictor predicts the step
 (autotuner.predict), and the real steps run (autotuner.predict.steps: the whole GPTModel, Megatron-Core's
-schedule, Adam). Each round measures the steps, profiles, predicts and
-measures the steps again, afresh, so the ratio's spread over rounds is printed beside its median; the
-measured step of a round is the mean of the steps before and after its profiles (bracketing the
-machine's drift while the round ran). With three A/A controls: the measured step's IQR over its timed
-steps; over the rounds, the largest over the smallest of the predicted step (each from fresh profiles:
-how far the op rows move between processes) and of the measured step (each in fresh processes); and
-in each round the steps after over the steps before (``drift``), with the median ratio of the rounds
-whose drift stayed within DRIFT_CALM ("calm rounds", their count in brackets). Layouts: TP=1, TP=2
-(torchrun, gloo), PP=2 (Megatron's 1F1B over gloo; with two model chunks per rank, its interleaved
-schedule, for the 4-layer model) and DP=2 (the gradients all-reduced after the backward; for the 4-layer
-model also with the distributed optimizer: reduce-scattered, each rank's Adam on its half, the
-parameters all-gathered) for the dense models, DP=2 with EP=2 for the MoE one; on request (``--layouts
-pp2last1``) the 4-layer model's PP=2 split unevenly, 3 layers and the embedding on the first stage, 1
-and the output layer on the last; 4 micro-batches per data-parallel rank. Target (issue 17): |ratio - 1|
-<= 0.05 for step time and peak memory, judged on the median's 95% confidence interval over the rounds
-(order statistics, as the sampler's: autotuner.measure.timer.median_ci, from 6 rounds): "met" when the
-interval lies inside [0.95, 1.05], "missed" when it lies outside, "inconclusive" when it straddles an
-edge: on a machine whose own A/A spread exceeds the target, a median of a few rounds can neither pass
-nor fail it. Under each case and layout: the step's ratio had the rows been added up by their medians
-(the predictor before session 25, on the same rows and steps: the statistic's own share); on an
-interleaved layout, the same prediction with each model chunk 1/v of its stage's time (the predictor
-before session 27; since then each chunk takes its own ops: autotuner.predict.timing.chunk_times); the
-same prediction with every stage's host work as timed with warm caches (the predictor before session 28;
-since then a stage whose ops sweep the shared cache takes the host work timed with it flushed:
-autotuner.predict.caches.host_work_cached); the same prediction from the round's first warm profile
-alone (the benchmark before session 37; since then each op takes the mean of its two warm rows:
-autotuner.predict.inputs.repeated); the same rows with a stage's
+schedule, Adam). Each round measures the steps, profiles, predicts and measures the steps again, afresh,
+so the ratio's spread over rounds is printed beside its median; the measured step of a round is the mean
+of its step draws (``--step-draws``, 4 by default): before its profiles, after them, and between them
+(the machine's speed moves over minutes, and a step draw is seconds of it: draws through the round sample
+it as the profiles did; until session 39 the steps before and after alone, printed beside). With three
+A/A controls: the measured step's IQR over its timed steps; over the rounds, the largest over the
+smallest of the predicted step (each from fresh profiles: how far the op rows move between processes) and
+of the measured step (each in fresh processes); and in each round the steps after over the steps before
+(``drift``), with the median ratio of the rounds whose drift stayed within DRIFT_CALM ("calm rounds",
+their count in brackets). Layouts: TP=1, TP=2 (torchrun, gloo), PP=2 (Megatron's 1F1B over gloo; with two
+model chunks per rank, its interleaved schedule, for the 4-layer model) and DP=2 (the gradients
+all-reduced after the backward; for the 4-layer model also with the distributed optimizer:
+reduce-scattered, each rank's Adam on its half, the parameters all-gathered) for the dense models, DP=2
+with EP=2 for the MoE one; on request (``--layouts pp2last1``) the 4-layer model's PP=2 split unevenly, 3
+layers and the embedding on the first stage, 1 and the output layer on the last; 4 micro-batches per
+data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak memory, judged on the
+median's 95% confidence interval over the rounds (order statistics, as the sampler's:
+autotuner.measure.timer.median_ci, from 6 rounds): "met" when the interval lies inside [0.95, 1.05],
+"missed" when it lies outside, "inconclusive" when it straddles an edge: on a machine whose own A/A
+spread exceeds the target, a median of a few rounds can neither pass nor fail it. Under each case and
+layout: the step's ratio had the rows been added up by their medians (the predictor before session 25, on
+the same rows and steps: the statistic's own share); on an interleaved layout, the same prediction with
+each model chunk 1/v of its stage's time (the predictor before session 27; since then each chunk takes
+its own ops: autotuner.predict.timing.chunk_times); the same prediction with every stage's host work as
+timed with warm caches (the predictor before session 28; since then a stage whose ops sweep the shared
+cache takes the host work timed with it flushed: autotuner.predict.caches.host_work_cached); the same
+prediction from the round's first warm profile alone (the benchmark before session 37; since then each op
+takes the mean of its two warm rows: autotuner.predict.inputs.repeated); the same rows with a stage's
 first forward op from its flushed row whatever its warm row timed (the predictor before session 33, and
 for the embedding before session 34; since then from the warm row where that was timed after the op's
-backward, as the visit runs:
-autotuner.predict.caches.warm_visits); the ops inside the
-forward-backward, each hooked op's predicted time per visit / its time inside the measured steps
+backward, as the visit runs: autotuner.predict.caches.warm_visits); the ops inside the forward-backward,
+each hooked op's predicted time per visit / its time inside the measured steps
 (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in its
-median step, per stage the host work of a
-micro-batch's forward predicted beside measured (the model forwards' spans less their ops), and on a
-pipeline the hand-overs a stage waited for beside the predicted exchange, and
-the measured step replayed through the predictor's schedule simulation over its measured span
-(autotuner.predict.in_step.replay: the schedule model alone).
+median step, per stage the host work of a micro-batch's forward predicted beside measured (the model
+forwards' spans less their ops), and on a pipeline the hand-overs a stage waited for beside the predicted
+exchange, and the measured step replayed through the predictor's schedule simulation over its measured
+span (autotuner.predict.in_step.replay: the schedule model alone). With more than two step draws, the
+same predictions judged on the first and the last draw alone (the benchmark before session 39); with
+``--beside-row-seconds S``, the step predicted from the same ops profiled in the same round with rows
+spanning S seconds (0: get_data's default), judged on the same draws, and its ratio to the round's own
+prediction: what a row's span changes, the hour shared.
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ ON_REQUEST = {"llama_small": ("pp2last1", "pp2first1")}
 DRIFT_CALM = 0.05
 # The target (issue 17): |predicted / measured - 1| within this.
 TARGET = 0.05
+# How many times a round measures its steps (--step-draws): before, between and after its profiles.
+STEP_DRAWS = 4
 
 
 def verdict(ratios: list[float]) -> tuple[str, tuple[float, float] | None]:
@@ -170,7 +175,14 @@ def round_parts(said: Round) -> str:
         for stage, what, p, m, _ in said.in_step
         if stage == 0 and what.startswith("transformer_layer")
     )
-    return f"  ms, predicted/measured: {phases}; stage 0's layer per visit: {layer}"
+    beside = (
+        f"; from the other span's rows {said.beside_predicted_s / said.measured_s:.3f}"
+        if said.beside_predicted_s
+        else ""
+    )
+    draws = ", ".join(f"{seconds * 1e3:.1f}" for seconds in said.step_draws_s or ())
+    draws = f"; step draws (ms, in order): {draws}" if draws else ""
+    return f"  ms, predicted/measured: {phases}; stage 0's layer per visit: {layer}{beside}{draws}"
 
 
 # The run's scheduling line (a run's log opens with it; --pool judges runs of one scheduling together, a
@@ -332,24 +344,6 @@ def profile_dir(folder: Path, mode: str, alone: bool = False) -> Path:
     return folder / f"{'alone-' if alone else ''}{mode}"
 
 
-def profiled_runs(
-    case: list[str],
-    layout: Layout,
-    folder: Path,
-    calibration: Path,
-    threads: int = 0,
-    alone: bool = False,
-    row_seconds: float = 0.0,
-) -> Runs:
-    """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
-    predictor reads them."""
-    run_dirs = [profile_dir(folder, mode, alone) for mode in ("warm", "cold")]
-    for run_dir in run_dirs:
-        cold = run_dir.name.endswith("cold")
-        profile(case, layout, run_dir, calibration, cold, threads, alone, row_seconds=row_seconds)
-    return load_runs(run_dirs)
-
-
 def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     """Calibrate the device and the links between two processes (gloo) into ``calibration``: the ceilings,
     the Adam step alone and with both processes at it, the pipeline's transfers, the collectives (the
@@ -378,7 +372,7 @@ class Round(NamedTuple):
     memory_ratio: float  # predicted peak / measured peak
     step_noise: float  # the measured steps' IQR / median
     predicted_s: float
-    measured_s: float  # the bracket: the mean of the steps before and after the profiles
+    measured_s: float  # the mean of the round's step draws: before, between and after the profiles
     phases: tuple[tuple[str, float, float], ...]  # (phase, predicted s, measured s)
     drift: float  # the steps after the profiles / before them
     in_step: tuple[tuple[int, str, float, float, str], ...]  # autotuner.predict.validate.Validation.in_step
@@ -411,6 +405,12 @@ class Round(NamedTuple):
     # row timed, as the predictor took it before session 33 (and the embedding's before session 34:
     # autotuner.predict.caches.warm_visits)
     first_forward_flushed_predicted_s: float | None = None
+    # the step from rows of the other span (--beside-row-seconds), profiled in the same round around its
+    # own profiles (warm, flushed, warm again), judged on the same steps (None: not asked)
+    beside_predicted_s: float | None = None
+    # the step draws in the order they ran, s: the first before the profiles, the last after them (their
+    # mean alone was the measured step before session 39)
+    step_draws_s: tuple[float, ...] = ()
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
@@ -442,31 +442,57 @@ def one_round(
     calibration: Path | None,
     threads: int,
     row_seconds: float = 0.0,
+    beside_row_seconds: float | None = None,
+    step_draws: int = STEP_DRAWS,
 ) -> Round:
     """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself;
-    ``row_seconds``: each profiled row's least span (:func:`profile`)."""
+    ``row_seconds``: each profiled row's least span (:func:`profile`); ``beside_row_seconds``: the same
+    ops profiled again with rows of that span, each of their three profiles just outside the same kind of
+    the round's own (first warm before the first, flushed after the flushed, warm again after the warm
+    again: both kinds' warm pairs bracket the middle of the round), predicted from alone and judged on
+    the same steps (:attr:`Round.beside_predicted_s`); ``step_draws``: how many times the steps are
+    measured, first before the profiles, last after them (the validation), the rest spread between
+    them (:func:`draw_points`)."""
     case, layout = CASES[name], layout_of(layout_name)
     steps_args = steps_arguments(case, layout, threads)
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
-        # the steps before the profiles and (validate) after them: the machine's drift over the round
-        before = run_steps(*steps_args, layout, Path(folder) / "before.json", repeats=repeats).step_s
+        where = Path(folder)
+        draws = [run_steps(*steps_args, layout, where / "steps-0.json", repeats=repeats).step_s]
         if calibration is None:
             # the machine as the profiles find it: one calibration shared by every round would bias them
             # all alike, past any interval
-            calibration = Path(folder) / "calibration.json"
+            calibration = where / "calibration.json"
             calibrate_machine(calibration, threads)
-        first = profiled_runs(case, layout, Path(folder), calibration, threads, row_seconds=row_seconds)
-        calibrated = load_calibration_for(first, str(calibration))  # read and checked once, for both
-        alone_predicted = None
-        if layout.pp > 1:  # the same round's steps judge the two ways of profiling a pipeline's stages
-            alone = profiled_runs(case, layout, Path(folder), calibration, threads, True, row_seconds)
-            alone_predicted = predict(alone, layout, calibrated).step_seconds
-        # the warm rows again, last before the steps after them: with the first, they bracket the round
-        # as the steps do, and the predictor takes each op's mean of the two (autotuner.predict.inputs.
+        own = [profile_dir(where, mode) for mode in ("warm", "cold")]
+        # the warm rows again, last of the round's own profiles: with the first, they bracket the round as
+        # the step draws do, and the predictor takes each op's mean of the two (autotuner.predict.inputs.
         # repeated: a row times the machine in the second its samples took)
-        again = profile_dir(Path(folder), "warm-again")
-        profile(case, layout, again, calibration, False, threads, row_seconds=row_seconds)
-        runs = load_runs([*first.dirs, again])
+        again = profile_dir(where, "warm-again")
+        # a pipeline's stage ops also profiled in as many processes as run one op together: the same
+        # round's steps judge the two ways of profiling a pipeline's stages
+        alone = [profile_dir(where, mode, alone=True) for mode in ("warm", "cold")] if layout.pp > 1 else []
+        asked = beside_row_seconds is not None
+        beside = (
+            [profile_dir(where, f"beside-{mode}") for mode in ("warm", "cold", "warm-again")] if asked else []
+        )
+        order = [*beside[:1], *own, *beside[1:2], *alone, again, *beside[2:]]
+        draws_after = draw_points(len(order), step_draws)
+        for done in range(len(order) + 1):  # ``done`` profiles run so far
+            for _ in range(draws_after.count(done)):
+                out = where / f"steps-{len(draws)}.json"
+                draws.append(run_steps(*steps_args, layout, out, repeats=repeats).step_s)
+            if done < len(order):
+                run_dir = order[done]
+                span = beside_row_seconds if run_dir in beside else row_seconds
+                flush = run_dir.name.endswith("cold")
+                profile(
+                    case, layout, run_dir, calibration, flush, threads, run_dir in alone, row_seconds=span
+                )
+        first = load_runs(own)
+        calibrated = load_calibration_for(first, str(calibration))  # read and checked once, for all
+        alone_predicted = predict(load_runs(alone), layout, calibrated).step_seconds if alone else None
+        beside_predicted = predict(load_runs(beside), layout, calibrated).step_seconds if asked else None
+        runs = load_runs([*own, again])
         pred = predict(runs, layout, calibrated)
         one_profile = predict(first, layout, calibrated).step_seconds
         medians = [{k: v for k, v in row.items() if k != "fenced_mean_us"} for row in runs.rows]
@@ -476,15 +502,17 @@ def one_round(
         unmarked = [{**row, "forward_after_backward": False} for row in runs.rows]
         first_flushed = predict(dataclasses.replace(runs, rows=unmarked), layout, calibrated).step_seconds
         checked = validate(pred, *steps_args, repeats=repeats)
-    bracket = (before + checked.measured_step_s) / 2
+    draws.append(checked.measured_step_s)
+    # the machine's speed over the round, as the profiles sampled it: the mean of the step draws through it
+    measured = statistics.fmean(draws)
     return Round(
-        step_ratio=checked.predicted_step_s / bracket,
+        step_ratio=checked.predicted_step_s / measured,
         memory_ratio=checked.memory_error + 1,
         step_noise=checked.measured_step_iqr_s / checked.measured_step_s,
         predicted_s=checked.predicted_step_s,
-        measured_s=bracket,
+        measured_s=measured,
         phases=checked.phases,
-        drift=checked.measured_step_s / before,
+        drift=draws[-1] / draws[0],
         in_step=checked.in_step,
         adam_rate=calibrated["adam_seconds_per_parameter"],
         adam_in_training_s=calibrated.get(ADAM_IN_STEP, 0.0),
@@ -501,7 +529,17 @@ def one_round(
         warm_host_predicted_s=warm_host,
         one_profile_predicted_s=one_profile,
         first_forward_flushed_predicted_s=first_flushed,
+        beside_predicted_s=beside_predicted,
+        step_draws_s=tuple(draws),
     )
+
+
+def draw_points(profiles: int, step_draws: int) -> list[int]:
+    """After how many of a round's ``profiles`` (in the order they run) each step draw between the first
+    and the last runs, for ``step_draws`` draws in all: the first runs before every profile and the last
+    after them all, the rest as evenly between them as whole profiles allow (a point twice: two draws
+    there; 0: before the first profile, after the round's calibration)."""
+    return [round(k * profiles / (step_draws - 1)) for k in range(1, step_draws - 1)]
 
 
 def warm_host_work_step_s(runs: Runs, layout: Layout, calibrated: dict[str, Any]) -> float | None:
@@ -593,6 +631,22 @@ def main() -> int:
         "one draw of it (autotuner.measure.timer)",
     )
     parser.add_argument(
+        "--step-draws",
+        type=int,
+        default=STEP_DRAWS,
+        help=f"measure each round's steps this many times (default {STEP_DRAWS}): before its profiles, after "
+        "them, the rest spread between them; the round's measured step is their mean (2: before and after "
+        "alone, the benchmark before session 39)",
+    )
+    parser.add_argument(
+        "--beside-row-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="also profile each round's ops with rows spanning this long (0: get_data's default), around "
+        "the round's own profiles, and judge their prediction on the same steps: the two spans compared "
+        "round by round, the machine's hour shared",
+    )
+    parser.add_argument(
         "--pool",
         nargs="+",
         type=Path,
@@ -600,8 +654,14 @@ def main() -> int:
         help="run nothing: judge the rounds of these runs' saved output (stdout and stderr) pooled",
     )
     args = parser.parse_args()
-    if args.row_seconds < 0:
-        parser.error(f"--row-seconds {args.row_seconds:g}: give 0 or more seconds")
+    for flag, seconds in (
+        ("--row-seconds", args.row_seconds),
+        ("--beside-row-seconds", args.beside_row_seconds),
+    ):
+        if seconds is not None and seconds < 0:
+            parser.error(f"{flag} {seconds:g}: give 0 or more seconds")
+    if args.step_draws < 2:
+        parser.error(f"--step-draws {args.step_draws}: give 2 or more (before and after the profiles)")
     if args.pool:
         return pooled(args.pool)
     if args.realtime:
@@ -613,6 +673,8 @@ def main() -> int:
     threads = args.threads or "each process's share of the cores"
     print(f"intra-op threads per process (profiles, steps, calibration): {threads}")
     print(f"each profiled row's samples span at least: {args.row_seconds:g} s (timing.min_time_s)")
+    if args.beside_row_seconds is not None:
+        print(f"beside them, in the same rounds, rows spanning at least: {args.beside_row_seconds:g} s")
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-cal-") as folder:
         calibration = Path(folder) / "calibration.json" if args.calibrate == "once" else None
         if calibration is not None:
@@ -645,7 +707,14 @@ def main() -> int:
                 for index in range(args.rounds):
                     results.append(
                         one_round(
-                            name, layout_name, args.repeats, calibration, args.threads, args.row_seconds
+                            name,
+                            layout_name,
+                            args.repeats,
+                            calibration,
+                            args.threads,
+                            args.row_seconds,
+                            args.beside_row_seconds,
+                            args.step_draws,
                         )
                     )
                     said = results[-1]
@@ -713,6 +782,15 @@ def main() -> int:
                         "predictor before session 33; the embedding's before session 34)",
                         lambda r: r.first_forward_flushed_predicted_s,
                     ),
+                    (
+                        (
+                            f"rows spanning at least {args.beside_row_seconds:g} s"
+                            if args.beside_row_seconds
+                            else "rows of get_data's default span (about a second)"
+                        )
+                        + " (--beside-row-seconds), profiled around the round's own",
+                        lambda r: r.beside_predicted_s,
+                    ),
                 ):
                     beside = [predicted_of(r) / r.measured_s for r in results if predicted_of(r)]
                     if beside:
@@ -722,6 +800,26 @@ def main() -> int:
                             f"[{min(beside):.3f}, {max(beside):.3f}], "
                             f"A/A pred {max(predicted) / min(predicted):.3f}"
                         )
+                measured_ends = [(r.step_draws_s[0] + r.step_draws_s[-1]) / 2 for r in results]
+                ends = [r.predicted_s / m for r, m in zip(results, measured_ends, strict=True)]
+                if args.step_draws > 2:
+                    # the same predictions judged on the two ends' draws alone: what the draws between buy
+                    print(
+                        f"{'':21} measured by the steps before and after the profiles alone, not "
+                        f"{args.step_draws} draws through the round (the benchmark before session 39): step "
+                        f"{statistics.median(ends):.3f} [{min(ends):.3f}, {max(ends):.3f}], A/A meas "
+                        f"{max(measured_ends) / min(measured_ends):.3f}"
+                    )
+                if args.beside_row_seconds is not None:
+                    # the two spans' predictions of one round share its steps and its hour: their ratio
+                    # round by round is the span's own effect, and each kind's verdict on the same steps
+                    paired = [r.beside_predicted_s / r.predicted_s for r in results]
+                    judged, ci = verdict([r.beside_predicted_s / r.measured_s for r in results])
+                    print(
+                        f"{'':21} the other span's prediction / the round's own: "
+                        f"{statistics.median(paired):.3f} [{min(paired):.3f}, {max(paired):.3f}]; its step "
+                        f"{judged}" + (f" (95% CI [{ci[0]:.3f}, {ci[1]:.3f}])" if ci else "")
+                    )
                 # inside the forward-backward: each hooked op per visit, predicted/measured (medians)
                 inside = {}
                 for r in results:

@@ -1259,6 +1259,20 @@ def test_the_accuracy_benchmark_judges_the_median_by_its_confidence_interval():
     assert verdict([0.80, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.20]) == ("met", (0.97, 1.02))
 
 
+def test_the_accuracy_benchmark_spreads_its_step_draws_between_a_rounds_profiles():
+    """benchmarks.predict_accuracy measures a round's steps ``--step-draws`` times: before every profile,
+    after them all, and the rest between them, as evenly as whole profiles allow."""
+    from benchmarks.predict_accuracy import STEP_DRAWS, draw_points
+
+    assert draw_points(3, 2) == []  # before and after alone, the benchmark before session 39
+    assert draw_points(3, 3) == [2]  # warm, flushed | draw | warm again: the middle of the warm pair
+    assert draw_points(6, 3) == [3]  # with the other span's three profiles around the round's own
+    assert draw_points(6, 5) == [2, 3, 4]
+    # more draws than gaps: some gaps get two, the one before the first profile included
+    assert draw_points(3, 8) == [0, 1, 1, 2, 2, 3]
+    assert STEP_DRAWS > 2
+
+
 def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, capsys):
     """``--pool``: the round lines two runs printed, read back and judged as one run of all their rounds
     (three rounds each give no interval; six together do); a run at real-time priority (``--realtime``,
