@@ -344,6 +344,25 @@ def profile_dir(folder: Path, mode: str, alone: bool = False) -> Path:
     return folder / f"{'alone-' if alone else ''}{mode}"
 
 
+def profiled_runs(
+    case: list[str],
+    layout: Layout,
+    folder: Path,
+    calibration: Path,
+    threads: int = 0,
+    alone: bool = False,
+    row_seconds: float = 0.0,
+) -> Runs:
+    """The stage's ops profiled warm and flushed (:func:`profile`) under ``folder``, loaded as the
+    predictor reads them (benchmarks.layout_ranking's profiles; a round here orders its own profiles
+    among its step draws: :func:`one_round`)."""
+    run_dirs = [profile_dir(folder, mode, alone) for mode in ("warm", "cold")]
+    for run_dir in run_dirs:
+        cold = run_dir.name.endswith("cold")
+        profile(case, layout, run_dir, calibration, cold, threads, alone, row_seconds=row_seconds)
+    return load_runs(run_dirs)
+
+
 def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     """Calibrate the device and the links between two processes (gloo) into ``calibration``: the ceilings,
     the Adam step alone and with both processes at it, the pipeline's transfers, the collectives (the
