@@ -819,10 +819,10 @@ def main() -> int:
                             f"[{min(beside):.3f}, {max(beside):.3f}], "
                             f"A/A pred {max(predicted) / min(predicted):.3f}"
                         )
-                measured_ends = [(r.step_draws_s[0] + r.step_draws_s[-1]) / 2 for r in results]
-                ends = [r.predicted_s / m for r, m in zip(results, measured_ends, strict=True)]
                 if args.step_draws > 2:
                     # the same predictions judged on the two ends' draws alone: what the draws between buy
+                    measured_ends = [(r.step_draws_s[0] + r.step_draws_s[-1]) / 2 for r in results]
+                    ends = [r.predicted_s / m for r, m in zip(results, measured_ends, strict=True)]
                     print(
                         f"{'':21} measured by the steps before and after the profiles alone, not "
                         f"{args.step_draws} draws through the round (the benchmark before session 39): step "
