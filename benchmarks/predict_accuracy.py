@@ -6,7 +6,8 @@
     python -m benchmarks.predict_accuracy --pool LOG [LOG ...]    # the rounds of saved runs, judged together
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
-TP and EP, in as many processes as the layout runs (torchrun, this process for one): on a CPU the ranks
+TP and EP, in as many fresh processes as the layout runs (torchrun; ``python -m autotuner.main`` for one,
+as a user profiles, since session 40): on a CPU the ranks
 share the memory and the caches, and an op timed alone would run faster than beside them, pipeline
 stages too (see profile(); a pipeline layout's round also predicts from its stages' ops profiled in
 tp * dp processes, as before session 26, and prints that beside). Every process, profiles, steps and the
@@ -74,9 +75,7 @@ prediction: what a row's span changes, the hour shared.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import os
 import re
 import statistics
@@ -86,7 +85,6 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from autotuner.main import run
 from autotuner.measure.timer import median_ci
 from autotuner.ops.naming import PHASES
 from autotuner.predict.layout import Layout
@@ -252,11 +250,6 @@ def _run_whole(command: list[str], timeout_s: float, env: dict[str, str] | None 
     run_process_group(command, env, timeout_s).check_returncode()
 
 
-def _quiet_run(argv: list[str]) -> int:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return run(argv)
-
-
 def cpu_share(processes: int, threads: int = 0) -> list[str]:
     """Each process's intra-op threads, the same in the profile and in the steps: ``threads``, or (0) the
     process's share of the cores (a TP=2 or PP=2 step runs two processes on this machine's cores, so ops
@@ -315,12 +308,18 @@ def profile(
         f"timing.min_time_s={row_seconds}",
     ]
     world = profile_processes(layout, alone)
+    # One process too is a fresh one, as a user profiles and as the steps run: until session 40 it was this
+    # long-lived process, whose state (its heap, Hydra's and Megatron's globals) carried from profile to
+    # profile and round to round, so every round's rows shared one process's draw of it. Fresh processes'
+    # rows predicted 0.984 [0.819, 1.044] of its step (14 paired rounds, sessions 39-40:
+    # docs/predictor_accuracy.md, "Step draws"): no difference beyond the rounds' spread, and the rounds are
+    # now independent draws
     if world == 1:
-        assert _quiet_run(argv) == 0
-        return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    command += ["-m", "autotuner.main", *argv, f"tf.tensor_model_parallel_size={layout.tp}"]
-    command += [f"tf.expert_model_parallel_size={layout.ep}"] if layout.ep > 1 else []
+        command = [sys.executable, "-m", "autotuner.main", *argv]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        command += ["-m", "autotuner.main", *argv, f"tf.tensor_model_parallel_size={layout.tp}"]
+        command += [f"tf.expert_model_parallel_size={layout.ep}"] if layout.ep > 1 else []
     _run_whole(command, timeout_s=900)
 
 

@@ -19,16 +19,26 @@ forward and backward rows moved by 15% and 12% of their mean (largest over small
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import tempfile
 from pathlib import Path
 
+from autotuner.main import run
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_rows
 from benchmarks._ops import two_or_more
-from benchmarks.predict_accuracy import CASES, MBS, SEQ, _quiet_run
+from benchmarks.predict_accuracy import CASES, MBS, SEQ
 
 THREADS = (1, 2)
+
+
+def _quiet_run(argv: list[str]) -> int:
+    """``python -m autotuner.main argv`` in this process (one Megatron import for all the profiles), its
+    output dropped."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return run(argv)
 
 
 def profile(case: list[str], op: str, threads: int, run_dir: Path) -> dict[str, float]:

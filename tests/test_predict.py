@@ -464,10 +464,11 @@ def test_warm_or_cold_rows_by_whether_the_gpu_memory_fits_the_cache(tmp_path):
     assert len(cold_only.plan.missing) == 1  # one point, measured twice
 
 
-def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_mean(tmp_path):
+def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_median(tmp_path):
     """Two runs' rows of an op at one point, measured alike, are two moments of the machine: the visit
-    takes their mean and its source gives each; within one run the later row replaces the earlier; a row
-    that fits the visit better (a forward timed after its backward) still wins over repeats of a worse fit."""
+    takes their mean and its source gives each; of three, their median (a disturbed run is out-voted);
+    within one run the later row replaces the earlier; a row that fits the visit better (a forward timed
+    after its backward) still wins over repeats of a worse fit."""
     layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
 
     def visit(pred, op="transformer_layer", phase="forward"):
@@ -487,10 +488,20 @@ def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_mea
     assert [n for n in pred.notes if "runs more than" in n] == [
         "2 of the ops used were timed by runs more than 5% apart (transformer_layer.backward (2000-2800us), "
         f"transformer_layer.forward (1000-1400us)), {layer_share:.0%} of stage 0's forward and backward: the "
-        "machine ran at another speed in each, and each op takes their mean; runs at more moments narrow it"
+        "machine ran at another speed in each, and each op takes their median (of two, their mean); runs at "
+        "more moments narrow it"
     ]
     embedding = visit(pred, "embedding")  # the same in both runs: their mean is it
     assert embedding.seconds == pytest.approx(100 * US) and "the mean of 2 runs'" in embedding.source.detail
+    # three runs: the median, so one run taken by another tenant's second is out-voted
+    third = make_run(tmp_path, base_rows(), "third")
+    pred = predict(load_runs([first, second, third]), layout, CAL)
+    for phase, us in (("forward", 1000), ("backward", 2000)):
+        layer = visit(pred, phase=phase)
+        assert layer.seconds == pytest.approx(us * US)
+        assert f"{us}us median (the median of 3 runs': first {us}, second {1.4 * us:.4g}, third {us}us)" in (
+            layer.source.detail
+        )
     fenced = [{**r, "fenced_mean_us": r["median_us"] * 1.5} for r in base_rows()]
     mixed = predict(load_runs([first, make_run(tmp_path, fenced, "fenced")]), layout, CAL)
     assert visit(mixed).seconds == pytest.approx(1000 * US)  # the medians' mean where a run has no fence

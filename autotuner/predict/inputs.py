@@ -296,8 +296,8 @@ class Measurements:
     run beside that many (autotuner.predict.prediction), over one profiled in another count; then a
     forward timed after the op's backward (``timing.forward_after_backward``), as a step runs it, over one
     timed back to back. Rows that fit equally from different runs (``run_dir``, set by
-    autotuner.predict.prediction.load_runs) are repeats, and the op stands for their mean
-    (:func:`repeated`); within one run a later row replaces an earlier one at the same key. Rows timed
+    autotuner.predict.prediction.load_runs) are repeats, and the op stands for their median (two: their
+    mean; :func:`repeated`); within one run a later row replaces an earlier one at the same key. Rows timed
     after a pause (``idle_before_ms`` above 0) are left out: they time another condition than a step's
     back-to-back ops, not another sample of the same."""
 
@@ -388,25 +388,29 @@ def row_seconds(row: Mapping[str, Any]) -> float:
 
 
 def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row for the repeats of an op at a point (rows measured alike by different runs): the last, with
-    the mean of their times (the fenced means where every row has one, else the medians) and each run's
-    directory and time in ``repeats_us``. A row times the machine in the second or so its samples took,
-    and its confidence interval (the sampler stops at 2% wide) says how well it knows that second, not the
-    machine: on a shared host the speed moves from one second to the next. On this project's VMs a
+    """One row for the repeats of an op at a point (rows measured alike by different runs): the last, with the
+    median of their times (the fenced means where every row has one, else the medians; of two, their mean) and
+    each run's directory and time in ``repeats_us``. A row times the machine in the second or so its samples
+    took, and its confidence interval (the sampler stops at 2% wide) says how well it knows that second, not
+    the machine: on a shared host the speed moves from one second to the next. On this project's VMs a
     llama-shaped layer's rows moved by 6.8-7.7% (forward) and 2.8-6.1% (backward) of their mean between
-    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``,
-    session 19), and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps
-    moved by 1.04 (session 36: a step runs for seconds and pays the machine's mean speed). Rows of
-    runs made at different moments average it, as the accuracy benchmark's two warm profiles a round do
-    (benchmarks.predict_accuracy)."""
+    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``, session
+    19), and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps moved by 1.04
+    (session 36: a step runs for seconds and pays the machine's mean speed). Rows of runs made at different
+    moments average it, as the accuracy benchmark's two warm profiles a round do
+    (benchmarks.predict_accuracy). The median, not the mean: a second of a shared host can also be taken by
+    another tenant whole, and a row inside it reads slow all through, past any fence its own samples set
+    (session 40: one of a round's four warm profiles read the layer 13-14% over the other three, forward and
+    backward, and moved the mean of the round's two by 6-7%); from three runs a disturbed one is out-voted,
+    and the middle one still stands between the moments the runs sampled."""
     if len(rows) == 1:
         return rows[0]
     statistic = "fenced_mean_us" if all(r.get("fenced_mean_us") is not None for r in rows) else "median_us"
-    mean = dict(rows[-1], median_us=statistics.fmean(float(r["median_us"]) for r in rows))
-    mean.pop("fenced_mean_us", None)
-    mean[statistic] = statistics.fmean(float(r[statistic]) for r in rows)
-    mean["repeats_us"] = [(str(r.get("run_dir", "")), float(r[statistic])) for r in rows]
-    return mean
+    middle = dict(rows[-1], median_us=statistics.median(float(r["median_us"]) for r in rows))
+    middle.pop("fenced_mean_us", None)
+    middle[statistic] = statistics.median(float(r[statistic]) for r in rows)
+    middle["repeats_us"] = [(str(r.get("run_dir", "")), float(r[statistic])) for r in rows]
+    return middle
 
 
 def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
@@ -414,7 +418,8 @@ def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
     statistic = "median" if row.get("fenced_mean_us") is None else "fenced mean"
     repeats = row.get("repeats_us")
     each = ", ".join(f"{Path(run).name} {us:.4g}" for run, us in repeats or ())
-    said = f" (the mean of {len(repeats)} runs': {each}us)" if repeats else ""
+    taken = "mean" if repeats and len(repeats) == 2 else "median"
+    said = f" (the {taken} of {len(repeats)} runs': {each}us)" if repeats else ""
     return (
         f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
         f"{row_seconds(row) * 1e6:.4g}us {statistic}{said}"

@@ -212,9 +212,9 @@ class TimeModel:
 
     def _note_noise(self, row: Mapping[str, Any]) -> None:
         """A row the timer warned ``noisy`` (its IQR over autotuner.measure.timer.NOISY_IQR_FRACTION of its
-        median): its mean moves between profiles more than its samples show. And the mean of repeats
-        (rows of several runs: autotuner.predict.inputs.repeated) that lie further apart than
-        REPEATS_APART: the machine's speed moved between the runs."""
+        median): its mean moves between profiles more than its samples show. And repeats (rows of several
+        runs: autotuner.predict.inputs.repeated) that lie further apart than REPEATS_APART: the machine's
+        speed moved between the runs."""
         said = next((w for w in str(row.get("warnings") or "").split(";") if w.startswith("noisy(")), None)
         if said is not None:
             self.noisy_rows[f"{row['op']}.{row['phase']}"] = said[len("noisy(") : -1]

@@ -318,7 +318,7 @@ def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> l
     (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor parallelism on this
     VM"); and ops timed by several runs whose rows lie more than REPEATS_APART apart
     (autotuner.predict.inputs.repeated): the machine's speed moved between the runs by about the CPU
-    target, and the mean the prediction takes is as good as their number."""
+    target, and the median the prediction takes (of two, their mean) is as good as their number."""
     noisy = {key: said for tm in models for key, said in tm.noisy_rows.items()}
     apart = {key: said for tm in models for key, said in tm.apart_rows.items()}
     notes = []
@@ -335,7 +335,7 @@ def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> l
             apart,
             "{count} of the ops used were timed by runs more than {apart:.0%} apart ({named}), {share:.0%} "
             "of stage {stage}'s forward and backward: the machine ran at another speed in each, and each op "
-            "takes their mean; runs at more moments narrow it",
+            "takes their median (of two, their mean); runs at more moments narrow it",
         ),
     ):
         share, stage, named = _stage_share(stages, rows)
