@@ -11,6 +11,7 @@ subprocesses where the fault is between processes) and checks the files on disk,
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import resource
@@ -130,6 +131,27 @@ def test_a_second_run_into_a_live_run_directory_is_refused(tmp_path):
     assert "2 rows" in out
     # the refused run wrote nothing, not even Hydra's record of its config
     assert ops[other] not in (run_dir / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_a_run_refused_between_the_holders_lock_and_its_pid_still_names_the_holder(tmp_path):
+    """The holder locks first and writes its pid after (it cannot write before it holds the lock); a run
+    refused in that window, which a loaded machine can stretch, waits for the pid rather than naming
+    "pid unknown". Held here by a lock taken in this test, its pid written 0.3 s late."""
+    from autotuner.errors import UserError
+    from autotuner.launchers.common import claim_run_dir
+
+    run_dir = tmp_path / "held"
+    run_dir.mkdir()
+    fd = os.open(run_dir / ".results.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    late = threading.Timer(0.3, os.pwrite, (fd, b"424242\n", 0))
+    late.start()
+    try:
+        with pytest.raises(UserError, match="another run \\(pid 424242\\)"):
+            claim_run_dir(run_dir)
+    finally:
+        late.join()
+        os.close(fd)
 
 
 def test_writers_of_one_file_never_share_a_temporary_file(tmp_path):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def claim_run_dir(run_dir: Path) -> None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                holder = _holder_pid(fd)
                 os.close(fd)
                 raise UserError(
                     f"another run (pid {holder}) is writing into {run_dir}: wait for it to end, or "
@@ -68,6 +69,20 @@ def claim_run_dir(run_dir: Path) -> None:
             f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): "
             "choose another with hydra.run.dir=..."
         ) from None
+
+
+def _holder_pid(fd: int) -> str:
+    """The pid a live run wrote into its lock file, or "unknown".
+
+    The holder writes its pid just after its flock succeeds, so a run refused in between reads an empty
+    file: it waits for the line (up to a second; a busy machine can hold the holder between the two
+    calls) rather than name nobody."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        text = os.pread(fd, 32, 0).decode(errors="replace")
+        if text.endswith("\n") or time.monotonic() > deadline:
+            return text.strip() or "unknown"
+        time.sleep(0.01)
 
 
 def release_run_dirs() -> None:
