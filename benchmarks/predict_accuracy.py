@@ -56,7 +56,10 @@ its own ops: autotuner.predict.timing.chunk_times); the same prediction with eve
 timed with warm caches (the predictor before session 28; since then a stage whose ops sweep the shared
 cache takes the host work timed with it flushed: autotuner.predict.caches.host_work_cached); the same
 prediction from the round's first warm profile alone (the benchmark before session 37; since then each op
-takes the mean of its two warm rows: autotuner.predict.inputs.repeated); the same rows with a stage's
+takes the mean of its two warm rows: autotuner.predict.inputs.repeated); the same rows with every op
+profiled in several processes taken from its slowest rank's row (the predictor before session 43; since
+then each rank's row of an op that waited for no other rank is a repeat:
+autotuner.predict.inputs.ran_collectives); the same rows with a stage's
 first forward op from its flushed row whatever its warm row timed (the predictor before session 33, and
 for the embedding before session 34; since then from the warm row where that was timed after the op's
 backward, as the visit runs: autotuner.predict.caches.warm_visits); the ops inside the forward-backward,
@@ -429,6 +432,10 @@ class Round(NamedTuple):
     # the step draws in the order they ran, s: the first before the profiles, the last after them (their
     # mean alone was the measured step before session 39)
     step_draws_s: tuple[float, ...] = ()
+    # the step from the same rows with every op profiled in several processes taking its slowest rank's
+    # row, as the predictor took it before session 43 (since then the ranks' rows of an op that waited for
+    # no other rank are repeats: autotuner.predict.inputs.ran_collectives; None: one process profiled)
+    slowest_rank_predicted_s: float | None = None
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
@@ -519,6 +526,10 @@ def one_round(
         warm_host = warm_host_work_step_s(runs, layout, calibrated)
         unmarked = [{**row, "forward_after_backward": False} for row in runs.rows]
         first_flushed = predict(dataclasses.replace(runs, rows=unmarked), layout, calibrated).step_seconds
+        # a multi-process run's merged rows alone: each op its slowest rank's row
+        merged = [r for r in runs.rows if r.get("run_processes", 1) == 1 or r.get("rank") == "max"]
+        slowest = dataclasses.replace(runs, rows=merged)
+        slowest_rank = predict(slowest, layout, calibrated).step_seconds if layout.gpus > 1 else None
         checked = validate(pred, *steps_args, repeats=repeats)
     draws.append(checked.measured_step_s)
     # the machine's speed over the round, as the profiles sampled it: the mean of the step draws through it
@@ -549,6 +560,7 @@ def one_round(
         first_forward_flushed_predicted_s=first_flushed,
         beside_predicted_s=beside_predicted,
         step_draws_s=tuple(draws),
+        slowest_rank_predicted_s=slowest_rank,
     )
 
 
@@ -799,6 +811,11 @@ def main() -> int:
                         "a stage's first forward op from its flushed row, whatever its warm row timed (the "
                         "predictor before session 33; the embedding's before session 34)",
                         lambda r: r.first_forward_flushed_predicted_s,
+                    ),
+                    (
+                        "every op profiled in several processes from its slowest rank's row (the predictor "
+                        "before session 43)",
+                        lambda r: r.slowest_rank_predicted_s,
                     ),
                     (
                         (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -194,6 +195,57 @@ def test_cpu_rows_profiled_in_fewer_processes_than_the_layout_runs_are_named(tmp
     assert command.startswith("torchrun --standalone --nproc-per-node=2 -m autotuner.main case=synthetic")
     assert "tensor_model_parallel_size" not in command and "shapes.seq_len=[64]" in command
     assert predict(load_runs([gpu]), at_s64, CAL).missing[0]["command"].startswith("python -m autotuner.main")
+
+
+def two_process_run(tmp_path: Path, rows: list[dict], name: str) -> Path:
+    """A run profiled under torchrun in 2 processes (its environment.json's ``world_size``)."""
+    run_dir = make_run(tmp_path, rows, name)
+    env = json.loads((run_dir / "environment.json").read_text())
+    (run_dir / "environment.json").write_text(json.dumps({**env, "world_size": 2}))
+    return run_dir
+
+
+def test_ranks_that_timed_an_op_on_their_own_are_repeats_and_a_tp_op_takes_its_slowest_rank(tmp_path):
+    """Under torchrun every rank writes its rows, then one per op with the slowest rank's (rank "max"). An
+    op whose ranks waited for each other inside it (tensor-parallel) is as slow as its slowest rank: that
+    row stands. Any other op ran in each rank on its own (a pipeline's or data-parallel layout's ops,
+    profiled beside each other): its ranks' rows are repeats, the visit takes their mean (of more, their
+    median) and its source names each rank; a file of the merged rows alone still gives the slowest's."""
+
+    def per_rank(rows: list[dict], tp: int = 1) -> list[dict]:
+        """Rank 0's rows as given, rank 1's 1.5 times slower, then the merged rows (rank 1's)."""
+        slow = [{**r, "median_us": r["median_us"] * 1.5, "tensor_parallel": tp} for r in rows]
+        return [
+            *({**r, "rank": 0, "tensor_parallel": tp} for r in rows),
+            *({**r, "rank": 1} for r in slow),
+            *({**r, "rank": "max"} for r in slow),
+        ]
+
+    def layer_forward(pred) -> Any:
+        return next(
+            t for name, ph, t, _ in pred.stages[0].items if (name, ph) == ("transformer_layer", "forward")
+        )
+
+    pp2 = Layout(seq_len=32, pp=2, global_batch_size=8, dtype="fp32")
+    beside = two_process_run(tmp_path, per_rank(base_rows()), "beside")
+    layer = layer_forward(predict(load_runs([beside]), pp2, CAL))
+    assert layer.seconds == pytest.approx(1250 * US)  # the ranks' 1000 and 1500
+    said = "tp=1 1250us median (the mean of 2 repeats: beside rank 0 1000, beside rank 1 1500us)"
+    assert said in layer.source.detail
+    # with a second run of the same ops, four repeats: their median, the middle two's mean
+    again = two_process_run(
+        tmp_path, per_rank([{**r, "median_us": r["median_us"] * 1.2} for r in base_rows()]), "again"
+    )
+    layer = layer_forward(predict(load_runs([beside, again]), pp2, CAL))
+    assert layer.seconds == pytest.approx((1200 + 1500) / 2 * US)  # of 1000, 1200, 1500 and 1800
+    # the merged rows alone: the op takes the slowest rank's, as no rank's row is there to stand for it
+    merged = two_process_run(tmp_path, [r for r in per_rank(base_rows()) if r["rank"] == "max"], "merged")
+    assert layer_forward(predict(load_runs([merged]), pp2, CAL)).seconds == pytest.approx(1500 * US)
+    # tensor-parallel rows: every op's ranks waited for each other, so the slowest rank's row stands
+    tp2 = Layout(seq_len=32, tp=2, global_batch_size=8, dtype="fp32")
+    sharded = two_process_run(tmp_path, per_rank(base_rows(), tp=2), "tp2")
+    layer = layer_forward(predict(load_runs([sharded]), tp2, CAL))
+    assert layer.seconds == pytest.approx(1500 * US) and "repeats" not in layer.source.detail
 
 
 def test_interleaved_bubble_and_recompute(tmp_path):
@@ -482,30 +534,31 @@ def test_runs_that_measured_a_point_alike_are_repeats_and_the_op_takes_their_med
     for phase, us in (("forward", 1000), ("backward", 2000)):
         layer = visit(pred, phase=phase)
         assert layer.seconds == pytest.approx(1.2 * us * US)
-        said = f"{1.2 * us:.4g}us median (the mean of 2 runs': first {us}, second {1.4 * us:.4g}us)"
+        said = f"{1.2 * us:.4g}us median (the mean of 2 repeats: first {us}, second {1.4 * us:.4g}us)"
         assert said in layer.source.detail
     layer_share = (1.2 * 1000 + 1.2 * 2000) * 4 * US / pred.stages[0].total
-    assert [n for n in pred.notes if "runs more than" in n] == [
-        "2 of the ops used were timed by runs more than 5% apart (transformer_layer.backward (2000-2800us), "
-        f"transformer_layer.forward (1000-1400us)), {layer_share:.0%} of stage 0's forward and backward: the "
-        "machine ran at another speed in each, and each op takes their median (of two, their mean); runs at "
-        "more moments narrow it"
+    assert [n for n in pred.notes if "more than 5% apart" in n] == [
+        "2 of the ops used were timed by repeats (runs, or ranks profiling beside each other) more than 5% "
+        "apart (transformer_layer.backward (2000-2800us), transformer_layer.forward (1000-1400us)), "
+        f"{layer_share:.0%} of stage 0's forward and backward: the machine ran at another speed in each, and "
+        "each op takes their median (of two, their mean); runs at more moments narrow it"
     ]
     embedding = visit(pred, "embedding")  # the same in both runs: their mean is it
-    assert embedding.seconds == pytest.approx(100 * US) and "the mean of 2 runs'" in embedding.source.detail
+    assert embedding.seconds == pytest.approx(100 * US) and "the mean of 2 repeats" in embedding.source.detail
     # three runs: the median, so one run taken by another tenant's second is out-voted
     third = make_run(tmp_path, base_rows(), "third")
     pred = predict(load_runs([first, second, third]), layout, CAL)
     for phase, us in (("forward", 1000), ("backward", 2000)):
         layer = visit(pred, phase=phase)
         assert layer.seconds == pytest.approx(us * US)
-        assert f"{us}us median (the median of 3 runs': first {us}, second {1.4 * us:.4g}, third {us}us)" in (
-            layer.source.detail
+        assert (
+            f"{us}us median (the median of 3 repeats: first {us}, second {1.4 * us:.4g}, third {us}us)"
+            in (layer.source.detail)
         )
     fenced = [{**r, "fenced_mean_us": r["median_us"] * 1.5} for r in base_rows()]
     mixed = predict(load_runs([first, make_run(tmp_path, fenced, "fenced")]), layout, CAL)
     assert visit(mixed).seconds == pytest.approx(1000 * US)  # the medians' mean where a run has no fence
-    assert not [n for n in mixed.notes if "runs more than" in n]  # the medians agree
+    assert not [n for n in mixed.notes if "more than 5% apart" in n]  # the medians agree
     # one run's two rows at a point: the later stands alone
     again = make_run(tmp_path, [*base_rows(), *slower], "again")
     assert visit(predict(load_runs([again]), layout, CAL)).seconds == pytest.approx(1400 * US)

@@ -248,6 +248,16 @@ def row_expert_parallel(row: Mapping[str, Any]) -> int:
     return int(row.get("expert_parallel") or row.get("run_expert_parallel") or 1)
 
 
+def ran_collectives(row: Mapping[str, Any]) -> bool:
+    """Whether the ranks that timed the row's op waited for each other inside it: a tensor-parallel op's
+    collectives, or a MoE op's token exchange at expert parallelism. Such an op is as slow as its slowest
+    rank (the ``rank="max"`` row). Any other op ran in each rank on its own, however many profiled it
+    (a data-parallel or pipeline layout's ops, profiled beside each other on a CPU host)."""
+    return int(row.get("tensor_parallel") or 1) > 1 or (
+        row_expert_parallel(row) > 1 and row.get("op") in EP_COMPOSITE_OPS | EP_LEAF_OPS
+    )
+
+
 @dataclass(frozen=True)
 class Missing:
     """A figure the runs lack at the layout's exact point: what to profile to measure it."""
@@ -288,18 +298,25 @@ def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> t
 
 class Measurements:
     """The usable rows of one or more runs, indexed by (op, phase, seq_len, micro_batch_size, tp), in one
-    dtype. Under torchrun the ``rank="max"`` row stands for the op (the slowest rank); otherwise the
-    single process's row. With ``ep``, rows of the ops expert parallelism changes
-    (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A row measured with the
-    cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured the other way;
-    then one profiled in ``processes`` processes (``run_processes``; None: any), as a CPU layout's ops
-    run beside that many (autotuner.predict.prediction), over one profiled in another count; then a
-    forward timed after the op's backward (``timing.forward_after_backward``), as a step runs it, over one
+    dtype. Under torchrun the ``rank="max"`` row stands for an op whose ranks waited for each other inside it
+    (the slowest rank: :func:`ran_collectives`); of any other op each rank's row is a repeat (below): each
+    rank timed the same op on its own, and the slowest of their medians is the largest of a few draws of the
+    machine's noise, not a time a step waits for (three profiles of the llama-shaped layer in two processes on
+    a CPU, session 43: the ranks' medians up to 1.26 apart; over the same 4 rounds each, the slowest ranks'
+    rows predicted the llama-shaped PP2 and DP2 steps at 1.064 and 1.047 of the measured, the ranks' repeats
+    at 1.034 and 1.018: docs/predictor_accuracy.md, "Ranks that wait for no one"); a step's wait for its
+    slowest rank is the step's own spread. Otherwise the single process's row. With ``ep``, rows of the ops
+    expert parallelism changes (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A
+    row measured with the cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured
+    the other way; then one profiled in ``processes`` processes (``run_processes``; None: any), as a CPU
+    layout's ops run beside that many (autotuner.predict.prediction), over one profiled in another count; then
+    a forward timed after the op's backward (``timing.forward_after_backward``), as a step runs it, over one
     timed back to back. Rows that fit equally from different runs (``run_dir``, set by
-    autotuner.predict.prediction.load_runs) are repeats, and the op stands for their median (two: their
-    mean; :func:`repeated`); within one run a later row replaces an earlier one at the same key. Rows timed
-    after a pause (``idle_before_ms`` above 0) are left out: they time another condition than a step's
-    back-to-back ops, not another sample of the same."""
+    autotuner.predict.prediction.load_runs), or from different ranks of one where the op ran on its own in
+    each, are repeats, and the op stands for their median (two: their mean; :func:`repeated`); within one run
+    a later row replaces an earlier one of the same rank at the same key. Rows timed after a pause
+    (``idle_before_ms`` above 0) are left out: they time another condition than a step's back-to-back ops, not
+    another sample of the same."""
 
     def __init__(
         self,
@@ -320,8 +337,10 @@ class Measurements:
                 continue
             if row.get("status") != "ok" or row.get("median_us") is None or row.get("dtype") != dtype:
                 continue
-            if row.get("rank") not in (None, 0, "0", "max"):
-                continue
+            rank = None if row.get("rank") in (None, "") else str(row.get("rank"))
+            on_its_own = not ran_collectives(row)
+            if rank not in (None, "0", "max") and not on_its_own:
+                continue  # the slowest rank's row stands for the op
             if float(row.get("idle_before_ms") or 0) > 0:
                 continue
             if ep is not None and row.get("op") in EP_COMPOSITE_OPS | EP_LEAF_OPS:
@@ -341,12 +360,21 @@ class Measurements:
                     continue  # what was asked for stands, whatever came later
                 if has > had:
                     held = []
-            held_max, row_max = bool(held) and held[-1].get("rank") == "max", row.get("rank") == "max"
-            if held_max and not row_max:
-                continue  # the cross-rank row stands for the op, not one rank's
-            if row_max and not held_max:
-                held = []
-            repeats[key] = [*(r for r in held if r.get("run_dir") != row.get("run_dir")), dict(row)]
+            run, row_max = row.get("run_dir"), rank == "max"
+            if on_its_own:
+                # each rank's row a repeat; the cross-rank row only where its run left no rank's row (a file
+                # of the merged rows alone): a run writes its ranks' rows before it (results.merge_ranks)
+                if row_max and any(r.get("run_dir") == run for r in held):
+                    continue
+                held = [r for r in held if r.get("run_dir") != run or str(r.get("rank")) not in ("max", rank)]
+            else:
+                held_max = bool(held) and held[-1].get("rank") == "max"
+                if held_max and not row_max:
+                    continue  # the cross-rank row stands for the op, not one rank's
+                if row_max and not held_max:
+                    held = []
+                held = [r for r in held if r.get("run_dir") != run]
+            repeats[key] = [*held, dict(row)]
             self.seen_ops.add(key[0])
             self.devices.add(str(row.get("device")))
         self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {
@@ -409,8 +437,17 @@ def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     middle = dict(rows[-1], median_us=statistics.median(float(r["median_us"]) for r in rows))
     middle.pop("fenced_mean_us", None)
     middle[statistic] = statistics.median(float(r[statistic]) for r in rows)
-    middle["repeats_us"] = [(str(r.get("run_dir", "")), float(r[statistic])) for r in rows]
+    middle["repeats_us"] = [(_repeat_name(r), float(r[statistic])) for r in rows]
+    if len({str(r.get("rank")) for r in rows}) > 1:
+        middle["rank"] = None  # the repeats name their ranks
     return middle
+
+
+def _repeat_name(row: Mapping[str, Any]) -> str:
+    """A repeat's run directory, and its rank where its run profiled the op in several processes."""
+    rank = row.get("rank")
+    several = int(row.get("run_processes") or 1) > 1 and rank not in (None, "", "max")
+    return f"{row.get('run_dir', '')} rank {rank}" if several else str(row.get("run_dir", ""))
 
 
 def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
@@ -419,7 +456,7 @@ def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
     repeats = row.get("repeats_us")
     each = ", ".join(f"{Path(run).name} {us:.4g}" for run, us in repeats or ())
     taken = "mean" if repeats and len(repeats) == 2 else "median"
-    said = f" (the {taken} of {len(repeats)} runs': {each}us)" if repeats else ""
+    said = f" (the {taken} of {len(repeats)} repeats: {each}us)" if repeats else ""
     return (
         f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
         f"{row_seconds(row) * 1e6:.4g}us {statistic}{said}"

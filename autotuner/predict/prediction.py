@@ -333,9 +333,10 @@ def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> l
         ),
         (
             apart,
-            "{count} of the ops used were timed by runs more than {apart:.0%} apart ({named}), {share:.0%} "
-            "of stage {stage}'s forward and backward: the machine ran at another speed in each, and each op "
-            "takes their median (of two, their mean); runs at more moments narrow it",
+            "{count} of the ops used were timed by repeats (runs, or ranks profiling beside each other) more "
+            "than {apart:.0%} apart ({named}), {share:.0%} of stage {stage}'s forward and backward: the "
+            "machine ran at another speed in each, and each op takes their median (of two, their mean); runs "
+            "at more moments narrow it",
         ),
     ):
         share, stage, named = _stage_share(stages, rows)
