@@ -337,7 +337,7 @@ class Measurements:
                 continue
             if row.get("status") != "ok" or row.get("median_us") is None or row.get("dtype") != dtype:
                 continue
-            rank = None if row.get("rank") in (None, "") else str(row.get("rank"))
+            rank = _rank(row)
             on_its_own = not ran_collectives(row)
             if rank not in (None, "0", "max") and not on_its_own:
                 continue  # the slowest rank's row stands for the op
@@ -366,9 +366,9 @@ class Measurements:
                 # of the merged rows alone): a run writes its ranks' rows before it (results.merge_ranks)
                 if row_max and any(r.get("run_dir") == run for r in held):
                     continue
-                held = [r for r in held if r.get("run_dir") != run or str(r.get("rank")) not in ("max", rank)]
+                held = [r for r in held if r.get("run_dir") != run or _rank(r) not in ("max", rank)]
             else:
-                held_max = bool(held) and held[-1].get("rank") == "max"
+                held_max = bool(held) and _rank(held[-1]) == "max"
                 if held_max and not row_max:
                     continue  # the cross-rank row stands for the op, not one rank's
                 if row_max and not held_max:
@@ -438,15 +438,20 @@ def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     middle.pop("fenced_mean_us", None)
     middle[statistic] = statistics.median(float(r[statistic]) for r in rows)
     middle["repeats_us"] = [(_repeat_name(r), float(r[statistic])) for r in rows]
-    if len({str(r.get("rank")) for r in rows}) > 1:
+    if len({_rank(r) for r in rows}) > 1:
         middle["rank"] = None  # the repeats name their ranks
     return middle
 
 
+def _rank(row: Mapping[str, Any]) -> str | None:
+    """A row's rank as text (a CSV's and a JSONL's alike; "max": the merged row), None where it has none."""
+    return None if row.get("rank") in (None, "") else str(row["rank"])
+
+
 def _repeat_name(row: Mapping[str, Any]) -> str:
     """A repeat's run directory, and its rank where its run profiled the op in several processes."""
-    rank = row.get("rank")
-    several = int(row.get("run_processes") or 1) > 1 and rank not in (None, "", "max")
+    rank = _rank(row)
+    several = int(row.get("run_processes") or 1) > 1 and rank not in (None, "max")
     return f"{row.get('run_dir', '')} rank {rank}" if several else str(row.get("run_dir", ""))
 
 
