@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotuner.main import run
-from autotuner.results import load_rows
+from autotuner.results import load_rows, merge_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -108,6 +108,34 @@ def test_torch_profiler_under_torchrun_with_its_defaults(tmp_path):
     _assert_ranks_sampled_alike(rows)
     # a trace per rank
     assert len(list(tmp_path.glob("profiles/*/linear_qkv/*.rank1.pt.trace.json*"))) == 1
+
+
+def test_the_merged_row_times_the_slowest_rank_and_holds_the_fullest_ranks_memory():
+    """Under expert parallelism the rank whose experts got more tokens saves more, and need not be the
+    slower one: the merged row's memory columns are the largest over the ranks, its times the slowest's."""
+
+    def row(rank: int, median_us: float, activation_bytes: int, peak_bytes: int, status: str = "ok") -> dict:
+        return {
+            "case": "tiny_moe",
+            "op": "transformer_layer",
+            "phase": "forward",
+            "point": "s128_b1",
+            "rank": rank,
+            "status": status,
+            "median_us": median_us,
+            "weight_bytes": 444928,
+            "activation_bytes": activation_bytes,
+            "peak_bytes": peak_bytes,
+        }
+
+    fuller, slower = row(0, 900.0, 1_596_284, 1_783_172), row(1, 1000.0, 1_422_604, 1_596_180)
+    top = merge_ranks([[fuller], [slower]])[-1]
+    assert (top["rank"], top["median_us"]) == ("max", 1000.0)
+    assert (top["activation_bytes"], top["peak_bytes"], top["weight_bytes"]) == (1_596_284, 1_783_172, 444928)
+    # a failed rank's row stands for the op, as it was
+    failed = row(1, None, None, None, status="failed")
+    top = merge_ranks([[fuller], [failed]])[-1]
+    assert (top["status"], top["activation_bytes"]) == ("failed", None)
 
 
 @pytest.mark.torchrun

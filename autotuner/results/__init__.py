@@ -36,13 +36,16 @@ def _column(
     optional: bool = False,
     call: bool = False,
     counts: bool = False,
+    fullest: bool = False,
 ) -> Any:
     """A :class:`Row` field's metadata: ``doc`` its meaning, ``unit`` what its numbers count, ``label``
     its header in the tables (default: the name), ``number`` whether the tools read it as a number (and
     reject anything else in a rows file), ``optional`` whether only some launchers or set-ups write it
     (the report shows it only when some row has a value), ``call`` whether the op states it about its
     own call (``OpCall.row_fields``: every launcher copies it as given), ``counts`` whether it holds a
-    list of counts (a JSON list in results.jsonl, ``;``-joined in results.csv)."""
+    list of counts (a JSON list in results.jsonl, ``;``-joined in results.csv), ``fullest`` whether it is
+    memory one GPU holds, which the merged row of several ranks takes from the fullest rank
+    (:func:`merge_ranks`)."""
     meta = {
         "doc": doc,
         "unit": unit,
@@ -51,14 +54,20 @@ def _column(
         "optional": optional,
         "call": call,
         "counts": counts,
+        "fullest": fullest,
     }
     return field(default=None, metadata=meta)
 
 
 def _number(
-    doc: str, unit: str | None = None, label: str | None = None, optional: bool = False, call: bool = False
+    doc: str,
+    unit: str | None = None,
+    label: str | None = None,
+    optional: bool = False,
+    call: bool = False,
+    fullest: bool = False,
 ) -> Any:
-    return _column(doc, unit, label, number=True, optional=optional, call=call)
+    return _column(doc, unit, label, number=True, optional=optional, call=call, fullest=fullest)
 
 
 @dataclass(frozen=True)
@@ -161,12 +170,17 @@ class Row:
         "get_data on CUDA: the samples replayed a CUDA graph of the phase (timing.cuda_graph; "
         "autotuner.measure.graphs)"
     )
-    weight_bytes: int | None = _number("the op's parameters (each storage once)", "B", "weights")
+    weight_bytes: int | None = _number(
+        "the op's parameters (each storage once)", "B", "weights", fullest=True
+    )
     activation_bytes: int | None = _number(
-        "forward rows: bytes autograd saved for backward, excluding parameters", "B", "activations"
+        "forward rows: bytes autograd saved for backward, excluding parameters",
+        "B",
+        "activations",
+        fullest=True,
     )
     peak_bytes: int | None = _number(
-        "peak bytes in use during the phase above those in use when it began", "B", "peak"
+        "peak bytes in use during the phase above those in use when it began", "B", "peak", fullest=True
     )
     flops: int | None = _number(
         "floating-point operations of the phase (torch.utils.flop_counter)", "FLOP", "FLOPs"
@@ -281,6 +295,7 @@ class Column:
     optional: bool
     call: bool = False
     counts: bool = False
+    fullest: bool = False
 
     def describe(self) -> str:
         """The meaning with the unit, as a tooltip shows it."""
@@ -297,6 +312,7 @@ SCHEMA: dict[str, Column] = {
         f.metadata["optional"],
         f.metadata["call"],
         f.metadata["counts"],
+        f.metadata["fullest"],
     )
     for f in fields(Row)
 }
@@ -305,6 +321,8 @@ COLUMNS = list(SCHEMA)
 CALL_COLUMNS = tuple(c.name for c in SCHEMA.values() if c.call)
 # The columns holding a list of counts: a JSON list in results.jsonl, joined by ";" in results.csv.
 COUNTS = frozenset(c.name for c in SCHEMA.values() if c.counts)
+# Memory one GPU holds: the merged row of several ranks takes the fullest rank's (merge_ranks).
+FULLEST = tuple(c.name for c in SCHEMA.values() if c.fullest)
 
 
 def column(name: str) -> Column:
@@ -539,7 +557,9 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Every rank's rows, then per (case, op, phase, point) one row with ``rank="max"``: the statistics
     of the rank whose median is the slowest (a TP op is as slow as its slowest rank, as Megatron's timers
-    report the max over ranks), status ``failed`` if any rank failed."""
+    report the max over ranks), its memory columns (:data:`FULLEST`) the largest over the ranks (what fits
+    is the fullest GPU's: under expert parallelism each rank's experts save what their share of the
+    tokens makes, and the slowest rank need not be the fullest), status ``failed`` if any rank failed."""
     # Rows read back from files may hold a column of another version: the merged file has this one's.
     merged = [{c: row.get(c) for c in COLUMNS} for rows in rank_rows for row in rows]
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
@@ -549,5 +569,7 @@ def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us") is not None]
         failed = [r for r in rows if r.get("status") == "failed"]
         slowest = max(ok, key=lambda r: r["median_us"]) if ok and not failed else (failed or rows)[0]
-        merged.append({**slowest, "rank": "max"})
+        held = ok if ok and not failed else []
+        fullest = {c: max(v) for c in FULLEST if (v := [r[c] for r in held if r.get(c) is not None])}
+        merged.append({**slowest, **fullest, "rank": "max"})
     return merged
