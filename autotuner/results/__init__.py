@@ -60,14 +60,9 @@ def _column(
 
 
 def _number(
-    doc: str,
-    unit: str | None = None,
-    label: str | None = None,
-    optional: bool = False,
-    call: bool = False,
-    fullest: bool = False,
+    doc: str, unit: str | None = None, label: str | None = None, optional: bool = False, **flags: bool
 ) -> Any:
-    return _column(doc, unit, label, number=True, optional=optional, call=call, fullest=fullest)
+    return _column(doc, unit, label, number=True, optional=optional, **flags)
 
 
 @dataclass(frozen=True)
@@ -303,17 +298,7 @@ class Column:
 
 
 SCHEMA: dict[str, Column] = {
-    f.name: Column(
-        f.name,
-        f.metadata["doc"],
-        f.metadata["unit"],
-        f.metadata["label"] or f.name.replace("_", " "),
-        f.metadata["number"],
-        f.metadata["optional"],
-        f.metadata["call"],
-        f.metadata["counts"],
-        f.metadata["fullest"],
-    )
+    f.name: Column(f.name, **{**f.metadata, "label": f.metadata["label"] or f.name.replace("_", " ")})
     for f in fields(Row)
 }
 COLUMNS = list(SCHEMA)
