@@ -248,6 +248,51 @@ def test_recorder_restores_everything_and_records_outer_calls_once(tmp_path: Pat
     assert load(tmp_path / "c.json").error == "ValueError: stop here"
 
 
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class _SharedRotary(torch.nn.Module):
+    """One instance every layer calls and no layer holds, as transformers 5.25 makes of
+    ``apply_rotary_pos_emb``; it holds a child of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = _Scale()
+
+    def forward(self, x):
+        return self.scale(x)
+
+
+SHARED_ROTARY = _SharedRotary()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return SHARED_ROTARY(self.proj(x))
+
+
+def test_a_module_no_layer_holds_is_named_where_each_layer_calls_it(tmp_path: Path):
+    model = torch.nn.Sequential(_Layer(), _Layer())
+    with capture(tmp_path / "c.json", functions=[], methods=[]):
+        for _ in range(2):
+            model(torch.randn(3, 4))
+    counts = {(r.class_name, r.path): r.count for r in load(tmp_path / "c.json").calls}
+    # Named at its first caller, the shared module's calls from layer 1 would count as layer 0's (4 and 4).
+    assert counts == {
+        ("Sequential", ""): 2,
+        **{("_Layer", f"{i}"): 2 for i in (0, 1)},
+        **{("Linear", f"{i}.proj"): 2 for i in (0, 1)},
+        **{("_SharedRotary", f"{i}.~_SharedRotary"): 2 for i in (0, 1)},
+        **{("_Scale", f"{i}.~_SharedRotary.scale"): 2 for i in (0, 1)},
+    }
+
+
 def test_replayed_inputs_keep_the_recorded_strides(tmp_path: Path):
     from autotuner.capture.generic import GenericOp, distinct_calls
     from autotuner.capture.replay import GenericContext

@@ -62,16 +62,19 @@ class _ThreadState(threading.local):
 
 
 class _ModuleInfo:
-    """What is recorded about a module instance, computed at its first call."""
+    """What is recorded about a module instance, computed at its first call (from each caller, for a
+    module no root holds)."""
 
-    __slots__ = ("ident", "path", "callee", "base", "attrs")
+    __slots__ = ("ident", "path", "callee", "base", "attrs", "children")
 
-    def __init__(self, module: nn.Module, path: str) -> None:
+    def __init__(self, module: nn.Module, path: str, held: bool) -> None:
         self.ident = id(module)  # compared only while the module runs (so is alive): never a reused id
         self.path = path
         self.callee = qualified_name(type(module))
         self.base = base_class(type(module))
         self.attrs = module_attrs(module)
+        # The names of a free module's children, which no root's index holds either.
+        self.children = {} if held else {id(m): name for name, m in module.named_children()}
 
 
 class _Record:
@@ -106,6 +109,7 @@ class Recorder:
         self._records: dict[Hashable, _Record] = {}
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModuleInfo] = weakref.WeakKeyDictionary()
         self._paths: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._free: weakref.WeakKeyDictionary[nn.Module, dict[str, _ModuleInfo]] = weakref.WeakKeyDictionary()
         self._patched: list[tuple[Any, str, Any, bool]] = []
         self._hooks: list[Any] = []
         self._step_hook: Any = None
@@ -185,20 +189,36 @@ class Recorder:
         record.count += 1
 
     def _info(self, module: nn.Module) -> _ModuleInfo:
+        """The module's name and attributes: its place in a root, or else the place it is called from.
+
+        A module called while no module runs is a root (the model): it and every module it holds get
+        one name each, their place in it. A module no root holds is *free*, and may be one instance
+        that many callers share: transformers 5.25 makes ``apply_rotary_pos_emb`` a single global
+        ``nn.Module`` that every attention layer calls. A free module is named after its caller, each
+        time (``<caller>.<attribute>`` for a child of a free caller, ``<caller>.~<Class>`` otherwise),
+        so that its calls from two layers stay two records rather than one at the first caller's name.
+        """
         info = self._infos.get(module)
         if info is not None:
             return info
         state = self._state
         busy, state.busy = state.busy, True  # reading attributes must not record anything
         try:
-            path = self._paths.get(module)
-            if path is None:  # a module no indexed root holds: name it, and its children, from here
-                prefix = f"{state.stack[-1].path}.~{type(module).__name__}" if state.stack else ""
+            caller = state.stack[-1] if state.stack else None
+            if caller is None:
                 for name, sub in module.named_modules():
-                    if sub not in self._paths:
-                        self._paths[sub] = f"{prefix}.{name}".strip(".") if name else prefix
-                path = self._paths[module]
-            info = self._infos[module] = _ModuleInfo(module, path)
+                    self._paths.setdefault(sub, name)
+            path = self._paths.get(module)
+            if path is not None:
+                info = self._infos[module] = _ModuleInfo(module, path, held=True)
+            else:
+                assert caller is not None  # a root was just indexed
+                name = caller.children.get(id(module)) or f"~{type(module).__name__}"
+                path = f"{caller.path}.{name}".lstrip(".")
+                by_caller = self._free.setdefault(module, {})
+                info = by_caller.get(path)
+                if info is None:
+                    info = by_caller[path] = _ModuleInfo(module, path, held=False)
         finally:
             state.busy = busy
         return info
@@ -211,12 +231,14 @@ class Recorder:
         # without kwargs, (output,) only: the stack is unwound, nothing is recorded.
         state = self._state
         stack = state.stack
-        if stack and stack[-1].ident == id(module):
-            info: _ModuleInfo | None = stack.pop()
-        else:  # frames left by forwards that never returned (KeyboardInterrupt skips this hook)
-            info = self._infos.get(module)
-            while stack and stack.pop() is not info:
-                pass
+        info: _ModuleInfo | None = None
+        while (
+            stack
+        ):  # above this module's frame: forwards that never returned (KeyboardInterrupt skips this hook)
+            frame = stack.pop()
+            if frame.ident == id(module):
+                info = frame
+                break
         if info is None or len(rest) != 2 or not self.active or state.busy or _is_compiling():
             return
         state.busy = True
