@@ -5,15 +5,20 @@ BIN := $(VENV)/bin
 # torch is pinned for development and CI: a CPU wheel of this version lies where pip finds it, while an
 # unpinned or newer torch pulls a CUDA build of several GB. The package itself asks only torch>=2.4.
 TORCH_VERSION ?= 2.13.0
+# Every other package at the version the suite last passed with, on the Python CI runs (constraints.txt,
+# written by `make lock`): a dependency's release between two CI runs must not change what the tests run
+# on. Other Pythons, and `make setup CONSTRAINTS=`, get the newest versions pyproject.toml allows.
+CONSTRAINTS ?= constraints.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup demo test test-fast lint format tools clean
+.PHONY: setup demo test test-fast lint format tools clean lock
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(PIN) torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet $(PIN) -e '.[dev]'
 	touch $@
 
 tools:
@@ -36,6 +41,16 @@ lint: setup
 format: setup
 	$(BIN)/ruff format autotuner tests benchmarks
 	$(BIN)/ruff check --fix autotuner tests benchmarks
+
+# The newest versions pyproject.toml allows, installed into a scratch environment and written to
+# constraints.txt for this Python only; run `make test` on them before committing the file.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	.lock-venv/bin/python -m pip install --quiet -e '.[dev]'
+	.lock-venv/bin/python scripts/write_constraints.py > constraints.txt
+	rm -rf .lock-venv
 
 clean:
 	rm -rf $(VENV) .tools runs

@@ -44,8 +44,8 @@ TINY = ["shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", "progress=false"]
 # What a checkout holds besides its source (git-ignored installs, outputs, build folders): left out of
 # the copy the packages are built from, so a stale build/ can never slip into the wheel.
 _NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", ".tools", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-    ".ruff_cache", ".whl", ".whl19", "gpu_check_out", "outputs", "multirun",
+    ".git", ".venv", ".lock-venv", ".tools", "runs", "build", "dist", "*.egg-info", "__pycache__",
+    ".pytest_cache", ".ruff_cache", ".whl", ".whl19", "gpu_check_out", "outputs", "multirun",
 )  # fmt: skip
 
 
@@ -189,6 +189,8 @@ def test_wheel_and_sdist_carry_the_cases_configs_and_commands(dists):
     assert {
         "setup.py",
         "MANIFEST.in",
+        "Makefile",
+        "constraints.txt",  # the Makefile's set-up installs with it
         "scripts/install_nsys.sh",
         "scripts/gpu_check.sh",
         "scripts/slurm/profile_case.sbatch",

@@ -39,6 +39,8 @@ sequence longer than 64 items becomes ``{"object": "tuple", "length": n}``).
 
 Method calls list ``self`` as their first argument. Function and method calls are recorded at the
 outermost level only: a wrapped function called by another wrapped function is part of the outer call.
+A module that the outermost module does not hold (say one global instance that every layer calls) is named
+after its caller at each call, ``<caller path>.~<Class>``, and its children ``<caller path>.~<Class>.<name>``.
 """
 
 from __future__ import annotations
