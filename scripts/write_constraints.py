@@ -4,9 +4,10 @@ pyproject.toml allows, and writes constraints.txt, which `make setup` installs w
 
 from __future__ import annotations
 
-import re
 import sys
 from importlib.metadata import distributions
+
+from packaging.utils import canonicalize_name
 
 # torch is pinned in the Makefile (TORCH_VERSION), autotuner is this project, and pip and setuptools come
 # with the virtual environment rather than from anything the package requires.
@@ -17,7 +18,7 @@ def main() -> None:
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     pins = {}
     for dist in distributions():
-        name = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()  # PEP 503's normal form
+        name = canonicalize_name(dist.metadata["Name"])
         if name not in LEFT_OUT:
             pins[name] = dist.version
     print(f"# Written by `make lock` on Python {python}; `make setup` installs with it (see the Makefile).")

@@ -232,9 +232,8 @@ class Recorder:
         state = self._state
         stack = state.stack
         info: _ModuleInfo | None = None
-        while (
-            stack
-        ):  # above this module's frame: forwards that never returned (KeyboardInterrupt skips this hook)
+        # Frames above this module's are forwards that never returned (KeyboardInterrupt skips this hook).
+        while stack:
             frame = stack.pop()
             if frame.ident == id(module):
                 info = frame

@@ -553,8 +553,10 @@ def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for rows in groups.values():
         ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us") is not None]
         failed = [r for r in rows if r.get("status") == "failed"]
-        slowest = max(ok, key=lambda r: r["median_us"]) if ok and not failed else (failed or rows)[0]
-        held = ok if ok and not failed else []
-        fullest = {c: max(v) for c in FULLEST if (v := [r[c] for r in held if r.get(c) is not None])}
+        if failed or not ok:  # the op's row as one rank left it: the failure, or no timing at all
+            merged.append({**(failed or rows)[0], "rank": "max"})
+            continue
+        slowest = max(ok, key=lambda r: r["median_us"])
+        fullest = {c: max(v) for c in FULLEST if (v := [r[c] for r in ok if r.get(c) is not None])}
         merged.append({**slowest, **fullest, "rank": "max"})
     return merged
