@@ -342,6 +342,11 @@ def _dry_run(argv: list[str]) -> bool:
     jobs = [compose_config([*job, *_search_path(argv)]) for job in _expand_sweeps(overrides)]
     if not any(cfg.dry_run for cfg in jobs):
         return False
+    if not all(cfg.dry_run for cfg in jobs):  # else the jobs asked to measure would be previewed, silently
+        raise UserError(
+            "a sweep of dry_run=true and dry_run=false jobs: a dry run measures nothing and makes no run "
+            "directory; preview with dry_run=true and measure without it, as two commands"
+        )
     from autotuner.runner.dry_run import dry_run
 
     for cfg in jobs:

@@ -61,15 +61,22 @@ def test_tiny_op_parameters_and_costs_match_the_real_model():
     assert flops[("linear_qkv", "forward", "s32_b1")] == 2 * flops[("linear_qkv", "forward", "s16_b1")]
 
 
-def test_a_real_run_after_a_dry_run_in_the_same_process(tmp_path: Path):
-    """The dry run's meta scratch buffer and RNG tracker are not left to a later real run (core attention
-    takes its scores buffer from Megatron's global one)."""
+@pytest.mark.parametrize("case, op", [("tiny", "core_attention"), ("tiny_moe", "moe_layer")])
+def test_a_real_run_after_a_dry_run_in_the_same_process(case: str, op: str, tmp_path: Path, monkeypatch):
+    """The dry run's meta scratch buffer, RNG tracker and MoE auxiliary loss scale are not left to a later
+    real run (core attention takes its scores buffer from Megatron's global one; a router's backward, the
+    scale Megatron keeps for the process once a backward has made it)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # as in a fresh process: no backward through a router has made the scale yet (an earlier test's would
+    # be on the host, and the dry run would leave it be)
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
     fast = ["shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", "progress=false", "report=false"]
-    assert run(["case=tiny", "dry_run=true", *fast]) == 0
+    assert run([f"case={case}", "dry_run=true", *fast]) == 0
     run_dir = tmp_path / "real"
     real = [
-        "case=tiny",
-        "ops=[core_attention]",
+        f"case={case}",
+        f"ops=[{op}]",
         "timing.min_samples=2",
         "timing.max_samples=3",
         f"hydra.run.dir={run_dir}",
@@ -79,3 +86,12 @@ def test_a_real_run_after_a_dry_run_in_the_same_process(tmp_path: Path):
     assert (run_dir / "results.jsonl").exists()
     rows = load_rows(run_dir / "results.jsonl")
     assert [r["status"] for r in rows] == ["ok", "ok"]
+
+
+def test_a_sweep_of_dry_and_measured_jobs_is_refused(tmp_path: Path, capsys):
+    """``-m dry_run=true,false`` would preview the job asked to measure: one line, exit 2, nothing made."""
+    code = run(["-m", "case=tiny", "dry_run=true,false", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("autotuner: error: a sweep of dry_run=true and dry_run=false jobs")
+    assert not (tmp_path / "sweep").exists()

@@ -176,9 +176,13 @@ def _meta_session() -> Iterator[None]:
     """What Megatron's forward needs on meta tensors, undone afterwards: its parallel state (a one-process
     group, as a CPU run has), the no-op RNG tracker, and a scratch buffer (core attention's) that hands out
     meta tensors. The buffer is a fresh one, put back afterwards: the cached one would keep the meta
-    tensors, and a later real run in this process would be handed them."""
+    tensors, and a later real run in this process would be handed them. So is the MoE auxiliary loss's
+    backward scale, which Megatron makes on the first backward through a router, on the device of that
+    backward's loss, and keeps for the process: made on meta, it failed every later real backward through
+    a router ("Cannot copy out of meta tensor")."""
     from megatron.core import parallel_state
     from megatron.core import utils as mcore_utils
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from autotuner.model import cpu_bridges
     from autotuner.model.runtime import init_parallel
@@ -190,11 +194,13 @@ def _meta_session() -> Iterator[None]:
     cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
     init_parallel(torch.device("cpu"))
     saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     parallel_state._GLOBAL_MEMORY_BUFFER = MetaBuffer()
     try:
         yield
     finally:
         parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
 
 
 def build_meta_model(spec: RunSpec, parts: Any) -> Any:
