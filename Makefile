@@ -27,12 +27,19 @@ tools:
 demo: setup
 	$(BIN)/python -m autotuner.main case=tiny launcher=get_data
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker so that a module's
+# fixture (a profiled run, a built wheel, a SLURM cluster) is made once. In one process it kept a 2-core
+# VM's cores about half busy, waiting on its subprocesses (torchrun, nsys, SLURM, pip); TEST_WORKERS=1
+# runs it in one (README: Testing).
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 # The development loop: no nsys, no SLURM, no torchrun, no GPU, nothing over ~10 s (README: Testing).
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow and not nsys and not slurm and not torchrun and not gpu"
+	$(BIN)/python -m pytest $(XDIST) -m "not slow and not nsys and not slurm and not torchrun and not gpu"
 
 lint: setup
 	$(BIN)/ruff check autotuner tests benchmarks
