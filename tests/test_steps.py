@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from autotuner.errors import UserError
-from autotuner.predict.in_step import IN_STEP_KEYS
+from autotuner.predict.in_step import IN_STEP_KEYS, inside_ops_s
 from autotuner.predict.layout import Layout
 from autotuner.predict.step_measurement import RankSteps, StepMeasurement
 from autotuner.predict.steps import measure_steps, run_process_group, run_steps
@@ -106,23 +106,18 @@ def test_a_single_process_step_is_a_real_training_step(single):
     # the embedding, the layers (tiny: 2), the final norm and the head run inside the stage's forward and
     # fill most of it (the rest is GPTModel's own host work). Judged on the spans of one step, the median
     # one (its timeline), not on medians of different visits, which a busy machine moves apart.
-    spans = {}
-    for key, _, start, end in rank.timeline:
-        spans.setdefault(key, []).append((start, end))
-    stages = spans["stage.forward"]
-    forward_ops = [span for key, found in spans.items() if key in FORWARD_OPS for span in found]
+    stages = [(start, end) for key, _, start, end in rank.timeline if key == "stage.forward"]
+    forward_ops = [visit for visit in rank.timeline if visit[0] in FORWARD_OPS]
     assert len(stages) == single.layout.microbatches and len(forward_ops) == 5 * len(stages)
-    assert all(any(s <= start and end <= e for s, e in stages) for start, end in forward_ops)
+    assert all(any(s <= start and end <= e for s, e in stages) for _, _, start, end in forward_ops)
     stage_s = sum(e - s for s, e in stages)
-    assert 0.5 * stage_s < sum(end - start for start, end in forward_ops) <= stage_s
+    assert 0.5 * stage_s < inside_ops_s(forward_ops) <= stage_s
     assert stage_s < rank.forward_backward_s[single.timeline_step]  # the backwards take the rest
 
 
 def test_the_median_steps_op_visits_are_its_timeline(single):
     """One timed step's visits (the one whose forward-backward is the median), each op of each
     micro-batch once, in time order inside that step's forward-backward, without two ops at once."""
-    from autotuner.predict.in_step import inside_ops_s
-
     timed = single.ranks[0].forward_backward_s[single.warmup + 1 :]
     step = single.timeline_step
     assert (
@@ -278,7 +273,7 @@ def test_host_work_is_the_time_outside_the_ops_split_by_phase():
 def test_a_real_steps_host_work_is_its_time_between_the_ops(single):
     """On the tiny model's real steps: positive in both phases, the forward's inside the model's forward,
     and the two together all the time between the ops (the calibration times it so on a smaller model)."""
-    from autotuner.predict.in_step import host_work_s, inside_ops_s
+    from autotuner.predict.in_step import host_work_s
 
     rank, m = single.ranks[0], single.layout.microbatches
     fb = rank.forward_backward_s[single.timeline_step]
@@ -324,8 +319,6 @@ def _timed(call, clock) -> float:
 
 
 def test_visits_are_merged_as_the_time_inside_some_op():
-    from autotuner.predict.in_step import inside_ops_s
-
     visits = [
         ("stage.forward", 0, 0.0, 10.0),  # holds the ops: not counted
         ("transformer_layer.forward", 1, 1.0, 3.0),
