@@ -89,6 +89,13 @@ class TimingConfig(SamplingPolicy):
     sample follows one, as each forward of an op in a training step follows its previous micro-batch's
     backward (autotuner.measure.timer); the rows record it. False, the default, times forwards back to
     back, as torch.utils.benchmark does.
+    ``held_activations_mib`` keeps earlier calls' forward graphs (their outputs and saved activations) alive
+    while each sample runs, at least that many MiB of them (whole graphs, at most 256), as a step holds its
+    micro-batches' activations until their backward: each forward writes, and each backward reads, memory
+    as far from the cache as the step's are (autotuner.measure.timer, "Activations a step holds"); a forward
+    sample then follows the backward of the oldest held graph. The rows record the bytes held
+    (``held_activation_bytes``); the predictor takes rows timed without where it has them. 0, the
+    default: each sample finds only its own.
     ``threads``: torch intra-op threads (0 keeps torch's default); the rows record the number used.
     ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than ``cuda_graph_below_us`` as
     CUDA-graph replays, without host launch overhead (autotuner.measure.graphs); the rows say which were.
@@ -100,6 +107,7 @@ class TimingConfig(SamplingPolicy):
     flush_cache: bool = False
     idle_before_ms: float = 0.0
     forward_after_backward: bool = False
+    held_activations_mib: float = 0.0
     rotate_inputs: bool = True
     threads: int = 0
     cuda_graph: bool = False

@@ -281,6 +281,37 @@ def test_forwards_timed_after_their_backward_say_so_in_their_rows(tmp_path):
         assert rows[True]["forward"][column] == rows[False]["forward"][column]
 
 
+def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, capsys):
+    """timing.held_activations_mib: both phases' samples ran beside earlier calls' graphs, enough whole graphs
+    of what the forward saves to hold at least that much (at most MAX_HELD_GRAPHS), and the rows say how many
+    bytes; each forward sample followed a held graph's backward; by default nothing is held; a negative
+    amount is refused."""
+    from autotuner.launchers.get_data import MAX_HELD_GRAPHS
+
+    overrides = ["ops=[activation]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", *FAST]
+    rows = {}
+    for mib in (1, 0):
+        run_dir = tmp_path / str(mib)
+        assert (
+            run(["case=tiny", f"hydra.run.dir={run_dir}", *overrides, f"timing.held_activations_mib={mib}"])
+            == 0
+        )
+        rows[mib] = {r["phase"]: r for r in _check_files(run_dir) if r["status"] == "ok"}
+    saved = rows[1]["forward"]["activation_bytes"]
+    assert 0 < saved < 2**20
+    for phase in ("forward", "backward"):
+        graphs, rest = divmod(rows[1][phase]["held_activation_bytes"], saved)
+        assert rest == 0 and graphs == min(-(-(2**20) // saved), MAX_HELD_GRAPHS), (phase, graphs, saved)
+        assert rows[0][phase]["held_activation_bytes"] is None
+    assert rows[1]["forward"]["forward_after_backward"] is True
+    assert rows[0]["forward"]["forward_after_backward"] is False
+    bad = tmp_path / "bad"
+    assert run(["case=tiny", f"hydra.run.dir={bad}", "timing.held_activations_mib=-1", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "held_activations_mib" in err[0] and "fix timing." in err[0]
+    assert not bad.exists()
+
+
 def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypatch):
     import torch
 

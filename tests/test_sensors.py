@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import subprocess
 import sys
 import time
@@ -499,7 +500,7 @@ def test_backward_phase_times_the_backward_alone(phase):
 
 
 def test_a_forward_after_its_backward_follows_the_backward_of_the_previous_sample():
-    """Phase.after_backward (timing.forward_after_backward): each prepare runs the backward of what the
+    """Phase.training_order (timing.forward_after_backward): each prepare runs the backward of what the
     previous run returned, from the backward phase's seeded gradients; the first has none to run; on
     exit the kept graph and the gradients are gone and the phase is back to back again."""
     phase, linear = _linear_phase("forward")
@@ -509,7 +510,7 @@ def test_a_forward_after_its_backward_follows_the_backward_of_the_previous_sampl
     backward.run()
     expected = linear.weight.grad.clone()  # the same seed: the same output gradients
     linear.weight.grad = None
-    with phase.after_backward() as order:
+    with phase.training_order() as order:
         phase.prepare()  # nothing run yet: nothing to run backward
         assert not order.followed and linear.weight.grad is None
         output = phase.run()
@@ -521,17 +522,60 @@ def test_a_forward_after_its_backward_follows_the_backward_of_the_previous_sampl
         phase.prepare()  # the gradients cleared before each backward: not accumulated
         torch.testing.assert_close(linear.weight.grad, expected, rtol=0, atol=0)
         phase.run()
-        assert phase._outputs  # kept until the next prepare
     assert phase._outputs == [] and phase.prepare is None and phase.run == plain_run
     assert linear.weight.grad is None
-    with pytest.raises(ValueError, match="forward phase"), backward.after_backward():
+    with pytest.raises(ValueError, match="graphs=0"), phase.training_order(0):
         pass
     no_grad = Phase("forward", OpCall(lambda x: x * 2, (torch.randn(4),)), 0)
-    with no_grad.after_backward() as order:
+    with no_grad.training_order() as order:
         for _ in range(2):
             no_grad.prepare()
             no_grad.run()
     assert not order.followed  # an output without a gradient: its samples ran back to back
+
+
+def _graphs_alive(outputs: list[torch.Tensor]) -> int:
+    """How many of ``outputs`` (weak references' targets) still hold their graph."""
+    return sum(1 for ref in outputs if ref() is not None and ref().grad_fn is not None)
+
+
+def test_held_graphs_run_backward_oldest_first_and_are_freed_on_exit():
+    """Phase.training_order(graphs) (timing.held_activations_mib): a forward holds ``graphs`` graphs from
+    the start (as many forwards on entry), and each prepare runs the oldest one's backward; a backward's
+    prepare runs forwards until ``graphs`` are held and its run is the oldest one's backward. Counted by
+    calls of the op and by weak references to the outputs; with one graph the backward phase is as without
+    the block."""
+    calls = []
+    linear = torch.nn.Linear(8, 8)
+    call = OpCall(lambda x: calls.append(1) or linear(x), (torch.randn(4, 8, requires_grad=True),), linear)
+    forward, backward = Phase("forward", call, seed=0), Phase("backward", call, seed=0)
+    outputs = []
+    with forward.training_order(3) as order:
+        assert len(calls) == 3 and not order.followed  # held from the start
+        for _ in range(5):
+            forward.prepare()
+            assert order.followed
+            outputs.append(weakref.ref(forward.run()))
+            # held: this sample's graph and those of the two before it, no more
+            assert _graphs_alive(outputs) == min(len(outputs), 3)
+    gc.collect()
+    assert _graphs_alive(outputs) == 0  # freed on exit
+    assert len(calls) == 3 + 5  # then one forward a sample: the held graphs' backwards call no forward
+
+    calls.clear()
+    with backward.training_order(3):
+        backward.prepare()
+        assert len(calls) == 3  # the first prepare fills the queue
+        oldest = backward._outputs
+        spent = backward.run()
+        assert spent is oldest and linear.weight.grad is not None
+        backward.prepare()
+        assert len(calls) == 4  # then one forward a sample
+    assert backward._outputs == [] and linear.weight.grad is None
+    calls.clear()
+    plain_prepare = backward.prepare
+    with backward.training_order(1):
+        assert backward.prepare is plain_prepare
 
 
 def test_static_work_repeats_the_phase_on_fixed_tensors():

@@ -25,6 +25,7 @@ import torch
 
 from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
 from autotuner.measure.graphs import NotReplayable, capture_phase
+from autotuner.measure.memory import SavedTensorsMeter
 from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import graph_rng_generators
@@ -64,6 +65,25 @@ def _in_turn(steps: list[Callable[[], None]]) -> Callable[[], None] | None:
     return run
 
 
+# timing.held_activations_mib: at most this many graphs held besides a sample's own (an op that saves little
+# holds less than asked: its row says how much it held)
+MAX_HELD_GRAPHS = 256
+
+
+def graphs_to_hold(phase: Phase, exclude: list[torch.Tensor], held_bytes: float) -> tuple[int, int]:
+    """(graphs, bytes each saves) for ``timing.held_activations_mib`` (autotuner.measure.timer, "Activations a
+    step holds"): the sample's own graph and enough earlier ones to hold at least ``held_bytes`` of what the
+    forward saves, at most MAX_HELD_GRAPHS of them; one (nothing held) for an op whose forward saves nothing.
+    The saved bytes as the ``activation_bytes`` sensor counts them: one untimed forward, ``exclude`` (the
+    model's weights) not counted."""
+    with SavedTensorsMeter(exclude=[*exclude, *phase.parameters]) as saved:
+        output = phase.call.fn(*phase.call.inputs)
+    del output
+    if saved.bytes == 0 or held_bytes <= 0:
+        return 1, saved.bytes
+    return 1 + min(math.ceil(held_bytes / saved.bytes), MAX_HELD_GRAPHS), saved.bytes
+
+
 class GetDataObserver:
     name = "get_data"
 
@@ -80,6 +100,7 @@ class GetDataObserver:
         hide_launch: bool = True,
         idle_before_ms: float = 0.0,
         forward_after_backward: bool = False,
+        held_activations_mib: float = 0.0,
     ) -> None:
         self.cuda_graph_below_us = cuda_graph_below_us if device.type == "cuda" else None
         self.graphs_off = ""  # set after a failed capture: the reason later rows give
@@ -93,7 +114,7 @@ class GetDataObserver:
         self.agreement = RankAgreement(device)
         self.model_parameters = model_parameters
         self.flush_cache, self.idle_before_ms = flush_cache, idle_before_ms
-        self.forward_after_backward = forward_after_backward
+        self.forward_after_backward, self.held_activations_mib = forward_after_backward, held_activations_mib
         steps = [CacheFlusher(device) if flush_cache else None]
         steps += [IdlePause(self.timer, idle_before_ms * 1e-3) if idle_before_ms > 0 else None]
         self.before_sample = _in_turn([s for s in steps if s is not None])  # untimed, before each sample
@@ -106,6 +127,12 @@ class GetDataObserver:
         if not self.rotate_inputs or size == 0 or size >= self.cache_bytes:
             return 1
         return min(8, math.ceil(2 * self.cache_bytes / size))
+
+    def _held_graphs(self, phase: Phase) -> tuple[int, int]:
+        """:func:`graphs_to_hold`, the group's largest count under torchrun: it decides how many forwards a
+        backward sample's prepare runs (autotuner.measure.timer.RankAgreement)."""
+        graphs, saved = graphs_to_hold(phase, self.model_parameters, self.held_activations_mib * 2**20)
+        return int(self.agreement.max(graphs)[0]), saved
 
     def _graphed(self, phase: Phase, label: str) -> tuple[Callable[[], None] | None, str]:
         """A CUDA-graph replay of the phase when its eager call is short enough (autotuner.measure.graphs),
@@ -151,12 +178,15 @@ class GetDataObserver:
         replay, graph_warning = self._graphed(phase, label)
         graphed = replay is not None
         order = TrainingOrder()  # a replay's samples run back to back
+        graphs, saved_bytes = 1, 0
         if replay is not None:
             measurement = sample(self.timer, replay, self.policy, None, self.before_sample, self.agreement)
         else:
             phase.rotate(self._input_sets(phase))
-            in_order = self.forward_after_backward and phase.name == "forward"
-            with phase.after_backward() if in_order else contextlib.nullcontext(order) as order:
+            if self.held_activations_mib > 0:
+                graphs, saved_bytes = self._held_graphs(phase)
+            in_order = (self.forward_after_backward and phase.name == "forward") or graphs > 1
+            with phase.training_order(graphs) if in_order else contextlib.nullcontext(order) as order:
                 measurement = sample(
                     self.timer, phase.run, self.policy, phase.prepare, self.before_sample, self.agreement
                 )
@@ -169,6 +199,7 @@ class GetDataObserver:
             "cache_flush": self.flush_cache,
             "idle_before_ms": self.idle_before_ms,
             "forward_after_backward": order.followed,
+            "held_activation_bytes": (graphs - 1) * saved_bytes if graphs > 1 else None,
             "cuda_graph": graphed,
             "launch_hidden": self.timer.hide_launch,
         }
@@ -239,6 +270,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
         hide_launch=timing.hide_launch,
         idle_before_ms=timing.idle_before_ms,
         forward_after_backward=timing.forward_after_backward,
+        held_activations_mib=timing.held_activations_mib,
     )
     Runner(spec, observer, writer, progress=cfg.progress).run(context)
     return finish(writer, spec)

@@ -42,7 +42,7 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   a training step every forward of an op follows the op's backward of the previous micro-batch, which
   touched its weights' gradients and freed its saved activations in between.
   ``timing.forward_after_backward`` runs that backward, untimed, after every forward sample
-  (autotuner.runner.Phase.after_backward), so each sample is one call after one; the rows record it
+  (autotuner.runner.Phase.training_order), so each sample is one call after one; the rows record it
   (``forward_after_backward``), the predictor prefers such rows and its profiling plan asks for them in
   its warm runs (autotuner.predict). On this project's CPU VM (session 29, one thread, the steps' own
   layers alternated with the steps in one process: ``python -m benchmarks.row_in_step``) the tiny
@@ -50,6 +50,21 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   llama-shaped layer's 0.96 and 1.09: back to back is a lower bound of a step's forward, after the
   backward near it or above. Off by default: the back-to-back forward is the op's own time, as
   torch.utils.benchmark times it.
+* Activations a step holds. A training step keeps every micro-batch's saved activations until its
+  backward, so each forward writes them into memory the allocator hands out afresh and each backward reads
+  them back after everything the stage ran between; once that is more than the shared cache holds, the
+  memory is no longer cached. A sample after its own backward writes into the blocks that backward has
+  just freed, still in the cache. ``timing.held_activations_mib`` holds earlier calls' graphs, at least
+  that many MiB of what the forward saves (autotuner.runner.Phase.training_order,
+  autotuner.launchers.get_data.graphs_to_hold): a forward sample follows the backward of the oldest held
+  graph and writes where that graph's activations lay, a backward sample runs the oldest graph's backward;
+  the rows record the bytes held (``held_activation_bytes``). On this project's Intel VM (session 47, one
+  thread, 20 rounds, the rows alternated with the steps in one process: ``python -m
+  benchmarks.row_in_step``, two runs an hour apart) the llama-shaped layer's rows read 0.984 and 0.962
+  (forward after its backward) and 0.942 and 0.923 (backward) of its time inside the steps by default,
+  0.999 and 0.976, 0.991 and 0.959 held (52 and 24 MiB); but the steps predicted from held rows profiled in
+  their own processes read no nearer (docs/predictor_accuracy.md, "Activations a step holds"), and the
+  predictor takes the rows without. Off (0) by default.
 * Freeing what a call returns. A forward's output holds its autograd graph and every activation saved
   for the backward; a bare ``run()`` drops it at once, inside the timed window, so the graph's teardown
   and the frees of its tensors were timed as the forward. In training they live until the backward,

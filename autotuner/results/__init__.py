@@ -157,6 +157,13 @@ class Row:
         "get_data, a forward: every sample followed the op's own backward of the previous sample, "
         "untimed, as in training (timing.forward_after_backward; autotuner.measure.timer)"
     )
+    held_activation_bytes: int | None = _number(
+        "get_data: the activations earlier calls saved, held while each sample ran, as a step holds its "
+        "micro-batches' until their backward; empty: none (timing.held_activations_mib; "
+        "autotuner.measure.timer)",
+        "bytes",
+        optional=True,
+    )
     launch_hidden: bool | None = _column(
         "get_data on CUDA: a spin kernel was queued before every sample, so the host's delay before the "
         "first kernel is not in the sample (timing.hide_launch; autotuner.measure.timer)"

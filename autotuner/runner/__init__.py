@@ -7,6 +7,7 @@ making inputs, the forward/backward split, failure handling, incremental results
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import traceback
@@ -221,44 +222,70 @@ class Phase:
         return outputs  # the spent graph's nodes go with them
 
     @contextlib.contextmanager
-    def after_backward(self) -> Iterator[TrainingOrder]:
-        """Within the block, this forward phase in training's order: its ``run`` keeps the output and its
-        ``prepare`` runs that output's backward (untimed, from the backward phase's seeded gradients, the
-        gradients cleared first as the backward phase clears them), so every sample after the first
-        follows the op's own backward, as every forward of an op in a training step follows its previous
-        micro-batch's backward (autotuner.measure.timer, "A forward follows its backward"). Yields what
-        it did: ``followed`` stays False for an op whose output needs no gradient (nothing to run
-        backward: its samples ran back to back). On exit the kept output, and its graph, is freed and the
-        phase is as before."""
-        if self.name != "forward":
-            raise ValueError(f"after_backward is for the forward phase, not {self.name!r}")
+    def training_order(self, graphs: int = 1) -> Iterator[TrainingOrder]:
+        """Within the block, this phase in training's order, with up to ``graphs`` forward graphs (each an
+        output and the activations it saved) held at once, as a step holds its micro-batches' until their
+        backward (autotuner.measure.timer, "A forward follows its backward" and "Activations a step
+        holds"):
+
+        * forward: ``run`` keeps its output's graph, and ``prepare``, once ``graphs`` are kept (from the
+          start where ``graphs`` is over 1: as many forwards run on entry), runs the oldest one's backward
+          (untimed, from the backward phase's seeded gradients, the gradients cleared first as the backward
+          phase clears them). So every sample (with one graph, every sample after the first) follows the
+          op's own backward, as every forward of an op in a training step follows its previous
+          micro-batch's backward, and writes what it saves into memory the held graphs' ``graphs - 1``
+          calls ago wrote.
+        * backward: ``prepare`` runs forwards until ``graphs`` are held and takes the oldest; ``run`` is its
+          backward, which reads activations written ``graphs - 1`` forwards before. With ``graphs`` 1 the
+          phase is as without the block: each backward after its own fresh forward.
+
+        Yields what it did: ``followed`` (a forward) stays False for an op whose output needs no gradient
+        (nothing to run backward: its samples ran back to back, nothing held). On exit the held graphs are
+        freed and the phase is as before."""
+        if graphs < 1:
+            raise ValueError(f"graphs={graphs}: at least the sample's own")
         order = TrainingOrder()
         plain_run, plain_prepare = self.run, self.prepare
+        held: collections.deque[list[torch.Tensor]] = collections.deque()
 
-        def run() -> Any:
+        def run_forward() -> Any:
             output = plain_run()
-            self._outputs = [t for t in _tensors(output) if t.requires_grad]
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs:
+                held.append(outputs)
             return output
 
-        def prepare() -> None:
-            outputs, self._outputs = self._outputs, []
-            if not outputs:
-                return
-            self.clear_grads()
-            torch.autograd.backward(outputs, self._output_grads(outputs))
-            order.followed = True
+        def prepare_forward() -> None:
+            while len(held) >= graphs:
+                outputs = held.popleft()
+                self.clear_grads()
+                torch.autograd.backward(outputs, self._output_grads(outputs))
+                order.followed = True
 
-        self.run, self.prepare = run, prepare
+        def prepare_backward() -> None:
+            while len(held) < graphs:
+                self._forward_for_backward()
+                held.append(self._outputs)
+            self._outputs = held.popleft()
+            self.clear_grads()
+
+        if self.name == "forward":
+            self.run, self.prepare = run_forward, prepare_forward
+        elif graphs > 1:
+            self.prepare = prepare_backward
         try:
+            for _ in range(graphs if self.name == "forward" and graphs > 1 else 0):
+                run_forward()  # held from the first sample on, as from the last
             yield order
         finally:
             self.run, self.prepare, self._outputs = plain_run, plain_prepare, []
+            held.clear()
             self.clear_grads()
 
 
 @dataclass
 class TrainingOrder:
-    """What :meth:`Phase.after_backward` did: whether any sample followed the op's backward."""
+    """What :meth:`Phase.training_order` did: whether any forward sample followed the op's backward."""
 
     followed: bool = False
 
