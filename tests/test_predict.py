@@ -611,6 +611,26 @@ def test_warm_forwards_timed_after_their_backward_win_and_back_to_back_ones_are_
         assert not any("back to back" in w for w in predict(load_runs(runs), layout, roomy).warnings)
 
 
+def test_rows_timed_beside_held_activations_only_stand_in_for_rows_timed_without(tmp_path):
+    """timing.held_activations_mib times another condition than the rows the predictor adds up (its steps
+    read no nearer from them: autotuner.predict.caches, "Activations held"): a row timed without held
+    activations wins over one timed beside them, whichever run came last; alone, the held row stands in."""
+    layout = Layout(seq_len=32, global_batch_size=1, dtype="fp32")
+    roomy = {**CAL, "warm_cache_bytes": 2**30, "shared_cache_bytes": 2**30}  # every visit warm
+    in_order = [{**r, "forward_after_backward": r["phase"] == "forward"} for r in base_rows()]
+    held = [{**r, "held_activation_bytes": 2**25, "median_us": r["median_us"] * 1.2} for r in in_order]
+    plain, holding = make_run(tmp_path, in_order, "plain"), make_run(tmp_path, held, "held")
+
+    def layer(pred) -> float:
+        return next(
+            t.seconds for op, ph, t, _ in pred.stages[0].items if (op, ph) == ("transformer_layer", "forward")
+        )
+
+    for runs in ([plain, holding], [holding, plain]):
+        assert layer(predict(load_runs(runs), layout, roomy)) == pytest.approx(1000 * US)
+    assert layer(predict(load_runs([holding]), layout, roomy)) == pytest.approx(1200 * US)
+
+
 def test_a_stages_first_forward_op_takes_its_warm_row_only_where_that_row_followed_its_backward(tmp_path):
     """A stage's first forward op (the first stage's embedding, a later stage's first layer) follows the
     stage's backward, which ends with the op's own: a warm forward row timed after that backward

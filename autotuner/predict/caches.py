@@ -74,6 +74,18 @@ forward row timed after the op's backward (``timing.forward_after_backward``, as
 step runs) wins over one timed back to back, which on a CPU reads under a step's forward; a CPU prediction
 from back-to-back ones says so (autotuner.measure.timer, "A forward follows its backward").
 
+**Activations held (session 47, not in the rule).** A step keeps each micro-batch's saved activations until
+its backward, so an op's visit writes, or reads, memory whose previous use lies as many bytes back as the
+stage touches between (:func:`reuse_distances`); a warm row timed after its own backward writes into the
+blocks that backward has just freed. Rows timed beside earlier calls' held graphs
+(``timing.held_activations_mib``, autotuner.measure.timer, "Activations a step holds") time the other
+condition. In one process on session 47's Intel VM they brought the llama-shaped layer's rows closer to its
+visits inside the steps (``python -m benchmarks.row_in_step``), but the steps predicted from them, profiled
+in their own processes, read 0.970-1.056 (the medians of four runs over two hours) against 0.922-1.012 from
+the rows without in the same rounds, no nearer than those (docs/predictor_accuracy.md, "Activations a step
+holds"), so the rule takes the rows without held activations (autotuner.predict.inputs.Measurements) and
+held rows only stand in for them.
+
 The same sweep says whether a stage's host work outside its ops finds its own data cached
 (:func:`host_work_cached`; autotuner.predict.timing, "Host work outside the ops").
 """
@@ -168,6 +180,23 @@ def stage_sweep(model: ModelShape, layout: Layout, stage: int, layer_activations
     return ops
 
 
+def reuse_distances(sweep: list[SweepOp]) -> list[tuple[float, float]]:
+    """Per op of ``sweep``, the bytes the stage touches between its (forward, backward) visit and the op's
+    previous visit: for a forward, every op before it (the last micro-batch's backward of those, then this
+    one's forward); for a backward, every op after it (its forward, then their backward). Distinct bytes,
+    each op's footprint once."""
+    before = [0.0, *itertools.accumulate(op.footprint for op in sweep)]  # bytes of the ops before each
+    return [(before[i], before[-1] - before[i + 1]) for i in range(len(sweep))]
+
+
+def mean_reuse_distance(sweeps: list[list[SweepOp]]) -> float:
+    """The mean of :func:`reuse_distances` over the forward and backward visits of the stage that touches
+    most a micro-batch."""
+    fullest = max(sweeps, key=lambda sweep: sum(op.footprint for op in sweep))
+    distances = [d for pair in reuse_distances(fullest) for d in pair]
+    return sum(distances) / len(distances)
+
+
 def warm_visits(
     sweep: list[SweepOp], caches: CacheSizes | None, timed_after_backward: frozenset[str] = frozenset()
 ) -> dict[tuple[str, str], int]:
@@ -181,10 +210,8 @@ def warm_visits(
     found = {(op.name, phase): 0 for op in sweep for phase in PHASES}
     if caches is None:
         return found
-    before = [0.0, *itertools.accumulate(op.footprint for op in sweep)]  # bytes of the ops before each
-    for i, op in enumerate(sweep):
-        for phase in PHASES:
-            distance = before[i] if phase == "forward" else before[-1] - before[i + 1]
+    for i, (op, distances) in enumerate(zip(sweep, reuse_distances(sweep), strict=True)):
+        for phase, distance in zip(PHASES, distances, strict=True):
             just_before = i - 1 if phase == "forward" else i + 1  # the backward sweeps in reverse
             follows_itself = 0 <= just_before < len(sweep) and sweep[just_before].name == op.name
             after_backward = phase == "forward" and i == 0 and op.name not in timed_after_backward

@@ -285,13 +285,16 @@ def measured_on_cpu(rows: Iterable[Mapping[str, Any]]) -> bool:
     return {r.get("device") for r in rows if r.get("status") == "ok"} == {"cpu"}
 
 
-def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> tuple[bool, bool, bool]:
+def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> tuple[bool, bool, bool, bool]:
     """How a row fits what ``Measurements`` asks for, in the order it weighs them (tuples compare so):
-    its cache mode, then the processes it was profiled in (True where nothing is asked), then, for a
+    its cache mode, then the processes it was profiled in (True where nothing is asked), then whether its
+    samples ran without earlier calls' held activations (``held_activation_bytes``: the predictor's rows;
+    held ones are another condition, autotuner.measure.timer, "Activations a step holds"), then, for a
     forward, whether each sample followed the op's backward as in a step (``forward_after_backward``)."""
     return (
         cold is None or bool(row.get("cache_flush")) == cold,
         processes is None or row.get("run_processes") == processes,
+        not row.get("held_activation_bytes"),
         row.get("phase") != "forward" or bool(row.get("forward_after_backward")),
     )
 
@@ -310,6 +313,7 @@ class Measurements:
     row measured with the cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured
     the other way; then one profiled in ``processes`` processes (``run_processes``; None: any), as a CPU
     layout's ops run beside that many (autotuner.predict.prediction), over one profiled in another count; then
+    one timed without held activations (``timing.held_activations_mib``) over one timed beside them; then
     a forward timed after the op's backward (``timing.forward_after_backward``), as a step runs it, over one
     timed back to back. Rows that fit equally from different runs (``run_dir``, set by
     autotuner.predict.prediction.load_runs), or from different ranks of one where the op ran on its own in
