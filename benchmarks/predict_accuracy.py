@@ -2,7 +2,7 @@
 
     python -m benchmarks.predict_accuracy [--repeats 7] [--rounds 6] [--cases tiny,llama_small,tiny_moe]
         [--layouts tp1,tp2,pp2,vpp2,dp2,dp2zero,ep2,pp2last1] [--calibrate round|once] [--threads 1]
-        [--realtime] [--row-seconds 0]
+        [--realtime] [--row-seconds 0] [--beside-held MIB]
     python -m benchmarks.predict_accuracy --pool LOG [LOG ...]    # the rounds of saved runs, judged together
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
@@ -72,7 +72,10 @@ span (autotuner.predict.in_step.replay: the schedule model alone). With more tha
 same predictions judged on the first and the last draw alone (the benchmark before session 39); with
 ``--beside-row-seconds S``, the step predicted from the same ops profiled in the same round with rows
 spanning S seconds (0: get_data's default), judged on the same draws, and its ratio to the round's own
-prediction: what a row's span changes, the hour shared.
+prediction: what a row's span changes, the hour shared; with ``--beside-held MIB``, the step predicted from
+one more warm profile, in the middle of the round, timed beside MIB of earlier calls' held activations
+(``timing.held_activations_mib``) and the round's flushed one, beside the round's first warm profile's
+(session 47: docs/predictor_accuracy.md, "Activations a step holds").
 """
 
 from __future__ import annotations
@@ -181,6 +184,11 @@ def round_parts(said: Round) -> str:
         if said.beside_predicted_s
         else ""
     )
+    if said.held_predicted_s and said.one_profile_predicted_s:
+        beside += (
+            f"; one warm profile held/measured {said.held_predicted_s / said.measured_s:.3f}, "
+            f"unheld/measured {said.one_profile_predicted_s / said.measured_s:.3f}"
+        )
     draws = ", ".join(f"{seconds * 1e3:.1f}" for seconds in said.step_draws_s or ())
     draws = f"; step draws (ms, in order): {draws}" if draws else ""
     return f"  ms, predicted/measured: {phases}; stage 0's layer per visit: {layer}{beside}{draws}"
@@ -290,11 +298,13 @@ def profile(
     alone: bool = False,
     after_backward: bool = True,
     row_seconds: float = 0.0,
+    held_activations_mib: float = 0.0,
 ) -> None:
     """The stage's ops at the layout's point, TP and EP, each process on ``threads`` (:func:`cpu_share`),
     in :func:`profile_processes` processes; warm, each forward sample after the op's backward
     (``after_backward``, as the predictor's profiling plan asks: autotuner.predict.plan) or back to back;
-    each row's samples spanning at least ``row_seconds`` (``timing.min_time_s``; 0: get_data's default)."""
+    each row's samples spanning at least ``row_seconds`` (``timing.min_time_s``; 0: get_data's default);
+    warm ones beside ``held_activations_mib`` of earlier calls' held activations (0: none)."""
     argv = [
         *case,
         *cpu_share(layout.gpus, threads),
@@ -309,6 +319,11 @@ def profile(
         f"calibration={calibration}",
         f"hydra.run.dir={run_dir}",
         f"timing.min_time_s={row_seconds}",
+        *(
+            [f"timing.held_activations_mib={held_activations_mib:g}"]
+            if held_activations_mib and not flush
+            else []
+        ),
     ]
     world = profile_processes(layout, alone)
     # One process too is a fresh one, as a user profiles and as the steps run: until session 40 it was this
@@ -429,6 +444,9 @@ class Round(NamedTuple):
     # the step from rows of the other span (--beside-row-seconds), profiled in the same round around its
     # own profiles (warm, flushed, warm again), judged on the same steps (None: not asked)
     beside_predicted_s: float | None = None
+    # the step from one warm profile timed beside held activations (--beside-held) and the round's flushed
+    # one, to set beside one_profile_predicted_s (the round's first warm profile and the same flushed one)
+    held_predicted_s: float | None = None
     # the step draws in the order they ran, s: the first before the profiles, the last after them (their
     # mean alone was the measured step before session 39)
     step_draws_s: tuple[float, ...] = ()
@@ -469,6 +487,7 @@ def one_round(
     row_seconds: float = 0.0,
     beside_row_seconds: float | None = None,
     step_draws: int = STEP_DRAWS,
+    beside_held_mib: float = 0.0,
 ) -> Round:
     """One round of a case and layout; ``calibration`` None: the round calibrates the machine itself;
     ``row_seconds``: each profiled row's least span (:func:`profile`); ``beside_row_seconds``: the same
@@ -477,7 +496,9 @@ def one_round(
     again: both kinds' warm pairs bracket the middle of the round), predicted from alone and judged on
     the same steps (:attr:`Round.beside_predicted_s`); ``step_draws``: how many times the steps are
     measured, first before the profiles, last after them (the validation), the rest spread between
-    them (:func:`draw_points`)."""
+    them (:func:`draw_points`); ``beside_held_mib``: one more warm profile, in the middle of the round,
+    timed beside that many MiB of earlier calls' held activations (``timing.held_activations_mib``),
+    predicted with the round's flushed one (:attr:`Round.held_predicted_s`)."""
     case, layout = CASES[name], layout_of(layout_name)
     steps_args = steps_arguments(case, layout, threads)
     with tempfile.TemporaryDirectory(prefix="predict-accuracy-") as folder:
@@ -500,7 +521,8 @@ def one_round(
         beside = (
             [profile_dir(where, f"beside-{mode}") for mode in ("warm", "cold", "warm-again")] if asked else []
         )
-        order = [*beside[:1], *own, *beside[1:2], *alone, again, *beside[2:]]
+        held = [profile_dir(where, "held")] if beside_held_mib else []
+        order = [*beside[:1], *own, *beside[1:2], *alone, *held, again, *beside[2:]]
         draws_after = draw_points(len(order), step_draws)
         for done in range(len(order) + 1):  # ``done`` profiles run so far
             for _ in range(draws_after.count(done)):
@@ -511,7 +533,15 @@ def one_round(
                 span = beside_row_seconds if run_dir in beside else row_seconds
                 flush = run_dir.name.endswith("cold")
                 profile(
-                    case, layout, run_dir, calibration, flush, threads, run_dir in alone, row_seconds=span
+                    case,
+                    layout,
+                    run_dir,
+                    calibration,
+                    flush,
+                    threads,
+                    run_dir in alone,
+                    row_seconds=span,
+                    held_activations_mib=beside_held_mib if run_dir in held else 0.0,
                 )
         first = load_runs(own)
         calibrated = load_calibration_for(first, str(calibration))  # read and checked once, for all
@@ -520,6 +550,9 @@ def one_round(
         runs = load_runs([*own, again])
         pred = predict(runs, layout, calibrated)
         one_profile = predict(first, layout, calibrated).step_seconds
+        held_predicted = (
+            predict(load_runs([*held, own[1]]), layout, calibrated).step_seconds if held else None
+        )
         medians = [{k: v for k, v in row.items() if k != "fenced_mean_us"} for row in runs.rows]
         medians_predicted = predict(dataclasses.replace(runs, rows=medians), layout, calibrated).step_seconds
         even_chunks = even_chunks_step_s(pred, calibrated) if layout.vpp > 1 else None
@@ -559,6 +592,7 @@ def one_round(
         one_profile_predicted_s=one_profile,
         first_forward_flushed_predicted_s=first_flushed,
         beside_predicted_s=beside_predicted,
+        held_predicted_s=held_predicted,
         step_draws_s=tuple(draws),
         slowest_rank_predicted_s=slowest_rank,
     )
@@ -677,6 +711,15 @@ def main() -> int:
         "round by round, the machine's hour shared",
     )
     parser.add_argument(
+        "--beside-held",
+        type=float,
+        default=0.0,
+        metavar="MIB",
+        help="also profile each round's ops warm beside this many MiB of held activations "
+        "(timing.held_activations_mib), in the middle of the round, and judge their prediction (with the "
+        "round's flushed profile) on the same steps, beside the round's first warm profile's",
+    )
+    parser.add_argument(
         "--pool",
         nargs="+",
         type=Path,
@@ -690,6 +733,8 @@ def main() -> int:
     ):
         if seconds is not None and seconds < 0:
             parser.error(f"{flag} {seconds:g}: give 0 or more seconds")
+    if args.beside_held < 0:
+        parser.error(f"--beside-held {args.beside_held:g}: give 0 or more MiB")
     if args.step_draws < 2:
         parser.error(f"--step-draws {args.step_draws}: give 2 or more (before and after the profiles)")
     if args.pool:
@@ -745,6 +790,7 @@ def main() -> int:
                             args.row_seconds,
                             args.beside_row_seconds,
                             args.step_draws,
+                            args.beside_held,
                         )
                     )
                     said = results[-1]
@@ -825,6 +871,11 @@ def main() -> int:
                         )
                         + " (--beside-row-seconds), profiled around the round's own",
                         lambda r: r.beside_predicted_s,
+                    ),
+                    (
+                        f"one warm profile timed beside {args.beside_held:g} MiB of held activations "
+                        "(--beside-held) with the round's flushed one",
+                        lambda r: r.held_predicted_s,
                     ),
                 ):
                     beside = [predicted_of(r) / r.measured_s for r in results if predicted_of(r)]

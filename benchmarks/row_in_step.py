@@ -15,8 +15,17 @@ sample right after an untimed forward and its backward, as ``timing.forward_afte
 the backward after an untimed forward with the layer's gradients cleared), on the input that layer got
 in the step. Each round is one step and, in a random order, two samples of each layer's forward (both
 ways) and backward, and of each with what the call returns freed inside the timed window (how get_data
-timed them before session 20: autotuner.measure.timer, "Freeing what a call returns"). Until session 29
-a "forward" sample followed whatever sample came before it, often a backward.
+timed them before session 20: autotuner.measure.timer, "Freeing what a call returns"), and since session
+47 each phase beside earlier calls' held graphs, as ``timing.held_activations_mib`` holds them, as many MiB
+as the step's visits lie on average from their memory's previous use (autotuner.predict.caches.
+mean_reuse_distance over the model's stage sweep; autotuner.measure.timer, "Activations a step holds").
+Until session 29 a "forward" sample followed whatever sample came before it, often a backward. Session 47
+(the Intel VM, one thread, 20 rounds, two runs an hour apart; the first held the 52 MiB the stage touches a
+micro-batch, the second the mean distance, 24 MiB): the llama-shaped forward after its backward 0.984
+[0.977, 0.996] and 0.962 [0.932, 0.966], held 0.999 [0.985, 1.018] and 0.976 [0.964, 0.995]; its backward
+0.942 [0.940, 0.946] and 0.923 [0.899, 0.934], held 0.991 [0.977, 1.010] and 0.959 [0.948, 0.974]; tiny's
+forward 1.057 and 1.059, held (4.1 and 1.7 MiB) 1.069 and 1.080, backward 1.098 and 1.108, held 1.119 and
+1.108.
 
 It prints per case, per visit: the in-step median and the rows' medians (ms), and each row over the
 in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least]. The rows here are
@@ -42,9 +51,12 @@ from typing import Any
 
 import torch
 
+from autotuner.launchers.get_data import graphs_to_hold
 from autotuner.measure.timer import DeviceTimer, median_ci
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
+from autotuner.predict.caches import mean_reuse_distance, stage_sweep
+from autotuner.predict.inputs import ModelShape
 from autotuner.predict.stage_trainer import StageTrainer
 from autotuner.runner import Phase
 from benchmarks._ops import dropping_result, two_or_more
@@ -52,14 +64,18 @@ from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
 
 # each kind: (the phase, whether what its call returns is freed inside the timed window); a forward
 # sample follows an untimed call of the same forward (back to back, as get_data's blocks run) or, "after
-# its backward", that call's backward (timing.forward_after_backward: autotuner.runner.Phase.after_backward)
+# its backward", that call's backward (timing.forward_after_backward: autotuner.runner.Phase.training_order)
 AFTER_BACKWARD = "forward, after its backward"
+# timing.held_activations_mib: earlier calls' graphs held as get_data holds them (Phase.training_order)
+HELD = ("forward, activations held", "backward, activations held")
 KINDS = {
     "forward": ("forward", False),
     AFTER_BACKWARD: ("forward", False),
     "backward": ("backward", False),
     "forward, output freed inside": ("forward", True),
     "backward, graph freed inside": ("backward", True),
+    HELD[0]: ("forward", False),
+    HELD[1]: ("backward", False),
 }
 IN_STEP = {"forward": "transformer_layer.forward", "backward": "transformer_layer.backward"}
 
@@ -84,6 +100,16 @@ class Bench:
         for handle in handles:
             handle.remove()
         self.phases = [self._phases(layer) for layer in self.layers]
+        # the rows' held activations: how far the stage's visits lie on average from their memory's previous
+        # use (autotuner.predict.caches), from the model's sizes and the layer's saved bytes
+        weights = list(self.model.parameters())
+        _, layer_saved = graphs_to_hold(self.phases[0]["forward"], weights, 0.0)
+        args = self.trainer.spec.model_args
+        shape = ModelShape.from_config(name, args.transformer, args.vocab_size, args.tie_word_embeddings)
+        self.held_bytes = mean_reuse_distance([stage_sweep(shape, self.layout, 0, layer_saved)])
+        self.held_graphs = [
+            graphs_to_hold(phases["forward"], weights, self.held_bytes)[0] for phases in self.phases
+        ]
 
     def _capture(self, layer: Any, args: tuple, kwargs: dict) -> None:
         if id(layer) not in self._inputs:
@@ -110,12 +136,15 @@ class Bench:
     def rows(self, rng: random.Random) -> dict[str, list[float]]:
         """Two samples of each kind for each layer, in a random order; seconds per call."""
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-        for layer, phases in zip(self.layers, self.phases, strict=True):
+        for layer, phases, held in zip(self.layers, self.phases, self.held_graphs, strict=True):
             kept = [p.grad for p in layer.parameters()]  # views of the steps' buffer: back after the rows
             for kind in rng.sample(list(KINDS) * 2, len(KINDS) * 2):
                 name, freed_inside = KINDS[kind]
                 phase = phases[name]
-                with phase.after_backward() if kind == AFTER_BACKWARD else contextlib.nullcontext():
+                graphs = held if kind in HELD else 1
+                in_order = kind == AFTER_BACKWARD or kind in HELD
+                # held: as many graphs from the start as get_data holds (Phase.training_order)
+                with phase.training_order(graphs) if in_order else contextlib.nullcontext():
                     if name == "forward":
                         phase.run()  # the call before: the same forward (then its backward, if after one)
                     if phase.prepare is not None:
@@ -168,7 +197,9 @@ def main() -> None:
         print(
             f"{case} TransformerLayer, TP1 s{bench.layout.seq_len} b{bench.layout.micro_batch_size}, "
             f"{bench.layout.microbatches} micro-batches, fp32, {threads} thread(s), {rounds} rounds: "
-            "per visit, median ms; row / in-step, median over the rounds [95% CI]"
+            "per visit, median ms; row / in-step, median over the rounds [95% CI]; activations held: "
+            f"{bench.held_bytes / 2**20:.1f} MiB, the stage's mean reuse distance "
+            f"({bench.held_graphs[0]} graphs)"
         )
         for kind in KINDS:
             base = KINDS[kind][0]
