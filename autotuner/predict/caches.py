@@ -81,7 +81,7 @@ blocks that backward has just freed. Rows timed beside earlier calls' held graph
 (``timing.held_activations_mib``, autotuner.measure.timer, "Activations a step holds") time the other
 condition. In one process on session 47's Intel VM they brought the llama-shaped layer's rows closer to its
 visits inside the steps (``python -m benchmarks.row_in_step``), but the steps predicted from them, profiled
-in their own processes, read 0.970-1.056 (the medians of four runs over two hours) against 0.922-1.012 from
+in their own processes, read 0.970-1.053 (the medians of four runs over two hours) against 0.922-0.977 from
 the rows without in the same rounds, no nearer than those (docs/predictor_accuracy.md, "Activations a step
 holds"), so the rule takes the rows without held activations (autotuner.predict.inputs.Measurements) and
 held rows only stand in for them.
