@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from autotuner.launchers.get_data import graphs_to_hold
+from autotuner.launchers.get_data import forward_saved_bytes, graphs_to_hold
 from autotuner.measure.timer import DeviceTimer, median_ci
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
@@ -102,14 +102,12 @@ class Bench:
         self.phases = [self._phases(layer) for layer in self.layers]
         # the rows' held activations: how far the stage's visits lie on average from their memory's previous
         # use (autotuner.predict.caches), from the model's sizes and the layer's saved bytes
-        weights = list(self.model.parameters())
-        _, layer_saved = graphs_to_hold(self.phases[0]["forward"], weights, 0.0)
+        # (the layers are alike: one layer's figures serve all)
+        layer_saved = forward_saved_bytes(self.phases[0]["forward"], list(self.model.parameters()))
         args = self.trainer.spec.model_args
         shape = ModelShape.from_config(name, args.transformer, args.vocab_size, args.tie_word_embeddings)
         self.held_bytes = mean_reuse_distance([stage_sweep(shape, self.layout, 0, layer_saved)])
-        self.held_graphs = [
-            graphs_to_hold(phases["forward"], weights, self.held_bytes)[0] for phases in self.phases
-        ]
+        self.held_graphs = graphs_to_hold(layer_saved, self.held_bytes)
 
     def _capture(self, layer: Any, args: tuple, kwargs: dict) -> None:
         if id(layer) not in self._inputs:
@@ -136,12 +134,12 @@ class Bench:
     def rows(self, rng: random.Random) -> dict[str, list[float]]:
         """Two samples of each kind for each layer, in a random order; seconds per call."""
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-        for layer, phases, held in zip(self.layers, self.phases, self.held_graphs, strict=True):
+        for layer, phases in zip(self.layers, self.phases, strict=True):
             kept = [p.grad for p in layer.parameters()]  # views of the steps' buffer: back after the rows
             for kind in rng.sample(list(KINDS) * 2, len(KINDS) * 2):
                 name, freed_inside = KINDS[kind]
                 phase = phases[name]
-                graphs = held if kind in HELD else 1
+                graphs = self.held_graphs if kind in HELD else 1
                 in_order = kind == AFTER_BACKWARD or kind in HELD
                 # held: as many graphs from the start as get_data holds (Phase.training_order)
                 with phase.training_order(graphs) if in_order else contextlib.nullcontext():
@@ -199,7 +197,7 @@ def main() -> None:
             f"{bench.layout.microbatches} micro-batches, fp32, {threads} thread(s), {rounds} rounds: "
             "per visit, median ms; row / in-step, median over the rounds [95% CI]; activations held: "
             f"{bench.held_bytes / 2**20:.1f} MiB, the stage's mean reuse distance "
-            f"({bench.held_graphs[0]} graphs)"
+            f"({bench.held_graphs} graphs)"
         )
         for kind in KINDS:
             base = KINDS[kind][0]

@@ -25,7 +25,7 @@ import torch
 
 from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
 from autotuner.measure.graphs import NotReplayable, capture_phase
-from autotuner.measure.memory import SavedTensorsMeter
+from autotuner.measure.memory import saved_bytes
 from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import graph_rng_generators
@@ -70,18 +70,20 @@ def _in_turn(steps: list[Callable[[], None]]) -> Callable[[], None] | None:
 MAX_HELD_GRAPHS = 256
 
 
-def graphs_to_hold(phase: Phase, exclude: list[torch.Tensor], held_bytes: float) -> tuple[int, int]:
-    """(graphs, bytes each saves) for ``timing.held_activations_mib`` (autotuner.measure.timer, "Activations a
-    step holds"): the sample's own graph and enough earlier ones to hold at least ``held_bytes`` of what the
-    forward saves, at most MAX_HELD_GRAPHS of them; one (nothing held) for an op whose forward saves nothing.
-    The saved bytes as the ``activation_bytes`` sensor counts them: one untimed forward, ``exclude`` (the
-    model's weights) not counted."""
-    with SavedTensorsMeter(exclude=[*exclude, *phase.parameters]) as saved:
-        output = phase.call.fn(*phase.call.inputs)
-    del output
-    if saved.bytes == 0 or held_bytes <= 0:
-        return 1, saved.bytes
-    return 1 + min(math.ceil(held_bytes / saved.bytes), MAX_HELD_GRAPHS), saved.bytes
+def forward_saved_bytes(phase: Phase, exclude: list[torch.Tensor]) -> int:
+    """What one untimed forward of ``phase``'s op saves, as the ``activation_bytes`` sensor counts it
+    (``exclude``: the model's weights)."""
+    return saved_bytes(lambda: phase.call.fn(*phase.call.inputs), [*exclude, *phase.parameters])
+
+
+def graphs_to_hold(saved: int, held_bytes: float) -> int:
+    """The graphs a sample runs beside for ``timing.held_activations_mib`` (autotuner.measure.timer,
+    "Activations a step holds"): its own and enough earlier ones, each ``saved`` bytes, to hold at least
+    ``held_bytes``, at most MAX_HELD_GRAPHS of them; one (nothing held) for an op whose forward saves
+    nothing."""
+    if saved == 0 or held_bytes <= 0:
+        return 1
+    return 1 + min(math.ceil(held_bytes / saved), MAX_HELD_GRAPHS)
 
 
 class GetDataObserver:
@@ -129,9 +131,10 @@ class GetDataObserver:
         return min(8, math.ceil(2 * self.cache_bytes / size))
 
     def _held_graphs(self, phase: Phase) -> tuple[int, int]:
-        """:func:`graphs_to_hold`, the group's largest count under torchrun: it decides how many forwards a
-        backward sample's prepare runs (autotuner.measure.timer.RankAgreement)."""
-        graphs, saved = graphs_to_hold(phase, self.model_parameters, self.held_activations_mib * 2**20)
+        """(graphs, bytes each saves): :func:`graphs_to_hold`, the group's largest count under torchrun: it
+        decides how many forwards a backward sample's prepare runs (autotuner.measure.timer.RankAgreement)."""
+        saved = forward_saved_bytes(phase, self.model_parameters)
+        graphs = graphs_to_hold(saved, self.held_activations_mib * 2**20)
         return int(self.agreement.max(graphs)[0]), saved
 
     def _graphed(self, phase: Phase, label: str) -> tuple[Callable[[], None] | None, str]:

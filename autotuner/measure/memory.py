@@ -52,6 +52,15 @@ def weight_bytes(params: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def saved_bytes(run: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """The bytes one call of ``run`` leaves saved for its backward (:class:`SavedTensorsMeter`, ``exclude``
+    not counted): the ``activation_bytes`` sensor's figure, and what get_data's held graphs hold each."""
+    with SavedTensorsMeter(exclude=exclude) as saved:
+        output = run()
+    del output
+    return saved.bytes
+
+
 class SavedTensorsMeter:
     """Counts the bytes autograd saves for backward while active (a context manager)."""
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from autotuner.measure.flops import count_flops
-from autotuner.measure.memory import SavedTensorsMeter, gradient_buffers, peak_bytes, weight_bytes
+from autotuner.measure.memory import gradient_buffers, peak_bytes, saved_bytes, weight_bytes
 from autotuner.ops.naming import PHASES
 from autotuner.results import SCHEMA
 from autotuner.results.calibration import roofline
@@ -190,10 +190,7 @@ def _activation_bytes(row: dict[str, Any], seen: Observed) -> int:
     assert seen.phase is not None
     # Also the op's own weights: a model too large to build whole gives each op its own parts, built
     # after model_parameters was listed (autotuner.runner.spec._PartsPerOp).
-    with SavedTensorsMeter(exclude=[*seen.model_parameters, *seen.phase.parameters]) as saved:
-        out = seen.phase.run()
-    del out
-    return saved.bytes
+    return saved_bytes(seen.phase.run, [*seen.model_parameters, *seen.phase.parameters])
 
 
 @register_metric("peak_bytes", needs=("phase", "device"), launchers=("get_data", "torch_profiler", "nsys"))
