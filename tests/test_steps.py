@@ -307,7 +307,11 @@ def test_flushing_inside_the_layers_trains_the_same_with_each_flush_inside_a_lay
     assert "flush_in_layers=true" in command
     own, _, _ = parse_args(command[command.index("autotuner.predict.steps") + 1 :])
     assert own["flush_in_layers"] is True
-    assert parse_args(["out=o.json", "layout.seq_len=16"])[0]["flush_in_layers"] is False
+    own, layout, _ = parse_args(["out=o.json", "layout.seq_len=16"])
+    assert own["flush_in_layers"] is False
+    # the steps run here: without layout.dtype, this machine's (fp32 on a CPU), not a GPU job's bf16
+    assert layout.dtype == ("bf16" if torch.cuda.is_available() else "fp32")
+    assert parse_args(["out=o.json", "layout.seq_len=16", "layout.dtype=bf16"])[1].dtype == "bf16"
     with pytest.raises(UserError, match="flush_in_layers='maybe' is not true or false"):
         parse_args(["out=o.json", "layout.seq_len=16", "flush_in_layers=maybe"])
 

@@ -435,8 +435,9 @@ def _value(text: str) -> Any:
 
 
 def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
-    """``out=`` ``case=`` ``repeats=`` ``warmup=`` ``lr=`` ``flush_in_layers=`` and ``layout.<field>=``;
-    anything else is a config override passed on."""
+    """``out=`` ``case=`` ``repeats=`` ``warmup=`` ``lr=`` ``flush_in_layers=`` and ``layout.<field>=``
+    (``layout.dtype`` defaults to the device's: fp32 on a CPU, bf16 on a GPU); anything else is a config
+    override passed on."""
     own: dict[str, Any] = {
         "case": "tiny",
         "repeats": 5,
@@ -471,6 +472,12 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
         )
     if "seq_len" not in layout:
         raise UserError("no layout.seq_len: give e.g. layout.seq_len=32")
+    if "dtype" not in layout:
+        # the steps run on this machine: its dtype, as the profiler's dtype=auto picks it (a Layout's own
+        # default, bf16, is for predicting a GPU job; CPU bf16 matrix products are ~250x slower)
+        from autotuner.model.runtime import resolve_device, resolve_dtype
+
+        layout["dtype"] = resolve_dtype("auto", resolve_device("auto"))
     return own, Layout(**layout), overrides
 
 
