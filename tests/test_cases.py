@@ -63,6 +63,18 @@ def test_gqa_and_rope_theta_map(transformer_config_of):
     assert args.rotary_base == 500000.0 and args.vocab_size == 128256
 
 
+def test_an_enum_field_is_set_by_its_member_name(transformer_config_of):
+    """``tf.attention_backend=local`` (a name, as Megatron's own arguments take it) becomes the member."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    from autotuner.model.build import build_transformer_config
+
+    args, _ = transformer_config_of("tiny")
+    tf = build_transformer_config(args, {"attention_backend": "local"}, "fp32", torch.device("cpu"), 1)
+    assert tf.attention_backend is AttnBackend.local
+
+
 def test_hf_overrides_apply_before_mapping(transformer_config_of):
     args, tf = transformer_config_of("tiny", hidden_size=128, head_dim=32, num_key_value_heads=4)
     assert tf.hidden_size == 128 and tf.kv_channels == 32 and tf.num_query_groups == 4

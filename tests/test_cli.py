@@ -92,6 +92,14 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["tf.tensor_model_parallel_size=3"], "does not divide"),
         (["device=cpu", "timing.cuda_graph=true"], "timing.cuda_graph replays CUDA graphs"),
         (["timing.precision_rule=mad"], "use one of ci, iqr"),
+        # TransformerConfig takes these without a word; each op's build (or none) would fail later
+        (["tf.params_dtype=abc"], "set dtype=fp32, bf16 or fp16 instead"),
+        (["tf.activation_func=foo"], "set hf.hidden_act instead"),
+        (["tf.attention_backend=foo"], "one of flash, fused, unfused, local, auto"),
+        (["tf.normalization=Foo"], "use one of LayerNorm, RMSNorm, L2Norm"),
+        (["tf.context_parallel_size=2"], "context parallelism is not profiled"),
+        (["tf.num_query_groups=3"], "does not divide num_attention_heads=4"),
+        (["tf.kv_channels=7"], "odd rotary width"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):

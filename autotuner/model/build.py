@@ -9,7 +9,9 @@ when no op needs that half).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -48,15 +50,52 @@ def _transformer_config_types() -> dict[str, Any]:
     return typing.get_type_hints(MLATransformerConfig)
 
 
+# Annotations no override can satisfy: the command line and a case file give numbers, strings, booleans
+# and lists, never a torch.dtype or a function. TransformerConfig takes such a value without a word, and
+# it fails later (a string as ``params_dtype`` in the first ``torch.empty``) or never (an activation that
+# is not a function). Where the tool has a setting for the same thing, the error names it.
+_OBJECT_HINTS = {
+    "params_dtype": "set dtype=fp32, bf16 or fp16 instead",
+    "pipeline_dtype": "set dtype=fp32, bf16 or fp16 instead",
+    "autocast_dtype": "set dtype=fp32, bf16 or fp16 instead",
+    "activation_func": "set hf.hidden_act instead",
+}
+
+
+def _takes_object(expected: Any) -> bool:
+    """Whether the annotation wants a Python object (a dtype, a callable, a context manager), alone or in
+    a union."""
+    if typing.get_origin(expected) in (typing.Union, types.UnionType):
+        return any(_takes_object(arg) for arg in typing.get_args(expected))
+    origin = typing.get_origin(expected) or expected
+    return (
+        expected is torch.dtype
+        or origin in (collections.abc.Callable, typing.ContextManager)
+        or (isinstance(origin, type) and issubclass(origin, typing.ContextManager))
+    )
+
+
+def _enum_member(expected: type[enum.Enum], value: Any) -> enum.Enum | None:
+    """The member of an enum field named by ``value`` (as Megatron's own arguments name them:
+    ``tf.attention_backend=local``), or the member itself; None if it names none."""
+    if isinstance(value, expected):
+        return value
+    return expected.__members__.get(value) if isinstance(value, str) else None
+
+
 def _accepts(expected: Any, value: Any) -> bool:
-    """Whether ``value`` fits the annotation ``expected``. Only plain types are judged (bool, int, float,
-    str, None, Literal, lists and unions of them); anything else (callables, dtypes, enums) is left to
-    TransformerConfig itself."""
+    """Whether ``value`` fits the annotation ``expected``. Plain types are judged (bool, int, float, str,
+    None, Literal, enums by member name, lists and unions of them); a dtype or a callable takes no value an
+    override can give; anything else (tuples, Megatron's own classes) is left to TransformerConfig."""
     origin = typing.get_origin(expected)
     if origin in (typing.Union, types.UnionType):
         return any(_accepts(arg, value) for arg in typing.get_args(expected))
     if origin is typing.Literal:
         return value in typing.get_args(expected)
+    if _takes_object(expected):  # a union's None was judged above
+        return False
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        return _enum_member(expected, value) is not None
     if expected is type(None):
         return value is None
     if expected is bool:
@@ -78,6 +117,8 @@ def _describe(expected: Any) -> str:
         return " or ".join(_describe(arg) for arg in typing.get_args(expected))
     if origin is typing.Literal:
         return "one of " + ", ".join(map(str, typing.get_args(expected)))
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        return "one of " + ", ".join(expected.__members__)
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
     return names.get(expected, "a list" if expected is list or origin is list else str(expected))
 
@@ -106,6 +147,11 @@ def check_tf_overrides(tf_overrides: dict[str, Any]) -> None:
     types_ = _transformer_config_types()
     for name, value in tf_overrides.items():
         expected = types_.get(name)
+        if expected is not None and not _accepts(expected, value) and _takes_object(expected):
+            raise UserError(
+                f"tf.{name}={value!r}: TransformerConfig.{name} takes a Python object, which an override "
+                f"cannot give: {_OBJECT_HINTS.get(name, 'drop it')}"
+            )
         if expected is not None and not _accepts(expected, value):
             raise UserError(
                 f"tf.{name}={value!r} is not {_describe(expected)} (TransformerConfig.{name}): "
@@ -119,6 +165,41 @@ def check_tf_overrides(tf_overrides: dict[str, Any]) -> None:
             raise UserError(
                 f"tf.{name}={value!r} is a probability: set tf.{name} between 0 and 1 (0: no dropout)"
             )
+
+
+# The norms Megatron-Core's local layer spec builds (its WrappedTorchNorm and L2Norm); another name
+# passes TransformerConfig and fails as each op builds its layer.
+_LOCAL_NORMS = ("LayerNorm", "RMSNorm", "L2Norm")
+
+
+def _check_buildable(kwargs: dict[str, Any], args: MegatronModelArgs) -> None:
+    """What TransformerConfig takes but the layer's construction (or its first forward) refuses, so that a
+    ``tf.`` override that cannot build fails here, one line, and not in every op of the run."""
+    heads, groups = (
+        kwargs["num_attention_heads"],
+        kwargs.get("num_query_groups") or kwargs["num_attention_heads"],
+    )
+    if heads % groups:
+        raise UserError(
+            f"num_query_groups={groups} does not divide num_attention_heads={heads}: "
+            "set tf.num_query_groups (or hf.num_key_value_heads) to a divisor of the head count"
+        )
+    if kwargs.get("normalization", "LayerNorm") not in _LOCAL_NORMS:
+        raise UserError(
+            f"tf.normalization={kwargs['normalization']!r} is not a norm Megatron-Core builds: "
+            f"use one of {', '.join(_LOCAL_NORMS)}"
+        )
+    if kwargs.get("context_parallel_size", 1) != 1:
+        raise UserError(
+            f"tf.context_parallel_size={kwargs['context_parallel_size']}: context parallelism is not "
+            "profiled (it needs Transformer-Engine's attention and a process group per split): drop it"
+        )
+    channels = kwargs.get("kv_channels")
+    if not kwargs.get("multi_latent_attention") and channels and int(channels * args.rotary_percent) % 2:
+        raise UserError(
+            f"kv_channels={channels} with rotary_percent={args.rotary_percent} gives an odd rotary width, "
+            "which RoPE cannot rotate in pairs: set tf.kv_channels (or hf.head_dim) to an even number"
+        )
 
 
 def build_transformer_config(
@@ -146,6 +227,12 @@ def build_transformer_config(
     if kwargs.get("num_moe_experts"):
         kwargs.update(moe_implementation(device))
     kwargs.update(tf_overrides)
+    types_ = _transformer_config_types()
+    for name, value in tf_overrides.items():  # an enum field's member, given by name (checked above)
+        expected = types_.get(name)
+        if isinstance(expected, type) and issubclass(expected, enum.Enum):
+            kwargs[name] = _enum_member(expected, value)
+    _check_buildable(kwargs, args)
     tp = kwargs["tensor_model_parallel_size"]
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if kwargs[name] is not None and kwargs[name] % tp:
