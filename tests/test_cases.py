@@ -121,10 +121,16 @@ def test_user_case_dir_and_config_json_folder(tmp_path: Path):
         ("hf_config: {model_type: llama}\nshape: {}\n", "unknown key"),
         ("hf_config_dir: nowhere\n", "config.json"),
         ("[unclosed", "not valid YAML"),
+        # the shapes block has the shapes.* settings' keys and types (a number where a list is due)
+        ("hf_config: {model_type: llama}\nshapes: {seq_len: 32}\n", "shapes.seq_len: .*not a ListConfig"),
+        ("hf_config: {model_type: llama}\nshapes: {seq_lens: [32]}\n", "shapes.seq_lens: Key 'seq_lens'"),
+        ("hf_config: {model_type: llama}\nshapes: {fuzz: {n: many}}\n", "shapes.fuzz.n: Value 'many'"),
+        (b"hf_config: {model_type: \xff}\n", "not UTF-8 text"),
     ],
 )
-def test_bad_case_files(tmp_path: Path, text: str, message: str):
-    (tmp_path / "bad.yaml").write_text(text)
+def test_bad_case_files(tmp_path: Path, text: str | bytes, message: str):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(UserError, match=message):
         cases.load_case("bad", str(tmp_path))
 

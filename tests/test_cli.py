@@ -92,6 +92,10 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["tf.tensor_model_parallel_size=3"], "does not divide"),
         (["device=cpu", "timing.cuda_graph=true"], "timing.cuda_graph replays CUDA graphs"),
         (["timing.precision_rule=mad"], "use one of ci, iqr"),
+        (["timing.target_rel_ci=nan"], "timing.target_rel_ci=nan is not a number"),
+        (["timing.held_activations_mib=inf"], "timing.held_activations_mib=inf is not a number"),
+        (["timing.idle_before_ms=1e12"], "give at most 60000"),
+        (["timing.min_time_s=1e9"], "give at most 3600"),
         # TransformerConfig takes these without a word; each op's build (or none) would fail later
         (["tf.params_dtype=abc"], "set dtype=fp32, bf16 or fp16 instead"),
         (["tf.activation_func=foo"], "set hf.hidden_act instead"),

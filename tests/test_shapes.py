@@ -64,6 +64,9 @@ def test_fuzzer_is_deterministic_bounded_and_seed_dependent():
     )
     other = generate_points(merge(spec, {"fuzz": {"seed": 8}}))
     assert other != first
+    # rounding to the multiple stays inside [min, max]: 33-100 rounds to 64 or 128, of which only 64 fits
+    narrow = merge(spec, {"fuzz": {"seq_len": {"min": 33, "max": 100}}})
+    assert {p.seq_len for p in generate_points(narrow)} == {64}
 
 
 def test_fuzzer_gives_the_same_points_in_a_fresh_interpreter():
@@ -122,6 +125,31 @@ def test_overrides_win_key_by_key():
             "no value is a multiple",
         ),
         ({"generator": "fuzz", "fuzz": {"seq_len": {"min": 10}}, "micro_batch_size": [1]}, "0 < min <= max"),
+        # a 0 is refused, not read as "unset" (a step of 1, 8 points)
+        (
+            {"generator": "sweep", "sweep": {"seq_len": {"start": 8, "stop": 32, "step": 0}}, **CASE},
+            "step > 0",
+        ),
+        ({"generator": "fuzz", "fuzz": {"n": 0}, **CASE}, "shapes.fuzz.n=0 must be between 1"),
+        ({"generator": "fuzz", "fuzz": {"n": -1}, **CASE}, "shapes.fuzz.n=-1 must be between 1"),
+        # a range no plan could measure is refused before its list is made
+        (
+            {"generator": "sweep", "sweep": {"seq_len": {"start": 1, "stop": 10**8}}, **CASE},
+            "100000000 values, over 10000",
+        ),
+        ({"generator": "fuzz", "fuzz": {"n": 10**9}, **CASE}, "must be between 1 and 10000"),
+        (
+            {"generator": "pow2", "pow2": {"seq_len": {"min_power": 0, "max_power": 10**9}}, **CASE},
+            "max_power <= 62",
+        ),
+        (
+            {
+                "generator": "fuzz",
+                "fuzz": {"seq_len": {"min": 33, "max": 35, "multiple_of": 64}},
+                "micro_batch_size": [1],
+            },
+            "no multiple of 64 lies in",
+        ),
     ],
 )
 def test_bad_generator_configs(shapes, message):

@@ -125,11 +125,13 @@ def _refusal(subject: str, error: ValidationError) -> UserError:
 
 def _parse_case(name: str, path: Path) -> Case:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise UserError(
             f"case file {path} is not valid YAML ({exc.__class__.__name__}): fix the file"
         ) from exc
+    except UnicodeDecodeError:
+        raise UserError(f"case file {path} is not UTF-8 text: save it as UTF-8 YAML") from None
     if not isinstance(data, dict):
         raise UserError(
             f"case file {path} must be a mapping, not {type(data).__name__}: "
@@ -139,6 +141,7 @@ def _parse_case(name: str, path: Path) -> Case:
         case = CaseFile.model_validate(data)
     except ValidationError as exc:
         raise _refusal(f"case file {path}", exc) from None
+    _check_shapes(path, case.shapes or {})
     if case.hf_config is not None:
         hf_fields = case.hf_config
     else:
@@ -151,6 +154,22 @@ def _parse_case(name: str, path: Path) -> Case:
         path=path,
         description=case.description,
     )
+
+
+def _check_shapes(path: Path, shapes: dict[str, Any]) -> None:
+    """The case's ``shapes:`` block has the keys and types of the ``shapes.*`` settings (autotuner.config.
+    ShapesConfig, which the command line's overrides meet in Hydra): a key misspelt or a number where a
+    list is due is refused here, not deep in the shape generators."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from autotuner.config import ShapesConfig
+
+    try:
+        OmegaConf.merge(OmegaConf.structured(ShapesConfig), shapes)
+    except OmegaConfBaseException as exc:
+        problem = str(exc).splitlines()[0].rstrip(".")
+        raise UserError(f"case file {path}: shapes.{exc.full_key}: {problem}: {_FIXES['shapes']}") from None
 
 
 def _read_config_json(case_path: Path, folder: str) -> dict[str, Any]:

@@ -28,6 +28,10 @@ from autotuner.ops_test.base import ShapePoint
 
 DIMS = ("seq_len", "micro_batch_size")
 GENERATORS = ("explicit", "pow2", "sweep", "fuzz")
+# More values of one dimension than any plan could measure (each point is every op, forward and
+# backward): a range past it is a typo, refused before its list is built (a sweep to 10**8 would take
+# minutes and gigabytes to make, then be refused for its lengths).
+MAX_VALUES = 10_000
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +60,10 @@ def _positive(values: list[Any], name: str) -> list[int]:
 
 def _pow2(dim: dict[str, Any], name: str) -> list[int]:
     low, high = dim.get("min_power"), dim.get("max_power")
-    if low is None or high is None or low < 0 or high < low:
-        raise UserError(f"shapes.pow2.{name} needs 0 <= min_power <= max_power: fix shapes.pow2.{name}.*")
+    if low is None or high is None or low < 0 or high < low or high > 62:
+        raise UserError(
+            f"shapes.pow2.{name} needs 0 <= min_power <= max_power <= 62: fix shapes.pow2.{name}.*"
+        )
     return [2**p for p in range(low, high + 1)]
 
 
@@ -65,9 +71,15 @@ def _sweep(dim: dict[str, Any], name: str, multiple: int) -> list[int]:
     if dim.get("values") is not None:
         values = _positive(list(dim["values"]), f"shapes.sweep.{name}.values")
     else:
-        start, stop, step = dim.get("start"), dim.get("stop"), dim.get("step") or 1
+        start, stop, step = dim.get("start"), dim.get("stop"), dim.get("step")
+        step = 1 if step is None else step  # unset: every value; 0 is refused, not taken as unset
         if start is None or stop is None or start <= 0 or stop < start or step <= 0:
             raise UserError(f"shapes.sweep.{name} needs values, or 0 < start <= stop and step > 0")
+        if (stop - start) // step + 1 > MAX_VALUES:
+            raise UserError(
+                f"shapes.sweep.{name} from {start} to {stop} by {step} is "
+                f"{(stop - start) // step + 1} values, over {MAX_VALUES}: raise step or narrow the range"
+            )
         values = list(range(start, stop + 1, step))
     multiple = math.lcm(multiple, dim.get("multiple_of") or 1)
     kept = [v for v in values if v % multiple == 0]
@@ -79,7 +91,10 @@ def _sweep(dim: dict[str, Any], name: str, multiple: int) -> list[int]:
 def _fuzz(
     spec: dict[str, Any], explicit: dict[str, list[int]], multiples: dict[str, int]
 ) -> list[ShapePoint]:
-    n, seed = spec.get("n") or 8, spec.get("seed") or 0
+    n, seed = spec.get("n"), spec.get("seed") or 0
+    n = 8 if n is None else n  # unset: 8; 0 or less is refused, not taken as unset
+    if not 0 < n <= MAX_VALUES:
+        raise UserError(f"shapes.fuzz.n={n} must be between 1 and {MAX_VALUES}: fix shapes.fuzz.n")
     rng = random.Random(seed)
     bounds = {}
     for name in DIMS:
@@ -90,7 +105,13 @@ def _fuzz(
         low, high = dim.get("min"), dim.get("max")
         if low is None or high is None or low <= 0 or high < low:
             raise UserError(f"shapes.fuzz.{name} needs 0 < min <= max: fix shapes.fuzz.{name}.*")
-        bounds[name] = (low, high, math.lcm(multiples[name], dim.get("multiple_of") or 1))
+        multiple = math.lcm(multiples[name], dim.get("multiple_of") or 1)
+        lowest, highest = math.ceil(low / multiple) * multiple, high // multiple * multiple
+        if lowest > highest:
+            raise UserError(
+                f"shapes.fuzz.{name}: no multiple of {multiple} lies in [{low}, {high}]: widen the range"
+            )
+        bounds[name] = (low, high, multiple, lowest, highest)
     points: list[ShapePoint] = []
     for _ in range(n):
         values = {}
@@ -98,9 +119,10 @@ def _fuzz(
             if bounds[name] is None:
                 values[name] = rng.choice(explicit[name])
                 continue
-            low, high, multiple = bounds[name]
+            low, high, multiple, lowest, highest = bounds[name]
             drawn = math.exp(rng.uniform(math.log(low), math.log(high)))
-            values[name] = max(multiple, round(drawn / multiple) * multiple)
+            # the nearest multiple that lies in [min, max]: rounding alone could step out of the range
+            values[name] = min(highest, max(lowest, round(drawn / multiple) * multiple))
         point = ShapePoint(**values)
         if point not in points:
             points.append(point)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -73,6 +74,26 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     if cfg.transformer_block_layers <= 0:
         raise UserError("transformer_block_layers must be positive: set transformer_block_layers=2")
     timing = cfg.timing
+    amounts = (
+        "budget_s",
+        "target_rel_ci",
+        "target_rel_iqr",
+        "min_block_s",
+        "idle_before_ms",
+        "min_time_s",
+        "held_activations_mib",
+        "cuda_graph_below_us",
+    )
+    not_finite = [name for name in amounts if not math.isfinite(timing[name])]
+    if not_finite:  # nan passes every comparison below; inf would time, or hold, for ever
+        raise UserError(f"timing.{not_finite[0]}={timing[not_finite[0]]} is not a number: give a finite one")
+    # A time no one means (a typo's extra zeros): one op's sampling, or one wait, longer than this.
+    for name, limit in (("budget_s", 3600), ("min_time_s", 3600), ("idle_before_ms", 60_000)):
+        if timing[name] > limit:
+            raise UserError(
+                f"timing.{name}={timing[name]} is over {limit} (per op and phase, or per sample): "
+                f"give at most {limit}"
+            )
     if (
         timing.warmup < 0
         or timing.min_samples < 1
