@@ -113,7 +113,7 @@ from autotuner.model.runtime import (
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
-from autotuner.results.atomic import atomic_write_text
+from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.calibration import (
     ADAM_IN_STEP,
     ADAM_PER_TENSOR,
@@ -521,7 +521,6 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
         policy = SamplingPolicy(warmup=3, min_samples=5, budget_s=budget_s, target_rel_ci=0.05)
         links, notes = calibrate_collectives(device, policy)
         if rank == 0 and existing is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out, json.dumps(merge_links(existing, links), indent=2) + "\n")
             for kind in COLLECTIVES:
                 for link, bandwidth in links.get(LINK_KEYS[kind], {}).items():
@@ -557,8 +556,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = resolve_device(args.device)
         if not args.budget_s > 0:
             raise UserError(f"--budget-s {args.budget_s} must be above 0: give e.g. --budget-s 1")
+        out = Path(args.out) if args.out else default_path(device.type, device_name(device))
+        check_writable(out, f"--out {out}")  # before the minutes of measuring that it would lose
         if args.collectives:
-            out = Path(args.out) if args.out else default_path(device.type, device_name(device))
             return _main_collectives(device, out, args.budget_s)
     except UserError as exc:
         print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
@@ -569,8 +569,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         result[HOST_WORK] = host_work(steps)
         result[HOST_WORK_FLUSHED] = host_work(minimal_model_steps(flush_in_layers=True))
         result[ADAM_IN_STEP] = adam_in_step(steps, result)
-    out = Path(args.out) if args.out else default_path(device.type, device_name(device))
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")  # a run reading it sees all or nothing
     for dtype, flops in result["peak_flops"].items():
         print(f"matmul {dtype:5}  {flops / 1e12:10.4f} TFLOP/s")

@@ -23,7 +23,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_rows
-from autotuner.results.atomic import atomic_write_text
+from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
 from autotuner.results.units import MISSING, common_time_unit, significant
 
@@ -53,17 +53,6 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
                 "out) or restore it from the run"
             )
     return {"dir": path, "rows": rows, "env": env}
-
-
-def check_output(path: Path) -> None:
-    """Refuse, before anything is rendered or written, an output file that cannot be written where given."""
-    if path.is_dir():
-        raise UserError(f"--oss-json {path} is a directory: give a file name, e.g. {path / 'oss.json'}")
-    if not path.parent.is_dir():
-        raise UserError(
-            f"--oss-json {path}: the folder {path.parent} does not exist: create it or give a path in an "
-            "existing folder"
-        )
 
 
 def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -164,7 +153,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autotuner.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (the first is the baseline)")
     parser.add_argument("--labels", help="comma-separated names for the runs (default: their folder names)")
-    parser.add_argument("--digits", type=int, default=3, help="significant figures (default 3)")
+    parser.add_argument(
+        "--digits",
+        type=int,
+        choices=range(1, 16),
+        default=3,
+        metavar="1-15",
+        help="significant figures (default 3)",
+    )
     parser.add_argument(
         "--oss-json", help="also write every run's rows in the OSS benchmark JSON format here"
     )
@@ -177,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--labels names {len(labels)} runs but {len(runs)} were given: give one label per run"
             )
         if args.oss_json:
-            check_output(Path(args.oss_json))
+            check_writable(args.oss_json, f"--oss-json {args.oss_json}")  # before the table is printed
     except UserError as exc:
         print(f"autotuner.compare: error: {exc}", file=sys.stderr)
         return exc.exit_code

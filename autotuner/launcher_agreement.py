@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 from autotuner.errors import UserError
 from autotuner.results import load_rows
-from autotuner.results.atomic import atomic_write_text
+from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
 
 LAUNCHERS = ("get_data", "torch_profiler", "nsys")
@@ -350,8 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nsys:
             runs.append(load_run(args.nsys, "nsys"))
         agreement = compare(runs, args.tolerance, args.floor_us)
-        if args.json is not None and not args.json.parent.is_dir():
-            raise UserError(f"--json {args.json}: its folder does not exist; create it or write elsewhere")
+        if args.json is not None:
+            check_writable(args.json, f"--json {args.json}")
     except UserError as exc:
         print(f"autotuner.launcher_agreement: error: {exc}", file=sys.stderr)
         return exc.exit_code

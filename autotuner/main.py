@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
 from autotuner.errors import UserError
+from autotuner.results.atomic import check_writable
 from autotuner.termination import unwinding_on_sigterm
 
 # Hydra's own flags: those that take a value, and those that print instead of running.
@@ -201,23 +202,9 @@ def _check_output_dir(argv: list[str], job: list[str]) -> None:
         GlobalHydra.instance().clear()
     if value is None:
         return
-    path = Path(os.path.abspath(str(value)))
-    try:
-        if path.exists() and not path.is_dir():
-            raise UserError(f"{key}={value} is a file, not a folder: choose a folder for {key}")
-        existing = path
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir():
-            raise UserError(
-                f"{key}={value} cannot be created, {existing} is a file: choose a {key} under a folder"
-            )
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UserError(
-                f"{key}={value} cannot be created in {existing} (not writable): choose a {key} you can write"
-            )
-    except OSError as exc:
-        raise UserError(f"{key}={value} cannot be used ({exc.strerror}): choose another {key}") from exc
+    if not str(value).strip():  # Hydra would write the run into the current folder, among its files
+        raise UserError(f"{key}= is empty: give the run a folder of its own, e.g. {key}=runs/mine")
+    check_writable(value, f"{key}={value}", folder=True)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

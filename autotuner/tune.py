@@ -31,6 +31,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
+from autotuner.results.atomic import check_writable
 
 INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node")
 FLOAT_KEYS = ("gpu_memory_gb", "margin")
@@ -169,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         dirs, settings = parse_settings(args.args)
+        if args.slurm:
+            check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         ranked, runs = rank(dirs, settings)
         top = settings.get("top", 5)
         fitting = [r for r in ranked if r.fits]

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import resource
 import shlex
 import signal
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from autotuner.errors import UserError
 from autotuner.main import run
 from autotuner.results import ResultsWriter, load_rows
 
@@ -582,8 +584,16 @@ def test_a_run_directory_that_cannot_be_a_folder_is_refused(capsys, tmp_path, wh
     blocker = tmp_path / "results"
     blocker.write_text("keep me\n")
     run_dir = blocker if where == "a file" else blocker / "run"
-    _refused(capsys, run_dir, [], f"hydra.run.dir={run_dir}", "choose a")
+    _refused(capsys, run_dir, [], f"hydra.run.dir={run_dir}", "is a file, not a folder")
     assert blocker.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_an_empty_run_directory_is_refused_not_taken_as_the_current_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where Hydra would have written the run, among the user's files
+    assert run(["case=tiny", "hydra.run.dir=", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hydra.run.dir= is empty: give the run a folder of its own" in err[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_empty_op_list_is_refused(capsys, tmp_path):
@@ -694,13 +704,36 @@ def test_rows_of_the_wrong_type_are_one_line(tmp_path: Path, tool: str):
     assert proc.stdout == "" and _files(tmp_path) == before
 
 
-def test_compare_oss_json_into_a_missing_folder_is_one_line(tmp_path: Path):
+def test_compare_oss_json_under_a_file_is_one_line_and_a_missing_folder_is_made(tmp_path: Path):
     run = _run_dir(tmp_path / "run")
+    (tmp_path / "notes.txt").write_text("mine\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "nowhere" / "oss.json")
-    _one_line(proc, 2, "nowhere", "does not exist", "create it")
+    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "notes.txt" / "oss.json")
+    _one_line(proc, 2, "notes.txt is a file, not a folder", "give a path under a folder")
     # Refused before the table is printed: a half-done command would read as a success.
-    assert proc.stdout == "" and _files(tmp_path) == before and not (tmp_path / "nowhere").exists()
+    assert proc.stdout == "" and _files(tmp_path) == before
+    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "new" / "oss.json")
+    assert proc.returncode == 0 and json.loads((tmp_path / "new" / "oss.json").read_text())
+
+
+def test_commands_that_measure_first_refuse_an_output_they_could_not_write_before_measuring(tmp_path: Path):
+    """calibrate and the steps measure for seconds to minutes, then write: a folder given as the file,
+    or a path under a file, is refused first (it had cost the whole measurement)."""
+    proc = _tool("autotuner.calibrate", "--device", "cpu", "--out", tmp_path)
+    _one_line(proc, 2, f"--out {tmp_path} is a folder: give a file name in it")
+    from autotuner.predict.steps import parse_args
+
+    (tmp_path / "a-file").write_text("")
+    for argv, words in (
+        ([f"out={tmp_path}"], "is a folder"),
+        ([f"out={tmp_path}/a-file/steps.json"], "a-file is a file, not a folder"),
+        (["out=o.json", "repeats=abc"], "repeats='abc' is not an integer >= 1"),
+        (["out=o.json", "warmup=-1"], "warmup=-1 is not an integer >= 0"),
+        (["out=o.json", "lr=-1"], "lr=-1 is not a learning rate above 0"),
+        (["out=o.json", "lr=nan"], "lr=nan is not a learning rate above 0"),
+    ):
+        with pytest.raises(UserError, match=re.escape(words)):
+            parse_args([*argv, "layout.seq_len=16"])
 
 
 def test_report_out_onto_an_existing_file_is_one_line(tmp_path: Path):
@@ -716,6 +749,15 @@ def test_capture_of_a_missing_script_is_one_line_and_exit_2(tmp_path: Path):
     proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "missing.py", cwd=tmp_path)
     _one_line(proc, 2, "can't open file 'missing.py'", "give the path of the training script")
     assert _files(tmp_path) == {}
+
+
+def test_capture_of_a_folder_without_a_main_module_is_refused_before_it_starts(tmp_path: Path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
+    before = _files(tmp_path)
+    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "pkg", cwd=tmp_path)
+    _one_line(proc, 2, "can't find '__main__' module in 'pkg'", "give the path of the training script")
+    assert _files(tmp_path) == before
 
 
 def test_capture_of_a_script_that_does_not_compile_writes_nothing(tmp_path: Path):

@@ -232,3 +232,54 @@ def test_a_bad_depth_is_one_line_and_exit_2(tiny_run: Path, depth: str, capsys):
     assert predict_main([str(tiny_run), "seq_len=32", "report=false", depth]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("autotuner.predict: error: num_layers=") and len(err.splitlines()) == 1
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Path, tmp_path: Path, capsys):
+    """Each is one line, exit 2, and nothing printed or written first: found at the end, after the work
+    (the prediction, the plan), the error would lose it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep\n")
+    argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
+    refused = [
+        (
+            tune_main,
+            ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "--slurm", str(blocker)],
+            "is a file, not a folder",
+        ),
+        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=nan"], "is not a finite number"),
+        (predict_main, [*argv, "--slurm", str(blocker / "plan")], "is a file, not a folder"),
+        (predict_main, [*argv, "--json", str(tmp_path)], "is a folder: give a file name"),
+        (predict_main, [*argv, "validate=true", "repeats=0"], "repeats=0 must be at least 1"),
+    ]
+    for main, args, words in refused:
+        assert main(args) == 2, args
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+        assert words in captured.err
+    assert blocker.read_text() == "keep\n" and not (tiny_run / "prediction.json").exists()
+    # the folders a --json or --slurm path names are made
+    out = tmp_path / "new" / "deeper" / "prediction.json"
+    assert predict_main([*argv, "--json", str(out)]) == 0 and json.loads(out.read_text())["layout"]
+
+
+def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_line(
+    tiny_run: Path, tmp_path: Path, capsys, monkeypatch
+):
+    """The steps' processes are real; their command is one that fails as a worker's bad input does."""
+    import sys
+
+    from autotuner.predict import steps
+
+    real_group = steps.run_process_group
+    failing = [sys.executable, "-c", "import sys; sys.exit('autotuner: error: the steps refused this')"]
+    monkeypatch.setattr(
+        steps, "run_process_group", lambda command, env, timeout_s: real_group(failing, env, 60)
+    )
+    out = tmp_path / "prediction.json"
+    argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
+    assert predict_main([*argv, "validate=true", "--json", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "measured steps failed (1): autotuner: error: the steps refused this" in err[0]
+    assert f"the prediction, unvalidated, is in {out}" in err[0]
+    record = json.loads(out.read_text())
+    assert record["step"]["total_s"] > 0 and "validation" not in record

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from autotuner.capture import _child
 from autotuner.errors import UserError
+from autotuner.results.atomic import check_writable
 
 USAGE = "python -m autotuner.capture --out FILE [--steps START:STOP] -- python SCRIPT.py ARGS..."
 # Interpreter options that take no value, allowed between "python" and the script.
@@ -54,19 +55,6 @@ def child_command(command: list[str], options: list[str]) -> list[str]:
     if not rest or rest[0].startswith("-") and rest[0] != "-m":
         raise UserError(f"give a script or -m MODULE after the interpreter: {USAGE}")
     return [python, *flags, "-m", "autotuner.capture._child", *options, "--", *rest]
-
-
-def check_out(out: Path) -> None:
-    """Refuse, before the training runs, a capture file that could not be written when it ends."""
-    if out.is_dir():
-        raise UserError(f"--out {out} is a folder: give a file name, e.g. {out / 'shapes.json'}")
-    folder = out.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UserError(f"--out {out}: {folder} is a file, not a folder: give a path in a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: cannot write in {folder}: give a path in a folder you can write")
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
@@ -120,7 +108,7 @@ def run(argv: list[str]) -> int:
         if getattr(args, name) is not None:
             options.append(f"--{name}={getattr(args, name)}")
     try:
-        check_out(out)
+        check_writable(out, f"--out {out}")  # before the training runs: its end writes the file
         argv_child = child_command(list(command), options)
         script = argv_child[argv_child.index("--") + 1]
         # Only a script is checked here: a module is looked up by the child's interpreter, on its path.

@@ -47,10 +47,11 @@ def names(text: str) -> list[str]:
 
 
 def cannot_open(script: str) -> str | None:
-    """Why Python could not open ``script`` (one line), or None. A folder is left to runpy, which runs its
-    ``__main__.py`` as Python does."""
+    """Why Python could not open ``script`` (one line, Python's words), or None. A folder runs its
+    ``__main__.py``, as Python runs it (runpy, in the capture); one without is refused here."""
     if os.path.isdir(script):
-        return None
+        has_main = os.path.isfile(os.path.join(script, "__main__.py"))
+        return None if has_main else f"can't find '__main__' module in {script!r}"
     try:
         with open(script, "rb"):
             return None

@@ -33,7 +33,7 @@ from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import deepest_that_fits, load_calibration_for, load_runs, predict, render
 from autotuner.predict.settings import parse_settings as parse_key_values
-from autotuner.results.atomic import atomic_write_text
+from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.termination import unwinding_on_sigterm
 
 INT_KEYS = (
@@ -83,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = load_runs(dirs)
         calibration = load_calibration_for(runs, settings.pop("calibration", None))
         validating, repeats = settings.pop("validate", False), settings.pop("repeats", 5)
+        if repeats < 1:  # refused here, before the prediction, not by the steps' process after it
+            raise UserError(f"repeats={repeats} must be at least 1: give e.g. repeats=5")
         page, gpu_memory_gb = settings.pop("report", True), settings.pop("gpu_memory_gb", None)
         if gpu_memory_gb is not None and gpu_memory_gb <= 0:
             raise UserError(f"gpu_memory_gb={gpu_memory_gb:g} must be positive: give e.g. gpu_memory_gb=80")
@@ -92,23 +94,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings["dtype"] = dtypes[0] if len(dtypes) == 1 else "bf16"
         layout = Layout(**settings)
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
-        if out.is_dir() or not out.parent.is_dir():
-            raise UserError(f"--json {out}: give a file in an existing folder")
+        check_writable(out, f"--json {out}")
+        if args.slurm:
+            check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         profiled = ModelShape.from_environment(runs.env)
         model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
         pred = predict(runs, layout, calibration, model)
         print(render(pred))
         record = pred.to_json()
+        atomic_write_text(out, json.dumps(record, indent=1) + "\n")  # kept if the validation fails
         if validating:  # the real steps of this layout (autotuner.predict.validate)
+            from autotuner.predict.steps import StepsFailed
             from autotuner.predict.validate import model_overrides, validate
             from autotuner.predict.validate import render as render_validation
 
             case = str(runs.env.get("case") or pred.model.case)
             depth = pred.model.num_layers if pred.model.num_layers != profiled.num_layers else None
-            checked = validate(pred, case, model_overrides(Path(dirs[0]), depth), repeats=repeats)
+            try:
+                checked = validate(pred, case, model_overrides(Path(dirs[0]), depth), repeats=repeats)
+            except StepsFailed as exc:
+                message = f"validate=true: {exc}; the prediction, unvalidated, is in {out}"
+                print(f"autotuner.predict: error: {message}", file=sys.stderr)
+                return 1
             print("\n" + render_validation(checked))
             record["validation"] = checked.to_json()
-        atomic_write_text(out, json.dumps(record, indent=1) + "\n")
+            atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         if args.slurm and pred.plan is not None and pred.plan.runs:
             print("\n" + pred.plan.text(pred.plan.slurm(args.slurm)))
     except UserError as exc:

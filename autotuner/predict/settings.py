@@ -4,6 +4,7 @@ the same words."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,4 +35,6 @@ def parse_settings(items: Sequence[str], kinds: Mapping[str, type]) -> tuple[lis
             settings[key] = kind(value)
         except ValueError:
             raise UserError(f"{key}={value!r} is not {_KINDS[kind]}: give e.g. {key}=8") from None
+        if kind is float and not math.isfinite(settings[key]):  # nan passes every range check after
+            raise UserError(f"{key}={value!r} is not a finite number: give e.g. {key}=8")
     return dirs, settings

@@ -82,6 +82,7 @@ from autotuner.predict.in_step import IN_STEP_KEYS, Visit
 from autotuner.predict.layout import Layout
 from autotuner.predict.stage_trainer import OPTIMIZER, StageTrainer, flush_inside_layers
 from autotuner.predict.step_measurement import RankSteps, StepMeasurement
+from autotuner.results.atomic import atomic_write_text, check_writable
 
 
 def steps_command(
@@ -331,6 +332,10 @@ def _gather_timelines(
     return tuple(replace(r, timeline=by_rank[r.rank][0], timeline_start_s=by_rank[r.rank][1]) for r in ranks)
 
 
+class StepsFailed(RuntimeError):
+    """The steps' processes ended with an error (its last line is the message) or past their time."""
+
+
 def run_steps(
     case: str,
     overrides: list[str],
@@ -343,12 +348,16 @@ def run_steps(
     flush_in_layers: bool = False,
 ) -> StepMeasurement:
     """Measure in fresh processes (torchrun for TP x PP > 1) and read the result back from ``out``.
-    A run past ``timeout_s`` (a rank that hangs in the pipeline) is killed: subprocess.TimeoutExpired."""
+    A run past ``timeout_s`` (a rank that hangs in the pipeline) is killed; either failure raises
+    :class:`StepsFailed`."""
     command = steps_command(case, overrides, layout, repeats, warmup, out, lr, flush_in_layers)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = run_process_group(command, env, timeout_s)
+    try:
+        proc = run_process_group(command, env, timeout_s)
+    except subprocess.TimeoutExpired:
+        raise StepsFailed(f"measured steps ran past {timeout_s:g} s and were ended") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"measured steps failed ({proc.returncode}): {_worker_error(proc.stderr)}")
+        raise StepsFailed(f"measured steps failed ({proc.returncode}): {_worker_error(proc.stderr)}")
     return StepMeasurement.from_json(json.loads(Path(out).read_text()))
 
 
@@ -466,6 +475,12 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
             overrides.append(arg)
     if not own["out"]:
         raise UserError("no out=: give out=<file.json> for the measured steps")
+    check_writable(own["out"], f"out={own['out']}")  # before the steps: their end writes it
+    for key, least in (("repeats", 1), ("warmup", 0)):
+        if not isinstance(own[key], int) or isinstance(own[key], bool) or own[key] < least:
+            raise UserError(f"{key}={own[key]!r} is not an integer >= {least}: give e.g. {key}={least + 1}")
+    if not isinstance(own["lr"], (int, float)) or not math.isfinite(own["lr"]) or own["lr"] <= 0:
+        raise UserError(f"lr={own['lr']!r} is not a learning rate above 0: give e.g. lr=1e-3")
     if not isinstance(own["flush_in_layers"], bool):
         raise UserError(
             f"flush_in_layers={own['flush_in_layers']!r} is not true or false: give flush_in_layers=true"
@@ -483,7 +498,6 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     from autotuner.model.runtime import quiet_megatron_import
-    from autotuner.results.atomic import atomic_write_text
 
     try:
         own, layout, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))

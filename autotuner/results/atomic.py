@@ -12,7 +12,12 @@ Every writer of run files goes through :func:`atomic_write_bytes` (or its text t
 * the temporary file is removed if anything (an exception, a KeyboardInterrupt) stops the write.
 
 Temporary names start with a dot and end in ``.tmp``: hidden, and never taken for a trace by tools that
-load every ``*.json``/``*.gz`` of a folder (Holistic Trace Analysis).
+load every ``*.json``/``*.gz`` of a folder (Holistic Trace Analysis). Missing folders above the target
+are made.
+
+A command that measures first and writes at its end checks its targets with :func:`check_writable`
+before it measures: an output path that names a folder, or lies under a file, would otherwise lose what
+was measured to the last step's OSError.
 
 Nsight Systems starts the program it profiles with umask 0; :func:`adopt_user_umask` restores the one the
 user had, which ``autotuner.main`` passes down in :data:`UMASK_ENV`.
@@ -25,6 +30,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from autotuner.errors import UserError
 
 UMASK_ENV = "AUTOTUNER_UMASK"
 
@@ -60,11 +67,34 @@ def adopt_user_umask() -> None:
         os.umask(mask)
 
 
+def check_writable(path: str | os.PathLike[str], named: str, folder: bool = False) -> None:
+    """Refuse, before any work, a target the writer could not make when the work ends: a file's path that
+    is a folder, a folder's that is a file, or one whose nearest existing folder above is a file or not
+    writable (the folders between are made). ``named`` is how the user gave it (``--out x.json``,
+    ``hydra.run.dir=x``), which the one-line UserError repeats."""
+    target = Path(os.path.abspath(path))
+    try:
+        if folder and target.exists() and not target.is_dir():
+            raise UserError(f"{named} is a file, not a folder: give a folder")
+        if not folder and target.is_dir():
+            raise UserError(f"{named} is a folder: give a file name in it, e.g. {target / 'out.json'}")
+        existing = target if folder else target.parent
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise UserError(f"{named}: {existing} is a file, not a folder: give a path under a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserError(f"{named}: {existing} is not writable: give a path in a folder you can write")
+    except OSError as exc:  # a name too long, a loop of links: what the OS said
+        raise UserError(f"{named} cannot be used ({exc.strerror or exc}): give another path") from exc
+
+
 @contextmanager
 def atomic_path(final: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a unique temporary path next to ``final`` (the file exists, empty); when the block returns,
     give it the umask's mode and rename it over ``final``. On any exception ``final`` is left as it was."""
     final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
     tmp = Path(name)
