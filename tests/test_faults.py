@@ -209,6 +209,16 @@ def test_a_signal_between_the_two_results_files_leaves_them_in_step(tmp_path, mo
 # --- 2. resume with a changed configuration ----------------------------------------------------------
 
 
+def test_resume_where_the_results_file_is_a_folder_is_one_line(tmp_path, capsys):
+    # it had printed "nothing to resume ... starting a new run" first, then failed to write
+    (tmp_path / "results.jsonl").mkdir()
+    assert run([*TINY, "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}", "resume=true"]) == 2
+    captured = capsys.readouterr()
+    lines = _errors(captured.err)
+    assert len(lines) == 1 and "results.jsonl is not a file: move it away" in lines[0], captured.err
+    assert "nothing to resume" not in captured.err
+
+
 def test_resume_with_a_changed_configuration_is_refused_and_extending_is_not(tmp_path, capsys):
     args = [*TINY, "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}"]
     assert run(args) == 0
@@ -586,6 +596,24 @@ def test_a_run_directory_that_cannot_be_a_folder_is_refused(capsys, tmp_path, wh
     run_dir = blocker if where == "a file" else blocker / "run"
     _refused(capsys, run_dir, [], f"hydra.run.dir={run_dir}", "is a file, not a folder")
     assert blocker.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+@pytest.mark.parametrize(
+    "shapes, words",
+    [
+        ("{seq_len: 32, micro_batch_size: [1]}", "mine.yaml: shapes.seq_len: Invalid value assigned"),
+        ("{seq_lens: [32], micro_batch_size: [1]}", "mine.yaml: shapes.seq_lens: Key 'seq_lens' not in"),
+        ("{generator: fuzz, fuzz: {n: many}}", "mine.yaml: shapes.fuzz.n: Value 'many'"),
+    ],
+)
+def test_a_case_files_shapes_have_the_settings_keys_and_types(capsys, tmp_path, shapes, words):
+    # a number where a list is due had been a TypeError traceback in the shape generators
+    tiny = yaml.safe_load((REPO / "cases" / "tiny.yaml").read_text())
+    (tmp_path / "mine.yaml").write_text(
+        yaml.safe_dump({"hf_config": tiny["hf_config"]}) + f"shapes: {shapes}\n"
+    )
+    line = _refused(capsys, tmp_path / "run", [f"case_dir={tmp_path}", "case=mine"], words)
+    assert "write it as seq_len: [...]" in line
 
 
 def test_an_empty_run_directory_is_refused_not_taken_as_the_current_folder(capsys, tmp_path, monkeypatch):

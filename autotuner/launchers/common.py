@@ -185,6 +185,8 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         return
     rank, world = spec.rank, spec.world
     results = run_dir / f"{results_stem(rank, world)}.jsonl"
+    if results.exists() and not results.is_file():
+        raise UserError(f"cannot resume: {results} is not a file: move it away, or start a new run elsewhere")
     try:
         rows = read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
     except RowsFileError as exc:  # its message names the line and the fix

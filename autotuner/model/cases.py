@@ -56,7 +56,7 @@ def available_cases(case_dir: str | None = None) -> list[str]:
     """Names of every case that ``case=`` accepts."""
     names = set()
     for folder in case_dirs(case_dir):
-        names.update(p.stem for p in folder.glob("*.yaml"))
+        names.update(p.stem for p in folder.glob("*.yaml") if p.is_file())  # as load_case reads them
     return sorted(names)
 
 
@@ -99,7 +99,7 @@ class CaseFile(BaseModel):
 
 
 # The fix for a problem in each field of a case file, the last part of its one-line refusal.
-_FIXES = {
+FIXES = {
     "hf_config": "write it as model_type: llama, hidden_size: 4096, ...",
     "hf_config_dir": "point it at a folder holding config.json",
     "shapes": "write it as seq_len: [...], micro_batch_size: [...] (generator, ... as in cases/tiny.yaml)",
@@ -119,7 +119,7 @@ def _refusal(subject: str, error: ValidationError) -> UserError:
             f"allowed keys are {', '.join(CaseFile.model_fields)}"
         )
     field = str(problems[0]["loc"][0]) if problems[0]["loc"] else ""
-    fix = f": {_FIXES[field]}" if field in _FIXES else ""
+    fix = f": {FIXES[field]}" if field in FIXES else ""
     return UserError(f"{subject}: {schema_problem(error)}{fix}")
 
 
@@ -141,7 +141,6 @@ def _parse_case(name: str, path: Path) -> Case:
         case = CaseFile.model_validate(data)
     except ValidationError as exc:
         raise _refusal(f"case file {path}", exc) from None
-    _check_shapes(path, case.shapes or {})
     if case.hf_config is not None:
         hf_fields = case.hf_config
     else:
@@ -154,22 +153,6 @@ def _parse_case(name: str, path: Path) -> Case:
         path=path,
         description=case.description,
     )
-
-
-def _check_shapes(path: Path, shapes: dict[str, Any]) -> None:
-    """The case's ``shapes:`` block has the keys and types of the ``shapes.*`` settings (autotuner.config.
-    ShapesConfig, which the command line's overrides meet in Hydra): a key misspelt or a number where a
-    list is due is refused here, not deep in the shape generators."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from autotuner.config import ShapesConfig
-
-    try:
-        OmegaConf.merge(OmegaConf.structured(ShapesConfig), shapes)
-    except OmegaConfBaseException as exc:
-        problem = str(exc).splitlines()[0].rstrip(".")
-        raise UserError(f"case file {path}: shapes.{exc.full_key}: {problem}: {_FIXES['shapes']}") from None
 
 
 def _read_config_json(case_path: Path, folder: str) -> dict[str, Any]:
@@ -190,7 +173,7 @@ def _read_config_json(case_path: Path, folder: str) -> dict[str, Any]:
     try:
         return HF_FIELDS.validate_python(data)
     except ValidationError as exc:
-        raise UserError(f"{config_json} {schema_problem(exc)}: {_FIXES['hf_config']}") from None
+        raise UserError(f"{config_json} {schema_problem(exc)}: {FIXES['hf_config']}") from None
 
 
 def build_hf_config(hf_fields: dict[str, Any], overrides: dict[str, Any]) -> Any:

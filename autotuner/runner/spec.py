@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from autotuner.errors import UserError
 from autotuner.measure.timer import PRECISION_RULES
@@ -60,6 +61,19 @@ def _fed(spec: RunSpec, cfg: DictConfig) -> RunSpec:
             raise RuntimeError(f"{key}= is set but no feed is registered for it: import its module first")
         spec = _FEEDS[key](spec, cfg)
     return spec
+
+
+def _check_case_shapes(case: cases.Case, settings: DictConfig) -> None:
+    """The case's ``shapes:`` block has the keys and types of the ``shapes.*`` settings (the structured
+    config's node, which the command line's overrides met in Hydra): a misspelt key, or a number where a
+    list is due, is refused naming the case file, not met deep in the shape generators."""
+    try:
+        OmegaConf.merge(settings, case.shapes)
+    except OmegaConfBaseException as exc:
+        problem = str(exc).splitlines()[0].rstrip(".")
+        raise UserError(
+            f"case file {case.path}: {exc.full_key}: {problem}: {cases.FIXES['shapes']}"
+        ) from None
 
 
 def resolve_spec(cfg: DictConfig) -> RunSpec:
@@ -154,6 +168,7 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             f"launch with torchrun --nproc-per-node={tp}"
         )
     check_expert_parallel(world, tf_config.expert_model_parallel_size, tf_config.expert_tensor_parallel_size)
+    _check_case_shapes(case, cfg.shapes)
     shapes = merge(case.shapes, OmegaConf.to_container(cfg.shapes, resolve=True))
     points = generate_points(shapes, sequence_multiple=tp if tf_config.sequence_parallel else 1)
     too_long = sorted({p.seq_len for p in points if p.seq_len > args.max_sequence_length})
