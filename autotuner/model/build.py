@@ -137,8 +137,9 @@ _POSITIVE_FIELDS = (
 _PROBABILITY_FIELDS = ("attention_dropout", "hidden_dropout")
 
 
-def check_tf_overrides(tf_overrides: dict[str, Any]) -> None:
-    """Each ``tf.<field>=`` value has its field's type and range, before any work. Raises UserError."""
+def check_tf_overrides(tf_overrides: dict[str, Any]) -> dict[str, Any]:
+    """Each ``tf.<field>=`` value has its field's type and range, before any work. Raises UserError.
+    Returns the overrides as TransformerConfig takes them: an enum field's name is its member."""
     unknown = sorted(set(tf_overrides) - transformer_config_fields())
     if unknown:
         raise UserError(
@@ -147,12 +148,12 @@ def check_tf_overrides(tf_overrides: dict[str, Any]) -> None:
     types_ = _transformer_config_types()
     for name, value in tf_overrides.items():
         expected = types_.get(name)
-        if expected is not None and not _accepts(expected, value) and _takes_object(expected):
-            raise UserError(
-                f"tf.{name}={value!r}: TransformerConfig.{name} takes a Python object, which an override "
-                f"cannot give: {_OBJECT_HINTS.get(name, 'drop it')}"
-            )
         if expected is not None and not _accepts(expected, value):
+            if _takes_object(expected):
+                raise UserError(
+                    f"tf.{name}={value!r}: TransformerConfig.{name} takes a Python object, which an "
+                    f"override cannot give: {_OBJECT_HINTS.get(name, 'drop it')}"
+                )
             raise UserError(
                 f"tf.{name}={value!r} is not {_describe(expected)} (TransformerConfig.{name}): "
                 f"set tf.{name} to {_describe(expected)}, or drop it"
@@ -165,6 +166,12 @@ def check_tf_overrides(tf_overrides: dict[str, Any]) -> None:
             raise UserError(
                 f"tf.{name}={value!r} is a probability: set tf.{name} between 0 and 1 (0: no dropout)"
             )
+    taken = dict(tf_overrides)
+    for name, value in tf_overrides.items():
+        expected = types_.get(name)
+        if isinstance(expected, enum.EnumMeta):
+            taken[name] = _enum_member(expected, value)
+    return taken
 
 
 # The norms Megatron-Core's local layer spec builds (its WrappedTorchNorm and L2Norm); another name
@@ -214,7 +221,7 @@ def build_transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    check_tf_overrides(tf_overrides)
+    tf_overrides = check_tf_overrides(tf_overrides)
     kwargs = dict(args.transformer)
     kwargs.update(
         activation_func={"silu": F.silu, "gelu": F.gelu}[args.activation],
@@ -227,11 +234,6 @@ def build_transformer_config(
     if kwargs.get("num_moe_experts"):
         kwargs.update(moe_implementation(device))
     kwargs.update(tf_overrides)
-    types_ = _transformer_config_types()
-    for name, value in tf_overrides.items():  # an enum field's member, given by name (checked above)
-        expected = types_.get(name)
-        if isinstance(expected, type) and issubclass(expected, enum.Enum):
-            kwargs[name] = _enum_member(expected, value)
     _check_buildable(kwargs, args)
     tp = kwargs["tensor_model_parallel_size"]
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
