@@ -441,6 +441,9 @@ def test_a_failed_step_run_says_why_not_torchruns_banner():
     crash = "Traceback (most recent call last):\n  File y\nRuntimeError: Connection reset by peer"
     assert _worker_error(f"{crash}\n{banner}") == "RuntimeError: Connection reset by peer"
     assert _worker_error("just this\n") == "just this" and _worker_error("") == ""
+    # once a process group exists, torch.distributed's excepthook prefixes each line with the rank
+    ranked = "\n".join(f"[rank1]: {line}" for line in crash.splitlines())
+    assert _worker_error(f"{ranked}\n{banner}") == "RuntimeError: Connection reset by peer"
 
 
 @pytest.mark.torchrun

@@ -150,6 +150,9 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     assert phases["gradient reduction"] == {"predicted_s": 0.0, "measured_s": pytest.approx(0.0, abs=1e-3)}
     assert all(f"    {name} " in printed for name in phases)
     assert record["measured_step_s"] > 0 and record["measured_peak_bytes"] > 0
+    # the measured steps themselves are kept beside the prediction
+    kept = json.loads((tmp_path / "prediction.steps.json").read_text())
+    assert kept["ranks"] and kept["step_s"] > 0 and not (tmp_path / "prediction.steps.stderr.txt").exists()
     assert record["step_error"] == pytest.approx(record["predicted_step_s"] / record["measured_step_s"] - 1)
     assert record["memory_error"] == pytest.approx(
         record["predicted_peak_bytes"] / record["measured_peak_bytes"] - 1
@@ -281,5 +284,8 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "measured steps failed (1): autotuner: error: the steps refused this" in err[0]
     assert f"the prediction, unvalidated, is in {out}" in err[0]
+    # the workers' whole output is kept beside it, and the line says where
+    log = tmp_path / "prediction.steps.stderr.txt"
+    assert f"(all output: {log})" in err[0] and "the steps refused this" in log.read_text()
     record = json.loads(out.read_text())
     assert record["step"]["total_s"] > 0 and "validation" not in record

@@ -111,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             case = str(runs.env.get("case") or pred.model.case)
             depth = pred.model.num_layers if pred.model.num_layers != profiled.num_layers else None
             try:
-                checked = validate(pred, case, model_overrides(Path(dirs[0]), depth), repeats=repeats)
+                overrides = model_overrides(Path(dirs[0]), depth)
+                steps_out = out.with_suffix(".steps.json")  # the measured steps, kept beside the prediction
+                checked = validate(pred, case, overrides, repeats=repeats, steps_out=steps_out)
             except StepsFailed as exc:
                 message = f"validate=true: {exc}; the prediction, unvalidated, is in {out}"
                 print(f"autotuner.predict: error: {message}", file=sys.stderr)

@@ -357,7 +357,13 @@ def run_steps(
     except subprocess.TimeoutExpired:
         raise StepsFailed(f"measured steps ran past {timeout_s:g} s and were ended") from None
     if proc.returncode != 0:
-        raise StepsFailed(f"measured steps failed ({proc.returncode}): {_worker_error(proc.stderr)}")
+        # the whole of the workers' output beside where the result would have been: the one line says
+        # why, the file says where (every rank's traceback, torchrun's summary)
+        log = Path(out).with_suffix(".stderr.txt")
+        atomic_write_text(log, proc.stderr)
+        raise StepsFailed(
+            f"measured steps failed ({proc.returncode}): {_worker_error(proc.stderr)} (all output: {log})"
+        )
     return StepMeasurement.from_json(json.loads(Path(out).read_text()))
 
 
@@ -415,11 +421,16 @@ def _stop_session(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+
+
 def _worker_error(stderr: str) -> str:
     """The line of a failed run's stderr that says why: a worker's own one-line error, else the last
     exception a worker printed (not torchrun's summary of the failure, whose last line is a rule of
-    ``=``), else the last line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    ``=``), else the last line. A worker's uncaught exception comes with each line prefixed by
+    ``[rank<N>]:`` (the excepthook torch.distributed sets once a process group exists); the prefix goes."""
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in stderr.splitlines()]
+    lines = [line for line in lines if line]
     for line in lines:
         if line.startswith("autotuner: error:"):
             return line

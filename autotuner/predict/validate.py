@@ -167,14 +167,21 @@ class Validation:
         }
 
 
-def validate(prediction: Any, case: str, overrides: list[str], repeats: int = 5) -> Validation:
+def validate(
+    prediction: Any, case: str, overrides: list[str], repeats: int = 5, steps_out: Path | None = None
+) -> Validation:
     """Run the steps of ``prediction``'s layout (autotuner.predict.steps.run_steps, fresh processes) and
-    compare. ``overrides``: the profiled run's model overrides (:func:`model_overrides`)."""
+    compare. ``overrides``: the profiled run's model overrides (:func:`model_overrides`). ``steps_out``:
+    where the measured steps are kept (and, when they fail, the workers' output beside it); None keeps
+    them nowhere."""
     from autotuner.predict.steps import run_steps
 
     layout = prediction.layout
-    with tempfile.TemporaryDirectory(prefix="autotuner-validate-") as folder:
-        measured = run_steps(case, overrides, layout, Path(folder) / "steps.json", repeats=repeats)
+    if steps_out is not None:
+        measured = run_steps(case, overrides, layout, steps_out, repeats=repeats)
+    else:
+        with tempfile.TemporaryDirectory(prefix="autotuner-validate-") as folder:
+            measured = run_steps(case, overrides, layout, Path(folder) / "steps.json", repeats=repeats)
     timeline = tuple(
         RankTimeline(
             r.rank,
