@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
 from autotuner.errors import UserError
 from autotuner.results.atomic import check_writable
-from autotuner.termination import unwinding_on_sigterm
+from autotuner.termination import forget_stop, interrupting_on_sigint, unwinding_on_sigterm
 
 # Hydra's own flags: those that take a value, and those that print instead of running.
 _FLAGS_WITH_VALUE = {
@@ -313,7 +313,7 @@ def _claim_run_dir(argv: list[str]) -> None:
         if cfg.resume and cfg.launcher.name != "nsys":  # nsys refuses resume=true itself
             check_resume(cfg, resolve_spec(cfg), run_dir)
         elif not cfg.resume:
-            check_fresh(run_dir, *process_rank())
+            check_fresh(run_dir, process_rank()[1])
     except UserError:
         release_run_dirs()
         raise
@@ -360,8 +360,9 @@ def _resume_command(original: list[str]) -> str | None:
 def _guarded_run(original: list[str]) -> Iterator[None]:
     """Around Hydra's run: on SIGTERM (what SLURM sends at the time limit or on preemption) say how to
     finish the run, unwind (files being written are cleaned up: autotuner.results.atomic) and end as the
-    signal would have, exit status 143 (autotuner.termination); pass the user's umask on to processes
-    that reset it (nsys); release the run directory's locks when the run ends in-process."""
+    signal would have, exit status 143 (autotuner.termination); on Ctrl-C the same in one line, no
+    traceback, exit status 130; pass the user's umask on to processes that reset it (nsys); release the
+    run directory's locks when the run ends in-process."""
     from autotuner.launchers.common import release_run_dirs
     from autotuner.results.atomic import remember_user_umask
 
@@ -374,10 +375,21 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
             os.write(2, f"autotuner: terminated; finish the run with: {command}\n".encode())
         return True
 
+    resume_command: list[str | None] = [None]  # read in the handler: Hydra's run is over when it is printed
+
+    def remember_how_to_finish() -> None:
+        resume_command[0] = _resume_command(original)
+
     remember_user_umask()
     try:
-        with unwinding_on_sigterm(say_how_to_finish):
+        with interrupting_on_sigint(remember_how_to_finish), unwinding_on_sigterm(say_how_to_finish):
             yield
+    except KeyboardInterrupt:
+        forget_stop()
+        if os.environ.get("RANK", "0") == "0":
+            finish = f"; finish the run with: {resume_command[0]}" if resume_command[0] else ""
+            print(f"autotuner: interrupted{finish}", file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         release_run_dirs()
 

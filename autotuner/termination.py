@@ -66,6 +66,29 @@ def _end_by_sigterm() -> None:
 
 
 @contextlib.contextmanager
+def interrupting_on_sigint(on_signal: Callable[[], None] | None = None) -> Iterator[None]:
+    """Inside, Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, but through
+    :func:`raise_stop`: one raised in a finalizer and dropped is raised again by :func:`check_stop`
+    (module docstring), so a run does not go on measuring after Ctrl-C. ``on_signal`` runs first, in the
+    handler (where the run's state is still set up). The caller catches the KeyboardInterrupt (and calls
+    :func:`forget_stop`). Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if on_signal is not None:
+            on_signal()
+        raise_stop(KeyboardInterrupt)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def unwinding_on_sigterm(on_signal: Callable[[], bool] | None = None) -> Iterator[None]:
     """Inside, a SIGTERM raises :class:`Terminated` where the main thread is, and on leaving the process
     ends as the signal would (module docstring). ``on_signal`` runs first, in the handler, and says

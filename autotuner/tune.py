@@ -90,7 +90,7 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
     else:
         model = ModelShape.from_environment(runs.env)
     calibration = load_calibration_for(runs, settings.get("calibration"))
-    dtype = settings.get("dtype") or (runs.dtypes[0] if len(runs.dtypes) == 1 else "bf16")
+    dtype = runs.dtype_to_predict(settings.get("dtype"))
     layouts = enumerate_layouts(
         ModelDims.from_transformer(model.config),
         settings["gpus"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -104,6 +105,11 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["tf.context_parallel_size=2"], "context parallelism is not profiled"),
         (["tf.num_query_groups=3"], "does not divide num_attention_heads=4"),
         (["tf.kv_channels=7"], "odd rotary width"),
+        # a profiler keeps every range to the end: a mistyped count would run for hours, then out of memory
+        (["launcher=torch_profiler", "launcher.active=100000"], "launcher.active=100000 = 100002 profiled"),
+        (["launcher=nsys", "launcher.iterations=5000"], "launcher.iterations=5000 = 5002 profiled calls"),
+        # the traces' folder would take the name of the run's own results file
+        (["launcher=torch_profiler", "launcher.output_dir=results.csv"], "writes its own results.csv"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
@@ -170,7 +176,18 @@ def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
+@pytest.mark.parametrize(
+    "stop, status, said",
+    [
+        (
+            signal.SIGTERM,
+            -signal.SIGTERM,
+            "terminated",
+        ),  # what SLURM sends on preemption or at the time limit
+        (signal.SIGINT, 130, "interrupted"),  # Ctrl-C
+    ],
+)
+def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path, stop, status, said):
     ops = ["input_layernorm", "linear_qkv", "core_attention", "linear_proj", "linear_fc1", "linear_fc2"]
     args = [
         "case=tiny",
@@ -180,12 +197,11 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
         "timing.max_samples=1000",
         "progress=false",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "autotuner.main", *args],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    stderr = tmp_path.parent / f"{tmp_path.name}.stderr"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "autotuner.main", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err
+        )
     results = tmp_path / "results.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -193,13 +209,20 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be interrupted"
-    os.kill(proc.pid, signal.SIGTERM)  # what SLURM sends on preemption or at the time limit
-    proc.wait()
+    os.kill(proc.pid, stop)
+    assert proc.wait() == status
     before = _check_files(tmp_path)
     assert 4 <= len(before) < len(ops) * 2 * 2
+    # one line, no traceback, with the command that finishes the run
+    said_lines = stderr.read_text().strip().splitlines()
+    assert len(said_lines) == 1 and said_lines[0].startswith(f"autotuner: {said}; finish the run with: "), (
+        said_lines
+    )
+    command = shlex.split(said_lines[0].split("finish the run with: ", 1)[1])
+    assert command[:3] == ["python", "-m", "autotuner.main"] and "resume=true" in command
 
-    # the same settings: a resume that changes the sampler is refused (tests/test_faults_data.py)
-    assert run([*args, "resume=true"]) == 0
+    # that command, the same settings (a resume that changes the sampler is refused: test_faults_data.py)
+    assert run(command[3:]) == 0
     after = _check_files(tmp_path)
     assert len(after) == len(ops) * 2 * 2 and len({(r["op"], r["phase"], r["point"]) for r in after}) == len(
         after

@@ -271,8 +271,14 @@ def test_resume_drops_a_torn_last_line_with_a_warning(finished, tmp_path, capsys
     lines = results.read_text().splitlines()
     # the last row cut half-way, as a killed appending writer leaves it: no newline, not JSON
     results.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:40])
+    # and a SIGKILL mid-rename leaves the atomic writer's temporary files (their cleanup never ran)
+    left = [f".{name}.k1ll3d.tmp" for name in ("results.jsonl", "results.csv", "environment.json")]
+    for name in [*left, ".mine.tmp"]:
+        (run_dir / name).write_text("partial")
     capsys.readouterr()
     assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    # swept by the run that holds the directory's lock; a file the run does not write is not touched
+    assert sorted(p.name for p in run_dir.glob(".*.tmp")) == [".mine.tmp"]
     warnings = [line for line in _errors(capsys.readouterr().err) if "torn" in line]
     assert len(warnings) == 1 and "results.jsonl" in warnings[0], warnings
     rows = load_rows(results)  # valid again, the lost row measured again, the others kept

@@ -475,6 +475,71 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
+def _start_a_long_nsys_run(run_dir: Path, iterations: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``python -m autotuner.main ... launcher=nsys``, returned once its worker has finished a row. A
+    session of its own: a signal goes to the main process alone, as from `kill <pid>`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "autotuner.main",
+        "case=tiny",
+        "launcher=nsys",
+        f"launcher.iterations={iterations}",
+        "shapes.seq_len=[16,32]",
+        "shapes.micro_batch_size=[1]",
+        "progress=false",
+        "report=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    worker_rows = run_dir / "worker" / "results.jsonl"
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (worker_rows.is_file() and worker_rows.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the worker wrote no row in 240 s"
+            time.sleep(0.05)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc
+
+
+@pytest.mark.nsys
+@pytest.mark.slow
+def test_a_launcher_killed_outright_leaves_no_nsys_or_worker_behind(nsys_bin: str, tmp_path: Path) -> None:
+    """SIGKILL of the launcher (torchrun's agent 30 s after its SIGTERM, SLURM after KillWait) passes no
+    stop on: the worker sees its launcher gone and stops, and nsys ends with it."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # 990 iterations a row: the plan would take the worker minutes more (the most a launcher takes)
+    proc = _start_a_long_nsys_run(run_dir, 990, env)
+    running = _processes_naming(str(run_dir))
+    assert any("autotuner.launchers.nsys_worker" in line for line in running), running
+    nsys_pids = [line.split(":")[0] for line in running if "nsys profile" in line]
+    assert len(nsys_pids) == 1, running
+
+    def left() -> list[str]:  # the run's processes, and the agent nsys started (named by nsys's pid)
+        agent = f"--session-name=profile-python-{nsys_pids[0]}"
+        return _processes_naming(str(run_dir)) + _processes_naming(agent)
+
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    killed = time.monotonic()
+    try:
+        while left() and time.monotonic() < killed + 30:
+            time.sleep(0.2)
+        assert left() == []
+        print(f"gone {time.monotonic() - killed:.1f} s after the launcher's SIGKILL")
+    finally:
+        for line in left():  # what a failure left, ended here rather than at the suite's end
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
 @pytest.mark.nsys
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -489,31 +554,9 @@ def test_stop_signal_reaches_nsys_and_worker_and_keeps_what_was_measured(
     # plan once measured to its end after the signal: the worker's stop was lost in a finalizer, see
     # test_faults.test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_measuring.)
     iterations = 500
-    cmd = [
-        sys.executable,
-        "-m",
-        "autotuner.main",
-        "case=tiny",
-        "launcher=nsys",
-        f"launcher.iterations={iterations}",
-        "shapes.seq_len=[16,32]",
-        "shapes.micro_batch_size=[1]",
-        "progress=false",
-        "report=false",
-        f"hydra.run.dir={run_dir}",
-    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    worker_rows = run_dir / "worker" / "results.jsonl"
-    # A session of its own: the signal goes to the main process alone, as from `kill <pid>`.
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
+    proc = _start_a_long_nsys_run(run_dir, iterations, env)
     try:
-        deadline = time.monotonic() + 240
-        while not (worker_rows.is_file() and worker_rows.read_text().strip()):
-            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
-            assert time.monotonic() < deadline, "the worker wrote no row in 240 s"
-            time.sleep(0.05)
         os.kill(proc.pid, signum)
         stdout, stderr = proc.communicate(timeout=120)
     finally:

@@ -202,6 +202,29 @@ def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, m
 
 @pytest.mark.torchrun
 @pytest.mark.slow
+def test_a_resume_one_ranks_file_refuses_is_refused_by_every_rank(tp_run, tmp_path):
+    """A damaged line in rank 1's results: had only rank 1 read its file, rank 0 would wait for it in
+    init_process_group until torchrun killed it; every rank reads every rank's file and refuses alike."""
+    for name in ("results.rank0.jsonl", "results.rank1.jsonl", "environment.json"):
+        shutil.copy(tp_run / name, tmp_path / name)
+    rank1 = tmp_path / "results.rank1.jsonl"
+    lines = rank1.read_text().splitlines()
+    rank1.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith(".")}
+    cmd = [*TORCHRUN, "-m", "autotuner.main", *TP_ARGS, f"hydra.run.dir={tmp_path}", *SMALL, "resume=true"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
+    assert proc.returncode != 0
+    refusals = [
+        line for line in proc.stderr.splitlines() if line.startswith("autotuner: error: cannot resume")
+    ]
+    assert len(refusals) == 2 and "results.rank1.jsonl" in refusals[0], proc.stderr[-3000:]
+    # both ended by their own refusal (exit 2), neither by torchrun's SIGTERM (-15) or SIGKILL (-9)
+    assert "exitcode  : -" not in proc.stderr and proc.stderr.count("exitcode  : 2") >= 1, proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if not p.name.startswith(".")} == before
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_resume_with_ranks_cut_at_different_rows(tp_run, tmp_path):
     """Rank 1 lost its last rows (killed a row after rank 0): a resumed job measures them on both ranks
     together instead of leaving the ranks in different ops."""

@@ -289,3 +289,31 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     assert f"(all output: {log})" in err[0] and "the steps refused this" in log.read_text()
     record = json.loads(out.read_text())
     assert record["step"]["total_s"] > 0 and "validation" not in record
+
+
+def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, capsys):
+    """Predicting from the rows of one dtype of two, unasked, would be a silent choice: both commands refuse
+    in one line naming dtype=, and take the runs once it is given."""
+    bf16_run = tmp_path / "bf16"
+    ops = "ops=[embedding,transformer_layer,final_layernorm,output_layer]"
+    argv = ["case=tiny", ops, "shapes.seq_len=[32]", "shapes.micro_batch_size=[1]", "dtype=bf16", *FAST]
+    assert run([*argv, "report=false", f"hydra.run.dir={bf16_run}"]) == 0
+    runs = [str(tiny_run), str(bf16_run)]
+    layout = ["seq_len=32", "micro_batch_size=1", "global_batch_size=2", "report=false"]
+    out = tmp_path / "prediction.json"
+    for main, args in (
+        (predict_main, [*runs, *layout, "--json", str(out)]),
+        (tune_main, [*runs, "gpus=1", "gpu_memory_gb=1", "global_batch_size=2", "seq_len=32"]),
+    ):
+        capsys.readouterr()
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "the runs hold rows in bf16 and fp32" in err, err
+        assert "dtype=bf16" in err
+    assert not out.exists()
+    assert predict_main([*runs, *layout, "dtype=fp32", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["layout"]["dtype"] == "fp32"
+    assert (
+        tune_main([*runs, "gpus=1", "gpu_memory_gb=1", "global_batch_size=2", "seq_len=32", "dtype=bf16"])
+        == 0
+    )

@@ -4,6 +4,7 @@ record on disk and the closing summary."""
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import re
@@ -16,9 +17,30 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
 from autotuner.model.runtime import device_name, environment, process_rank
+from autotuner.report import REPORT_NAME
 from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.table import render
+
+# The most calls a profiling launcher (nsys, torch_profiler) makes of each op at each point: every one is a
+# range the profiler keeps until the end (torch.profiler in this process's memory, nsys in its report), so
+# a mistyped count (launcher.active=100000) would run for hours and then fail for memory.
+MAX_PROFILED_CALLS = 1000
+
+# The files a run writes at the top of its directory: a launcher's folder of its own may not take a name.
+RUN_FILES = re.compile(r"results(\.rank\d+)?\.(jsonl|csv)|environment\.json|report\.html|\.hydra|\..*\.lock")
+
+
+def check_profiled_calls(counts: dict[str, int]) -> None:
+    """UserError (one line) unless the ``counts`` (setting -> calls of each op at each point) add up to at
+    most :data:`MAX_PROFILED_CALLS`."""
+    total = sum(counts.values())
+    if total > MAX_PROFILED_CALLS:
+        given = " + ".join(f"{name}={count}" for name, count in counts.items())
+        raise UserError(
+            f"{given} = {total} profiled calls of each op at each point, above {MAX_PROFILED_CALLS} (each "
+            "is a range the profiler keeps until the end): lower them"
+        )
 
 
 def results_stem(rank: int, world: int) -> str:
@@ -64,11 +86,24 @@ def claim_run_dir(run_dir: Path) -> None:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
             _HELD[path] = fd
+            _sweep_temporaries(run_dir, stem)
     except OSError as exc:
         raise UserError(
             f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): "
             "choose another with hydra.run.dir=..."
         ) from None
+
+
+def _sweep_temporaries(run_dir: Path, stem: str) -> None:
+    """Remove the temporary files a killed writer of ``stem``'s files left (autotuner.results.atomic: a
+    SIGKILL ends it before its cleanup). None is live: this process holds the stem's lock. The ``results``
+    stem's holder (rank 0) also writes ``environment.json`` and the report."""
+    names = [f"{stem}.jsonl", f"{stem}.csv"]
+    if stem == "results":
+        names += ["environment.json", REPORT_NAME]
+    for name in names:
+        for left in run_dir.glob(f".{glob.escape(name)}.*.tmp"):
+            left.unlink(missing_ok=True)
 
 
 def _holder_pid(fd: int) -> str:
@@ -157,12 +192,22 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_fresh(run_dir: Path, rank: int, world: int) -> None:
+def _every_rank_stem(world: int) -> list[str]:
+    """The results stems of a job's ``world`` processes (``results``, or ``results.rank<N>`` for each).
+
+    A check of the run directory reads them all on every rank, so that the ranks decide alike without a
+    word between them: a rank that refused alone, before the process group exists, would leave the others
+    waiting in init_process_group until its timeout or torchrun's SIGKILL."""
+    return [results_stem(rank, world) for rank in range(world)]
+
+
+def check_fresh(run_dir: Path, world: int) -> None:
     """Without ``resume=true``, before anything is written: a directory that holds an earlier run's
     results is refused (one line), since a new run would replace them: finished rows are never lost.
-    Each rank checks the file it would write (``results.rank<N>.jsonl`` under torchrun; a peer may
-    already be writing its own), rank 0 also the merged ``results.jsonl``."""
-    names = {f"{results_stem(rank, world)}.jsonl"} | ({"results.jsonl"} if rank == 0 else set())
+    Under torchrun every rank checks every rank's file (``results.rank<N>.jsonl``, :func:`_every_rank_stem`)
+    and the merged ``results.jsonl``; no rank writes a row before all have passed here, since every row
+    takes all ranks' collectives."""
+    names = {f"{stem}.jsonl" for stem in [*_every_rank_stem(world), "results"]}
     earlier = sorted(n for n in names if (Path(run_dir) / n).is_file() and (Path(run_dir) / n).stat().st_size)
     if earlier:
         raise UserError(
@@ -184,13 +229,17 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     if run_dir in _RESUME_CHECKED:
         return
     rank, world = spec.rank, spec.world
-    results = run_dir / f"{results_stem(rank, world)}.jsonl"
-    if results.exists() and not results.is_file():
-        raise UserError(f"cannot resume: {results} is not a file: move it away, or start a new run elsewhere")
-    try:
-        rows = read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
-    except RowsFileError as exc:  # its message names the line and the fix
-        raise UserError(f"cannot resume: {exc}, or start a new run without resume=true") from None
+    rows = []
+    for stem in _every_rank_stem(world):  # every rank's: the ranks decide alike
+        results = run_dir / f"{stem}.jsonl"
+        if results.exists() and not results.is_file():
+            raise UserError(
+                f"cannot resume: {results} is not a file: move it away, or start a new run elsewhere"
+            )
+        try:
+            rows += read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
+        except RowsFileError as exc:  # its message names the line and the fix
+            raise UserError(f"cannot resume: {exc}, or start a new run without resume=true") from None
     if not rows:
         if rank == 0:
             print(
@@ -240,7 +289,7 @@ def start_writer(
     if cfg.resume:
         check_resume(cfg, spec, run_dir)
     else:
-        check_fresh(run_dir, spec.rank, spec.world)
+        check_fresh(run_dir, spec.world)
     rank, world = spec.rank, spec.world
     record = None
     if rank == 0:

@@ -57,7 +57,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
 from autotuner.launchers.nsys_command import find_nsys, nsys_command, worker_command
-from autotuner.launchers.nsys_process import StopSignals, describe_exit, join_ranks, profile, wait_turn
+from autotuner.launchers.nsys_process import (
+    TORCHRUN_STOP_GRACE_S,
+    StopSignals,
+    describe_exit,
+    join_ranks,
+    profile,
+    wait_turn,
+)
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
 from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
 from autotuner.runner.plan import plan
@@ -67,9 +74,12 @@ LOG_NAME = "nsys.log"
 
 
 def _check_settings(cfg: DictConfig) -> None:
+    from autotuner.launchers.common import check_profiled_calls
+
     launcher = cfg.launcher
     if launcher.warmup < 0 or launcher.iterations < 1:
         raise UserError("launcher.warmup must be >= 0 and launcher.iterations >= 1: fix launcher.*")
+    check_profiled_calls({"launcher.warmup": launcher.warmup, "launcher.iterations": launcher.iterations})
     if cfg.resume:
         raise UserError("launcher=nsys cannot resume (one report holds every op of a run): drop resume=true")
 
@@ -123,7 +133,7 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
 
     writer = start_writer(cfg, spec, run_dir, tools={"nsys": (nsys, found.version)})
     # From here a SIGTERM or SIGINT stops nsys and the worker, and the rows are still written.
-    with StopSignals(worker_dir) as stop:
+    with StopSignals(worker_dir, TORCHRUN_STOP_GRACE_S if world > 1 else None) as stop:
         wait_turn(run_dir, rank, world, stop)
         report = report_base.with_suffix(".nsys-rep")
         result = profile(cmd, log_path, worker_dir, report, stop, worker_port=worker_port)

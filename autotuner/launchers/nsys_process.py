@@ -27,7 +27,7 @@ from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.launchers.nsys_command import INSTALL_HINT
-from autotuner.launchers.nsys_worker import STARTED_FILE, worker_dir
+from autotuner.launchers.nsys_worker import LAUNCHER_ENV, STARTED_FILE, process_identity, worker_dir
 
 LAUNCH_ATTEMPTS = 3  # see lost_launch_race
 
@@ -41,12 +41,14 @@ class NsysRun:
 
 
 def worker_env(worker_port: str | None = None) -> dict[str, str]:
-    """The parent's environment, with this checkout first on the path and unbuffered output (so the
-    worker's lines and nsys's arrive in order); under torchrun, ``worker_port``: where the workers'
+    """The parent's environment, with this checkout first on the path, unbuffered output (so the
+    worker's lines and nsys's arrive in order) and this process named (the worker watches it: see
+    autotuner.launchers.nsys_worker._watch_launcher); under torchrun, ``worker_port``: where the workers'
     own process group meets (:func:`join_ranks`)."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env[LAUNCHER_ENV] = process_identity(os.getpid()) or ""  # the worker ends if this process is gone
     if worker_port is not None:
         env["MASTER_PORT"] = worker_port
         # torchrun tells its children to use its agent's store as clients; the workers' group has no
@@ -180,6 +182,9 @@ def describe_exit(returncode: int) -> str:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_GRACE_S = 300.0  # how long nsys may take, after a stop signal, to end and save its report
+# Under torchrun, less: its agent SIGKILLs this process 30 s after its SIGTERM, and the rows are written
+# only if nsys and the worker have ended (killed, if need be) and the report was read before then.
+TORCHRUN_STOP_GRACE_S = 15.0
 REPEAT_S = 2.0  # a second stop signal sooner than this is the first one again (see StopSignals)
 
 
@@ -199,8 +204,9 @@ class StopSignals:
 
     A signal that comes while nsys is not running is only recorded: the launcher starts no nsys after
     it, and finishes writing what it has. What this cannot help: a SIGKILL of this process (torchrun's
-    agent sends one 30 s after its SIGTERM) leaves nsys, in its own session, to finish its report
-    alone, with no rows written. Outside the main thread nothing is installed (Python runs
+    agent sends one 30 s after its SIGTERM, hence the shorter grace under it) writes no rows; the worker
+    sees this process gone and stops (autotuner.launchers.nsys_worker._watch_launcher), and nsys then
+    ends as after any end of its program. Outside the main thread nothing is installed (Python runs
     signal handlers only there). The handler prints nothing: output written from a handler can
     interrupt a write to the same stream (a RuntimeError); the launcher says what happened afterwards.
     """

@@ -13,7 +13,8 @@ come from the report, read by the parent. What it writes, under ``<run_dir>/work
 * ``started``: the worker's pid, written first thing (the parent passes stop signals to it).
 
 A SIGTERM or SIGINT unwinds the worker (see :func:`_stop_on_signals`): the rows written so far stay, the
-op being run gets no row, and the exit code is 128 + the signal's number, which nsys passes on.
+op being run gets no row, and the exit code is 128 + the signal's number, which nsys passes on. A worker
+whose launcher is gone (killed outright) stops itself (see :func:`_watch_launcher`).
 
 Per phase, :meth:`NsysObserver.observe` runs::
 
@@ -40,6 +41,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,20 @@ from autotuner.runner import Phase
 from autotuner.termination import check_stop, forget_stop, raise_stop
 
 WORKER_DIR = "worker"
+LAUNCHER_ENV = "AUTOTUNER_NSYS_LAUNCHER"  # "<pid> <start time>" of the launcher (nsys_process.worker_env)
+WATCH_S = 1.0  # how often the worker looks for its launcher
+ORPHAN_GRACE_S = 10.0  # from its SIGTERM to itself to its SIGKILL, once the launcher is gone
+
+
+def process_identity(pid: int) -> str | None:
+    """``"<pid> <start time>"`` of a live process (the start in clock ticks since boot, field 22 of
+    /proc/<pid>/stat: a pid reused by another process has another), None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    return f"{pid} {fields[19]}" if len(fields) > 19 and fields[0] != "Z" else None
 
 
 def worker_dir(run_dir: Path, rank: int, world: int) -> Path:
@@ -227,6 +243,32 @@ def _stop_on_signals() -> None:
         signal.signal(signum, stop)
 
 
+def _watch_launcher() -> None:
+    """Stop this worker when the launcher that started its nsys is gone.
+
+    The launcher passes its stop signals on (autotuner.launchers.nsys_process.StopSignals), but one killed
+    outright (SIGKILL: torchrun's agent 30 s after its SIGTERM, SLURM after KillWait, ``kill -9``) passes
+    nothing, and nsys and this worker, each in a session of its own, would run on: the plan to its end,
+    or, under torchrun, a wait in a collective for a peer that is gone, holding a core until the process
+    group's timeout. A daemon thread looks each WATCH_S for the launcher named by LAUNCHER_ENV; once it is
+    gone it sends this process SIGTERM (the unwinding of :func:`_stop_on_signals`), then, if the main
+    thread is held where no Python handler runs (inside a collective), SIGKILL ORPHAN_GRACE_S later. nsys
+    then ends as after any end of its program."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher or threading.current_thread() is not threading.main_thread():
+        return
+
+    def watch() -> None:
+        stop = threading.Event()
+        while process_identity(int(launcher.split()[0])) == launcher:
+            stop.wait(WATCH_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop.wait(ORPHAN_GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 once the plan is done, 2 for bad input, 128 + N when stopped by signal N."""
     from autotuner.errors import UserError
@@ -240,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     adopt_user_umask()  # nsys starts us with umask 0, which would make our files world-writable
     try:
         _stop_on_signals()
+        _watch_launcher()
         return run_worker(Path(args[0]), Path(args[1]))
     except UserError as exc:
         print(f"autotuner nsys worker: error: {exc}", file=sys.stderr)

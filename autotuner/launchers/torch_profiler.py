@@ -122,6 +122,8 @@ def _check_writable(folder: Path, what: str, fix: str) -> None:
 
 def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> ProfilerOptions:
     """Validate ``cfg.launcher`` before any work. Raises UserError (one line, exit code 2)."""
+    from autotuner.launchers.common import RUN_FILES, check_profiled_calls
+
     wait, warmup, active = int(launcher.wait), int(launcher.warmup), int(launcher.active)
     if wait < 0 or warmup < 0:
         raise UserError(f"launcher.wait={wait} and launcher.warmup={warmup} must be >= 0")
@@ -130,6 +132,7 @@ def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> Profi
             f"launcher.active={active}: the profiler records only active steps, so at least one is needed: "
             "set launcher.active=5"
         )
+    check_profiled_calls({"launcher.wait": wait, "launcher.warmup": warmup, "launcher.active": active})
     if int(launcher.compress_over_bytes) < 0:
         raise UserError("launcher.compress_over_bytes must be >= 0 (0 compresses every trace)")
     if launcher.memory_snapshot and device.type != "cuda":
@@ -139,6 +142,11 @@ def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> Profi
         )
     output_dir = Path(str(launcher.output_dir)).expanduser()
     output_dir = output_dir if output_dir.is_absolute() else Path(run_dir) / output_dir
+    if output_dir.resolve().parent == Path(run_dir).resolve() and RUN_FILES.fullmatch(output_dir.name):
+        raise UserError(
+            f"launcher.output_dir={launcher.output_dir} is where the run writes its own {output_dir.name}: "
+            "give the traces a folder of their own, e.g. launcher.output_dir=profiles"
+        )
     _check_writable(Path(run_dir), "the run directory", "choose another with hydra.run.dir=...")
     _check_writable(output_dir, "launcher.output_dir", "choose another with launcher.output_dir=...")
     return ProfilerOptions(

@@ -89,9 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gpu_memory_gb is not None and gpu_memory_gb <= 0:
             raise UserError(f"gpu_memory_gb={gpu_memory_gb:g} must be positive: give e.g. gpu_memory_gb=80")
         settings_depth = settings.pop("num_layers", None)
-        if "dtype" not in settings:
-            dtypes = runs.dtypes
-            settings["dtype"] = dtypes[0] if len(dtypes) == 1 else "bf16"
+        settings["dtype"] = runs.dtype_to_predict(settings.get("dtype"))
         layout = Layout(**settings)
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
         check_writable(out, f"--json {out}")

@@ -58,6 +58,19 @@ class Runs:
     def dtypes(self) -> list[str]:
         return sorted({str(r["dtype"]) for r in self.rows if r.get("status") == "ok" and r.get("dtype")})
 
+    def dtype_to_predict(self, asked: str | None) -> str:
+        """``asked`` (dtype=), else the one dtype of the runs' ok rows (bf16 when they have none). Runs of
+        two dtypes need it said: predicting from the rows of either alone would be a silent choice."""
+        if asked:
+            return asked
+        dtypes = self.dtypes
+        if len(dtypes) > 1:
+            both = " and ".join(dtypes)
+            raise UserError(
+                f"the runs hold rows in {both}: say which to predict with, e.g. dtype={dtypes[0]}"
+            )
+        return dtypes[0] if dtypes else "bf16"
+
 
 def load_runs(dirs: Sequence[str | Path]) -> Runs:
     """Read each run's results.jsonl and environment.json; UserError (one line) for a folder that is not a
