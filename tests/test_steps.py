@@ -444,6 +444,15 @@ def test_a_failed_step_run_says_why_not_torchruns_banner():
     # once a process group exists, torch.distributed's excepthook prefixes each line with the rank
     ranked = "\n".join(f"[rank1]: {line}" for line in crash.splitlines())
     assert _worker_error(f"{ranked}\n{banner}") == "RuntimeError: Connection reset by peer"
+    # a worker killed by a signal prints nothing: torchrun's root cause says which and how
+    root = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)"]
+    root += [
+        "  exitcode  : -9 (pid: 4242)",
+        "  traceback : Signal 9 (SIGKILL) received by PID 4242",
+        "=" * 60,
+    ]
+    killed = "\n".join(["Traceback (most recent call last):", "ChildFailedError: ", *root])
+    assert _worker_error(killed) == "rank 1 was killed by SIGKILL, printing no error"
 
 
 @pytest.mark.torchrun

@@ -427,7 +427,8 @@ _RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
 def _worker_error(stderr: str) -> str:
     """The line of a failed run's stderr that says why: a worker's own one-line error, else the last
     exception a worker printed (not torchrun's summary of the failure, whose last line is a rule of
-    ``=``), else the last line. A worker's uncaught exception comes with each line prefixed by
+    ``=``), else the rank and exit code of torchrun's root cause (a worker killed by a signal prints
+    nothing), else the last line. A worker's uncaught exception comes with each line prefixed by
     ``[rank<N>]:`` (the excepthook torch.distributed sets once a process group exists); the prefix goes."""
     lines = [_RANK_PREFIX.sub("", line).strip() for line in stderr.splitlines()]
     lines = [line for line in lines if line]
@@ -439,7 +440,21 @@ def _worker_error(stderr: str) -> str:
         for line in lines
         if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line
     ]
-    return raised[-1] if raised else (lines[-1] if lines else "")
+    if raised:
+        return raised[-1]
+    summary = "\n".join(lines)
+    rank, code = (
+        re.search(r"^rank\s*: (\d+)", summary, re.M),
+        re.search(r"^exitcode\s*: (-?\d+)", summary, re.M),
+    )
+    if rank and code:
+        number = int(code.group(1))
+        how = f"exited with {number}"
+        if number < 0:
+            with contextlib.suppress(ValueError):
+                how = f"was killed by {signal.Signals(-number).name}"
+        return f"rank {rank.group(1)} {how}, printing no error"
+    return lines[-1] if lines else ""
 
 
 def _value(text: str) -> Any:
