@@ -523,7 +523,7 @@ def test_a_launcher_killed_outright_leaves_no_nsys_or_worker_behind(nsys_bin: st
     assert len(nsys_pids) == 1, running
 
     def left() -> list[str]:  # the run's processes, and the agent nsys started (named by nsys's pid)
-        agent = f"--session-name=profile-python-{nsys_pids[0]}"
+        agent = f"--session-name=profile-python-{nsys_pids[0]} "  # the space: not another nsys's 12345
         return _processes_naming(str(run_dir)) + _processes_naming(agent)
 
     os.kill(proc.pid, signal.SIGKILL)
@@ -533,11 +533,12 @@ def test_a_launcher_killed_outright_leaves_no_nsys_or_worker_behind(nsys_bin: st
         while left() and time.monotonic() < killed + 30:
             time.sleep(0.2)
         assert left() == []
-        print(f"gone {time.monotonic() - killed:.1f} s after the launcher's SIGKILL")
-    finally:
-        for line in left():  # what a failure left, ended here rather than at the suite's end
+    except AssertionError:
+        for line in left():  # what the failure left, ended here rather than at the suite's end
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        raise
+    print(f"gone {time.monotonic() - killed:.1f} s after the launcher's SIGKILL")
 
 
 @pytest.mark.nsys
