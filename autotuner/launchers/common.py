@@ -28,7 +28,9 @@ from autotuner.results.table import render
 MAX_PROFILED_CALLS = 1000
 
 # The files a run writes at the top of its directory: a launcher's folder of its own may not take a name.
-RUN_FILES = re.compile(r"results(\.rank\d+)?\.(jsonl|csv)|environment\.json|report\.html|\.hydra|\..*\.lock")
+RUN_FILES = re.compile(
+    r"results(\.rank\d+)?\.(jsonl|csv)|environment\.json|report\.html|main\.log|\.hydra|\..*\.lock"
+)
 
 
 def check_profiled_calls(counts: dict[str, int]) -> None:
