@@ -132,7 +132,7 @@ from autotuner.results.calibration import (
     merge_links,
 )
 from autotuner.results.units import human_bytes
-from autotuner.termination import unwinding_on_sigterm
+from autotuner.termination import ending_in_one_line_on_ctrl_c, unwinding_on_sigterm
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
@@ -536,6 +536,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
     return 0
 
 
+@ending_in_one_line_on_ctrl_c("autotuner.calibrate")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -554,8 +555,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
-        if not args.budget_s > 0:
-            raise UserError(f"--budget-s {args.budget_s} must be above 0: give e.g. --budget-s 1")
+        if not 0 < args.budget_s <= 3600:  # a collective's sizes each take it: an hour is past any need
+            raise UserError(
+                f"--budget-s {args.budget_s} must be above 0 and at most 3600: give e.g. --budget-s 1"
+            )
         out = Path(args.out) if args.out else default_path(device.type, device_name(device))
         check_writable(out, f"--out {out}")  # before the minutes of measuring that it would lose
         if args.collectives:

@@ -22,7 +22,7 @@ from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
-from autotuner.results import load_rows
+from autotuner.results import load_run_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
 from autotuner.results.units import MISSING, common_time_unit, significant
@@ -35,11 +35,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     results, a results file the tools cannot use or an environment record that is not a JSON object is a
     UserError."""
     path = Path(run_dir)
-    if not (path / "results.jsonl").is_file():
-        raise UserError(
-            f"{run_dir} has no results.jsonl: pass the directory of a finished or interrupted run"
-        )
-    rows = load_rows(path / "results.jsonl")
+    rows = load_run_rows(path, "pass the directory of a finished or interrupted run")
     env_file = path / "environment.json"
     env: Any = {}
     if env_file.is_file():

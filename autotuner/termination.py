@@ -22,6 +22,7 @@ handlers raise through :func:`raise_stop`, which remembers the stop, and the loo
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -63,6 +64,26 @@ def _end_by_sigterm() -> None:
     sys.stderr.flush()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def ending_in_one_line_on_ctrl_c(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """For a command's ``main`` (returning its exit status): Ctrl-C ends it with ``<prog>: interrupted``
+    on stderr and exit status 130 (the shell's for SIGINT), not a traceback. What the commands write is
+    written atomically, so nothing half-written is left to mention."""
+
+    def decorate(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def guarded(*args: Any, **kwargs: Any) -> int:
+            try:
+                return main(*args, **kwargs)
+            except KeyboardInterrupt:
+                forget_stop()
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 130
+
+        return guarded
+
+    return decorate
 
 
 @contextlib.contextmanager

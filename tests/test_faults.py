@@ -755,7 +755,12 @@ def test_commands_that_measure_first_refuse_an_output_they_could_not_write_befor
     or a path under a file, is refused first (it had cost the whole measurement)."""
     proc = _tool("autotuner.calibrate", "--device", "cpu", "--out", tmp_path)
     _one_line(proc, 2, f"--out {tmp_path} is a folder: give a file name in it")
+    proc = _tool("autotuner.calibrate", "--budget-s", "1e9", "--out", tmp_path / "c.json")
+    _one_line(proc, 2, "--budget-s 1000000000.0 must be above 0 and at most 3600")
     from autotuner.predict.steps import parse_args
+
+    proc = _tool("autotuner.predict.steps", "--help")  # usage, not "'--help' is not key=value"
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m autotuner.predict.steps")
 
     (tmp_path / "a-file").write_text("")
     for argv, words in (
@@ -768,6 +773,24 @@ def test_commands_that_measure_first_refuse_an_output_they_could_not_write_befor
     ):
         with pytest.raises(UserError, match=re.escape(words)):
             parse_args([*argv, "layout.seq_len=16"])
+
+
+def test_ctrl_c_during_a_calibration_is_one_line_and_exit_130(tmp_path: Path):
+    """It had printed KeyboardInterrupt's traceback; its file is written only at the end, atomically."""
+    out = tmp_path / "calibration.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(6)  # torch imported, measuring (a whole calibration takes minutes)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["autotuner.calibrate: interrupted"], err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_report_out_onto_an_existing_file_is_one_line(tmp_path: Path):

@@ -202,6 +202,52 @@ def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, m
 
 @pytest.mark.torchrun
 @pytest.mark.slow
+def test_the_tools_read_a_job_stopped_before_its_ranks_were_merged(tp_run, tmp_path, capsys):
+    """A torchrun job stopped by a signal ends at once, before rank 0 merges: its folder holds each rank's
+    results.rank<N>.jsonl and no results.jsonl. compare, report and predict merge them as the job would
+    have, over the rows every rank has."""
+    from autotuner.compare import load_run as compare_load
+    from autotuner.predict.prediction import load_runs
+    from autotuner.report.data import load_run as report_load
+
+    for name in ("results.rank0.jsonl", "results.rank1.jsonl", "environment.json"):
+        shutil.copy(tp_run / name, tmp_path / name)
+    merged = load_rows(tp_run / "results.jsonl")
+    assert compare_load(tmp_path)["rows"] == merged
+    assert report_load(tmp_path).rows == merged
+    # the predictor's rows carry where they came from (run_dir, run_processes, ...) besides
+    assert [
+        {k: v for k, v in r.items() if not k.startswith("run_")} for r in load_runs([tmp_path]).rows
+    ] == merged
+    # rank 1 stopped a row before rank 0: that row is left out on both, not reported from rank 0 alone
+    rank1 = tmp_path / "results.rank1.jsonl"
+    rank1.write_text("\n".join(rank1.read_text().splitlines()[:-1]) + "\n")
+    lost = load_rows(tp_run / "results.rank1.jsonl")[-1]
+    kept = compare_load(tmp_path)["rows"]
+    assert len(kept) == len(merged) - 3  # the row on each rank, and its rank="max" row
+    assert all((r["op"], r["phase"], r["point"]) != (lost["op"], lost["phase"], lost["point"]) for r in kept)
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_a_resume_with_another_process_count_names_the_one_it_ran_with(tmp_path):
+    """The process count is torchrun's, in no .hydra/overrides.yaml: the refusal names it."""
+    args = ["case=tiny", "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}", *SMALL]
+    assert run(args) == 0
+    cmd = [*TORCHRUN, "-m", "autotuner.main", *args, "resume=true"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
+    refusals = [
+        line for line in proc.stderr.splitlines() if line.startswith("autotuner: error: cannot resume")
+    ]
+    assert proc.returncode != 0 and refusals, proc.stderr[-3000:]
+    assert (
+        "world_size 1 -> 2" in refusals[0]
+        and "resume with --nproc-per-node=1 and the settings" in refusals[0]
+    )
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_a_resume_one_ranks_file_refuses_is_refused_by_every_rank(tp_run, tmp_path):
     """A damaged line in rank 1's results: had only rank 1 read its file, rank 0 would wait for it in
     init_process_group until torchrun killed it; every rank reads every rank's file and refuses alike."""

@@ -232,7 +232,10 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         return
     rank, world = spec.rank, spec.world
     rows = []
-    for stem in _every_rank_stem(world):  # every rank's: the ranks decide alike
+    # every rank's, so the ranks decide alike; and any other results file there, so that a run of another
+    # process count is not taken for nothing to resume (and its merged results.jsonl then replaced)
+    others = {p.name.removesuffix(".jsonl") for p in run_dir.glob("results.rank*.jsonl")} | {"results"}
+    for stem in [*_every_rank_stem(world), *sorted(others - set(_every_rank_stem(world)))]:
         results = run_dir / f"{stem}.jsonl"
         if results.exists() and not results.is_file():
             raise UserError(
@@ -268,9 +271,11 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         shown = ", ".join(
             f"{k} {_shown(recorded.get(k))} -> {_shown(current.get(k))}" for k in differ[:6]
         ) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+        # the process count is torchrun's, not a setting in .hydra/overrides.yaml
+        processes = f"--nproc-per-node={recorded.get('world_size')} and " if "world_size" in differ else ""
         raise UserError(
-            f"cannot resume {run_dir} with a different configuration ({shown}): resume with the settings "
-            "of that run (its .hydra/overrides.yaml), or start a new run without resume=true"
+            f"cannot resume {run_dir} with a different configuration ({shown}): resume with {processes}the "
+            "settings of that run (its .hydra/overrides.yaml), or start a new run without resume=true"
         )
     _RESUME_CHECKED.add(run_dir)
 

@@ -34,7 +34,7 @@ from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import deepest_that_fits, load_calibration_for, load_runs, predict, render
 from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text, check_writable
-from autotuner.termination import unwinding_on_sigterm
+from autotuner.termination import ending_in_one_line_on_ctrl_c, unwinding_on_sigterm
 
 INT_KEYS = (
     *("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats"),
@@ -63,6 +63,7 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     return dirs, settings
 
 
+@ending_in_one_line_on_ctrl_c("autotuner.predict")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

@@ -39,7 +39,7 @@ from autotuner.predict.memory import (
 from autotuner.predict.op_time import REPEATS_APART, TimeModel
 from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import OVERLAP, StageTime, StepTime, stage_times, step_time
-from autotuner.results import load_rows
+from autotuner.results import load_run_rows
 from autotuner.results.calibration import load as load_calibration
 from autotuner.results.table import text_table
 from autotuner.results.units import human_bytes, human_time
@@ -80,12 +80,8 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
     calibration = None
     paths = [Path(d) for d in dirs]
     for path in paths:
-        if not (path / "results.jsonl").is_file():
-            raise UserError(
-                f"{path} has no results.jsonl: pass the directory of a finished or interrupted run"
-            )
         env_file = path / "environment.json"
-        these = load_rows(path / "results.jsonl")
+        these = load_run_rows(path, "pass the directory of a finished or interrupted run")
         if env_file.is_file():
             try:
                 this = json.loads(env_file.read_text(encoding="utf-8"))

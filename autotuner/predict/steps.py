@@ -522,11 +522,24 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
     return own, Layout(**layout), overrides
 
 
+USAGE = (
+    "usage: python -m autotuner.predict.steps layout.seq_len=N out=FILE.json [case=tiny] [layout.tp=N] "
+    "[layout.pp=N] [layout.vpp=N] [layout.dp=N] [layout.ep=N] [layout.micro_batch_size=N] "
+    "[layout.global_batch_size=N] [layout.dtype=fp32|bf16] [repeats=5] [warmup=2] [lr=1e-3] [the "
+    "profiler's config overrides: device=cpu hf.<field>=V tf.<field>=V ...] (under torchrun with "
+    "tp x pp x dp processes when that is above one; the layout fields are autotuner.predict.layout.Layout's)"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     from autotuner.model.runtime import quiet_megatron_import
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(args):
+        print(USAGE)
+        return
     try:
-        own, layout, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+        own, layout, overrides = parse_args(args)
         quiet_megatron_import()
         result = measure_steps(
             own["case"], overrides, layout, own["repeats"], own["warmup"], own["lr"], own["flush_in_layers"]

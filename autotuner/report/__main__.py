@@ -25,8 +25,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="a directory with results.jsonl"
     )
-    parser.add_argument("--out", type=Path, help="where to write (default: the run directory; several runs: "
-                        "runs/compare/<time>/)")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="the folder to write report.html and its figures into "
+                        "(default: the run directory; several runs: runs/compare/<time>/)")  # fmt: skip
     parser.add_argument(
         "--calibration",
         type=Path,

@@ -15,9 +15,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import UserError
 from autotuner.ops_test.places import op_tree
-from autotuner.results import load_rows
+from autotuner.results import load_run_rows
 from autotuner.results.calibration import load as load_calibration  # the launcher's reader, its checks
 
 # The transformer layer's direct sub-ops: they do not overlap and run one after the other, so their
@@ -98,10 +97,8 @@ def _read_overrides(run_dir: Path) -> list[str]:
 def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any] | None = None) -> Run:
     """Read a run directory. ``calibration`` (from ``--calibration``) wins over the run's own file."""
     run_dir = Path(run_dir)
-    results = run_dir / "results.jsonl"
-    if not results.is_file():
-        raise UserError(f"{run_dir} has no results.jsonl: give a run directory of python -m autotuner.main")
-    rows = load_rows(results)  # checked: a bad line or value is one UserError here, not a traceback later
+    # checked: a bad line or value is one UserError here, not a traceback later
+    rows = load_run_rows(run_dir, "give a run directory of python -m autotuner.main")
     if calibration is None and (run_dir / "calibration.json").is_file():
         calibration = load_calibration(run_dir / "calibration.json")
     config = run_dir / ".hydra" / "config.yaml"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -544,6 +545,27 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a ``results.jsonl`` file, checked; :class:`RowsFileError` (a UserError: one line, exit 2)
     names the first line or value that is not a usable row."""
     return read_rows(path)[0]
+
+
+def load_run_rows(run_dir: str | Path, fix: str) -> list[dict[str, Any]]:
+    """The rows of a run directory, for the tools that read runs (compare, report, predict): its
+    ``results.jsonl``; else, from a torchrun job stopped before rank 0 merged its ranks' files, every
+    rank's ``results.rank<N>.jsonl`` merged as the job would have (:func:`merge_ranks`), over the
+    measurements every rank has (a rank stopped a row earlier has not measured the rest: a TP op's time
+    is its slowest rank's). Without either, a UserError (one line) ending with ``fix``."""
+    run_dir = Path(run_dir)
+    if (run_dir / "results.jsonl").is_file():
+        return load_rows(run_dir / "results.jsonl")
+    found = ((_RANK_FILE.fullmatch(p.name), p) for p in run_dir.glob("results.rank*.jsonl"))
+    ranked = {int(match.group(1)): p for match, p in found if match}
+    if not ranked:
+        raise UserError(f"{run_dir} has no results.jsonl: {fix}")
+    per_rank = [load_rows(ranked[rank]) for rank in sorted(ranked)]
+    everyone = set.intersection(*({row_key(row)[:-1] for row in rows} for rows in per_rank))
+    return merge_ranks([[row for row in rows if row_key(row)[:-1] in everyone] for rows in per_rank])
+
+
+_RANK_FILE = re.compile(r"results\.rank(\d+)\.jsonl")
 
 
 def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
