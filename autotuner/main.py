@@ -107,6 +107,7 @@ def preflight(argv: list[str]) -> None:
     """Compose and validate every job the command line asks for. Raises UserError."""
     from hydra.errors import HydraException
 
+    from autotuner.launchers import check_settings as check_launcher_settings
     from autotuner.results import calibration
     from autotuner.runner.spec import resolve_spec
 
@@ -122,7 +123,7 @@ def preflight(argv: list[str]) -> None:
     search = _search_path(argv)
     for job in jobs:
         cfg = compose_config([*job, *search])
-        resolve_spec(cfg)
+        check_launcher_settings(cfg, resolve_spec(cfg))
         if cfg.calibration:  # a file named on the command line: refused before Hydra makes the run folder
             calibration.load(cfg.calibration)
     _check_output_dir(argv, [*jobs[0], *search])

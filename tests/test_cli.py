@@ -119,6 +119,21 @@ def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
     assert not (tmp_path / "results.jsonl").exists()
 
 
+def test_a_bad_launcher_setting_is_refused_before_any_job_of_a_sweep_or_any_run_folder(tmp_path, capsys):
+    """Checked in the preflight with every other setting (autotuner.launchers.check_settings): job 0 of the
+    sweep had measured, and a single run had left a run folder of Hydra's files, before the refusal."""
+    sweep, single = tmp_path / "sweep", tmp_path / "single"
+    profiler = ["case=tiny", "ops=[linear_qkv]", "launcher=torch_profiler", *FAST]
+    for argv in (
+        ["-m", *profiler, "launcher.active=1,0", f"hydra.sweep.dir={sweep}"],
+        [*profiler, "launcher.active=0", f"hydra.run.dir={single}"],
+    ):
+        assert run(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "launcher.active=0: the profiler records only active steps" in err[0], err
+    assert not sweep.exists() and not single.exists()
+
+
 def test_bad_input_from_a_real_process():
     proc = subprocess.run(
         [sys.executable, "-m", "autotuner.main", "case=llama8"],

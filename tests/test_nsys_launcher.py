@@ -502,7 +502,8 @@ def _start_a_long_nsys_run(run_dir: Path, iterations: int, env: dict[str, str]) 
             assert time.monotonic() < deadline, "the worker wrote no row in 240 s"
             time.sleep(0.05)
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended already (the failure said why)
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
     return proc
@@ -820,3 +821,20 @@ def test_window_left_open_by_a_kill_still_counts() -> None:
     got = measured_ranges(ranges, [OpenRange(window, 100, MAIN, None)])
     assert [r.name for r in got[("linear_qkv", "backward", POINT)]] == [qkv(0), qkv(1)]
     assert measured_ranges(ranges) == {("linear_proj", "forward", POINT): []}
+
+
+def test_nsys_start_up_failures_worth_a_second_run(tmp_path: Path) -> None:
+    """What nsys 2022.4 printed when it failed to start its program on a loaded machine (no report): run
+    again (the launcher does, while its worker has not started); any other failure, or a report, is kept."""
+    from autotuner.launchers.nsys_process import NsysRun, lost_launch_race
+
+    report = tmp_path / "report.nsys-rep"
+    race = "ProcessWaiter.cpp:95: sem_open failed: No such file or directory"
+    assert lost_launch_race(NsysRun(1, race), report)
+    assert not lost_launch_race(NsysRun(0, race), report)  # the race ends nsys with 1
+    assert lost_launch_race(
+        NsysRun(0, "Connection to the Agent lost.\nConnection to the Agent lost."), report
+    )
+    assert not lost_launch_race(NsysRun(1, "Error: the program crashed"), report)
+    report.write_bytes(b"")
+    assert not lost_launch_race(NsysRun(1, race), report)

@@ -19,6 +19,15 @@ LAUNCHERS = {
 }
 
 
+def check_settings(cfg: DictConfig, spec: Any) -> None:
+    """The chosen launcher's own settings, checked by its module's ``check_settings`` (if it has one)
+    before Hydra makes a run directory: a refused run leaves none, and in a sweep no job measures before
+    every job's settings passed. Raises UserError."""
+    check = getattr(importlib.import_module(LAUNCHERS[cfg.launcher.name]), "check_settings", None)
+    if check is not None:
+        check(cfg, spec)
+
+
 def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     """Run the validated spec with the launcher the config names."""
     return importlib.import_module(LAUNCHERS[cfg.launcher.name]).launch(cfg, spec, run_dir)

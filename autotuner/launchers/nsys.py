@@ -73,6 +73,13 @@ REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
 LOG_NAME = "nsys.log"
 
 
+def check_settings(cfg: DictConfig, spec: Any) -> None:
+    """``cfg.launcher`` checked, and nsys found, before anything runs (autotuner.launchers.check_settings:
+    in a sweep, every job's before the first one measures). Raises UserError (one line, exit code 2)."""
+    _check_settings(cfg)
+    find_nsys(str(cfg.launcher.nsys_bin))
+
+
 def _check_settings(cfg: DictConfig) -> None:
     from autotuner.launchers.common import check_profiled_calls
 

@@ -144,11 +144,14 @@ def lost_launch_race(run: NsysRun, report: Path) -> bool:
     and another nsys process opens it; on a loaded machine the open can come first, and nsys exits 1
     with a ``sem_open`` "No such file or directory" error from its ProcessWaiter, before the program
     ran (seen here in about 1 of 8 runs under load; the program had not started in any of them). Such
-    a run is safe to repeat.
+    a run is safe to repeat. So is its other start-up failure on a loaded machine (session 49, a suite
+    beside it): "Connection to the Agent lost." and no report, at exit code 0 or 1. The caller repeats only
+    a run whose program had not started.
     """
-    return (
-        run.returncode != 0 and not report.exists() and "sem_open" in run.tail and "ProcessWaiter" in run.tail
-    )
+    if report.exists():
+        return False
+    raced = run.returncode != 0 and "sem_open" in run.tail and "ProcessWaiter" in run.tail
+    return raced or "Connection to the Agent lost" in run.tail
 
 
 def _echo(chunk: bytes) -> None:
@@ -348,7 +351,7 @@ def profile(
         if attempt == LAUNCH_ATTEMPTS or started or not lost_launch_race(result, report):
             break
         print(
-            f"autotuner: nsys lost its launch race (see {__name__}.lost_launch_race); retrying",
+            f"autotuner: nsys failed to start the worker (see {__name__}.lost_launch_race); retrying",
             file=sys.stderr,
         )
     return result

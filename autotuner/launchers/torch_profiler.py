@@ -120,8 +120,13 @@ def _check_writable(folder: Path, what: str, fix: str) -> None:
         raise UserError(f"{what} {folder} is not writable ({reason}): {fix}") from exc
 
 
-def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> ProfilerOptions:
-    """Validate ``cfg.launcher`` before any work. Raises UserError (one line, exit code 2)."""
+def check_settings(cfg: Any, spec: Any) -> None:
+    """``cfg.launcher`` checked before anything runs (autotuner.launchers.check_settings: in a sweep, every
+    job's before the first one measures). Raises UserError (one line, exit code 2)."""
+    _check_launcher(cfg.launcher, spec.device)
+
+
+def _check_launcher(launcher: Any, device: torch.device) -> None:
     from autotuner.launchers.common import RUN_FILES, check_profiled_calls
 
     wait, warmup, active = int(launcher.wait), int(launcher.warmup), int(launcher.active)
@@ -140,13 +145,28 @@ def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> Profi
             f"launcher.memory_snapshot=true records the CUDA allocator, but this run is on {device.type}: "
             "drop it or run on a GPU"
         )
+    given = Path(str(launcher.output_dir)).expanduser()
+    if not given.is_absolute() and len(given.parts) == 1 and RUN_FILES.fullmatch(given.name):
+        _refuse_run_file(launcher.output_dir, given.name)
+
+
+def _refuse_run_file(given: Any, name: str) -> None:
+    raise UserError(
+        f"launcher.output_dir={given} is where the run writes its own {name}: "
+        "give the traces a folder of their own, e.g. launcher.output_dir=profiles"
+    )
+
+
+def resolve_options(launcher: Any, device: torch.device, run_dir: Path) -> ProfilerOptions:
+    """Validate ``cfg.launcher`` before any work. Raises UserError (one line, exit code 2)."""
+    from autotuner.launchers.common import RUN_FILES
+
+    _check_launcher(launcher, device)
+    wait, warmup, active = int(launcher.wait), int(launcher.warmup), int(launcher.active)
     output_dir = Path(str(launcher.output_dir)).expanduser()
     output_dir = output_dir if output_dir.is_absolute() else Path(run_dir) / output_dir
     if output_dir.resolve().parent == Path(run_dir).resolve() and RUN_FILES.fullmatch(output_dir.name):
-        raise UserError(
-            f"launcher.output_dir={launcher.output_dir} is where the run writes its own {output_dir.name}: "
-            "give the traces a folder of their own, e.g. launcher.output_dir=profiles"
-        )
+        _refuse_run_file(launcher.output_dir, output_dir.name)  # an absolute path into the run directory
     _check_writable(Path(run_dir), "the run directory", "choose another with hydra.run.dir=...")
     _check_writable(output_dir, "launcher.output_dir", "choose another with launcher.output_dir=...")
     return ProfilerOptions(
