@@ -57,6 +57,40 @@ def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return abs(a["median_us"] - b["median_us"]) <= spread
 
 
+# What a row was measured with, besides its op, phase and point: runs that differ in one of these compare
+# that too (bf16 against fp32, nsys against get_data, TP=2 against TP=1), which the table says first.
+SETTINGS = ("case", "dtype", "device", "launcher", "tensor_parallel")
+
+
+def default_labels(paths: Sequence[str]) -> list[str]:
+    """Each run's folder name; where two share it (runs/tiny/get_data/12-00-00, runs/tiny/nsys/12-00-00),
+    as many of their last path parts as tell them apart; one folder given twice, numbered."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for depth in range(1, max(map(len, parts)) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{label} #{i + 1}" for i, label in enumerate(labels)]
+
+
+def differences(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str | None:
+    """One line naming the :data:`SETTINGS` (and the device's name) in which the runs differ, each run's
+    values beside its label; None when they differ in none."""
+    found = []
+    for setting in (*SETTINGS, "device_name"):
+        values = []
+        for run in runs:
+            if setting == "device_name":
+                seen = {str(((run["env"] or {}).get("environment") or {}).get("device_name"))}
+            else:
+                seen = {str(row.get(setting)) for row in run["rows"] if row.get(setting) is not None}
+            values.append("/".join(sorted(seen)) or "?")
+        if len(set(values)) > 1:
+            each = ", ".join(f"{label}: {v}" for label, v in zip(labels, values, strict=True))
+            found.append(f"{setting} ({each})")
+    return f"the runs differ in {'; '.join(found)}: each ratio compares that too" if found else None
+
+
 def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 3) -> str:
     """The comparison tables, one per op, as text."""
     index = {}
@@ -163,16 +197,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = [load_run(r) for r in args.runs]
-        labels = args.labels.split(",") if args.labels else [run["dir"].name for run in runs]
+        labels = args.labels.split(",") if args.labels else default_labels(args.runs)
         if len(labels) != len(runs):
             raise UserError(
                 f"--labels names {len(labels)} runs but {len(runs)} were given: give one label per run"
             )
+        if len(set(labels)) != len(labels):
+            raise UserError(f"--labels {args.labels} names two runs alike: give each run a label of its own")
         if args.oss_json:
             check_writable(args.oss_json, f"--oss-json {args.oss_json}")  # before the table is printed
     except UserError as exc:
         print(f"autotuner.compare: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    differ = differences(runs, labels)
+    if differ:
+        print(differ + "\n")
     print(render(runs, labels, args.digits))
     if args.oss_json:
         records = [record for run in runs for record in oss_records(run)]

@@ -343,15 +343,21 @@ def _dry_run(argv: list[str]) -> bool:
 
 
 def _resume_command(original: list[str]) -> str | None:
-    """The command that finishes this run (the original arguments, ``resume=true`` and its directory), or
-    None before Hydra named the directory, in a ``-m`` sweep, or for nsys (which cannot resume)."""
+    """The command that finishes this run (the original arguments, ``resume=true`` and its directory; in a
+    ``-m`` sweep the sweep's directory, under which each job resumes its own), or None before Hydra named
+    the directory, or for nsys (which cannot resume)."""
     if not HydraConfig.initialized():
         return None
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN or hydra_cfg.runtime.choices.get("launcher") == "nsys":
+    if hydra_cfg.runtime.choices.get("launcher") == "nsys":
         return None
-    kept = [a for a in original if a.lstrip("+~").split("=", 1)[0] not in ("resume", "hydra.run.dir")]
-    args = shlex.join([*kept, "resume=true", f"hydra.run.dir={hydra_cfg.runtime.output_dir}"])
+    dirs = ("resume", "hydra.run.dir", "hydra.sweep.dir")
+    kept = [a for a in original if a.lstrip("+~").split("=", 1)[0] not in dirs]
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        where = f"hydra.sweep.dir={os.path.abspath(hydra_cfg.sweep.dir)}"
+    else:
+        where = f"hydra.run.dir={hydra_cfg.runtime.output_dir}"
+    args = shlex.join([*kept, "resume=true", where])
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return f"torchrun <the same torchrun options> -m autotuner.main {args}"
     return f"python -m autotuner.main {args}"

@@ -248,6 +248,44 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path, stop, status, 
             assert kept[(row["op"], row["phase"], row["point"])] == row["median_us"]
 
 
+def test_an_interrupted_sweep_says_how_to_finish_every_job(tmp_path):
+    """A ``-m`` sweep stopped by Ctrl-C in its first job: the command it prints resumes the sweep's folder,
+    each job its own (it had printed no command: a sweep was thought not resumable)."""
+    sweep = tmp_path / "sweep"
+    ops = "ops=[linear_qkv,linear_proj,linear_fc1]"
+    args = [
+        "-m",
+        "case=tiny",
+        ops,
+        "shapes.seq_len=[16],[32]",
+        "shapes.micro_batch_size=[1]",
+        "progress=false",
+    ]
+    args += ["report=false", "timing.budget_s=0.3", "timing.max_samples=1000", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotuner.main", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = sweep / "0_tiny_get_data" / "results.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not (first.exists() and first.read_text()):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    said = err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("autotuner: interrupted; finish the run with: "), said
+    command = shlex.split(said[0].split("finish the run with: ", 1)[1])
+    assert command[:4] == ["python", "-m", "autotuner.main", "-m"] and f"hydra.sweep.dir={sweep}" in command
+    assert run(command[3:]) == 0
+    for job in ("0_tiny_get_data", "1_tiny_get_data"):
+        assert len(_check_files(sweep / job)) == 3 * 2
+
+
 def test_generator_flush_and_calibration_from_the_command_line(tmp_path):
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10}))

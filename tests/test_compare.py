@@ -75,3 +75,28 @@ def test_oss_json_export(tmp_path):
 def test_missing_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_runs_measured_otherwise_are_said_to_differ_and_labels_must_differ(tmp_path, capsys):
+    """bf16 against fp32 is a fair question for compare: the table answers it, and says first that the
+    ratios compare the dtypes too. Two runs labelled alike would make the table ambiguous."""
+    base = _run(tmp_path, "fp32", {("mlp", "forward", "s8_b1"): 100.0})
+    other = tmp_path / "bf16"
+    rows = (tmp_path / "fp32" / "results.jsonl").read_text().replace('"fp32"', '"bf16"')
+    writer = ResultsWriter(other)
+    for line in rows.splitlines():
+        writer.write(json.loads(line))
+    (other / "environment.json").write_text((tmp_path / "fp32" / "environment.json").read_text())
+    assert main([base, str(other)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "the runs differ in dtype (fp32: fp32, bf16: bf16): each ratio compares that too"
+    assert main([base, base]) == 0 and "differ" not in capsys.readouterr().out  # labels: the paths
+    from autotuner.compare import default_labels
+
+    assert default_labels(["runs/tiny/get_data/12", "runs/tiny/nsys/12", "x/a"]) == [
+        "get_data/12",
+        "nsys/12",
+        "x/a",
+    ]
+    assert main([base, str(other), "--labels", "a,a"]) == 2
+    assert "names two runs alike" in capsys.readouterr().err
