@@ -73,18 +73,26 @@ def default_labels(paths: Sequence[str]) -> list[str]:
     return [f"{label} #{i + 1}" for i, label in enumerate(labels)]
 
 
+def _measured_with(run: dict[str, Any]) -> dict[str, str]:
+    """A run's :data:`SETTINGS` as its rows hold them (several values joined by ``/``) and its device's
+    name as its environment record does."""
+
+    def held(setting: str) -> str:
+        seen = sorted({str(row[setting]) for row in run["rows"] if row.get(setting) is not None})
+        return "/".join(seen) or "?"
+
+    values = {setting: held(setting) for setting in SETTINGS}
+    values["device_name"] = str(((run["env"] or {}).get("environment") or {}).get("device_name"))
+    return values
+
+
 def differences(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str | None:
     """One line naming the :data:`SETTINGS` (and the device's name) in which the runs differ, each run's
     values beside its label; None when they differ in none."""
+    measured = [_measured_with(run) for run in runs]
     found = []
-    for setting in (*SETTINGS, "device_name"):
-        values = []
-        for run in runs:
-            if setting == "device_name":
-                seen = {str(((run["env"] or {}).get("environment") or {}).get("device_name"))}
-            else:
-                seen = {str(row.get(setting)) for row in run["rows"] if row.get(setting) is not None}
-            values.append("/".join(sorted(seen)) or "?")
+    for setting in measured[0]:
+        values = [each[setting] for each in measured]
         if len(set(values)) > 1:
             each = ", ".join(f"{label}: {v}" for label, v in zip(labels, values, strict=True))
             found.append(f"{setting} ({each})")

@@ -234,8 +234,8 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     rows = []
     # every rank's, so the ranks decide alike; and any other results file there, so that a run of another
     # process count is not taken for nothing to resume (and its merged results.jsonl then replaced)
-    others = {p.name.removesuffix(".jsonl") for p in run_dir.glob("results.rank*.jsonl")} | {"results"}
-    for stem in [*_every_rank_stem(world), *sorted(others - set(_every_rank_stem(world)))]:
+    found = sorted(p.name.removesuffix(".jsonl") for p in run_dir.glob("results.rank*.jsonl"))
+    for stem in dict.fromkeys([*_every_rank_stem(world), "results", *found]):
         results = run_dir / f"{stem}.jsonl"
         if results.exists() and not results.is_file():
             raise UserError(
