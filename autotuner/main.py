@@ -121,12 +121,14 @@ def preflight(argv: list[str]) -> None:
     except HydraException as exc:
         raise UserError(f"cannot parse the overrides: {short_error(exc)}") from exc
     search = _search_path(argv)
+    resume = False
     for job in jobs:
         cfg = compose_config([*job, *search])
         check_launcher_settings(cfg, resolve_spec(cfg))
         if cfg.calibration:  # a file named on the command line: refused before Hydra makes the run folder
             calibration.load(cfg.calibration)
-    _check_output_dir(argv, [*jobs[0], *search])
+        resume = resume or bool(cfg.resume)
+    _check_output_dir(argv, [*jobs[0], *search], resume)
 
 
 def _search_path(argv: list[str]) -> list[str]:
@@ -182,10 +184,12 @@ def _hydra_overrides(argv: list[str]) -> list[str]:
     return found
 
 
-def _check_output_dir(argv: list[str], job: list[str]) -> None:
+def _check_output_dir(argv: list[str], job: list[str], resume: bool) -> None:
     """The folder Hydra will write into (``hydra.run.dir``, or ``hydra.sweep.dir`` under ``-m``) must be a
     folder, or creatable: Hydra creates it after our checks and fails with a traceback. Nothing is created
-    here. Raises UserError."""
+    here. With ``resume=true`` it must name an earlier run: a folder named by the clock (``${now:}``, the
+    default) is a new one, where a resume would find nothing and quietly measure everything again. Raises
+    UserError."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -196,7 +200,15 @@ def _check_output_dir(argv: list[str], job: list[str]) -> None:
             cfg = compose(
                 config_name="config", overrides=[*job, *_hydra_overrides(argv)], return_hydra_config=True
             )
+            pattern = OmegaConf.to_container(cfg, resolve=False)
+            for part in key.split("."):
+                pattern = pattern.get(part) if isinstance(pattern, dict) else None
+            if resume and isinstance(pattern, str) and "${now:" in pattern:
+                OmegaConf.update(cfg, key, pattern.split("${now:", 1)[0], force_add=True)
+                raise UserError(_no_run_to_resume(key, Path(str(OmegaConf.select(cfg, key)) or ".")))
             value = OmegaConf.select(cfg, key)
+    except UserError:
+        raise
     except Exception:  # noqa: BLE001 - an override only Hydra's own launch understands: Hydra reports it
         return
     finally:
@@ -206,6 +218,15 @@ def _check_output_dir(argv: list[str], job: list[str]) -> None:
     if not str(value).strip():  # Hydra would write the run into the current folder, among its files
         raise UserError(f"{key}= is empty: give the run a folder of its own, e.g. {key}=runs/mine")
     check_writable(value, f"{key}={value}", folder=True)
+
+
+def _no_run_to_resume(key: str, parent: Path) -> str:
+    """The one line refusing ``resume=true`` without the run's folder, naming the newest candidate."""
+    earlier = (
+        [d for d in parent.glob("*") if d.is_dir() and not d.name.startswith(".")] if parent.is_dir() else []
+    )
+    newest = f" (the newest in {parent}: {max(earlier, key=lambda d: d.stat().st_mtime)})" if earlier else ""
+    return f"resume=true needs the folder of the run to resume: add {key}=<that folder>{newest}"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

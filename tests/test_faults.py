@@ -332,6 +332,25 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys):
     assert len(load_rows(run_dir / "results.jsonl")) == 2
 
 
+def test_resume_without_the_runs_folder_is_refused_naming_the_newest(tmp_path, monkeypatch, capsys):
+    # the default folder is named by the clock: a resume there found nothing and measured everything again
+    monkeypatch.chdir(tmp_path)
+    older, newer = tmp_path / "runs/tiny/get_data/2026-01-01_00-00-00", tmp_path / "runs/tiny/get_data/b"
+    for i, folder in enumerate((older, newer)):
+        folder.mkdir(parents=True)
+        os.utime(folder, (1e9 + i, 1e9 + i))
+    assert run([*TINY, "ops=[linear_qkv]", "resume=true"]) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert lines == [
+        "autotuner: error: resume=true needs the folder of the run to resume: add hydra.run.dir=<that folder> "
+        "(the newest in runs/tiny/get_data: runs/tiny/get_data/b)"
+    ]
+    assert run(["-m", *TINY, "ops=[linear_qkv]", "resume=true"]) == 2
+    assert "add hydra.sweep.dir=<that folder>" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs/tiny/get_data").iterdir()) == [older.name, "b"]
+    assert not (tmp_path / "runs/multirun").exists()
+
+
 def test_sigterm_prints_the_command_that_finishes_the_run(tmp_path, capsys):
     """SIGTERM (SLURM's time limit) ends the run as the signal does (status 143), with one line giving
     the resume command; that command, run as printed, measures the rest."""
