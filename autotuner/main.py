@@ -337,7 +337,7 @@ def _claim_run_dir(argv: list[str]) -> None:
         elif not cfg.resume:
             check_fresh(run_dir, process_rank()[1])
     except UserError:
-        release_run_dirs()
+        release_run_dirs(refused=True)
         raise
 
 

@@ -247,6 +247,18 @@ def test_a_resume_with_another_process_count_names_the_one_it_ran_with(tmp_path)
 
 
 @pytest.mark.torchrun
+def test_a_refused_resume_leaves_no_lock_file_of_its_own(tp_run, tmp_path, capsys):
+    """A single process resuming a TP=2 run's folder is refused; the lock file it made for itself
+    (``.results.lock``, which the copied run lacks) goes with it: the folder is left as it was found."""
+    for name in ("results.rank0.jsonl", "results.rank1.jsonl", "environment.json"):
+        shutil.copy(tp_run / name, tmp_path / name)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert run(["case=tiny", "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}", *SMALL, "resume=true"]) == 2
+    assert "cannot resume" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_a_resume_one_ranks_file_refuses_is_refused_by_every_rank(tp_run, tmp_path):
     """A damaged line in rank 1's results: had only rank 1 read its file, rank 0 would wait for it in

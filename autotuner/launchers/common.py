@@ -54,6 +54,7 @@ def results_stem(rank: int, world: int) -> str:
 # resume was already checked (autotuner.main checks before Hydra writes; start_writer again, for runs
 # main could not place in advance): both end with the run (release_run_dirs) or with the process.
 _HELD: dict[Path, int] = {}
+_CREATED: set[Path] = set()  # the lock files this process made, removed again if its run is refused
 _RESUME_CHECKED: set[Path] = set()
 
 
@@ -65,6 +66,8 @@ def claim_run_dir(run_dir: Path) -> None:
     held as long as this process lives: the kernel drops it when the process ends, killed or not, so a
     crashed run never leaves a stale lock to clean up. A second run into the directory, which would
     interleave its rows with the first one's and each rewrite the other's files, is refused instead.
+    A lock counts only while its file is still the one at the path: a refused run removes the lock files
+    it made (:func:`release_run_dirs`), and one that locked the removed file tries again.
     """
     run_dir = Path(run_dir).resolve()
     rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
@@ -75,16 +78,25 @@ def claim_run_dir(run_dir: Path) -> None:
             path = run_dir / f".{stem}.lock"
             if path in _HELD:
                 continue
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder_pid(fd)
-                os.close(fd)
-                raise UserError(
-                    f"another run (pid {holder}) is writing into {run_dir}: wait for it to end, or "
-                    "choose another directory with hydra.run.dir=..."
-                ) from None
+            while True:
+                try:
+                    fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+                except FileExistsError:
+                    fd, created = os.open(path, os.O_RDWR), False
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _holder_pid(fd)
+                    os.close(fd)
+                    raise UserError(
+                        f"another run (pid {holder}) is writing into {run_dir}: wait for it to end, or "
+                        "choose another directory with hydra.run.dir=..."
+                    ) from None
+                if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+                os.close(fd)  # a refused run removed this file after we opened it: lock the path's own
+            if created:
+                _CREATED.add(path)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
             _HELD[path] = fd
@@ -122,11 +134,16 @@ def _holder_pid(fd: int) -> str:
         time.sleep(0.01)
 
 
-def release_run_dirs() -> None:
-    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process)."""
-    for fd in _HELD.values():
+def release_run_dirs(refused: bool = False) -> None:
+    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process). A ``refused``
+    run also removes the lock files it made, so that it leaves the directory as it found it; it still
+    holds each one while removing it."""
+    for path, fd in _HELD.items():
+        if refused and path in _CREATED:
+            path.unlink(missing_ok=True)
         os.close(fd)
     _HELD.clear()
+    _CREATED.clear()
     _RESUME_CHECKED.clear()
 
 
