@@ -32,7 +32,7 @@ from autotuner.model.runtime import (
     resolve_device,
     resolve_dtype,
 )
-from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
+from autotuner.ops_test.base import BLOCK, OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
 from autotuner.runner.shapes import generate_points, merge
 
@@ -153,6 +153,12 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     tf_overrides = _parallel_overrides(args, tf_overrides, device, tp)
     tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
     ops = resolve_ops(op_names, tf_config)  # "all" now means the ops this model has
+    if cfg.transformer_block_layers > tf_config.num_layers and any(BLOCK in t.needs for t in ops):
+        # a block the model does not have (and, mixing MoE and dense layers, a layer pattern cut short)
+        raise UserError(
+            f"transformer_block_layers={cfg.transformer_block_layers} is more than the model's "
+            f"{tf_config.num_layers} layer(s): set transformer_block_layers={tf_config.num_layers} or fewer"
+        )
     rank, world = process_rank()  # once per run: below, the spec carries them
     if tp < 1 or world % tp:
         raise UserError(
