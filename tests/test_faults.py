@@ -342,8 +342,8 @@ def test_resume_without_the_runs_folder_is_refused_naming_the_newest(tmp_path, m
     assert run([*TINY, "ops=[linear_qkv]", "resume=true"]) == 2
     lines = _errors(capsys.readouterr().err)
     assert lines == [
-        "autotuner: error: resume=true needs the folder of the run to resume: add hydra.run.dir=<that folder> "
-        "(the newest in runs/tiny/get_data: runs/tiny/get_data/b)"
+        "autotuner: error: resume=true needs the folder of the run to resume: "
+        "add hydra.run.dir=<that folder> (the newest in runs/tiny/get_data: runs/tiny/get_data/b)"
     ]
     assert run(["-m", *TINY, "ops=[linear_qkv]", "resume=true"]) == 2
     assert "add hydra.sweep.dir=<that folder>" in capsys.readouterr().err
