@@ -524,7 +524,7 @@ def test_a_launcher_killed_outright_leaves_no_nsys_or_worker_behind(nsys_bin: st
     assert len(nsys_pids) == 1, running
 
     def left() -> list[str]:  # the run's processes, and the agent nsys started (named by nsys's pid)
-        agent = f"--session-name=profile-python-{nsys_pids[0]} "  # the space: not another nsys's 12345
+        agent = f"--session-name=profile-python-{nsys_pids[0]}\0"  # the NUL: not another nsys's 12345
         return _processes_naming(str(run_dir)) + _processes_naming(agent)
 
     os.kill(proc.pid, signal.SIGKILL)
@@ -540,6 +540,71 @@ def test_a_launcher_killed_outright_leaves_no_nsys_or_worker_behind(nsys_bin: st
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
         raise
     print(f"gone {time.monotonic() - killed:.1f} s after the launcher's SIGKILL")
+
+
+@pytest.mark.nsys
+@pytest.mark.slow
+def test_nsys_killed_mid_run_ends_the_worker_at_once(nsys_bin: str, tmp_path: Path) -> None:
+    """nsys itself SIGKILLed (the OOM killer's choice, a crash): the worker, left measuring with nothing
+    recording it, held nsys's output pipe open, so the launcher waited for the whole plan (45 s here at
+    990 iterations a row); now it is ended with whatever nsys left (its agent: up to AGENT_GRACE_S)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = _start_a_long_nsys_run(run_dir, 990, env)
+    running = _processes_naming(str(run_dir))
+    nsys_pids = [line.split(":")[0] for line in running if "nsys profile" in line]
+    assert len(nsys_pids) == 1, running
+
+    def left() -> list[str]:
+        return _processes_naming(str(run_dir)) + _processes_naming(
+            f"--session-name=profile-python-{nsys_pids[0]}\0"
+        )
+
+    os.kill(int(nsys_pids[0]), signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=120)
+        ended = time.monotonic() - killed
+        assert ended < nsys_process.AGENT_GRACE_S + 15, f"the launcher ended {ended:.1f} s after nsys"
+        assert left() == []
+    finally:
+        for line in left():  # what a failure left, ended here rather than at the suite's end
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = stderr.decode(errors="replace")
+    assert proc.returncode == 1 and "nsys profile ended with killed by SIGKILL" in err, err[-3000:]
+    rows = load_rows(run_dir / "results.jsonl")
+    assert len(rows) == len(dense_model_ops()) * 2 * 2
+    assert all(r["status"] == "failed" and "SIGKILL" in r["error"] for r in rows), rows[0]
+    print(f"launcher ended {ended:.1f} s after nsys's SIGKILL")
+
+
+def test_an_agent_left_running_after_nsys_is_ended() -> None:
+    """After nsys's "Connection to the Agent lost." its agent stayed for good. A process with an agent's
+    command line (nsys's pid in its session name) stands in for it: ended after the grace, said in one
+    line; another nsys's agent is left alone."""
+    nsys_pid = 4_000_000  # above any pid_max: no real nsys has it
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "--start-agent"]
+    ours = subprocess.Popen([*sleeper, f"--session-name=profile-python-{nsys_pid}"])
+    other = subprocess.Popen([*sleeper, f"--session-name=profile-python-{nsys_pid}1"])
+    try:
+        deadline = time.monotonic() + 10  # until the interpreter shows its command line
+        while nsys_process._agents_of(nsys_pid) != [ours.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            nsys_process.end_agent(nsys_pid, grace_s=0.5)
+        assert ours.wait(timeout=5) == -signal.SIGTERM
+        assert other.poll() is None
+        assert err.getvalue() == (
+            f"autotuner: nsys's agent (pid {ours.pid}) still ran 0.5 s after nsys ended: ending it\n"
+        )
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.nsys

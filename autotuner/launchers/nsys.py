@@ -41,6 +41,9 @@ Faults:
   in one line), the rows are read and written as for a worker that died, and the exit code is 128 + the
   signal's number (143, 130) after one line saying so and where the results are. No process of the run
   outlives it.
+* nsys itself dies (killed, crashed): the worker, which nothing records any more, is ended at once, and
+  any agent nsys left (autotuner.launchers.nsys_process.StopSignals.reap); the rows are ``failed``
+  naming how nsys ended, unless it saved a report.
 * an op fails in the worker (an exception, OOM): its row is ``failed`` with the error, and the plan goes on.
 * a completed op with no range in the report: ``failed``, naming the likely cause (the nvtx package's
   version; see autotuner.ops.annotate).

@@ -9,6 +9,9 @@ Faults handled here (autotuner.launchers.nsys says what the rows then hold):
   to LAUNCH_ATTEMPTS times (:func:`profile`).
 * SIGTERM or SIGINT: passed on to nsys and the worker, which run in sessions of their own
   (:class:`StopSignals`); no process of the run outlives it.
+* nsys itself ends first (killed, crashed): the worker, which would go on measuring with nothing
+  recording it, is ended at once, and so is anything else nsys left (:meth:`StopSignals.reap`, which also
+  ends an agent nsys left running).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from autotuner.launchers.nsys_command import INSTALL_HINT
 from autotuner.launchers.nsys_worker import LAUNCHER_ENV, STARTED_FILE, process_identity, worker_dir
 
 LAUNCH_ATTEMPTS = 3  # see lost_launch_race
+AGENT_GRACE_S = 5.0  # how long nsys's agent may take to end by itself after nsys has (see end_agent)
 
 
 @dataclass
@@ -122,6 +126,9 @@ def run_nsys(
     except OSError as exc:
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}: {INSTALL_HINT}") from exc
     stop.attach(proc)
+    # Its output pipe stays open while anything nsys started lives: the reaper ends that once nsys ended.
+    reaper = threading.Thread(target=stop.reap, args=(proc,), name="nsys-reaper", daemon=True)
+    reaper.start()
     try:
         # As a context manager, Popen waits for nsys even after an exception here.
         with proc, open(log_path, "ab") as log:
@@ -133,6 +140,7 @@ def run_nsys(
                 _echo(chunk)
                 tail = (tail + chunk)[-tail_bytes:]
     finally:
+        reaper.join()
         stop.detach()
     return NsysRun(proc.returncode, _last_lines(tail.decode(errors="replace")))
 
@@ -201,9 +209,10 @@ class StopSignals:
     it end and saves its report as after any death of the program. If nsys has not ended STOP_GRACE_S
     later, or a second stop signal comes (at least REPEAT_S after the first, so that one stop sent twice,
     to the process and to its group, is not taken for a second), both groups are killed (SIGKILL) and
-    :attr:`killed` says why. After nsys ended, :meth:`detach` kills whatever is left of either group,
+    :attr:`killed` says why. After nsys ended, :meth:`reap` kills whatever is left of either group,
     so no process of the run outlives it. The launcher then reads what was saved, as for a worker that
     died, and exits with :attr:`exit_code` (128 + the signal's number: 143 for SIGTERM, 130 for SIGINT).
+    Without a signal too, :meth:`reap` ends what nsys leaves when it ends.
 
     A signal that comes while nsys is not running is only recorded: the launcher starts no nsys after
     it, and finishes writing what it has. What this cannot help: a SIGKILL of this process (torchrun's
@@ -253,16 +262,25 @@ class StopSignals:
             self._pass_on(self.signum)
 
     def detach(self) -> None:
-        """nsys has ended: after a stop signal, kill what is left of its group and the worker's."""
-        proc, self._proc = self._proc, None
+        """nsys has ended (and :meth:`reap` ended what it left): no signal is passed on any more."""
+        self._proc = None
         self._cancel_timer()
-        if proc is not None and self.signum is not None:
-            self._worker_pid()
-            # Groups only: their leaders may be gone, and a lone pid may have been reused since.
-            for pgid in (proc.pid, self._worker):
-                if pgid is not None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pgid, signal.SIGKILL)
+
+    def reap(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait for nsys to end, then kill what is left of its process group and the worker's, and end
+        an agent it left (:func:`end_agent`). Normally nothing is left: nsys ends after its program. But
+        after a stop signal, or when nsys itself is killed or crashes, the worker may still run: it
+        would measure on with nothing recording it, and hold nsys's output pipe open, so the launcher
+        would wait for the whole plan (45 s of a 72-row tiny run with 990 iterations, nsys SIGKILLed).
+        """
+        proc.wait()
+        self._worker_pid()
+        # Groups only: their leaders may be gone, and a lone pid may have been reused since.
+        for pgid in (proc.pid, self._worker):
+            if pgid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGKILL)
+        end_agent(proc.pid)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         now = time.monotonic()
@@ -313,6 +331,52 @@ class StopSignals:
             return None
         self._worker = pid
         return pid
+
+
+def _agents_of(nsys_pid: int) -> list[int]:
+    """The pids of the live agents nsys ``nsys_pid`` started: ``nsys --start-agent
+    --session-name=profile-<program>-<nsys pid> ...`` (nsys 2022.4)."""
+    session_end = f"-{nsys_pid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--start-agent" in args and any(
+            a.startswith(b"--session-name=profile-") and a.endswith(session_end) for a in args
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+def end_agent(nsys_pid: int, grace_s: float = AGENT_GRACE_S) -> None:
+    """End the agent nsys ``nsys_pid`` left running, if it has not ended ``grace_s`` after nsys.
+
+    nsys runs its agent in a session of its own, so no signal to nsys's group reaches it. It ends with
+    nsys's program (seen here within 0.25 s of nsys, nsys killed or not), except after nsys's start-up
+    failure "Connection to the Agent lost.", after which it stayed for good (two found hours later,
+    session 49). Said in one line; SIGTERM first, SIGKILL 3 s later."""
+    deadline = time.monotonic() + grace_s
+    while (agents := _agents_of(nsys_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        if not agents:
+            return
+        if signum == signal.SIGTERM:
+            print(
+                f"autotuner: nsys's agent (pid {', '.join(map(str, agents))}) still ran {grace_s:g} s "
+                "after nsys ended: ending it",
+                file=sys.stderr,
+            )
+        for pid in agents:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        deadline = time.monotonic() + 3.0
+        while (agents := _agents_of(nsys_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _signal_group(pid: int, signum: int) -> None:
