@@ -149,6 +149,25 @@ def test_a_visit_adds_its_rows_fenced_mean_else_its_median(tmp_path):
     assert "1200us fenced mean" in scaled.source.detail and scaled.seconds > 1200 * US
 
 
+def test_a_seq_len_above_the_models_positions_is_said(tmp_path):
+    """The profiler refuses such a shape; a plan may mean to extend the context, so predict says it."""
+    run_dir = make_run(tmp_path, base_rows())
+    env = json.loads((run_dir / "environment.json").read_text())
+    env["model_args"]["max_sequence_length"] = 48
+    (run_dir / "environment.json").write_text(json.dumps(env))
+    runs = load_runs([run_dir])
+
+    def said(seq_len: int) -> list[str]:
+        notes = predict(runs, Layout(seq_len=seq_len, global_batch_size=1, dtype="fp32"), CAL).notes
+        return [n for n in notes if "max_position_embeddings" in n]
+
+    assert said(32) == []
+    assert said(64) == [
+        "seq_len=64 is above the model's max_position_embeddings=48: a longer context than it was made for "
+        "(its times scaled from the rows as any length's)"
+    ]
+
+
 def test_cpu_rows_profiled_in_fewer_processes_than_the_layout_runs_are_named(tmp_path):
     """A CPU layout's processes share one host: rows profiled in fewer processes than it runs (a pipeline's
     stages profiled alone) read fast, and the prediction says so with the command that profiles them

@@ -473,6 +473,12 @@ def predict(
     notes += _processes_note(models, layout)
     notes += _spread_notes(models, stages)
     notes += _forward_order_note(warm_tm if cold else tm, layout)
+    positions = (runs.env.get("model_args") or {}).get("max_sequence_length")
+    if isinstance(positions, int) and layout.seq_len > positions:  # the profiler refuses such a shape
+        notes.append(
+            f"seq_len={layout.seq_len} is above the model's max_position_embeddings={positions}: a longer "
+            "context than it was made for (its times scaled from the rows as any length's)"
+        )
     if not meas.index:
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "
