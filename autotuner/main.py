@@ -200,9 +200,8 @@ def _check_output_dir(argv: list[str], job: list[str], resume: bool) -> None:
             cfg = compose(
                 config_name="config", overrides=[*job, *_hydra_overrides(argv)], return_hydra_config=True
             )
-            pattern = OmegaConf.to_container(cfg, resolve=False)
-            for part in key.split("."):
-                pattern = pattern.get(part) if isinstance(pattern, dict) else None
+            group, leaf = key.rsplit(".", 1)
+            pattern = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=False).get(leaf)
             if resume and isinstance(pattern, str) and "${now:" in pattern:
                 OmegaConf.update(cfg, key, pattern.split("${now:", 1)[0], force_add=True)
                 raise UserError(_no_run_to_resume(key, Path(str(OmegaConf.select(cfg, key)) or ".")))
