@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -202,9 +203,11 @@ def _check_output_dir(argv: list[str], job: list[str], resume: bool) -> None:
             )
             group, leaf = key.rsplit(".", 1)
             pattern = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=False).get(leaf)
-            if resume and isinstance(pattern, str) and "${now:" in pattern:
-                OmegaConf.update(cfg, key, pattern.split("${now:", 1)[0], force_add=True)
-                raise UserError(_no_run_to_resume(key, Path(str(OmegaConf.select(cfg, key)) or ".")))
+            anew = _named_anew(pattern) if resume and isinstance(pattern, str) else None
+            if anew is not None:
+                folder = pattern[: pattern.index(anew)]
+                OmegaConf.update(cfg, key, folder[: folder.rfind("/") + 1] or ".", force_add=True)
+                raise UserError(_no_run_to_resume(key, Path(str(OmegaConf.select(cfg, key)))))
             value = OmegaConf.select(cfg, key)
     except UserError:
         raise
@@ -217,6 +220,19 @@ def _check_output_dir(argv: list[str], job: list[str], resume: bool) -> None:
     if not str(value).strip():  # Hydra would write the run into the current folder, among its files
         raise UserError(f"{key}= is empty: give the run a folder of its own, e.g. {key}=runs/mine")
     check_writable(value, f"{key}={value}", folder=True)
+
+
+def _named_anew(pattern: str) -> str | None:
+    """The part of a run folder's pattern that names each run anew, or None: the clock (``${now:}``, the
+    default), or the run id ``torchrun --standalone`` draws for each job (a uuid4; _shared_run_dir names
+    the folder by it when no hydra.run.dir is given and SLURM gives no job id)."""
+    if "${now:" in pattern:
+        return "${now:"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    drawn = not os.environ.get("SLURM_JOB_ID") and re.fullmatch(
+        r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", run_id
+    )
+    return run_id if drawn and f"job-{run_id}" in pattern else None
 
 
 def _no_run_to_resume(key: str, parent: Path) -> str:

@@ -351,6 +351,24 @@ def test_resume_without_the_runs_folder_is_refused_naming_the_newest(tmp_path, m
     assert not (tmp_path / "runs/multirun").exists()
 
 
+def test_resume_under_torchrun_standalone_without_the_runs_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """torchrun --standalone draws a new run id for each job, and without hydra.run.dir= the ranks' shared
+    folder is named by it: as new as a folder named by the clock. Under SLURM the job id names it, the same
+    when SLURM requeues the job: that resume is kept (scripts/slurm/profile_case.sbatch)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/tiny/get_data/job-123").mkdir(parents=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0b6c1a7e-3f2d-4c5b-9a8e-1d2c3b4a5f60")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert run([*TINY, "ops=[linear_qkv]", "resume=true"]) == 2
+    assert _errors(capsys.readouterr().err) == [
+        "autotuner: error: resume=true needs the folder of the run to resume: "
+        "add hydra.run.dir=<that folder> (the newest in runs/tiny/get_data: runs/tiny/get_data/job-123)"
+    ]
+    assert sorted(p.name for p in (tmp_path / "runs/tiny/get_data").iterdir()) == ["job-123"]
+
+
 def test_sigterm_prints_the_command_that_finishes_the_run(tmp_path, capsys):
     """SIGTERM (SLURM's time limit) ends the run as the signal does (status 143), with one line giving
     the resume command; that command, run as printed, measures the rest."""
