@@ -565,7 +565,7 @@ def test_nsys_killed_mid_run_ends_the_worker_at_once(nsys_bin: str, tmp_path: Pa
     try:
         _, stderr = proc.communicate(timeout=120)
         ended = time.monotonic() - killed
-        assert ended < nsys_process.AGENT_GRACE_S + 15, f"the launcher ended {ended:.1f} s after nsys"
+        assert ended < nsys_process.AGENT_GRACE_S + 25, f"the launcher ended {ended:.1f} s after nsys"
         assert left() == []
     finally:
         for line in left():  # what a failure left, ended here rather than at the suite's end
