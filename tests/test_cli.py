@@ -110,9 +110,6 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["launcher=nsys", "launcher.iterations=5000"], "launcher.iterations=5000 = 5002 profiled calls"),
         # the traces' folder would take the name of the run's own results file
         (["launcher=torch_profiler", "launcher.output_dir=results.csv"], "writes its own results.csv"),
-        # a block of layers the model does not have
-        (["transformer_block_layers=3"], "transformer_block_layers=3 is more than the model's 2 layer(s)"),
-        (["hf.num_hidden_layers=1", "ops=[transformer_block]"], "set transformer_block_layers=1 or fewer"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):

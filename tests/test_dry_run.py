@@ -35,6 +35,22 @@ def test_llama70b_prints_its_published_total_and_writes_nothing(tmp_path: Path, 
     assert "expected memory:" in out
 
 
+def test_a_block_never_has_more_layers_than_the_model():
+    """A model of fewer layers than transformer_block_layers (calibrate's one-layer steps, which run every
+    op) measures all of its own, said in a note; the block of the model with enough keeps its setting."""
+    one = _spec(*TINY, "hf.num_hidden_layers=1")
+    assert one.block_layers == 1
+    assert one.notes[-1] == (
+        "transformer_block measures the model's 1 layer(s), not transformer_block_layers=2: "
+        "the model has no more"
+    )
+    assert _spec(*TINY, "transformer_block_layers=5").block_layers == 2
+    assert _spec(*TINY, "hf.num_hidden_layers=4", "transformer_block_layers=3").block_layers == 3
+    assert not any(
+        "transformer_block" in n for n in _spec(*TINY, "hf.num_hidden_layers=1", "ops=[mlp]").notes
+    )
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
 def test_dense_totals_match_the_published_ones(name: str):
     total, active = model_parameters(_spec(f"case={name}"))

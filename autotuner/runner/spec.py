@@ -153,11 +153,14 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     tf_overrides = _parallel_overrides(args, tf_overrides, device, tp)
     tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
     ops = resolve_ops(op_names, tf_config)  # "all" now means the ops this model has
-    if cfg.transformer_block_layers > tf_config.num_layers and any(BLOCK in t.needs for t in ops):
-        # a block the model does not have (and, mixing MoE and dense layers, a layer pattern cut short)
-        raise UserError(
-            f"transformer_block_layers={cfg.transformer_block_layers} is more than the model's "
-            f"{tf_config.num_layers} layer(s): set transformer_block_layers={tf_config.num_layers} or fewer"
+    # Never a block the model does not have (mixing MoE and dense layers, its layer pattern would be cut
+    # short): a model of fewer layers (calibrate's one-layer steps, a cut-down case) has them all.
+    block_layers = min(int(cfg.transformer_block_layers), tf_config.num_layers)
+    notes = list(args.notes)
+    if block_layers < cfg.transformer_block_layers and any(BLOCK in t.needs for t in ops):
+        notes.append(
+            f"transformer_block measures the model's {block_layers} layer(s), not "
+            f"transformer_block_layers={cfg.transformer_block_layers}: the model has no more"
         )
     rank, world = process_rank()  # once per run: below, the spec carries them
     if tp < 1 or world % tp:
@@ -185,10 +188,10 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         device=device,
         dtype=dtype,
         seed=int(cfg.seed),
-        block_layers=int(cfg.transformer_block_layers),
+        block_layers=block_layers,
         use_transformer_engine=use_te,
         threads=int(timing.threads),
-        notes=list(args.notes),
+        notes=notes,
         rank=rank,
         world=world,
         routing=routing,
