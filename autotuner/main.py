@@ -8,6 +8,7 @@ config field, an impossible shape) ends with one line on stderr and exit code 2 
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import os
 import re
@@ -54,6 +55,28 @@ _INFO_FLAGS = {
     "--shell-completion",
     "-sc",
 }
+
+
+def _check_flags(argv: list[str]) -> None:
+    """Hydra's own flags, parsed as Hydra's run will parse them, before the run directory is claimed: an
+    unknown one (``--dry-run`` for ``dry_run=true``) ended in Hydra's usage text after the lock file was
+    made, or went unnoticed by a dry run. Raises UserError."""
+    try:
+        from hydra._internal.utils import get_args_parser  # the parser hydra.main uses (not public API)
+    except ImportError:  # another Hydra: its run reports what it does not know
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            unknown = get_args_parser().parse_known_args(argv)[1]
+    except SystemExit:
+        lines = said.getvalue().strip().splitlines() or ["a bad option"]
+        raise UserError(f"{lines[-1].split('error: ', 1)[-1]}: see python -m autotuner.main --help") from None
+    if unknown:
+        raise UserError(
+            f"unknown option {unknown[0]}: see python -m autotuner.main --help (settings are key=value, "
+            "e.g. dry_run=true)"
+        )
 
 
 def _register_resolvers() -> None:
@@ -444,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     _register_resolvers()
     try:
+        _check_flags(argv)
         argv = _shared_run_dir(argv)
         preflight(argv)
         if _dry_run(argv):

@@ -110,13 +110,18 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["launcher=nsys", "launcher.iterations=5000"], "launcher.iterations=5000 = 5002 profiled calls"),
         # the traces' folder would take the name of the run's own results file
         (["launcher=torch_profiler", "launcher.output_dir=results.csv"], "writes its own results.csv"),
+        (["seed=99999999999999999999"], "seed=99999999999999999999 is out of range: give a seed from 0"),
+        (["seed=-1"], "seed=-1 is out of range"),
+        # Hydra's flags, checked before the run folder is claimed (its lock file was left behind)
+        (["--dry-run"], "unknown option --dry-run"),
+        (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
     assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autotuner: error:") and message in err[0], err
-    assert not (tmp_path / "results.jsonl").exists()
+    assert not (tmp_path / "results.jsonl").exists() and not (tmp_path / ".results.lock").exists()
 
 
 def test_a_bad_launcher_setting_is_refused_before_any_job_of_a_sweep_or_any_run_folder(tmp_path, capsys):

@@ -87,6 +87,8 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     tf_overrides = OmegaConf.to_container(cfg.tf, resolve=True) or {}
     if cfg.transformer_block_layers <= 0:
         raise UserError("transformer_block_layers must be positive: set transformer_block_layers=2")
+    if not 0 <= cfg.seed < 2**32:  # torch takes 64 bits, Megatron adds offsets (rank, 2718) to it
+        raise UserError(f"seed={cfg.seed} is out of range: give a seed from 0 to {2**32 - 1}")
     timing = cfg.timing
     not_finite = [
         name for name, value in timing.items() if isinstance(value, float) and not math.isfinite(value)
