@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from autotuner.calibrate import HOST_WORK_DEPTHS, HOST_WORK_MODEL
 from autotuner.config import compose_config
 from autotuner.main import run
 from autotuner.results import load_rows
@@ -49,6 +50,11 @@ def test_a_block_never_has_more_layers_than_the_model():
     assert not any(
         "transformer_block" in n for n in _spec(*TINY, "hf.num_hidden_layers=1", "ops=[mlp]").notes
     )
+    # the models calibrate's host-work steps build (every op, as predict.steps resolves them): they resolve
+    for depth in HOST_WORK_DEPTHS:
+        assert _spec(
+            "case=tiny", *HOST_WORK_MODEL, f"hf.num_hidden_layers={depth}", "device=cpu"
+        ).block_layers
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
