@@ -24,6 +24,7 @@ from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_run_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
+from autotuner.results.environment import load_environment
 from autotuner.results.table import text_table
 from autotuner.results.units import MISSING, common_time_unit, significant
 
@@ -36,19 +37,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     UserError."""
     path = Path(run_dir)
     rows = load_run_rows(path, "pass the directory of a finished or interrupted run")
-    env_file = path / "environment.json"
-    env: Any = {}
-    if env_file.is_file():
-        try:
-            env = json.loads(env_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            env = None
-        if not isinstance(env, dict):
-            raise UserError(
-                f"{env_file} is not a JSON object: delete it (compare then leaves the device and versions "
-                "out) or restore it from the run"
-            )
-    return {"dir": path, "rows": rows, "env": env}
+    return {"dir": path, "rows": rows, "env": load_environment(path)}
 
 
 def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool:

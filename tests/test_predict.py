@@ -1460,3 +1460,60 @@ def test_the_accuracy_benchmark_refuses_realtime_it_may_not_set(monkeypatch, cap
         "predict_accuracy: error: --realtime: this user may not set SCHED_FIFO: run as root, or raise "
         "ulimit -r to 1"
     )
+
+
+# --- damaged inputs: one line, from the tools' one reader of each file ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda e: e.pop("model_args"), "model_args.vocab_size is null"),  # a size the predictor needs
+        (
+            lambda e: e["transformer_config"].update(num_layers="two"),
+            'transformer_config.num_layers is "two"',
+        ),
+        (lambda e: e["transformer_config"].update(num_layers=-2), "transformer_config.num_layers is -2"),
+        (
+            lambda e: e["transformer_config"].update(hidden_size=None),
+            "transformer_config.hidden_size is null",
+        ),
+        (lambda e: e.update(transformer_config="x"), 'transformer_config is "x", not an object'),
+        (lambda e: e.update(world_size="x"), 'world_size is "x"'),
+        (lambda e: e.update(environment="x"), 'environment is "x", not an object'),
+    ],
+)
+def test_a_damaged_environment_record_is_one_line_in_every_tool(tmp_path, edit, message):
+    from autotuner.compare import load_run as compare_load
+    from autotuner.errors import UserError
+    from autotuner.report.data import load_run as report_load
+
+    run_dir = make_run(tmp_path, base_rows())
+    env = json.loads((run_dir / "environment.json").read_text())
+    edit(env)
+    (run_dir / "environment.json").write_text(json.dumps(env))
+    for load in (load_runs, compare_load, report_load):
+        with pytest.raises(UserError) as refused:
+            load([run_dir] if load is load_runs else run_dir)
+        assert message in str(refused.value) and "restore it from the run" in str(refused.value)
+
+
+def test_rows_with_a_nan_or_negative_time_are_refused_and_captured_calls_are_no_point(tmp_path):
+    from autotuner.errors import UserError
+
+    for bad, said in (
+        (float("nan"), "is nan; expected a time >= 0"),
+        (-5.0, "is -5.0; expected a time >= 0"),
+    ):
+        rows = base_rows()
+        rows[0] = {**rows[0], "median_us": bad}
+        with pytest.raises(UserError, match=said):
+            load_runs([make_run(tmp_path, rows, name=f"bad{bad}")])
+    # a run made with capture=FILE holds calls at no shape point: they are left out, the ops' rows kept
+    rows = [
+        *base_rows(),
+        {**base_rows()[0], "op": "captured_linear", "seq_len": None, "micro_batch_size": None},
+    ]
+    runs = load_runs([make_run(tmp_path, rows, name="captured")])
+    assert len(runs.rows) == len(base_rows())
+    assert predict(runs, Layout(seq_len=32, global_batch_size=1, dtype="fp32"), CAL).step.pipeline > 0

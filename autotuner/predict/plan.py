@@ -33,7 +33,6 @@ shell; every override is a plain ``key=value`` the profiler's config composition
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from collections.abc import Iterable, Sequence
@@ -46,6 +45,7 @@ from autotuner.predict.inputs import measured_on_cpu
 from autotuner.predict.layout import Layout
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.environment import load_environment
 
 SWEEP_SCRIPT = "scripts/slurm/sweep_array.sbatch"
 
@@ -136,15 +136,7 @@ def measured(run_dirs: Iterable[str | Path]) -> set[Need]:
             raise UserError(
                 f"{run_dir} holds no results.jsonl: give run directories of python -m autotuner.main"
             )
-        env_path = run_dir / "environment.json"
-        record: dict[str, Any] = {}
-        if env_path.is_file():
-            try:
-                record = json.loads(env_path.read_text())
-            except ValueError as exc:
-                raise UserError(
-                    f"{env_path} is not JSON ({exc}): give the run's own environment.json"
-                ) from None
+        record = load_environment(run_dir)
         tf = record.get("transformer_config") or {}
         per_file, rows = [], []
         for path in files:

@@ -14,7 +14,6 @@ peak there is no MFU (said so).
 
 from __future__ import annotations
 
-import json
 import shlex
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,6 +40,7 @@ from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import OVERLAP, StageTime, StepTime, stage_times, step_time
 from autotuner.results import load_run_rows
 from autotuner.results.calibration import load as load_calibration
+from autotuner.results.environment import load_environment
 from autotuner.results.table import text_table
 from autotuner.results.units import human_bytes, human_time
 
@@ -80,16 +80,11 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
     calibration = None
     paths = [Path(d) for d in dirs]
     for path in paths:
-        env_file = path / "environment.json"
         these = load_run_rows(path, "pass the directory of a finished or interrupted run")
-        if env_file.is_file():
-            try:
-                this = json.loads(env_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                this = None
-            if not isinstance(this, dict):
-                raise UserError(f"{env_file} is not a JSON object: restore it from the run, or delete it")
-        else:  # the model's sizes then come from the case file the rows name
+        # a captured call's row (capture=FILE) is at no shape point: nothing a layout's ops scale from
+        these = [r for r in these if r.get("seq_len") is not None and r.get("micro_batch_size") is not None]
+        this = load_environment(path)
+        if not this:  # no record: the model's sizes then come from the case file the rows name
             this = {"case": next((r.get("case") for r in these if r.get("case")), None)}
         sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
         ours, theirs = (e.get("transformer_config") or {} for e in (env, this))

@@ -9,7 +9,6 @@ required, so a report can be made from whatever launcher wrote the directory, or
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from autotuner.ops_test.places import op_tree
 from autotuner.results import load_run_rows
 from autotuner.results.calibration import load as load_calibration  # the launcher's reader, its checks
+from autotuner.results.environment import load_environment
 
 # The transformer layer's direct sub-ops: they do not overlap and run one after the other, so their
 # medians sum to the layer's median minus the glue between them (residual bookkeeping, Python calls).
@@ -79,13 +79,6 @@ class Run:
         return None if value is None or value == "" else float(value)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # a report without the environment section is still worth having
-
-
 def _read_overrides(run_dir: Path) -> list[str]:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
@@ -106,7 +99,7 @@ def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any
         path=run_dir,
         label=label or run_dir.name,
         rows=rows,
-        record=_read_json(run_dir / "environment.json"),
+        record=load_environment(run_dir),
         overrides=_read_overrides(run_dir),
         config_yaml=config.read_text() if config.exists() else "",
         calibration=calibration,

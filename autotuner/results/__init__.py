@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -447,6 +448,7 @@ KEY_TEXT = ("op", "phase", "point")
 # NUMERIC_SUFFIXES are numeric too, so a time or size column of another version is checked as well.
 NUMERIC = frozenset(c.name for c in SCHEMA.values() if c.number)
 NUMERIC_SUFFIXES = ("_us", "_bytes", "_count", "_moved")
+POINT_SIZES = frozenset({"seq_len", "micro_batch_size", "tensor_parallel"})  # null in a captured call's row
 _FIX = "fix or delete that line, or measure the run again"
 
 
@@ -480,6 +482,17 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
                 f"{where}: column {column!r} is {_kind(value)}, {json.dumps(value)[:40]}; expected a number "
                 f"or null: {_FIX}"
             )
+        elif column.endswith("_us") and not (math.isfinite(value) and value >= 0):
+            # a time is never negative, and NaN passes every comparison: a step of "nan us" ranked first
+            raise RowsFileError(
+                f"{where}: column {column!r} is {value}; expected a time >= 0 or null: {_FIX}"
+            )
+        elif column in POINT_SIZES and not (isinstance(value, int) and value > 0):
+            raise RowsFileError(
+                f"{where}: column {column!r} is {value}; expected a whole number above 0 or null: {_FIX}"
+            )
+        elif not math.isfinite(value):
+            checked[column] = None  # a statistic that had no value (what json.dumps writes for NaN)
     return checked
 
 
