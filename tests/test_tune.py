@@ -253,6 +253,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Pa
         (predict_main, [*argv, "--slurm", str(blocker / "plan")], "is a file, not a folder"),
         (predict_main, [*argv, "--json", str(tmp_path)], "is a folder: give a file name"),
         (predict_main, [*argv, "validate=true", "repeats=0"], "repeats=0 must be at least 1"),
+        # os.access says yes to root for any folder: the check makes a file there, as the writer will
+        (predict_main, [*argv, "--json", "/proc/prediction.json"], "cannot write in /proc"),
     ]
     for main, args, words in refused:
         assert main(args) == 2, args

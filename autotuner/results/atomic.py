@@ -83,10 +83,23 @@ def check_writable(path: str | os.PathLike[str], named: str, folder: bool = Fals
             existing = existing.parent
         if not existing.is_dir():
             raise UserError(f"{named}: {existing} is a file, not a folder: give a path under a folder")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UserError(f"{named}: {existing} is not writable: give a path in a folder you can write")
+        _probe(existing, named)
     except OSError as exc:  # a name too long, a loop of links: what the OS said
         raise UserError(f"{named} cannot be used ({exc.strerror or exc}): give another path") from exc
+
+
+def _probe(folder: Path, named: str) -> None:
+    """Make (and remove) a file in ``folder`` as the writer will: ``os.access`` says yes to root for any
+    folder, /proc's included, and the work was lost when its results could not be written."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".autotuner-probe-", dir=folder)
+    except OSError as exc:
+        raise UserError(
+            f"{named}: cannot write in {folder} ({exc.strerror or exc}): "
+            "give a path in a folder you can write"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
 
 
 @contextmanager
