@@ -14,7 +14,8 @@ columns (weight_bytes, num_threads, call_count) stay empty.
   nsys (``--nsys-bin``, looked up as the launcher looks up ``launcher.nsys_bin``), and the export is kept
   in DIR as ``<REPORT stem>.sqlite``.
 * DIR (``--out``, default the report's folder) gets ``results.csv`` and ``results.jsonl``. Left to its
-  default, it must not hold results already (the launcher's, with the worker's columns, are kept).
+  default, it must not hold results already (the launcher's, with the worker's columns, are kept); named,
+  it may hold results only when it is the report's own folder (replaced), never another run's.
 * Exit code 0 when every row is ok, 1 when one failed (a window left open or short of iterations), 2
   with one line on stderr and nothing written for a file that is not a report, one with no ranges of
   ours, or a missing nsys.
@@ -112,9 +113,16 @@ def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
 
 
 def _out_dir(report: Path, out: Path | None) -> Path:
+    """Where the rows go. Results already there are replaced only when asked for by name: ``--out`` the
+    report's own folder (its launcher's rows); another run's folder is refused, its measurements kept."""
+    taken = [name for name in ("results.jsonl", "results.csv") if ((out or report.parent) / name).exists()]
     if out is not None:
+        if taken and out.resolve() != report.parent.resolve():
+            raise UserError(
+                f"--out {out} holds another run's {taken[0]}: give --out an empty or new folder (or the "
+                f"report's own, {report.parent}, to replace its rows)"
+            )
         return out
-    taken = [name for name in ("results.jsonl", "results.csv") if (report.parent / name).exists()]
     if taken:
         raise UserError(
             f"{report.parent} already holds {taken[0]}: pass --out DIR for the rows read from the report "

@@ -446,6 +446,14 @@ def test_nsys_read_takes_the_run_directory_context(tmp_path: Path) -> None:
     # Left to its default, the folder must not hold results already: a second read refuses.
     with pytest.raises(nsys_read.UserError, match="already holds results.jsonl: pass --out DIR"):
         nsys_read.read_report(tmp_path / "report.sqlite")
+    # named, its own folder is replaced; another run's folder is refused with its measurements kept
+    assert nsys_read.read_report(tmp_path / "report.sqlite", tmp_path)[1] == tmp_path
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "results.jsonl").write_text("kept\n")
+    with pytest.raises(nsys_read.UserError, match="holds another run's results.jsonl: give --out an empty"):
+        nsys_read.read_report(tmp_path / "report.sqlite", other)
+    assert (other / "results.jsonl").read_text() == "kept\n"
 
 
 def _no_ranges_of_ours(path: Path) -> Path:
