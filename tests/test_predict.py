@@ -1481,6 +1481,8 @@ def test_the_accuracy_benchmark_refuses_realtime_it_may_not_set(monkeypatch, cap
         (lambda e: e.update(transformer_config="x"), 'transformer_config is "x", not an object'),
         (lambda e: e.update(world_size="x"), 'world_size is "x"'),
         (lambda e: e.update(environment="x"), 'environment is "x", not an object'),
+        # the memory walk is quadratic in the layers: a million ran for minutes
+        (lambda e: e["transformer_config"].update(num_layers=10**6), "num_layers is 1000000, above 10000"),
     ],
 )
 def test_a_damaged_environment_record_is_one_line_in_every_tool(tmp_path, edit, message):
@@ -1517,3 +1519,16 @@ def test_rows_with_a_nan_or_negative_time_are_refused_and_captured_calls_are_no_
     runs = load_runs([make_run(tmp_path, rows, name="captured")])
     assert len(runs.rows) == len(base_rows())
     assert predict(runs, Layout(seq_len=32, global_batch_size=1, dtype="fp32"), CAL).step.pipeline > 0
+
+
+def test_sizes_no_one_means_are_refused_before_any_work():
+    """A typo's extra zeros: 10^6 micro-batches a step took a minute and 5 GB (each is simulated through
+    the schedule); a sequence of 10^24 tokens printed PiB. tune skips layouts past the bound."""
+    from autotuner.errors import UserError
+    from autotuner.predict.layout import MAX_MICROBATCHES
+
+    with pytest.raises(UserError, match=f"is 1000000 micro-batches a step .* above {MAX_MICROBATCHES}"):
+        Layout(seq_len=16, pp=2, global_batch_size=10**6)
+    with pytest.raises(UserError, match="seq_len=1000000000000000000000000 is above 16777216 tokens"):
+        Layout(seq_len=10**24)
+    assert Layout(seq_len=16, global_batch_size=MAX_MICROBATCHES).microbatches == MAX_MICROBATCHES

@@ -122,6 +122,10 @@ def split_or_none(
         return None
 
 
+MAX_MICROBATCHES = 100_000  # a step's micro-batches on one data-parallel rank (the schedule simulates each)
+MAX_SEQ_LEN = 2**24
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout and batch; see the module docstring for Megatron-Core's rules."""
@@ -166,6 +170,15 @@ class Layout:
             )
         if self.vpp > 1 and self.pp == 1:
             raise UserError(f"vpp={self.vpp} needs pipeline parallelism: give pp>1 or vpp=1")
+        # Sizes no one means (a typo's extra zeros): each micro-batch is simulated through the schedule
+        # (10^6 took a minute and 5 GB), and a sequence of 10^24 tokens gave PiB of activations.
+        if self.microbatches > MAX_MICROBATCHES:
+            raise UserError(
+                f"global_batch_size={self.global_batch_size} is {self.microbatches} micro-batches a step on "
+                f"each data-parallel rank, above {MAX_MICROBATCHES}: give a smaller global_batch_size"
+            )
+        if self.seq_len > MAX_SEQ_LEN:
+            raise UserError(f"seq_len={self.seq_len} is above {MAX_SEQ_LEN} tokens: give a shorter sequence")
         for name in ("first_stage_layers", "last_stage_layers"):
             value = getattr(self, name)
             if value is None:

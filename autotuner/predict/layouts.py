@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.layout import RECOMPUTE, Layout, split_or_none
+from autotuner.predict.layout import MAX_MICROBATCHES, RECOMPUTE, Layout, split_or_none
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # The most the pipeline ranks' layers per model chunk may differ in an enumerated uneven split: enough to
@@ -153,7 +153,10 @@ def _iter_layouts(
             for vpp, (first, last) in splits:
                 for ep in eps:
                     for mbs in sorted(micro_batch_sizes):
-                        if global_batch_size % (mbs * dp):
+                        if (
+                            global_batch_size % (mbs * dp)
+                            or global_batch_size // (mbs * dp) > MAX_MICROBATCHES
+                        ):
                             continue
                         if vpp > 1 and (global_batch_size // (mbs * dp)) % pp:
                             continue

@@ -40,6 +40,7 @@ _REQUIRED = {
     "transformer_config": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"),
     "model_args": ("vocab_size",),
 }
+MAX_LAYERS = 10_000
 _FIX = "restore it from the run, or measure the run again"
 
 
@@ -73,3 +74,5 @@ def _check_size(path: Path, where: str, value: Any) -> None:
         raise UserError(
             f"{path}: {where} is {json.dumps(value)[:40]}; expected a whole number above 0: {_FIX}"
         )
+    if where.endswith(".num_layers") and value > MAX_LAYERS:  # the predictor's memory walk is quadratic in it
+        raise UserError(f"{path}: {where} is {value}, above {MAX_LAYERS}: {_FIX}")
