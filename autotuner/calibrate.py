@@ -86,7 +86,6 @@ Where it is kept and how it is read back: autotuner.results.calibration.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -99,7 +98,7 @@ from typing import Any
 
 import torch
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 from autotuner.measure.cache import last_level_cache_bytes, shared_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.host_heap import keep_freed_memory
@@ -539,9 +538,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
 @ending_in_one_line_on_ctrl_c("autotuner.calibrate")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0]
-    )
+    parser = OneLineParser(prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     parser.add_argument("--out", help="where to write the JSON (default runs/calibration/<device>.json)")
     parser.add_argument(

@@ -13,14 +13,13 @@ one record per (op, phase, shape point, metric).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_run_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
@@ -177,7 +176,7 @@ def oss_records(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autotuner.compare", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m autotuner.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (the first is the baseline)")
     parser.add_argument("--labels", help="comma-separated names for the runs (default: their folder names)")
     parser.add_argument(

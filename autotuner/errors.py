@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import sys
+from typing import Any, NoReturn
 
 
 class UserError(Exception):
@@ -74,3 +76,12 @@ def schema_problem(error: Any) -> str:
         problem = first["msg"][:1].lower() + first["msg"][1:]
     more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
     return f"{where} {problem}{more}".strip()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The tools' argument parser: bad arguments are one line on stderr and exit code 2, as every other bad
+    input (argparse's own error prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)

@@ -35,9 +35,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
@@ -310,16 +310,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments are one line on stderr and exit code 2, as every other bad input."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m autotuner.launcher_agreement",
         description="Compare the times of a get_data, a torch_profiler and (optionally) an nsys run of the "
         "same ops and shape points, row by row, against nsys's GPU time (else torch_profiler's).",

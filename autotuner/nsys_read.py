@@ -33,14 +33,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 
 REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
 _RANK_RE = re.compile(r"-rank(\d+)$")  # report-rank<N>: one report per rank under torchrun
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m autotuner.nsys_read",
         description="Build the per-op table (results.csv/.jsonl) from an nsys report of launcher=nsys.",
     )

@@ -22,13 +22,12 @@ as the others (autotuner.predict.op_time: the expert ops at that ep, measured or
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
 from autotuner.results.atomic import check_writable
@@ -156,7 +155,7 @@ def table(ranked: Sequence[Ranked], top: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m autotuner.tune",
         description=__doc__.split("\n\n")[0],
         epilog=f"settings (key=value): {', '.join(KEYS)}; required: {', '.join(REQUIRED)}",
@@ -164,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("args", nargs="+", help="run directories (optional), then key=value settings")
     parser.add_argument("--explain", type=int, metavar="N", help="print the whole prediction of the N-th")
     parser.add_argument("--slurm", metavar="DIR", help="write the profiling plan as SLURM array task files")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value settings after an option too
     from autotuner.predict.plan import plan
     from autotuner.predict.prediction import render
 

@@ -437,3 +437,28 @@ def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypa
             assert rows[name]["bytes_moved"] == 16 * 2 * hidden * fp32 and rows[name]["gbps"] > 0
     if cuda:
         assert rows["h2d_pinned"]["bound"] == "h2d_pinned" and rows["h2d_pinned"]["ceiling_fraction"] > 0
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "compare",
+        "nsys_read",
+        "tune",
+        "calibrate",
+        "report.__main__",
+        "predict.__main__",
+        "capture.__main__",
+        "launcher_agreement",
+    ],
+)
+def test_every_tools_bad_arguments_are_one_line_and_exit_2(module, capsys, monkeypatch):
+    """argparse's own error printed the whole usage first (2-4 lines): autotuner.errors.OneLineParser."""
+    import importlib
+
+    main = importlib.import_module(f"autotuner.{module}").main
+    monkeypatch.setattr(sys, "argv", [module, "--bogus-option"])  # capture's main reads sys.argv
+    with pytest.raises(SystemExit) as ended:
+        main() if module == "capture.__main__" else main(["--bogus-option"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(err) == 1 and "error:" in err[0] and "(see --help)" in err[0], err

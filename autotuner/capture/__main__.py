@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from autotuner.capture import _child
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 from autotuner.results.atomic import check_writable
 
 USAGE = "python -m autotuner.capture --out FILE [--steps START:STOP] -- python SCRIPT.py ARGS..."
@@ -87,7 +87,7 @@ def _summary(out: Path, returncode: int, before: tuple[int, int, int] | None) ->
 
 def run(argv: list[str]) -> int:
     """Run the capture CLI; return the exit code (negative: the child was killed by that signal)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m autotuner.capture",
         usage=USAGE,
         description=__doc__,

@@ -21,14 +21,13 @@ validation of a model at its real width: as many layers as fit).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import deepest_that_fits, load_calibration_for, load_runs, predict, render
@@ -66,7 +65,7 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 @ending_in_one_line_on_ctrl_c("autotuner.predict")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m autotuner.predict",
         description=__doc__.split("\n\n")[0],
         epilog=f"settings (key=value): {', '.join(KEYS)}",
@@ -78,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help="write the profiling runs that would measure what is missing as SLURM array task files here",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value settings after an option too
     try:
         dirs, settings = parse_settings(args.args)
         runs = load_runs(dirs)

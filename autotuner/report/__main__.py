@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m autotuner.report",
         description="Make report.html (figures embedded) from run directories of python -m autotuner.main.",
     )
