@@ -1532,3 +1532,18 @@ def test_sizes_no_one_means_are_refused_before_any_work():
     with pytest.raises(UserError, match="seq_len=1000000000000000000000000 is above 16777216 tokens"):
         Layout(seq_len=10**24)
     assert Layout(seq_len=16, global_batch_size=MAX_MICROBATCHES).microbatches == MAX_MICROBATCHES
+
+
+def test_runs_of_two_models_of_one_case_name_the_sizes_that_differ(tmp_path):
+    from autotuner.errors import UserError
+
+    first, other = make_run(tmp_path, base_rows(), "a"), make_run(tmp_path, base_rows(), "b")
+    env = json.loads((other / "environment.json").read_text())
+    env["transformer_config"]["hidden_size"] *= 2
+    (other / "environment.json").write_text(json.dumps(env))
+    with pytest.raises(UserError) as refused:
+        load_runs([first, other])
+    hidden = TC["hidden_size"]
+    assert f"profiled another model (synthetic, hidden_size {2 * hidden}) than {first} (synthetic, " in str(
+        refused.value
+    ) and f"hidden_size {hidden}): pass runs of one model" in str(refused.value)

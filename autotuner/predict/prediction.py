@@ -88,12 +88,14 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
             this = {"case": next((r.get("case") for r in these if r.get("case")), None)}
         sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
         ours, theirs = (e.get("transformer_config") or {} for e in (env, this))
-        if env and (
-            this.get("case") != env.get("case")
-            or any(ours.get(k) != theirs.get(k) for k in sizes if ours and theirs)
-        ):
+        differ = [k for k in sizes if ours and theirs and ours.get(k) != theirs.get(k)]
+        if env and (this.get("case") != env.get("case") or differ):
+            this_model, first_model = (
+                ", ".join([str(record.get("case")), *(f"{k} {tc.get(k)}" for k in differ)])
+                for record, tc in ((this, theirs), (env, ours))
+            )
             raise UserError(
-                f"{path} profiled another model ({this.get('case')}) than {paths[0]} ({env.get('case')}): "
+                f"{path} profiled another model ({this_model}) than {paths[0]} ({first_model}): "
                 "pass runs of one model"
             )
         run_ep = (this.get("transformer_config") or {}).get("expert_model_parallel_size") or 1
