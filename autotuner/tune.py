@@ -169,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         dirs, settings = parse_settings(args.args)
+        if args.explain is not None and not 1 <= args.explain <= settings.get("top", 5):
+            # before the ranking, which takes a while; one past the layouts that fit is found after it
+            raise UserError(
+                f"--explain {args.explain}: give a rank between 1 and top={settings.get('top', 5)}"
+            )
         if args.slurm:
             check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         ranked, runs = rank(dirs, settings)
