@@ -251,7 +251,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Pa
         ),
         (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=nan"], "is not a finite number"),
         (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=3", "--explain", "4"], "and top=3"),
-        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "--explain", "0"], "--explain 0: give a rank"),
+        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "--explain", "0"], "--explain 0: give"),
         (predict_main, [*argv, "--slurm", str(blocker / "plan")], "is a file, not a folder"),
         (predict_main, [*argv, "--json", str(tmp_path)], "is a folder: give a file name"),
         (predict_main, [*argv, "validate=true", "repeats=0"], "repeats=0 must be at least 1"),
