@@ -466,10 +466,24 @@ def _no_ranges_of_ours(path: Path) -> Path:
     return path
 
 
+def _text_in_a_time(path: Path) -> Path:
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(
+            "CREATE TABLE NVTX_EVENTS (start INTEGER, end INTEGER, eventType INTEGER, text TEXT, "
+            "globalTid INTEGER)"
+        )
+        conn.execute("INSERT INTO NVTX_EVENTS VALUES (0, 'later', 59, 'measure mlp.forward [s16_b1]', 1)")
+    return path
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (lambda d: d / "missing.sqlite", "no report at"),
+        (
+            lambda d: _text_in_a_time(d / "edited.sqlite"),
+            "holds a time that is not a whole number: 0, 'later'",
+        ),
         (lambda d: _write(d / "notes.txt", "hello"), "is not an nsys report: give a .nsys-rep"),
         (lambda d: _write(d / "run.qdstrm", "raw"), "raw capture, not a report"),
         (lambda d: _write(d / "junk.sqlite", "not a database" * 100), "is not an nsys report (file is not a"),

@@ -304,6 +304,10 @@ def _read_ranges(sqlite_path: Path) -> tuple[list[NvtxRange], list[OpenRange]]:
     closed: list[NvtxRange] = []
     still_open: list[OpenRange] = []
     for start, end, global_tid, text in rows:
+        if not isinstance(start, int) or not isinstance(end, (int, type(None))):  # nsys writes integer ns
+            raise sqlite3.DatabaseError(
+                f"NVTX_EVENTS holds a time that is not a whole number: {start!r}, {end!r}"
+            )
         text = text or ""
         if end is None or end in capture_end:
             still_open.append(OpenRange(text, start, global_tid, parse_range(text)))
