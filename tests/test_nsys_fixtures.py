@@ -456,23 +456,14 @@ def test_nsys_read_takes_the_run_directory_context(tmp_path: Path) -> None:
     assert (other / "results.jsonl").read_text() == "kept\n"
 
 
-def _no_ranges_of_ours(path: Path) -> Path:
+def _one_range(path: Path, end: object, text: str) -> Path:
+    """An SQLite file whose NVTX_EVENTS holds one push/pop range from 0 to ``end``."""
     with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute(
             "CREATE TABLE NVTX_EVENTS (start INTEGER, end INTEGER, eventType INTEGER, text TEXT, "
             "globalTid INTEGER)"
         )
-        conn.execute("INSERT INTO NVTX_EVENTS VALUES (0, 10, 59, 'megatron range', 1)")
-    return path
-
-
-def _text_in_a_time(path: Path) -> Path:
-    with closing(sqlite3.connect(path)) as conn, conn:
-        conn.execute(
-            "CREATE TABLE NVTX_EVENTS (start INTEGER, end INTEGER, eventType INTEGER, text TEXT, "
-            "globalTid INTEGER)"
-        )
-        conn.execute("INSERT INTO NVTX_EVENTS VALUES (0, 'later', 59, 'measure mlp.forward [s16_b1]', 1)")
+        conn.execute("INSERT INTO NVTX_EVENTS VALUES (0, ?, 59, ?, 1)", (end, text))
     return path
 
 
@@ -481,13 +472,13 @@ def _text_in_a_time(path: Path) -> Path:
     [
         (lambda d: d / "missing.sqlite", "no report at"),
         (
-            lambda d: _text_in_a_time(d / "edited.sqlite"),
+            lambda d: _one_range(d / "edited.sqlite", "later", "measure mlp.forward [s16_b1]"),
             "holds a time that is not a whole number: 0, 'later'",
         ),
         (lambda d: _write(d / "notes.txt", "hello"), "is not an nsys report: give a .nsys-rep"),
         (lambda d: _write(d / "run.qdstrm", "raw"), "raw capture, not a report"),
         (lambda d: _write(d / "junk.sqlite", "not a database" * 100), "is not an nsys report (file is not a"),
-        (lambda d: _no_ranges_of_ours(d / "other.sqlite"), "holds no ranges of ours"),
+        (lambda d: _one_range(d / "other.sqlite", 10, "megatron range"), "holds no ranges of ours"),
         (lambda d: FIXTURES / "l7" / "report.sqlite", "already holds results.csv: pass --out DIR"),
     ],
 )
