@@ -928,7 +928,12 @@ def test_memory_terms(tmp_path):
     assert m0.logits.value == 0 and m1.logits.value == pytest.approx(32 * 1 * VOCAB * 4)
     korthikanti = 32 * 1 * 64 * (34 + 5 * 4 * 32 / 64) * 4 / 2  # fp32: twice the 2-byte formula
     assert m0.korthikanti_activations.value == pytest.approx(korthikanti * 4)
-    assert m1.total == pytest.approx(STAGE1_PARAMS * (4 + 4 + 4) + 10000 + 32 * VOCAB * 4)
+    # the peak: weights, gradients and Adam's states, + the larger of the forward-backward's own (the
+    # activations and logits; nothing in flight without peak rows) and Adam's step's, which on the CPU
+    # updates each flat buffer's share (dp=2) as one tensor: two fp32 temporaries of it
+    assert m1.forward_backward == pytest.approx(10000 + 32 * VOCAB * 4)
+    assert m1.optimizer_step.value == pytest.approx(8 * STAGE1_PARAMS / 2)
+    assert m1.total == pytest.approx(STAGE1_PARAMS * (4 + 4 + 4) + 8 * STAGE1_PARAMS / 2)
     # selective recompute drops what core attention saves beyond its inputs q, k, v (s*b*(4+2*2)*16 fp32)
     ca = row("core_attention", "forward", 150, activation_bytes=20000)
     sel_runs = load_runs([make_run(tmp_path, [*base_rows(), ca], "sel")])
@@ -1248,7 +1253,9 @@ def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
     # with everything after it freed (1000 - 22050)
     assert m.in_flight.value == pytest.approx(4000 - 2050) and m.in_flight.source.kind == "measured"
     params = 4 * LAYER_PARAMS + H + 2 * VOCAB * H  # fp32: weights, gradients, Adam's two states, 4 B each
-    assert m.total == pytest.approx(params * 16 + 20150 + 2000 + 1950)
+    assert m.resident == pytest.approx(params * 16) and m.forward_backward == pytest.approx(
+        20150 + 2000 + 1950
+    )
     # an output layer whose backward outgrows that decides instead, with nothing freed behind it
     rows = [
         {**r, "peak_bytes": 9000} if (r["op"], r["phase"]) == ("output_layer", "backward") else r
@@ -1256,6 +1263,57 @@ def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
     ]
     pred = predict(load_runs([make_run(tmp_path, rows, "big")]), Layout(seq_len=32, dtype="fp32"), CAL)
     assert pred.memory[0].in_flight.value == pytest.approx(9000)
+
+
+def test_the_adam_steps_own_memory_and_the_peak_of_the_two_phases(tmp_path):
+    """Adam's step allocates after the forward-backward has freed its terms, so the peak is the resident
+    states plus the larger of the two phases' own: torch.optim.Adam over CUDA tensors (foreach) makes an fp32
+    copy of every exp_avg_sq at once, on the CPU it steps one tensor at a time with two temporaries of it."""
+    params = 4 * LAYER_PARAMS + H + 2 * VOCAB * H
+    layout = Layout(seq_len=32, dtype="fp32")
+    cpu = predict(load_runs([make_run(tmp_path, base_rows())]), layout, CAL).memory[0]
+    # the largest tensor here is a vocabulary table (VOCAB x H), not the gated fc1 (2 x 176 x H)
+    assert cpu.optimizer_step.value == 8 * VOCAB * H > 8 * 2 * 176 * H
+    cuda_rows = [{**r, "device": "cuda"} for r in base_rows()]
+    gpu = predict(load_runs([make_run(tmp_path, cuda_rows, "cuda")]), layout, CAL).memory[0]
+    assert gpu.optimizer_step.value == 4 * params and "_foreach_sqrt" in gpu.optimizer_step.source.detail
+    for m in (cpu, gpu):
+        assert m.resident == pytest.approx(params * 16)
+        assert m.total == pytest.approx(m.resident + max(m.forward_backward, m.optimizer_step.value))
+    assert gpu.optimizer_step.value > gpu.forward_backward and gpu.total == pytest.approx(params * 20)
+    # a middle pipeline stage holds no vocabulary table: its largest tensor is the gated fc1
+    runs = load_runs([make_run(tmp_path, base_rows(), "pp4")])
+    middle = predict(runs, Layout(seq_len=32, pp=4, global_batch_size=4, dtype="fp32"), CAL).memory[1]
+    assert middle.optimizer_step.value == 8 * 2 * 176 * H
+    pred = predict(load_runs([make_run(tmp_path, base_rows(), "again")]), layout, CAL)
+    assert pred.to_json()["memory"][0]["optimizer_step"]["value"] == cpu.optimizer_step.value
+    assert "Adam step" in render(pred)
+
+
+H200 = Path(__file__).parent / "fixtures" / "h200_llama7b"
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_predictions_from_an_h200_profile_meet_the_steps_measured_there(recompute):
+    """Recorded on an H200 (tests/fixtures/h200_llama7b/steps.json, docs/gpu_checks.md): a 4-layer profile
+    of a Llama-2-7B-shaped model and the real steps of the model as deep as num_layers=fit chose. With
+    recompute the forward-backward holds little, and Adam's foreach step (a 4 B copy of every parameter's
+    exp_avg_sq) is the peak: predicted without it, 32 layers were said to fit and the steps ran out of
+    memory in torch._foreach_sqrt."""
+    from autotuner.predict.inputs import ModelShape
+    from autotuner.predict.prediction import deepest_that_fits, load_calibration_for
+
+    record = json.loads((H200 / "steps.json").read_text())
+    measured = record["steps"][recompute]
+    runs = load_runs([H200 / "profile"])
+    layout = Layout(**record["layout"], recompute=recompute)
+    model = deepest_that_fits(runs, layout, ModelShape.from_environment(runs.env), record["gpu_memory_gb"])
+    assert model.num_layers == measured["num_layers"]
+    pred = predict(runs, layout, load_calibration_for(runs, None), model)
+    (memory,) = pred.memory
+    assert memory.total == pytest.approx(measured["peak_bytes"], rel=0.01)
+    assert (memory.optimizer_step.value > memory.forward_backward) == (recompute != "none")
+    assert pred.step.total == pytest.approx(measured["step_s"], rel=0.03)
 
 
 def _moe_run(tmp_path: Path, rows: list[dict], name: str, ep: int, cal: dict) -> Path:

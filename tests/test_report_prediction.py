@@ -87,13 +87,21 @@ def test_memory_stack_sums_to_each_stage_and_marks_korthikanti_and_the_gpu(tmp_p
     for stage in rec["memory"]:
         s = stage["stage"]
         bars = [artists[f"memory:{s}:{term}"] for term in MEMORY_TERMS]
-        assert sum(b.get_height() for b in bars) == pytest.approx(stage["total_bytes"], rel=REL)
+        resident = sum(b.get_height() for b in bars[:3])
+        forward_backward = sum(b.get_height() for b in bars[3:])
+        peak = resident + max(forward_backward, stage["optimizer_step"]["value"])
+        assert peak == pytest.approx(stage["total_bytes"], rel=REL)
         assert [b.get_height() for b in bars] == [stage[t]["value"] for t in MEMORY_TERMS]
         for lower, upper in zip(bars, bars[1:], strict=False):  # stacked, not overlaid
             assert upper.get_y() == pytest.approx(lower.get_y() + lower.get_height())
         korth, act = artists[f"korthikanti:{s}"], artists[f"memory:{s}:activations"]
         assert korth.get_height() == stage["korthikanti_activations"]["value"] > 0
         assert korth.get_y() == act.get_y() and korth.get_x() > act.get_x() + act.get_width()
+        # Adam's step on the resident states, beside the forward-backward's terms (the peak is the larger)
+        step, optimizer = artists[f"optimizer_step:{s}"], artists[f"memory:{s}:optimizer"]
+        assert step.get_height() == stage["optimizer_step"]["value"] > 0
+        assert step.get_y() == pytest.approx(optimizer.get_y() + optimizer.get_height())
+        assert step.get_x() + step.get_width() < optimizer.get_x()
     assert list(artists["gpu_memory"].get_ydata()) == pytest.approx([2e6, 2e6])
     assert "gpu_memory" not in drawn(memory_figure(rec))
 

@@ -155,6 +155,21 @@ class ModelShape:
         """The routed-expert parameters on one GPU of a pipeline stage holding ``layers`` layers."""
         return self.expert_params_on_rank(tp, ep) * layers
 
+    def largest_tensor(self, tp: int, ep: int, vocab_table: bool) -> float:
+        """Elements of the largest parameter tensor on one GPU: the vocabulary table where it holds one,
+        else a layer's fused QKV, its fc1 (both halves when gated) or an expert's fc1."""
+        gated = 2 if self.config.get("gated_linear_unit") else 1
+        sizes = [
+            self.hidden * (self.heads + 2 * self.query_groups) * self.kv_channels / tp,
+            self.hidden * self.ffn * gated / tp,
+        ]
+        if self.experts:
+            width = self.config.get("moe_ffn_hidden_size") or self.ffn
+            sizes.append(self.hidden * width * gated / (1 if ep > 1 else tp))
+        if vocab_table:
+            sizes.append(self.vocab * self.hidden / tp)
+        return max(sizes)
+
     def stage_tensors(self, ep: int, layers: int, first: bool, last: bool) -> int:
         """The parameter tensors on one GPU of a stage of ``layers`` layers (TP splits tensors, it does not
         add any): its layers' (the routed experts' over ep), the embedding's table on the ``first``

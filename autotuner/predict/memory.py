@@ -22,6 +22,17 @@ Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
 * **logits** on the last stage: what the output layer and the loss save (the ``output_layer`` forward
   row's ``activation_bytes``: the fp32 logits the cross-entropy keeps and the layer's input), else
   s*b*vocab/tp x 4 B;
+* **optimizer step**: what Adam allocates while it steps, beyond its states. ``torch.optim.Adam`` over CUDA
+  tensors (torch's default there, the foreach kernels; also Megatron-Core's Adam without
+  Transformer-Engine or Apex) takes the square root of every ``exp_avg_sq`` at once
+  (``torch._foreach_sqrt``): an fp32 copy of them, 4 B per parameter it updates. On the CPU it steps
+  one tensor at a time and holds two temporaries of that tensor (the square root, then its quotient):
+  8 B x the largest tensor it updates. A fused Adam (Transformer-Engine's or Apex's FusedAdam, or
+  ``fused=True``) makes neither, so there the term is an upper bound. The forward-backward's terms
+  (activations, logits, in flight) are freed before the step, so a GPU's peak is the resident states
+  plus the larger of the two phases': at a 32-layer Llama-2-7B with full recompute on an H200 the step's
+  25 GiB copy was the peak, and the step ran out of memory where the sum without it fitted
+  (docs/gpu_checks.md);
 * **in flight**: memory an op allocates while it runs beyond what stays saved (its rows' ``peak_bytes``:
   a forward's intermediates; a backward's input gradients and temporaries, each weight gradient until
   it is added into the gradient buffers, the embedding's dense table gradient, net of the saved
@@ -182,11 +193,22 @@ class StageMemory:
     in_flight: Figure
     korthikanti_activations: Figure
     held: int
+    optimizer_step: Figure
+
+    @property
+    def resident(self) -> float:
+        """What the GPU holds through the step: weights, gradients, optimizer states."""
+        return self.weights.value + self.gradients.value + self.optimizer.value
+
+    @property
+    def forward_backward(self) -> float:
+        """What the forward-backward adds at its peak; freed before the optimizer's step."""
+        return self.activations.value + self.logits.value + self.in_flight.value
 
     @property
     def total(self) -> float:
-        terms = (self.weights, self.gradients, self.optimizer, self.activations, self.logits, self.in_flight)
-        return sum(f.value for f in terms)
+        """The peak: the resident states plus the larger of the two phases' own."""
+        return self.resident + max(self.forward_backward, self.optimizer_step.value)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -203,6 +225,7 @@ class StageMemory:
                     "activations",
                     "logits",
                     "in_flight",
+                    "optimizer_step",
                     "korthikanti_activations",
                 )
             },
@@ -301,6 +324,42 @@ def in_flight_bytes(ops: list[OpMemory]) -> float:
         if op.backward_peak is not None:  # the backward of k: the ops after it have freed theirs
             worst = max(worst, op.backward_peak - after)
     return worst
+
+
+def optimizer_step_memory(
+    model: ModelShape, layout: Layout, stage: int, params: float, kept: float, cuda: bool
+) -> Figure:
+    """What torch.optim.Adam allocates while it steps (the module's docstring: optimizer step)."""
+    if cuda:
+        return Figure(
+            kept * 4,
+            "B",
+            Source(
+                "modelled",
+                f"torch.optim.Adam's foreach step on CUDA tensors: an fp32 copy of every exp_avg_sq at once "
+                f"(torch._foreach_sqrt), 4 B x {kept:.6g} params it updates (none with a fused Adam)",
+            ),
+        )
+    if layout.distributed_optimizer:  # it updates each flat buffer's share as one tensor
+        experts = model.stage_expert_params(
+            layout.tp, layout.ep, layout.stage_layers(model.num_layers)[stage]
+        )
+        largest = max((params - experts) / layout.dp, experts / layout.expert_data_parallel)
+        what = "the largest share of a flat gradient buffer"
+    else:
+        first, last = stage == 0, stage == layout.pp - 1
+        table = first or (last and (not model.tie_embeddings or layout.pp > 1))
+        largest = model.largest_tensor(layout.tp, layout.ep, table)
+        what = "the largest parameter tensor"
+    return Figure(
+        largest * 8,
+        "B",
+        Source(
+            "modelled",
+            f"torch.optim.Adam's step on the CPU, one tensor at a time: two fp32 temporaries of the tensor "
+            f"(its exp_avg_sq's square root, then the quotient), 8 B x {largest:.6g} elements ({what})",
+        ),
+    )
 
 
 def stage_params(meas: Measurements, model: ModelShape, layout: Layout, stage: int) -> Figure:
@@ -450,4 +509,7 @@ def stage_memory(
     korth = Figure(
         k, "B", Source("modelled", f"Korthikanti et al. 2022, recompute={layout.recompute}, x {layers_held}")
     )
-    return StageMemory(stage, params, weights, grads, optimizer, activations, logits, in_flight, korth, held)
+    step = optimizer_step_memory(model, layout, stage, p, kept, "cuda" in meas.devices)
+    return StageMemory(
+        stage, params, weights, grads, optimizer, activations, logits, in_flight, korth, held, step
+    )

@@ -606,6 +606,7 @@ def render(pred: Prediction) -> str:
                 human_bytes(m.korthikanti_activations.value),
                 human_bytes(m.logits.value),
                 human_bytes(m.in_flight.value),
+                human_bytes(m.optimizer_step.value),
                 human_bytes(m.total),
             ]
         )
@@ -618,9 +619,14 @@ def render(pred: Prediction) -> str:
         "Korthikanti",
         "logits",
         "in flight",
+        "Adam step",
         "total/GPU",
     ]
-    out += ["memory per GPU", text_table(headers, lines, [True] * 9)]
+    out += [
+        "memory per GPU: weights + grads + optimizer, + the larger of (activations + logits + in flight) "
+        "and the Adam step's own",
+        text_table(headers, lines, [True] * 10),
+    ]
     if pred.megatron_report is not None:
         report, first = pred.megatron_report, pred.memory[0]
         out.append(
@@ -642,6 +648,8 @@ def render(pred: Prediction) -> str:
         )
         out.append(f"  stage {m.stage} parameters: [{m.params.source.kind}] {m.params.source.detail}")
         out.append(f"  stage {m.stage} in flight: [{m.in_flight.source.kind}] {m.in_flight.source.detail}")
+        step = m.optimizer_step.source
+        out.append(f"  stage {m.stage} Adam step: [{step.kind}] {step.detail}")
     if pred.megatron_report is not None:
         for figure in (pred.megatron_report.activations, pred.megatron_report.weights_and_optimizer):
             out.append(f"  stage 0, {figure.source.detail}")

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from autotuner.errors import UserError
 from autotuner.report.prediction_figures import (
     MEMORY_TERMS,
+    STEP_TERM,
     measured_timeline_figure,
     memory_figure,
     schedule,
@@ -148,7 +149,9 @@ def _memory_table(record: Mapping[str, Any]) -> str:
     for m in record["memory"]:
         terms = "".join(
             cell(f"{human_bytes(m[t]['value'])} [{m[t]['source']['kind']}]", m[t]["value"], "n")
-            for t in (*MEMORY_TERMS, "korthikanti_activations")
+            if m.get(t)
+            else cell("-")  # a prediction made before the Adam step was a term
+            for t in (*MEMORY_TERMS, STEP_TERM, "korthikanti_activations")
         )
         body.append(
             f"<tr>{cell(m['stage'])}{terms}{cell(human_bytes(m['total_bytes']), m['total_bytes'], 'n')}</tr>"
@@ -161,10 +164,10 @@ def _memory_table(record: Mapping[str, Any]) -> str:
         )
         body.append(
             f"<tr>{cell('0: Megatron-LM report')}"
-            f'<td colspan="{len(MEMORY_TERMS) + 1}">{escape(said)}</td>'
+            f'<td colspan="{len(MEMORY_TERMS) + 2}">{escape(said)}</td>'
             f"{cell(human_bytes(report['total_bytes']), report['total_bytes'], 'n')}</tr>"
         )
-    return table(["stage", *MEMORY_TERMS, "Korthikanti", "total/GPU"], body)
+    return table(["stage", *MEMORY_TERMS, "Adam step", "Korthikanti", "total/GPU"], body)
 
 
 def _validation_table(v: Mapping[str, Any]) -> str:

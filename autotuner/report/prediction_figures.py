@@ -37,6 +37,9 @@ from autotuner.report.style import new_figure
 from autotuner.results.units import BINARY_UNITS, human_bytes
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "in_flight")
+# Adam's step allocates its own after the forward-backward's terms are freed (autotuner.predict.memory):
+# a bar beside those, on the resident states (the first three terms).
+STEP_TERM = "optimizer_step"
 TERM_COLOURS = {
     "weights": "#1f77b4",
     "gradients": "#ff7f0e",
@@ -44,6 +47,7 @@ TERM_COLOURS = {
     "activations": "#9467bd",
     "logits": "#8c564b",
     "in_flight": "#e377c2",
+    STEP_TERM: "#17becf",
 }
 PHASE_COLOURS = {"forward": "#4c9be8", "backward": "#f28e2b"}
 
@@ -152,6 +156,11 @@ class StageStack:
     terms: list[tuple[str, float]]  # MEMORY_TERMS, bottom to top
     total: float  # the prediction's total_bytes
     korthikanti: float
+    optimizer_step: float  # 0 in a prediction made before the term was
+
+
+def _value(stage: Mapping[str, Any], term: str) -> float:
+    return float((stage.get(term) or {}).get("value", 0.0))
 
 
 def memory_stack(record: Mapping[str, Any]) -> list[StageStack]:
@@ -161,6 +170,7 @@ def memory_stack(record: Mapping[str, Any]) -> list[StageStack]:
             [(t, float(m[t]["value"])) for t in MEMORY_TERMS],
             float(m["total_bytes"]),
             float(m["korthikanti_activations"]["value"]),
+            _value(m, STEP_TERM),
         )
         for m in record["memory"]
     ]
@@ -182,7 +192,9 @@ def _bytes_axis(ax: Any, top: float) -> None:
 
 
 def memory_figure(record: Mapping[str, Any], gpu_memory_gb: float | None = None) -> Figure:
-    """Stacked bars per stage; a narrow hatched bar beside the activations is Korthikanti's estimate."""
+    """Stacked bars per stage; a narrow hatched bar beside the activations is Korthikanti's estimate, a
+    narrow bar on the other side Adam's step (on the resident states, as the activations are: the two
+    phases' own terms do not add up)."""
     figure = new_figure("prediction_memory")
     ax = figure.subplots()
     stacks = memory_stack(record)
@@ -204,19 +216,25 @@ def memory_figure(record: Mapping[str, Any], gpu_memory_gb: float | None = None)
                 estimate.set_gid(f"korthikanti:{stack.stage}")
                 ax.add_patch(estimate)
             base += value
+            if term == "optimizer":
+                step = Rectangle((stack.stage - 0.47, base), 0.15, stack.optimizer_step)
+                step.set(facecolor="white", edgecolor=TERM_COLOURS[STEP_TERM], hatch="//")
+                step.set_gid(f"{STEP_TERM}:{stack.stage}")
+                ax.add_patch(step)
         ax.text(stack.stage - 0.075, base, human_bytes(stack.total), ha="center", va="bottom", fontsize=8)
     top = max([s.total for s in stacks] + [s.korthikanti + sum(v for _, v in s.terms[:3]) for s in stacks])
     handles = [Patch(facecolor=TERM_COLOURS[t], label=t) for t in MEMORY_TERMS]
     handles.append(
         Patch(facecolor="white", edgecolor=TERM_COLOURS["activations"], hatch="xx", label="Korthikanti")
     )
+    handles.append(Patch(facecolor="white", edgecolor=TERM_COLOURS[STEP_TERM], hatch="//", label="Adam step"))
     if gpu_memory_gb:
         limit = gpu_memory_gb * 1e9
         line = ax.axhline(limit, color="#d62728", linewidth=1.2)
         line.set_gid("gpu_memory")
         handles.append(Line2D([], [], color="#d62728", label=f"GPU memory {gpu_memory_gb:g} GB"))
         top = max(top, limit)
-    ax.set_xlim(-0.7, len(stacks) - 0.3)
+    ax.set_xlim(-0.75, len(stacks) - 0.3)
     ax.set_ylim(0, top * 1.12 or 1)
     ax.set_xticks(range(len(stacks)), [f"stage {s.stage}" for s in stacks])
     _bytes_axis(ax, top)
