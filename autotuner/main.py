@@ -60,7 +60,9 @@ _INFO_FLAGS = {
 def _check_flags(argv: list[str]) -> None:
     """Hydra's own flags, parsed as Hydra's run will parse them, before the run directory is claimed: an
     unknown one (``--dry-run`` for ``dry_run=true``) ended in Hydra's usage text after the lock file was
-    made, or went unnoticed by a dry run. Raises UserError."""
+    made, or went unnoticed by a dry run. The checks before a run compose the shipped primary config, so
+    another one (``--config-name``, ``--config-path``) would be checked as what it is not: a user's own
+    groups and options come in through ``--config-dir``. Raises UserError."""
     try:
         from hydra._internal.utils import get_args_parser  # the parser hydra.main uses (not public API)
     except ImportError:  # another Hydra: its run reports what it does not know
@@ -68,7 +70,7 @@ def _check_flags(argv: list[str]) -> None:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            unknown = get_args_parser().parse_known_args(argv)[1]
+            args, unknown = get_args_parser().parse_known_args(argv)
     except SystemExit:
         lines = said.getvalue().strip().splitlines() or ["a bad option"]
         raise UserError(f"{lines[-1].split('error: ', 1)[-1]}: see python -m autotuner.main --help") from None
@@ -77,6 +79,11 @@ def _check_flags(argv: list[str]) -> None:
             f"unknown option {unknown[0]}: see python -m autotuner.main --help (settings are key=value, "
             "e.g. dry_run=true)"
         )
+    own = "add config groups or options of your own with --config-dir DIR"
+    if args.config_name not in (None, "config", "config.yaml"):
+        raise UserError(f"--config-name {args.config_name}: the one primary config is 'config'; {own}")
+    if args.config_path is not None and Path(os.path.abspath(args.config_path)) != CONFIG_DIR.resolve():
+        raise UserError(f"--config-path {args.config_path}: the shipped configs cannot be replaced; {own}")
 
 
 def _register_resolvers() -> None:

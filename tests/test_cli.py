@@ -115,6 +115,9 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         # Hydra's flags, checked before the run folder is claimed (its lock file was left behind)
         (["--dry-run"], "unknown option --dry-run"),
         (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
+        # another primary config than the one the checks compose: Hydra's multi-line error, after the lock
+        (["--config-name", "nosuch"], "--config-name nosuch: the one primary config is 'config'"),
+        (["--config-path", "/nonexistent"], "--config-path /nonexistent: the shipped configs cannot be"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
