@@ -131,7 +131,11 @@ from autotuner.results.calibration import (
     merge_links,
 )
 from autotuner.results.units import human_bytes
-from autotuner.termination import ending_in_one_line_on_ctrl_c, unwinding_on_sigterm
+from autotuner.termination import (
+    ending_in_one_line_on_ctrl_c,
+    ending_quietly_on_a_closed_pipe,
+    unwinding_on_sigterm,
+)
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.
@@ -535,6 +539,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
     return 0
 
 
+@ending_quietly_on_a_closed_pipe
 @ending_in_one_line_on_ctrl_c("autotuner.calibrate")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.environment import load_environment
 from autotuner.results.table import text_table
 from autotuner.results.units import MISSING, common_time_unit, significant
+from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 OSS_METRICS = ("median_us", "tflops", "peak_bytes", "activation_bytes")
 
@@ -175,6 +176,7 @@ def oss_records(run: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
+@ending_quietly_on_a_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m autotuner.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (the first is the baseline)")
@@ -205,11 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"autotuner.compare: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    differ = differences(runs, labels)
-    if differ:
-        print(differ + "\n")
-    print(render(runs, labels, args.digits))
-    if args.oss_json:
+    if args.oss_json:  # written before the table is printed: kept if the reader stops reading (| head)
         records = [record for run in runs for record in oss_records(run)]
         try:
             atomic_write_text(Path(args.oss_json), json.dumps(records, indent=1) + "\n")
@@ -219,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"autotuner.compare: error: {error}", file=sys.stderr)
             return error.exit_code
+    differ = differences(runs, labels)
+    if differ:
+        print(differ + "\n")
+    print(render(runs, labels, args.digits))
+    if args.oss_json:
         print(f"\n{len(records)} records in {args.oss_json}")
     return 0
 

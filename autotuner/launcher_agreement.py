@@ -41,6 +41,7 @@ from autotuner.errors import OneLineParser, UserError
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
+from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 LAUNCHERS = ("get_data", "torch_profiler", "nsys")
 Key = tuple[str, str, str]  # (op, phase, point)
@@ -310,6 +311,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
+@ending_quietly_on_a_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m autotuner.launcher_agreement",
@@ -347,9 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"autotuner.launcher_agreement: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(render(agreement))
-    if args.json is not None:
+    if args.json is not None:  # before the table is printed: kept if the reader stops reading (| head)
         _write_json(args.json, agreement.to_json())
+    print(render(agreement))
     return 0 if agreement.passed else 1
 
 

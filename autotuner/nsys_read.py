@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import OneLineParser, UserError
+from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
 _RANK_RE = re.compile(r"-rank(\d+)$")  # report-rank<N>: one report per rank under torchrun
@@ -165,6 +166,7 @@ def read_report(
     return rows, out_dir
 
 
+@ending_quietly_on_a_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:

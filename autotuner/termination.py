@@ -86,6 +86,26 @@ def ending_in_one_line_on_ctrl_c(prog: str) -> Callable[[Callable[..., int]], Ca
     return decorate
 
 
+def ending_quietly_on_a_closed_pipe(main: Callable[..., Any]) -> Callable[..., Any]:
+    """For a command's ``main``: a reader that stops reading (``| head``, quitting ``less``) ends the
+    command as SIGPIPE ends a C tool, with the shell's status for it (141) and no traceback. Python ignores
+    SIGPIPE and raises BrokenPipeError at the next write instead; stdout is pointed at /dev/null first, or
+    the interpreter's own flush at exit raises again. The files a command writes are written atomically,
+    so a stop here leaves them whole."""
+
+    @functools.wraps(main)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            status = main(*args, **kwargs)
+            sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a stray message
+            return status
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(128 + signal.SIGPIPE) from None
+
+    return guarded
+
+
 @contextlib.contextmanager
 def interrupting_on_sigint(on_signal: Callable[[], None] | None = None) -> Iterator[None]:
     """Inside, Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, but through

@@ -31,6 +31,7 @@ from autotuner.errors import OneLineParser, UserError
 from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
 from autotuner.results.atomic import check_writable
+from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node")
 FLOAT_KEYS = ("gpu_memory_gb", "margin")
@@ -154,6 +155,7 @@ def table(ranked: Sequence[Ranked], top: int) -> str:
     return text_table(headers, rows, right)
 
 
+@ending_quietly_on_a_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m autotuner.tune",

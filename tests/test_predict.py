@@ -1265,6 +1265,36 @@ def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
     assert pred.memory[0].in_flight.value == pytest.approx(9000)
 
 
+def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows_are(tmp_path, capsys):
+    """Without environment.json a run is predicted at the sizes of the case its rows name, as published;
+    a run made at other sizes (hf.* overrides) was predicted as the stock model from rows of another."""
+    rows = [{**r, "case": "tiny"} for r in base_rows()]  # the synthetic layer is tiny's (46208 parameters)
+    same = make_run(tmp_path, rows, "same")
+    (same / "environment.json").unlink()
+    pred = predict(load_runs([same]), Layout(seq_len=32, global_batch_size=2, dtype="fp32"), CAL)
+    assert pred.model.case == "tiny" and pred.model.layer_params == LAYER_PARAMS
+    wider = [{**r, "weight_bytes": 2 * r["weight_bytes"]} if r.get("weight_bytes") else r for r in rows]
+    other = make_run(tmp_path, wider, "other")
+    (other / "environment.json").unlink()
+    assert main([str(other), "seq_len=32", "global_batch_size=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"holds {2 * LAYER_PARAMS} parameters, not the {LAYER_PARAMS}" in err[0], err
+    assert "restore the run's environment.json" in err[0]
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    """``autotuner-predict ... | head -1``: a closed pipe ends it with SIGPIPE's status, no traceback."""
+    import subprocess
+    import sys
+
+    run_dir = make_run(tmp_path, base_rows())
+    command = [sys.executable, "-m", "autotuner.predict", str(run_dir), "seq_len=32", "global_batch_size=2"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
 def test_the_adam_steps_own_memory_and_the_peak_of_the_two_phases(tmp_path):
     """Adam's step allocates after the forward-backward has freed its terms, so the peak is the resident
     states plus the larger of the two phases' own: torch.optim.Adam over CUDA tensors (foreach) makes an fp32

@@ -27,6 +27,7 @@ from pathlib import Path
 from autotuner.capture import _child
 from autotuner.errors import OneLineParser, UserError
 from autotuner.results.atomic import check_writable
+from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 USAGE = "python -m autotuner.capture --out FILE [--steps START:STOP] -- python SCRIPT.py ARGS..."
 # Interpreter options that take no value, allowed between "python" and the script.
@@ -131,6 +132,7 @@ def run(argv: list[str]) -> int:
     return returncode
 
 
+@ending_quietly_on_a_closed_pipe
 def main() -> None:
     code = run(sys.argv[1:])
     if code < 0:  # end as the child did, by its signal (default action: Python's own SIGINT handler

@@ -33,7 +33,11 @@ from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import deepest_that_fits, load_calibration_for, load_runs, predict, render
 from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text, check_writable
-from autotuner.termination import ending_in_one_line_on_ctrl_c, unwinding_on_sigterm
+from autotuner.termination import (
+    ending_in_one_line_on_ctrl_c,
+    ending_quietly_on_a_closed_pipe,
+    unwinding_on_sigterm,
+)
 
 INT_KEYS = (
     *("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats"),
@@ -62,6 +66,7 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     return dirs, settings
 
 
+@ending_quietly_on_a_closed_pipe
 @ending_in_one_line_on_ctrl_c("autotuner.predict")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,9 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         profiled = ModelShape.from_environment(runs.env)
         model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
         pred = predict(runs, layout, calibration, model)
-        print(render(pred))
         record = pred.to_json()
-        atomic_write_text(out, json.dumps(record, indent=1) + "\n")  # kept if the validation fails
+        # written before it is printed: kept if the validation fails, or the reader stops reading (| head)
+        atomic_write_text(out, json.dumps(record, indent=1) + "\n")
+        print(render(pred))
         if validating:  # the real steps of this layout (autotuner.predict.validate)
             from autotuner.predict.steps import StepsFailed
             from autotuner.predict.validate import model_overrides, validate
@@ -124,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"autotuner.predict: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # the reader stopped reading: ending_quietly_on_a_closed_pipe
+        raise
     except OSError as exc:
         print(
             f"autotuner.predict: error: cannot write the prediction: {exc.strerror or exc}: "

@@ -25,7 +25,7 @@ from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
 from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu
-from autotuner.predict.layout import Figure, Layout, Source
+from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
 from autotuner.predict.memory import (
     MEMORY_MARGIN,
@@ -86,6 +86,7 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
         this = load_environment(path)
         if not this:  # no record: the model's sizes then come from the case file the rows name
             this = {"case": next((r.get("case") for r in these if r.get("case")), None)}
+            _check_case_sizes(path, this["case"], these)
         sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
         ours, theirs = (e.get("transformer_config") or {} for e in (env, this))
         differ = [k for k in sizes if ours and theirs and ours.get(k) != theirs.get(k)]
@@ -108,6 +109,30 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
         if calibration is None and (path / "calibration.json").is_file():
             calibration = path / "calibration.json"
     return Runs(paths, rows, env, calibration)
+
+
+def _check_case_sizes(path: Path, case: str | None, rows: list[dict[str, Any]]) -> None:
+    """A run without its environment.json is predicted at its case's sizes as published: its layer rows'
+    weights must be that case's layer, else it was run at other sizes (``hf.*`` overrides) and every
+    figure would scale the wrong model. UserError (one line)."""
+    if not case:
+        return
+    layer = ModelShape.from_case(case).layer_params
+    for r in rows:
+        if (
+            r.get("op") != "transformer_layer"
+            or not r.get("weight_bytes")
+            or r.get("tensor_parallel", 1) != 1
+        ):
+            continue
+        params = r["weight_bytes"] / DTYPE_BYTES.get(str(r.get("dtype")), 4)
+        if abs(params / layer - 1) > 0.01:
+            raise UserError(
+                f"{path} has no environment.json, and its transformer_layer holds {params:.6g} parameters, "
+                f"not the {layer:.6g} of case {case} as published: it was run at other sizes; restore the "
+                "run's environment.json"
+            )
+        return
 
 
 @dataclass

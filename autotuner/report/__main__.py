@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from autotuner.errors import OneLineParser, UserError
+from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -35,6 +36,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@ending_quietly_on_a_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from autotuner.report import build_report
