@@ -106,6 +106,16 @@ def test_memory_stack_sums_to_each_stage_and_marks_korthikanti_and_the_gpu(tmp_p
     assert "gpu_memory" not in drawn(memory_figure(rec))
 
 
+def test_a_prediction_made_before_the_adam_step_was_a_term_still_makes_its_page(tmp_path):
+    rec = prediction(tmp_path, pp=2, global_batch_size=8)
+    for stage in rec["memory"]:
+        del stage["optimizer_step"]
+    artists = drawn(memory_figure(rec))
+    assert artists["optimizer_step:0"].get_height() == 0
+    page = write_prediction_page(rec, tmp_path / "old.html")
+    assert "Adam step" in page.read_text()
+
+
 def test_validation_bars_hold_the_record(tmp_path):
     rec = prediction(tmp_path, pp=2, global_batch_size=8)
     assert validation_figure(rec) is None
