@@ -182,24 +182,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         top = settings.get("top", 5)
         fitting = [r for r in ranked if r.fits]
         margin = settings.get("margin", MEMORY_MARGIN)
-        print(
+        header = (
             f"{len(ranked)} layouts predicted, {len(fitting)} fit in {settings['gpu_memory_gb']:g} GB "
             f"less a {100 * margin:.0f}% margin; the fastest {min(top, len(fitting))}:"
         )
         if not fitting:
+            print(header)
             smallest = min(ranked, key=lambda r: r.memory_bytes)
             raise UserError(
                 f"no layout fits: the smallest needs {smallest.memory_bytes / 1e9:.1f} GB per GPU "
                 f"({smallest.prediction.layout.describe()}): use more GPUs, recompute, or a smaller batch"
             )
-        print(table(ranked, top))
         shown = fitting[:top]
-        for warning in warnings_of(shown):
-            print(f"warning: {warning}")
-        if args.explain is not None:
-            if not 1 <= args.explain <= len(shown):
-                raise UserError(f"--explain {args.explain}: give a rank between 1 and {len(shown)}")
-            print("\n" + render(shown[args.explain - 1].prediction))
+        if args.explain is not None and not 1 <= args.explain <= len(shown):
+            raise UserError(f"--explain {args.explain}: give a rank between 1 and {len(shown)}")
         # the shown layouts' needs, by the cache kind their runs measure (a layout may want both)
         needs: dict[bool, set[Any]] = {True: set(), False: set()}
         for r in shown:
@@ -208,10 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         dirs_done = [str(d) for d in runs.dirs]
         flushed, warm = (plan(needs[kind], dirs_done, flush_cache=kind) for kind in (True, False))
         profile = flushed.merged(warm)
-        print(
-            "\nmeasurements behind this ranking: "
-            + profile.text(profile.slurm(args.slurm) if args.slurm else ())
-        )
+        # the task files written before anything is printed: kept if the reader stops reading (| head)
+        arrays = profile.slurm(args.slurm) if args.slurm else ()
+        print(header)
+        print(table(ranked, top))
+        for warning in warnings_of(shown):
+            print(f"warning: {warning}")
+        if args.explain is not None:
+            print("\n" + render(shown[args.explain - 1].prediction))
+        print("\nmeasurements behind this ranking: " + profile.text(arrays))
     except UserError as exc:
         print(f"autotuner.tune: error: {exc}", file=sys.stderr)
         return exc.exit_code
