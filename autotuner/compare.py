@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(set(labels)) != len(labels):
             raise UserError(f"--labels {args.labels} names two runs alike: give each run a label of its own")
         if args.oss_json:
-            check_writable(args.oss_json, f"--oss-json {args.oss_json}")  # before the table is printed
+            check_writable(args.oss_json, f"--oss-json {args.oss_json}", reads=args.runs)
     except UserError as exc:
         print(f"autotuner.compare: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -345,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs.append(load_run(args.nsys, "nsys"))
         agreement = compare(runs, args.tolerance, args.floor_us)
         if args.json is not None:
-            check_writable(args.json, f"--json {args.json}")
+            inputs = [args.get_data, args.torch_profiler, *([args.nsys] if args.nsys else [])]
+            check_writable(args.json, f"--json {args.json}", reads=inputs)
     except UserError as exc:
         print(f"autotuner.launcher_agreement: error: {exc}", file=sys.stderr)
         return exc.exit_code

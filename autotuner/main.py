@@ -26,7 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
 from autotuner.errors import UserError
 from autotuner.results.atomic import check_writable
-from autotuner.termination import forget_stop, interrupting_on_sigint, unwinding_on_sigterm
+from autotuner.termination import (
+    end_on_a_closed_pipe,
+    forget_stop,
+    interrupting_on_sigint,
+    unwinding_on_sigterm,
+)
 
 # Hydra's own flags: those that take a value, and those that print instead of running.
 _FLAGS_WITH_VALUE = {
@@ -289,6 +294,8 @@ def _app(cfg: DictConfig) -> None:
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    except BrokenPipeError:  # the reader of the run's table stopped reading (| head): its rows are on disk
+        end_on_a_closed_pipe()
     except Exception:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             # The other ranks may be waiting for this one in a collective, and a normal exit can block
@@ -315,9 +322,14 @@ def _report(run_dir: Path) -> None:
     try:
         from autotuner.report import write_report
 
-        print(f"report: {write_report(run_dir)}")
+        page = write_report(run_dir)
     except Exception as exc:  # noqa: BLE001 - the measurements are on disk whatever happens here
         print(f"autotuner: report not written: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        return
+    try:
+        print(f"report: {page}")
+    except BrokenPipeError:  # inside Hydra's job, which would report it as the run's failure
+        end_on_a_closed_pipe()
 
 
 def _shared_run_dir(argv: list[str]) -> list[str]:

@@ -100,10 +100,16 @@ def ending_quietly_on_a_closed_pipe(main: Callable[..., Any]) -> Callable[..., A
             sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a stray message
             return status
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise SystemExit(128 + signal.SIGPIPE) from None
+            end_on_a_closed_pipe()
 
     return guarded
+
+
+def end_on_a_closed_pipe() -> NoReturn:
+    """End as :func:`ending_quietly_on_a_closed_pipe` ends a command, from where a BrokenPipeError was
+    caught (a handler that would report it as another failure)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(128 + signal.SIGPIPE)
 
 
 @contextlib.contextmanager

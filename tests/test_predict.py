@@ -1282,6 +1282,24 @@ def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows
     assert "restore the run's environment.json" in err[0]
 
 
+@pytest.mark.parametrize("name", ["results.jsonl", "environment.json", "results.csv", "calibration.json"])
+def test_an_output_never_replaces_the_records_of_a_run_it_reads(tmp_path, capsys, name):
+    """--json (predict), --oss-json (compare): a path naming a record of an input run was overwritten."""
+    from autotuner.compare import main as compare_main
+
+    run_dir = make_run(tmp_path, base_rows())
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    target = str(run_dir / ".." / run_dir.name / name)  # however it is spelled
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", target]) == 2
+    assert compare_main([str(run_dir), str(run_dir), "--labels", "a,b", "--oss-json", target]) == 2
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert f"is the run's own {name}" in line and "give another file name" in line, line
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    # the page goes beside the JSON with .html: a JSON named so was replaced by its page
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(tmp_path / "p.html")]) == 2
+    assert "give a .json name" in capsys.readouterr().err and not (tmp_path / "p.html").exists()
+
+
 def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
     """``autotuner-predict ... | head -1``: a closed pipe ends it with SIGPIPE's status, no traceback."""
     import subprocess
@@ -1311,6 +1329,9 @@ def test_the_adam_steps_own_memory_and_the_peak_of_the_two_phases(tmp_path):
         assert m.resident == pytest.approx(params * 16)
         assert m.total == pytest.approx(m.resident + max(m.forward_backward, m.optimizer_step.value))
     assert gpu.optimizer_step.value > gpu.forward_backward and gpu.total == pytest.approx(params * 20)
+    # the device is the runs', also where no row is of the layout's dtype (every time then modelled)
+    other_dtype = predict(load_runs([tmp_path / "cuda"]), Layout(seq_len=32, dtype="bf16"), CAL).memory[0]
+    assert "_foreach_sqrt" in other_dtype.optimizer_step.source.detail
     # a middle pipeline stage holds no vocabulary table: its largest tensor is the gated fc1
     runs = load_runs([make_run(tmp_path, base_rows(), "pp4")])
     middle = predict(runs, Layout(seq_len=32, pp=4, global_batch_size=4, dtype="fp32"), CAL).memory[1]

@@ -97,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings["dtype"] = runs.dtype_to_predict(settings.get("dtype"))
         layout = Layout(**settings)
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
-        check_writable(out, f"--json {out}")
+        if out.suffix == ".html":  # the page is written beside the JSON, as out.with_suffix(".html")
+            raise UserError(f"--json {out}: the page goes beside the JSON, with .html: give a .json name")
+        check_writable(out, f"--json {out}", reads=dirs)
         if args.slurm:
             check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         profiled = ModelShape.from_environment(runs.env)
@@ -173,12 +175,14 @@ def _page(record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> No
     try:
         from autotuner.report.prediction import write_prediction_page
 
-        print(f"page: {write_prediction_page(record, path, gpu_memory_gb)}")
+        page = write_prediction_page(record, path, gpu_memory_gb)
     except Exception as exc:  # noqa: BLE001 - prediction.json is on disk whatever happens here
         print(
             f"autotuner.predict: page not written: {type(exc).__name__}: {exc}".splitlines()[0],
             file=sys.stderr,
         )
+        return
+    print(f"page: {page}")  # a closed pipe here ends the command (ending_quietly_on_a_closed_pipe)
 
 
 if __name__ == "__main__":

@@ -349,8 +349,13 @@ class Measurements:
         repeats: dict[tuple[str, str, int, int, int], list[dict[str, Any]]] = {}
         self.skipped: set[str] = set()
         self.seen_ops: set[str] = set()
-        self.devices: set[str] = set()
+        self.devices: set[str] = set()  # of the rows kept
+        # where the runs were profiled, whatever a row's dtype or status: the device a layout's memory
+        # follows where no row of its dtype is (the Adam step: autotuner.predict.memory)
+        self.profiled_on: set[str] = set()
         for row in rows:
+            if row.get("device"):
+                self.profiled_on.add(str(row["device"]))
             if row.get("status") == "skipped":
                 self.skipped.add(str(row.get("op")))
                 continue

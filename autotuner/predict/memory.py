@@ -509,7 +509,7 @@ def stage_memory(
     korth = Figure(
         k, "B", Source("modelled", f"Korthikanti et al. 2022, recompute={layout.recompute}, x {layers_held}")
     )
-    step = optimizer_step_memory(model, layout, stage, p, kept, "cuda" in meas.devices)
+    step = optimizer_step_memory(model, layout, stage, p, kept, "cuda" in meas.profiled_on)
     return StageMemory(
         stage, params, weights, grads, optimizer, activations, logits, in_flight, korth, held, step
     )

@@ -26,8 +26,9 @@ user had, which ``autotuner.main`` passes down in :data:`UMASK_ENV`.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,12 +68,29 @@ def adopt_user_umask() -> None:
         os.umask(mask)
 
 
-def check_writable(path: str | os.PathLike[str], named: str, folder: bool = False) -> None:
+# The files in which a run folder keeps what it measured (autotuner.results, autotuner.calibrate).
+RUN_RECORDS = re.compile(r"results(\.rank\d+)?\.(jsonl|csv)|environment\.json|calibration\.json")
+
+
+def check_writable(
+    path: str | os.PathLike[str],
+    named: str,
+    folder: bool = False,
+    reads: Iterable[str | os.PathLike[str]] = (),
+) -> None:
     """Refuse, before any work, a target the writer could not make when the work ends: a file's path that
     is a folder, a folder's that is a file, or one whose nearest existing folder above is a file or not
-    writable (the folders between are made). ``named`` is how the user gave it (``--out x.json``,
-    ``hydra.run.dir=x``), which the one-line UserError repeats."""
+    writable (the folders between are made); and a file that is one of the records of a run folder the
+    command ``reads``: writing it would replace what was measured. ``named`` is how the user gave it
+    (``--out x.json``, ``hydra.run.dir=x``), which the one-line UserError repeats."""
     target = Path(os.path.abspath(path))
+    if not folder and RUN_RECORDS.fullmatch(target.name):
+        for run_dir in reads:
+            if target.parent.resolve() == Path(run_dir).resolve():
+                raise UserError(
+                    f"{named} is the run's own {target.name} in {run_dir}: writing it would replace what "
+                    "was measured; give another file name"
+                )
     try:
         if folder and target.exists() and not target.is_dir():
             raise UserError(f"{named} is a file, not a folder: give a folder")
