@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
@@ -262,5 +263,9 @@ def compose_config(overrides: list[str]) -> DictConfig:
         raise UserError(f"config not found: {short_error(exc)}") from exc
     except (HydraException, OmegaConfBaseException) as exc:
         raise UserError(f"bad override: {short_error(exc)}: see python -m autotuner.main --help") from exc
+    except yaml.MarkedYAMLError as exc:  # a config file of the user's (--config-dir) that is not YAML
+        mark = exc.problem_mark
+        where = f" ({mark.name}, line {mark.line + 1})" if mark is not None else ""
+        raise UserError(f"a config file is not valid YAML: {exc.problem}{where}: fix the file") from exc
     finally:
         GlobalHydra.instance().clear()

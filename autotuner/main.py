@@ -76,14 +76,31 @@ def _check_flags(argv: list[str]) -> None:
     try:
         with contextlib.redirect_stderr(said):
             args, unknown = get_args_parser().parse_known_args(argv)
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code == 0:  # --version, printed as Hydra's run prints it
+            raise
         lines = said.getvalue().strip().splitlines() or ["a bad option"]
         raise UserError(f"{lines[-1].split('error: ', 1)[-1]}: see python -m autotuner.main --help") from None
+    if unknown and "=" in unknown[0] and not unknown[0].startswith("-"):
+        raise UserError(
+            f"{unknown[0]}: the key=value settings go together, after Hydra's flags "
+            "(e.g. --cfg job case=tiny dry_run=true), not on both sides of one"
+        )
     if unknown:
         raise UserError(
             f"unknown option {unknown[0]}: see python -m autotuner.main --help (settings are key=value, "
             "e.g. dry_run=true)"
         )
+    if args.experimental_rerun is not None:  # it loads a pickle that Hydra wrote
+        raise UserError(
+            "--experimental-rerun is not supported: run the command again with the run's settings (its "
+            ".hydra/overrides.yaml), or finish it with resume=true hydra.run.dir=<its folder>"
+        )
+    if args.hydra_help and args.overrides:
+        raise UserError("--hydra-help takes no settings: run python -m autotuner.main --hydra-help alone")
+    doing = {o.split("=", 1)[0] for o in args.overrides}
+    if args.shell_completion and not doing & {"install", "uninstall", "query"}:
+        raise UserError("--shell-completion needs what to do: install=bash, uninstall=bash or query=bash")
     own = "add config groups or options of your own with --config-dir DIR"
     if args.config_name not in (None, "config", "config.yaml"):
         raise UserError(f"--config-name {args.config_name}: the one primary config is 'config'; {own}")

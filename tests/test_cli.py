@@ -118,6 +118,10 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         # another primary config than the one the checks compose: Hydra's multi-line error, after the lock
         (["--config-name", "nosuch"], "--config-name nosuch: the one primary config is 'config'"),
         (["--config-path", "/nonexistent"], "--config-path /nonexistent: the shipped configs cannot be"),
+        (["--experimental-rerun", "/nonexistent"], "--experimental-rerun is not supported"),  # a pickle
+        (["--hydra-help"], "--hydra-help takes no settings"),
+        (["--shell-completion"], "--shell-completion needs what to do"),
+        (["--cfg", "job", "dry_run=true"], "dry_run=true: the key=value settings go together"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
@@ -125,6 +129,34 @@ def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autotuner: error:") and message in err[0], err
     assert not (tmp_path / "results.jsonl").exists() and not (tmp_path / ".results.lock").exists()
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("name: get_data\nfoo: [unclosed\n", "a config file is not valid YAML: expected ',' or ']'"),
+        ("name: mine\n", "launcher.name=mine is no launcher: use get_data, nsys, torch_profiler"),
+    ],
+)
+def test_a_launcher_yaml_of_ones_own_that_cannot_run_is_one_line(yaml_text, message, tmp_path, capsys):
+    (tmp_path / "mine" / "launcher").mkdir(parents=True)
+    (tmp_path / "mine" / "launcher" / "mine.yaml").write_text(yaml_text)
+    argv = [
+        "--config-dir",
+        str(tmp_path / "mine"),
+        "launcher=mine",
+        "case=tiny",
+        f"hydra.run.dir={tmp_path}/r",
+    ]
+    assert run(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+def test_version_is_hydras_and_exits_0(capsys):
+    assert run(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("Hydra ")
 
 
 def test_a_bad_launcher_setting_is_refused_before_any_job_of_a_sweep_or_any_run_folder(tmp_path, capsys):

@@ -12,6 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from autotuner.errors import UserError
+
 LAUNCHERS = {
     "get_data": "autotuner.launchers.get_data",
     "nsys": "autotuner.launchers.nsys",
@@ -23,6 +25,11 @@ def check_settings(cfg: DictConfig, spec: Any) -> None:
     """The chosen launcher's own settings, checked by its module's ``check_settings`` (if it has one)
     before Hydra makes a run directory: a refused run leaves none, and in a sweep no job measures before
     every job's settings passed. Raises UserError."""
+    if cfg.launcher.name not in LAUNCHERS:  # a launcher YAML of the user's (--config-dir) names its own
+        raise UserError(
+            f"launcher.name={cfg.launcher.name} is no launcher: use {', '.join(LAUNCHERS)} (a launcher YAML "
+            "of your own starts with defaults: [nsys] and keeps that name)"
+        )
     check = getattr(importlib.import_module(LAUNCHERS[cfg.launcher.name]), "check_settings", None)
     if check is not None:
         check(cfg, spec)
