@@ -8,6 +8,7 @@ or in ``case_dir`` (see autotuner.model.cases), loaded and validated by us.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,9 +237,23 @@ def short_error(exc: BaseException) -> str:
     lines = [
         line
         for line in lines
-        if not line.startswith(("Set the environment variable", "full_key", "object_type"))
+        if not line.startswith(("Set the environment variable", "full_key", "object_type", "reference_type"))
     ]
     return "; ".join(lines[:3]) or type(exc).__name__
+
+
+def _why(exc: BaseException) -> str:
+    """Hydra's error and what it was caused by ("Error merging override ops=x" says which, not why), with
+    the fix where it is plain: a single value given for a list setting."""
+    said, root = short_error(exc), exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is not exc:
+        said += f": {short_error(root).rstrip('.')}"
+    merging = re.search(r"Error merging override ([^=\s]+)=(\S*)", str(exc))
+    if merging and "is not a ListConfig" in str(root):
+        said += f": give a list, e.g. {merging[1]}=[{merging[2]}]"
+    return said
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -262,7 +277,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
             ) from exc
         raise UserError(f"config not found: {short_error(exc)}") from exc
     except (HydraException, OmegaConfBaseException) as exc:
-        raise UserError(f"bad override: {short_error(exc)}: see python -m autotuner.main --help") from exc
+        raise UserError(f"bad override: {_why(exc)}: see python -m autotuner.main --help") from exc
     except yaml.MarkedYAMLError as exc:  # a config file of the user's (--config-dir) that is not YAML
         mark = exc.problem_mark
         where = f" ({mark.name}, line {mark.line + 1})" if mark is not None else ""

@@ -8,6 +8,8 @@ config field, an impossible shape) ends with one line on stderr and exit code 2 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import io
 import itertools
 import os
@@ -177,11 +179,34 @@ def preflight(argv: list[str]) -> None:
     resume = False
     for job in jobs:
         cfg = compose_config([*job, *search])
+        _check_added_keys(cfg, job)
         check_launcher_settings(cfg, resolve_spec(cfg))
         if cfg.calibration:  # a file named on the command line: refused before Hydra makes the run folder
             calibration.load(cfg.calibration)
         resume = resume or bool(cfg.resume)
     _check_output_dir(argv, [*jobs[0], *search], resume)
+
+
+def _check_added_keys(cfg: DictConfig, job: list[str]) -> None:
+    """Hydra's ``+key=`` (and ``++key=``) adds a key where the schema has none, and nothing reads it:
+    ``+timing.budget=0.1`` ran with the default budget, without a word. The schema's own settings, and
+    the model's (``hf.*``, ``tf.*``: checked against the real configs), pass. Raises UserError."""
+    for override in job:
+        if not override.startswith("+"):
+            continue
+        key = override.lstrip("+").split("=", 1)[0]
+        if key.startswith(("hf.", "tf.", "hydra.", "hydra/")) or "/" in key:
+            continue
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if schema is None or not dataclasses.is_dataclass(schema):
+            continue
+        names = [f.name for f in dataclasses.fields(schema)]
+        if leaf not in names:
+            close = difflib.get_close_matches(leaf, names, n=1)
+            hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else "see --help"
+            raise UserError(f"{key} is not a setting (the + adds a key nothing reads): {hint}")
 
 
 def _search_path(argv: list[str]) -> list[str]:

@@ -119,6 +119,13 @@ def test_run_directory_records_how_to_reproduce(tiny_run: Path):
         (["--config-name", "nosuch"], "--config-name nosuch: the one primary config is 'config'"),
         (["--config-path", "/nonexistent"], "--config-path /nonexistent: the shipped configs cannot be"),
         (["--experimental-rerun", "/nonexistent"], "--experimental-rerun is not supported"),  # a pickle
+        # a + adds a key nothing reads (the run went on with the default); Hydra's merge error says why
+        (
+            ["+timing.budget=0.1"],
+            "timing.budget is not a setting (the + adds a key nothing reads): did you mean",
+        ),
+        (["ops=linear_qkv"], "not a ListConfig, list or tuple: give a list, e.g. ops=[linear_qkv]"),
+        (["resume=maybe"], "Value 'maybe' is not a valid bool"),
         (["--hydra-help"], "--hydra-help takes no settings"),
         (["--shell-completion"], "--shell-completion needs what to do"),
         (["--cfg", "job", "dry_run=true"], "dry_run=true: the key=value settings go together"),

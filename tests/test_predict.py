@@ -1609,17 +1609,22 @@ def test_a_damaged_environment_record_is_one_line_in_every_tool(tmp_path, edit, 
         assert message in str(refused.value) and "restore it from the run" in str(refused.value)
 
 
-def test_rows_with_a_nan_or_negative_time_are_refused_and_captured_calls_are_no_point(tmp_path):
+def test_rows_with_a_nan_or_negative_time_or_size_are_refused_and_captured_calls_are_no_point(tmp_path):
     from autotuner.errors import UserError
 
-    for bad, said in (
-        (float("nan"), "is nan; expected a time >= 0"),
-        (-5.0, "is -5.0; expected a time >= 0"),
+    for column, bad, said in (
+        ("median_us", float("nan"), "is nan; expected a time >= 0"),
+        ("median_us", -5.0, "is -5.0; expected a time >= 0"),
+        # an op's bytes: -5 was predicted as negative parameters, 1e30 as PiB of memory and an MFU of 0%
+        ("weight_bytes", -5, "is -5; expected a size from 0 to 2\\^60 bytes"),
+        ("weight_bytes", 1e30, "is 1e\\+30; expected a size"),
+        ("activation_bytes", -1, "is -1; expected a size"),
+        ("peak_bytes", float("inf"), "is inf; expected a size"),
     ):
         rows = base_rows()
-        rows[0] = {**rows[0], "median_us": bad}
+        rows[0] = {**rows[0], column: bad}
         with pytest.raises(UserError, match=said):
-            load_runs([make_run(tmp_path, rows, name=f"bad{bad}")])
+            load_runs([make_run(tmp_path, rows, name=f"bad{column}{bad}")])
     # a run made with capture=FILE holds calls at no shape point: they are left out, the ops' rows kept
     rows = [
         *base_rows(),

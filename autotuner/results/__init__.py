@@ -449,6 +449,10 @@ KEY_TEXT = ("op", "phase", "point")
 NUMERIC = frozenset(c.name for c in SCHEMA.values() if c.number)
 NUMERIC_SUFFIXES = ("_us", "_bytes", "_count", "_moved")
 POINT_SIZES = frozenset({"seq_len", "micro_batch_size", "tensor_parallel"})  # null in a captured call's row
+# What an op holds, in bytes: never negative, and no GPU or host holds an exbibyte (an edited 1e30 was
+# predicted as PiB of memory and an MFU of 0%).
+MEMORY_SIZES = frozenset({"weight_bytes", "activation_bytes", "peak_bytes", "held_activation_bytes"})
+MAX_MEMORY_BYTES = 2**60
 _FIX = "fix or delete that line, or measure the run again"
 
 
@@ -486,6 +490,10 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
             # a time is never negative, and NaN passes every comparison: a step of "nan us" ranked first
             raise RowsFileError(
                 f"{where}: column {column!r} is {value}; expected a time >= 0 or null: {_FIX}"
+            )
+        elif column in MEMORY_SIZES and not (math.isfinite(value) and 0 <= value <= MAX_MEMORY_BYTES):
+            raise RowsFileError(
+                f"{where}: column {column!r} is {value}; expected a size from 0 to 2^60 bytes or null: {_FIX}"
             )
         elif column in POINT_SIZES and not (isinstance(value, int) and value > 0):
             raise RowsFileError(
