@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(header)
             smallest = min(ranked, key=lambda r: r.memory_bytes)
             raise UserError(
-                f"no layout fits: the smallest needs {smallest.memory_bytes / 1e9:.1f} GB per GPU "
+                f"no layout fits: the smallest needs {smallest.memory_bytes / 1e9:.3g} GB per GPU "
                 f"({smallest.prediction.layout.describe()}): use more GPUs, recompute, or a smaller batch"
             )
         shown = fitting[:top]

@@ -1273,6 +1273,7 @@ def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows
     (same / "environment.json").unlink()
     pred = predict(load_runs([same]), Layout(seq_len=32, global_batch_size=2, dtype="fp32"), CAL)
     assert pred.model.case == "tiny" and pred.model.layer_params == LAYER_PARAMS
+    assert any("no environment.json: the model is case tiny's as published" in n for n in pred.warnings)
     wider = [{**r, "weight_bytes": 2 * r["weight_bytes"]} if r.get("weight_bytes") else r for r in rows]
     other = make_run(tmp_path, wider, "other")
     (other / "environment.json").unlink()
@@ -1280,6 +1281,27 @@ def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"holds {2 * LAYER_PARAMS} parameters, not the {LAYER_PARAMS}" in err[0], err
     assert "restore the run's environment.json" in err[0]
+    # a TP rank's row holds half the layer (its norms whole): the same model at tp=2, another at twice that
+    from autotuner.errors import UserError
+
+    rank_bytes = ((LAYER_PARAMS - 128) / 2 + 128) * 4  # fp32; the layer's two RMSNorms hold 2 x 64
+
+    def at_tp2(name: str, factor: int) -> Path:
+        rows_tp2 = [
+            {
+                **r,
+                "tensor_parallel": 2,
+                **({"weight_bytes": factor * rank_bytes} if "weight_bytes" in r else {}),
+            }
+            for r in rows
+        ]
+        run_dir = make_run(tmp_path, rows_tp2, name)
+        (run_dir / "environment.json").unlink()
+        return run_dir
+
+    assert load_runs([at_tp2("tp2", 1)]).rows
+    with pytest.raises(UserError, match="not the 46208 of case tiny"):
+        load_runs([at_tp2("tp2x2", 2)])
 
 
 @pytest.mark.parametrize("name", ["results.jsonl", "environment.json", "results.csv", "calibration.json"])

@@ -160,6 +160,9 @@ def _model_at_depth(
             )
         deepest = deepest_that_fits(runs, layout, model, gpu_memory_gb)
         fits = f"{deepest.num_layers} layers fit {gpu_memory_gb:g} GB"
+        full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
+        if deepest.num_layers == full:  # deepest_that_fits tries no deeper model than the case's
+            fits += ", all the case's (no deeper model is tried)"
         print(f"num_layers=fit: {fits} (the runs' model has {model.num_layers})")
         return deepest
     if not depth.isdigit() or int(depth) < 1:

@@ -24,7 +24,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
-from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu
+from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu, row_expert_parallel
 from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
 from autotuner.predict.memory import (
@@ -85,8 +85,9 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
         these = [r for r in these if r.get("seq_len") is not None and r.get("micro_batch_size") is not None]
         this = load_environment(path)
         if not this:  # no record: the model's sizes then come from the case file the rows name
-            this = {"case": next((r.get("case") for r in these if r.get("case")), None)}
-            _check_case_sizes(path, this["case"], these)
+            case = next((r.get("case") for r in these if r.get("case")), None)
+            _check_case_sizes(path, case, these)
+            this = {"case": case, SIZES_FROM_CASE: True}
         sizes = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
         ours, theirs = (e.get("transformer_config") or {} for e in (env, this))
         differ = [k for k in sizes if ours and theirs and ours.get(k) != theirs.get(k)]
@@ -111,22 +112,24 @@ def load_runs(dirs: Sequence[str | Path]) -> Runs:
     return Runs(paths, rows, env, calibration)
 
 
+# Marks the environment of runs that had none (load_runs): the model is its case file's, as published.
+SIZES_FROM_CASE = "sizes_from_case_file"
+
+
 def _check_case_sizes(path: Path, case: str | None, rows: list[dict[str, Any]]) -> None:
     """A run without its environment.json is predicted at its case's sizes as published: its layer rows'
     weights must be that case's layer, else it was run at other sizes (``hf.*`` overrides) and every
-    figure would scale the wrong model. UserError (one line)."""
+    figure would scale the wrong model. A TP rank's row holds 1/tp of the layer, its norms whole (2% at
+    most of the layer's parameters). UserError (one line)."""
     if not case:
         return
     layer = ModelShape.from_case(case).layer_params
     for r in rows:
-        if (
-            r.get("op") != "transformer_layer"
-            or not r.get("weight_bytes")
-            or r.get("tensor_parallel", 1) != 1
-        ):
-            continue
-        params = r["weight_bytes"] / DTYPE_BYTES.get(str(r.get("dtype")), 4)
-        if abs(params / layer - 1) > 0.01:
+        if r.get("op") != "transformer_layer" or not r.get("weight_bytes") or row_expert_parallel(r) > 1:
+            continue  # (at ep > 1 a rank holds some of the experts)
+        tp = int(r.get("tensor_parallel") or 1)
+        params = r["weight_bytes"] / DTYPE_BYTES.get(str(r.get("dtype")), 4) * tp
+        if abs(params / layer - 1) > 0.02:
             raise UserError(
                 f"{path} has no environment.json, and its transformer_layer holds {params:.6g} parameters, "
                 f"not the {layer:.6g} of case {case} as published: it was run at other sizes; restore the "
@@ -500,6 +503,11 @@ def predict(
         notes.append(
             f"seq_len={layout.seq_len} is above the model's max_position_embeddings={positions}: a longer "
             "context than it was made for (its times scaled from the rows as any length's)"
+        )
+    if runs.env.get(SIZES_FROM_CASE):
+        notes.append(
+            f"the runs have no environment.json: the model is case {model.case}'s as published, "
+            f"{model.num_layers} layers of hidden size {model.hidden} (its layer rows agree)"
         )
     if not meas.index:
         notes.append(
