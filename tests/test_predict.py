@@ -1256,6 +1256,14 @@ def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
     assert m.resident == pytest.approx(params * 16) and m.forward_backward == pytest.approx(
         20150 + 2000 + 1950
     )
+    # at a TP without rows, the TP=1 rows' share: each rank holds 1/tp of what the split ops allocate
+    # (it read 0 B, "no rows ... add nothing", beside activations scaled from the same rows)
+    at_tp2 = predict(load_runs([tmp_path / "run"]), Layout(seq_len=32, tp=2, dtype="fp32"), CAL).memory[0]
+    assert at_tp2.in_flight.value == pytest.approx((4000 - 2050) / 2)
+    assert (
+        at_tp2.in_flight.source.kind == "scaled"
+        and "from TP=1 rows, / tp=2" in at_tp2.in_flight.source.detail
+    )
     # an output layer whose backward outgrows that decides instead, with nothing freed behind it
     rows = [
         {**r, "peak_bytes": 9000} if (r["op"], r["phase"]) == ("output_layer", "backward") else r
@@ -1345,7 +1353,12 @@ def test_the_adam_steps_own_memory_and_the_peak_of_the_two_phases(tmp_path):
     # the largest tensor here is a vocabulary table (VOCAB x H), not the gated fc1 (2 x 176 x H)
     assert cpu.optimizer_step.value == 8 * VOCAB * H > 8 * 2 * 176 * H
     cuda_rows = [{**r, "device": "cuda"} for r in base_rows()]
-    gpu = predict(load_runs([make_run(tmp_path, cuda_rows, "cuda")]), layout, CAL).memory[0]
+    gpu_pred = predict(load_runs([make_run(tmp_path, cuda_rows, "cuda")]), layout, CAL)
+    gpu = gpu_pred.memory[0]
+    # (the CPU's calibration beside GPU rows is said: what is modelled from it is another machine's)
+    assert any(
+        "the calibration is of a cpu device, the rows were profiled on cuda" in w for w in gpu_pred.warnings
+    )
     assert gpu.optimizer_step.value == 4 * params and "_foreach_sqrt" in gpu.optimizer_step.source.detail
     for m in (cpu, gpu):
         assert m.resident == pytest.approx(params * 16)

@@ -285,21 +285,28 @@ class OpMemory:
     backward_peak: float | None
     row: str
     exact: bool  # rows at the layout's point and TP (else scaled from the nearest)
+    split: int = 1  # the layout's tp over the rows' (rows at TP=1 for a TP layout: their share)
 
 
 def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None = None) -> OpMemory | None:
     """The op's rows at the layout's point and TP, else the nearest point at that TP scaled by tokens
-    (memory of these ops grows with s*b), else None."""
+    (memory of these ops grows with s*b), else the same at TP=1 divided by tp (each rank holds its share of
+    the split tensors, as layer_activation scales a layer's), else None."""
     s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
-    rows = {}
-    for phase in PHASES:
-        row = meas.exact(op, phase, s, b, tp) or meas.nearest(op, phase, s, b, tp)
-        if row is not None:
-            rows[phase] = row
+    rows: dict[str, Mapping[str, Any]] = {}
+    for basis in dict.fromkeys((tp, 1)):
+        rows = {}
+        for phase in PHASES:
+            row = meas.exact(op, phase, s, b, basis) or meas.nearest(op, phase, s, b, basis)
+            if row is not None:
+                rows[phase] = row
+        if "forward" in rows:
+            break
     forward = rows.get("forward")
     if forward is None:
         return None
-    scale = {ph: s * b / (int(r["seq_len"]) * int(r["micro_batch_size"])) for ph, r in rows.items()}
+    split = tp // int(forward.get("tensor_parallel") or 1)
+    scale = {ph: s * b / (int(r["seq_len"]) * int(r["micro_batch_size"])) / split for ph, r in rows.items()}
 
     def peak(phase: str) -> float | None:
         value = rows[phase].get("peak_bytes") if phase in rows else None
@@ -310,7 +317,7 @@ def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None 
     exact = all(v == 1.0 for v in scale.values()) and all(
         int(r.get("tensor_parallel") or 1) == tp for r in rows.values()
     )
-    return OpMemory(op, saved, peak("forward"), peak("backward"), describe_row(forward), exact)
+    return OpMemory(op, saved, peak("forward"), peak("backward"), describe_row(forward), exact, split)
 
 
 def in_flight_bytes(ops: list[OpMemory]) -> float:
@@ -500,6 +507,9 @@ def stage_memory(
     said = "max over one micro-batch's ops of (peak_bytes - saved bytes not live then)"
     if lacking:
         said += f"; no rows for {', '.join(lacking)}: they add nothing"
+    shared = list(dict.fromkeys(o.name for o in walk if o.split > 1))
+    if shared:
+        said += f"; {', '.join(shared)} from TP=1 rows, / tp={layout.tp}"
     exact = not lacking and all(o.exact for o in walk)
     in_flight = Figure(in_flight_bytes(walk), "B", Source("measured" if exact else "scaled", said))
     k = (

@@ -504,6 +504,13 @@ def predict(
             f"seq_len={layout.seq_len} is above the model's max_position_embeddings={positions}: a longer "
             "context than it was made for (its times scaled from the rows as any length's)"
         )
+    calibrated_on = (calibration or {}).get("device_type")
+    if calibrated_on and meas.profiled_on and calibrated_on not in meas.profiled_on:
+        notes.append(
+            f"the calibration is of a {calibrated_on} device, the rows were profiled on "
+            f"{', '.join(sorted(meas.profiled_on))}: what is modelled from it (bandwidths, Adam, links) is "
+            "another machine's; calibrate where the rows were profiled (python -m autotuner.calibrate)"
+        )
     if runs.env.get(SIZES_FROM_CASE):
         notes.append(
             f"the runs have no environment.json: the model is case {model.case}'s as published, "
