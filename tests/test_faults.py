@@ -238,9 +238,11 @@ def test_resume_with_a_changed_configuration_is_refused_and_extending_is_not(tmp
     assert _snapshot(tmp_path) == before
 
     # what does not change a measurement may differ: more ops extend the run, the old rows stay
-    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={tmp_path}", "resume=true"]) == 0
+    assert run([*TINY, "ops=[mlp]", f"hydra.run.dir={tmp_path}", "resume=true"]) == 0
     rows = load_rows(tmp_path / "results.jsonl")
     assert [r["op"] for r in rows] == ["linear_qkv", "linear_qkv", "mlp", "mlp"]
+    # the record lists what the run holds, the first run's ops too (it listed the last resume's alone)
+    assert json.loads((tmp_path / "environment.json").read_text())["ops"] == ["linear_qkv", "mlp"]
     old = load_rows(tmp_path / "results.jsonl")[:2]
     assert json.loads(before["results.jsonl"].decode().splitlines()[0]) == old[0]
 

@@ -25,6 +25,8 @@ def test_explicit_is_the_cartesian_product():
         "s16_b1",
         "s16_b2",
     ]
+    # each point once, as a run measures it (a dry run listed a repeated value's rows twice)
+    assert labels(generate_points({"seq_len": [8, 8], "micro_batch_size": [1]})) == ["s8_b1"]
 
 
 def test_pow2_per_dimension_keeps_the_other_dimension_explicit():

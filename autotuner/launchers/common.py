@@ -20,6 +20,7 @@ from autotuner.model.runtime import device_name, environment, process_rank
 from autotuner.report import REPORT_NAME
 from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.environment import load_environment
 from autotuner.results.table import render
 
 # The most calls a profiling launcher (nsys, torch_profiler) makes of each op at each point: every one is a
@@ -335,6 +336,11 @@ def start_writer(
             "world_size": world,
             "fingerprint": fingerprint(cfg, spec),
         }
+        if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
+            earlier = load_environment(run_dir)
+            for key in ("points", "ops"):
+                had = earlier.get(key) if isinstance(earlier.get(key), list) else []
+                record[key] = list(dict.fromkeys([*had, *record[key]]))
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:
         print(

@@ -157,4 +157,6 @@ def generate_points(shapes: dict[str, Any], sequence_multiple: int = 1) -> list[
             raise UserError(
                 f"shapes.{name} is empty: give shapes.{name}=[...] or configure the generator for it"
             )
-    return [ShapePoint(s, b) for s, b in itertools.product(per_dim["seq_len"], per_dim["micro_batch_size"])]
+    # each point once, however often a list names it: a dry run listed [32, 32]'s rows twice
+    points = (ShapePoint(s, b) for s, b in itertools.product(per_dim["seq_len"], per_dim["micro_batch_size"]))
+    return list(dict.fromkeys(points))
