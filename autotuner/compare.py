@@ -59,7 +59,7 @@ def default_labels(paths: Sequence[str]) -> list[str]:
         labels = ["/".join(p[-depth:]) for p in parts]
         if len(set(labels)) == len(labels):
             return labels
-    return [f"{label} #{i + 1}" for i, label in enumerate(labels)]
+    return [f"{p[-1]} #{i + 1}" for i, p in enumerate(parts)]  # one folder twice: its name, numbered
 
 
 def _measured_with(run: dict[str, Any]) -> dict[str, str]:

@@ -98,5 +98,7 @@ def test_runs_measured_otherwise_are_said_to_differ_and_labels_must_differ(tmp_p
         "nsys/12",
         "x/a",
     ]
+    # one folder given twice: its name, numbered (it read "//tmp/.../run #1")
+    assert default_labels(["/tmp/x/run", "/tmp/x/run/"]) == ["run #1", "run #2"]
     assert main([base, str(other), "--labels", "a,a"]) == 2
     assert "names two runs alike" in capsys.readouterr().err
