@@ -278,9 +278,10 @@ def compose_config(overrides: list[str]) -> DictConfig:
         raise UserError(f"config not found: {short_error(exc)}") from exc
     except (HydraException, OmegaConfBaseException) as exc:
         raise UserError(f"bad override: {_why(exc)}: see python -m autotuner.main --help") from exc
-    except yaml.MarkedYAMLError as exc:  # a config file of the user's (--config-dir) that is not YAML
-        mark = exc.problem_mark
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:  # a config file of the user's (--config-dir)
+        mark = getattr(exc, "problem_mark", None)
         where = f" ({mark.name}, line {mark.line + 1})" if mark is not None else ""
-        raise UserError(f"a config file is not valid YAML: {exc.problem}{where}: fix the file") from exc
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"a config file is not valid YAML: {problem}{where}: fix the file") from exc
     finally:
         GlobalHydra.instance().clear()

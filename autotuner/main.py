@@ -190,12 +190,14 @@ def preflight(argv: list[str]) -> None:
 def _check_added_keys(cfg: DictConfig, job: list[str]) -> None:
     """Hydra's ``+key=`` (and ``++key=``) adds a key where the schema has none, and nothing reads it:
     ``+timing.budget=0.1`` ran with the default budget, without a word. The schema's own settings, and
-    the model's (``hf.*``, ``tf.*``: checked against the real configs), pass. Raises UserError."""
+    the model's (``hf.*``, ``tf.*``: checked against the real configs), pass; so does a key without a dot
+    or with a package (``+extra=fast``, ``+group@pkg=x``), which may append a config group of the user's
+    (--config-dir). Raises UserError."""
     for override in job:
         if not override.startswith("+"):
             continue
         key = override.lstrip("+").split("=", 1)[0]
-        if key.startswith(("hf.", "tf.", "hydra.", "hydra/")) or "/" in key:
+        if key.startswith(("hf.", "tf.", "hydra.")) or "." not in key or "/" in key or "@" in key:
             continue
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -337,7 +339,7 @@ def _app(cfg: DictConfig) -> None:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except BrokenPipeError:  # the reader of the run's table stopped reading (| head): its rows are on disk
-        end_on_a_closed_pipe()
+        end_on_a_closed_pipe(at_once=int(os.environ.get("WORLD_SIZE", 1)) > 1)
     except Exception:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             # The other ranks may be waiting for this one in a collective, and a normal exit can block

@@ -105,10 +105,14 @@ def ending_quietly_on_a_closed_pipe(main: Callable[..., Any]) -> Callable[..., A
     return guarded
 
 
-def end_on_a_closed_pipe() -> NoReturn:
+def end_on_a_closed_pipe(at_once: bool = False) -> NoReturn:
     """End as :func:`ending_quietly_on_a_closed_pipe` ends a command, from where a BrokenPipeError was
-    caught (a handler that would report it as another failure)."""
+    caught (a handler that would report it as another failure). ``at_once``: without the interpreter's
+    exit, as a rank of a process group leaves (a normal exit can block in the group's teardown)."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if at_once:
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGPIPE)
     raise SystemExit(128 + signal.SIGPIPE)
 
 

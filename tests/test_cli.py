@@ -143,11 +143,14 @@ def test_bad_input_is_one_line_and_exit_2(overrides, message, capsys, tmp_path):
     [
         ("name: get_data\nfoo: [unclosed\n", "a config file is not valid YAML: expected ',' or ']'"),
         ("name: mine\n", "launcher.name=mine is no launcher: use get_data, nsys, torch_profiler"),
+        ("warmup: 3\n", "launcher.name=None is no launcher"),  # no name at all: a KeyError before
+        (b"name: \xff\xfe\n", "a config file is not valid YAML"),  # not UTF-8: a traceback before
     ],
 )
 def test_a_launcher_yaml_of_ones_own_that_cannot_run_is_one_line(yaml_text, message, tmp_path, capsys):
     (tmp_path / "mine" / "launcher").mkdir(parents=True)
-    (tmp_path / "mine" / "launcher" / "mine.yaml").write_text(yaml_text)
+    config = tmp_path / "mine" / "launcher" / "mine.yaml"
+    config.write_bytes(yaml_text) if isinstance(yaml_text, bytes) else config.write_text(yaml_text)
     argv = [
         "--config-dir",
         str(tmp_path / "mine"),
@@ -159,6 +162,17 @@ def test_a_launcher_yaml_of_ones_own_that_cannot_run_is_one_line(yaml_text, mess
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_config_group_of_ones_own_is_appended_with_a_plus(tmp_path, capsys):
+    """+extra=fast appends a group from --config-dir: not a key nothing reads (autotuner.main
+    ._check_added_keys), as +timing.budget=0.1 is."""
+    (tmp_path / "mine" / "extra").mkdir(parents=True)
+    (tmp_path / "mine" / "extra" / "fast.yaml").write_text(
+        "# @package _global_\ntiming: {flush_cache: true}\n"
+    )
+    argv = ["--config-dir", str(tmp_path / "mine"), "+extra=fast", "case=tiny", "dry_run=true"]
+    assert run(argv) == 0, capsys.readouterr().err
 
 
 def test_version_is_hydras_and_exits_0(capsys):

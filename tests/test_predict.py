@@ -1262,7 +1262,7 @@ def test_memory_in_flight_and_the_saved_bytes_beside_the_layers(tmp_path):
     assert at_tp2.in_flight.value == pytest.approx((4000 - 2050) / 2)
     assert (
         at_tp2.in_flight.source.kind == "scaled"
-        and "from TP=1 rows, / tp=2" in at_tp2.in_flight.source.detail
+        and "from rows at a smaller TP, divided by the ratio to tp=2" in at_tp2.in_flight.source.detail
     )
     # an output layer whose backward outgrows that decides instead, with nothing freed behind it
     rows = [
@@ -1325,6 +1325,11 @@ def test_an_output_never_replaces_the_records_of_a_run_it_reads(tmp_path, capsys
     for line in capsys.readouterr().err.strip().splitlines():
         assert f"is the run's own {name}" in line and "give another file name" in line, line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    # nor the run's report, by the page beside a JSON named report.json
+    assert (
+        main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(run_dir / "report.json")]) == 2
+    )
+    assert "is the run's own report.html" in capsys.readouterr().err
     # the page goes beside the JSON with .html: a JSON named so was replaced by its page
     assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(tmp_path / "p.html")]) == 2
     assert "give a .json name" in capsys.readouterr().err and not (tmp_path / "p.html").exists()

@@ -114,6 +114,11 @@ def test_a_prediction_made_before_the_adam_step_was_a_term_still_makes_its_page(
     assert artists["optimizer_step:0"].get_height() == 0
     page = write_prediction_page(rec, tmp_path / "old.html")
     assert "Adam step" in page.read_text()
+    # a new record's page lists the term's source with the others'
+    new = write_prediction_page(
+        prediction(tmp_path / "new", pp=2, global_batch_size=8), tmp_path / "new.html"
+    )
+    assert "stage 0 optimizer_step: [modelled] torch.optim.Adam" in new.read_text()
 
 
 def test_validation_bars_hold_the_record(tmp_path):

@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
 
@@ -25,9 +25,10 @@ def check_settings(cfg: DictConfig, spec: Any) -> None:
     """The chosen launcher's own settings, checked by its module's ``check_settings`` (if it has one)
     before Hydra makes a run directory: a refused run leaves none, and in a sweep no job measures before
     every job's settings passed. Raises UserError."""
-    if cfg.launcher.name not in LAUNCHERS:  # a launcher YAML of the user's (--config-dir) names its own
+    name = OmegaConf.select(cfg, "launcher.name", default=None)
+    if name not in LAUNCHERS:  # a launcher YAML of the user's (--config-dir) names its own, or none
         raise UserError(
-            f"launcher.name={cfg.launcher.name} is no launcher: use {', '.join(LAUNCHERS)} (a launcher YAML "
+            f"launcher.name={name} is no launcher: use {', '.join(LAUNCHERS)} (a launcher YAML "
             "of your own starts with defaults: [nsys] and keeps that name)"
         )
     check = getattr(importlib.import_module(LAUNCHERS[cfg.launcher.name]), "check_settings", None)

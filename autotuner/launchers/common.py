@@ -339,7 +339,11 @@ def start_writer(
         if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
             earlier = load_environment(run_dir)
             for key in ("points", "ops"):
-                had = earlier.get(key) if isinstance(earlier.get(key), list) else []
+                had = (
+                    [x for x in earlier.get(key) or [] if isinstance(x, str)]
+                    if isinstance(earlier.get(key), list)
+                    else []
+                )
                 record[key] = list(dict.fromkeys([*had, *record[key]]))
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:

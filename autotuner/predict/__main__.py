@@ -97,9 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings["dtype"] = runs.dtype_to_predict(settings.get("dtype"))
         layout = Layout(**settings)
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
-        if out.suffix == ".html":  # the page is written beside the JSON, as out.with_suffix(".html")
+        if out.suffix.lower() == ".html":  # the page is written beside the JSON, as out.with_suffix(".html")
             raise UserError(f"--json {out}: the page goes beside the JSON, with .html: give a .json name")
         check_writable(out, f"--json {out}", reads=dirs)
+        if page:
+            check_writable(out.with_suffix(".html"), f"--json {out} (its page)", reads=dirs)
         if args.slurm:
             check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         profiled = ModelShape.from_environment(runs.env)
@@ -108,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = pred.to_json()
         # written before it is printed: kept if the validation fails, or the reader stops reading (| head)
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
+        planned = args.slurm and pred.plan is not None and pred.plan.runs
+        arrays = pred.plan.slurm(args.slurm) if planned else ()  # the task files, likewise
         print(render(pred))
         if validating:  # the real steps of this layout (autotuner.predict.validate)
             from autotuner.predict.steps import StepsFailed
@@ -127,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n" + render_validation(checked))
             record["validation"] = checked.to_json()
             atomic_write_text(out, json.dumps(record, indent=1) + "\n")
-        if args.slurm and pred.plan is not None and pred.plan.runs:
-            print("\n" + pred.plan.text(pred.plan.slurm(args.slurm)))
+        if planned:
+            print("\n" + pred.plan.text(arrays))
     except UserError as exc:
         print(f"autotuner.predict: error: {exc}", file=sys.stderr)
         return exc.exit_code

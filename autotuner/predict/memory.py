@@ -290,11 +290,14 @@ class OpMemory:
 
 def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None = None) -> OpMemory | None:
     """The op's rows at the layout's point and TP, else the nearest point at that TP scaled by tokens
-    (memory of these ops grows with s*b), else the same at TP=1 divided by tp (each rank holds its share of
-    the split tensors, as layer_activation scales a layer's), else None."""
+    (memory of these ops grows with s*b), else the same at the largest measured TP that divides it, divided
+    by their ratio (each rank holds its share of the split tensors, as layer_activation scales a layer's;
+    what no TP splits, such as a norm's output without sequence parallelism, is divided too: an
+    underestimate there), else None."""
     s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
     rows: dict[str, Mapping[str, Any]] = {}
-    for basis in dict.fromkeys((tp, 1)):
+    measured = sorted({key[4] for key in meas.index if key[0] == op and tp % key[4] == 0}, reverse=True)
+    for basis in dict.fromkeys((tp, *measured)):
         rows = {}
         for phase in PHASES:
             row = meas.exact(op, phase, s, b, basis) or meas.nearest(op, phase, s, b, basis)
@@ -509,7 +512,7 @@ def stage_memory(
         said += f"; no rows for {', '.join(lacking)}: they add nothing"
     shared = list(dict.fromkeys(o.name for o in walk if o.split > 1))
     if shared:
-        said += f"; {', '.join(shared)} from TP=1 rows, / tp={layout.tp}"
+        said += f"; {', '.join(shared)} from rows at a smaller TP, divided by the ratio to tp={layout.tp}"
     exact = not lacking and all(o.exact for o in walk)
     in_flight = Figure(in_flight_bytes(walk), "B", Source("measured" if exact else "scaled", said))
     k = (

@@ -226,7 +226,8 @@ def _sources(record: Mapping[str, Any]) -> str:
     for m in record["memory"]:
         lines += [
             f"stage {m['stage']} {t}: [{m[t]['source']['kind']}] {m[t]['source']['detail']}"
-            for t in MEMORY_TERMS
+            for t in (*MEMORY_TERMS, STEP_TERM)
+            if m.get(t)
         ]
     return (
         f"<details><summary>Every figure's source</summary><pre>{escape(chr(10).join(lines))}</pre></details>"
@@ -273,13 +274,17 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         f"ends at {_t(sched.end)} ({step['formula']})."
     )
     stage_sources = [i["source"] for st in record["stages"] for i in st["items"]]
-    memory_sources = [m[t]["source"] for m in record["memory"] for t in MEMORY_TERMS]
+    memory_sources = [
+        m[t]["source"] for m in record["memory"] for t in (*MEMORY_TERMS, STEP_TERM) if m.get(t)
+    ]
     memory_caption = (
         "Each bar stacks one stage's GPU at its peak: weights, gradients (fp32 main grads), optimizer "
         "states, the activations of the micro-batches the stage holds under 1F1B, the logits on the "
         "last stage, and what the op running at the peak allocates beyond them (in flight). The narrow "
         "hatched bar beside it starts where the activations start and is Korthikanti "
-        "et al.'s closed-form estimate of the same activations."
+        "et al.'s closed-form estimate of the same activations. The narrow bar on the left is what Adam's "
+        "step allocates after those are freed: the peak is the taller of the two above the optimizer "
+        "states."
         + (
             f" The red line is the GPU's {gpu_memory_gb:g} GB."
             if gpu_memory_gb

@@ -221,7 +221,11 @@ def memory_figure(record: Mapping[str, Any], gpu_memory_gb: float | None = None)
                 step.set(facecolor="white", edgecolor=TERM_COLOURS[STEP_TERM], hatch="//")
                 step.set_gid(f"{STEP_TERM}:{stack.stage}")
                 ax.add_patch(step)
-        ax.text(stack.stage - 0.075, base, human_bytes(stack.total), ha="center", va="bottom", fontsize=8)
+        resident = sum(value for _, value in stack.terms[:3])
+        top_of_stage = max(base, resident + stack.optimizer_step)
+        ax.text(
+            stack.stage - 0.075, top_of_stage, human_bytes(stack.total), ha="center", va="bottom", fontsize=8
+        )
     top = max([s.total for s in stacks] + [s.korthikanti + sum(v for _, v in s.terms[:3]) for s in stacks])
     handles = [Patch(facecolor=TERM_COLOURS[t], label=t) for t in MEMORY_TERMS]
     handles.append(

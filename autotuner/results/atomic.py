@@ -68,8 +68,9 @@ def adopt_user_umask() -> None:
         os.umask(mask)
 
 
-# The files in which a run folder keeps what it measured (autotuner.results, autotuner.calibrate).
-RUN_RECORDS = re.compile(r"results(\.rank\d+)?\.(jsonl|csv)|environment\.json|calibration\.json")
+# The files in which a run folder keeps what it measured (autotuner.results, autotuner.calibrate), and its
+# report.
+RUN_RECORDS = re.compile(r"results(\.rank\d+)?\.(jsonl|csv)|environment\.json|calibration\.json|report\.html")
 
 
 def check_writable(
