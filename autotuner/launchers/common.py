@@ -339,11 +339,8 @@ def start_writer(
         if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
             earlier = load_environment(run_dir)
             for key in ("points", "ops"):
-                had = (
-                    [x for x in earlier.get(key) or [] if isinstance(x, str)]
-                    if isinstance(earlier.get(key), list)
-                    else []
-                )
+                listed = earlier.get(key)
+                had = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
                 record[key] = list(dict.fromkeys([*had, *record[key]]))
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:

@@ -30,7 +30,14 @@ from typing import Any
 from autotuner.errors import OneLineParser, UserError
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
-from autotuner.predict.prediction import deepest_that_fits, load_calibration_for, load_runs, predict, render
+from autotuner.predict.prediction import (
+    case_depth,
+    deepest_that_fits,
+    load_calibration_for,
+    load_runs,
+    predict,
+    render,
+)
 from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.termination import (
@@ -164,8 +171,7 @@ def _model_at_depth(
             )
         deepest = deepest_that_fits(runs, layout, model, gpu_memory_gb)
         fits = f"{deepest.num_layers} layers fit {gpu_memory_gb:g} GB"
-        full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
-        if deepest.num_layers == full:  # deepest_that_fits tries no deeper model than the case's
+        if deepest.num_layers == case_depth(model):  # deepest_that_fits tries no deeper model
             fits += ", all the case's (no deeper model is tried)"
         print(f"num_layers=fit: {fits} (the runs' model has {model.num_layers})")
         return deepest

@@ -337,7 +337,7 @@ def in_flight_bytes(ops: list[OpMemory]) -> float:
 
 
 def optimizer_step_memory(
-    model: ModelShape, layout: Layout, stage: int, params: float, kept: float, cuda: bool
+    model: ModelShape, layout: Layout, stage: int, params: float, experts: float, kept: float, cuda: bool
 ) -> Figure:
     """What torch.optim.Adam allocates while it steps (the module's docstring: optimizer step)."""
     if cuda:
@@ -351,9 +351,6 @@ def optimizer_step_memory(
             ),
         )
     if layout.distributed_optimizer:  # it updates each flat buffer's share as one tensor
-        experts = model.stage_expert_params(
-            layout.tp, layout.ep, layout.stage_layers(model.num_layers)[stage]
-        )
         largest = max((params - experts) / layout.dp, experts / layout.expert_data_parallel)
         what = "the largest share of a flat gradient buffer"
     else:
@@ -424,7 +421,8 @@ def stage_memory(
     grads = Figure(p * GRAD_BYTES, "B", Source(psrc.kind, "params x 4 B (DDP's fp32 main grads)"))
     opt_per = OPTIMIZER_BYTES[layout.dtype]
     layers = layout.stage_layers(model.num_layers)[stage]
-    kept = layout.optimizer_params(p, model.stage_expert_params(tp, layout.ep, layers))
+    experts = model.stage_expert_params(tp, layout.ep, layers)
+    kept = layout.optimizer_params(p, experts)
     shards = ""
     if layout.distributed_optimizer:
         shards = f" / dp={layout.dp}" + (
@@ -522,7 +520,7 @@ def stage_memory(
     korth = Figure(
         k, "B", Source("modelled", f"Korthikanti et al. 2022, recompute={layout.recompute}, x {layers_held}")
     )
-    step = optimizer_step_memory(model, layout, stage, p, kept, "cuda" in meas.profiled_on)
+    step = optimizer_step_memory(model, layout, stage, p, experts, kept, "cuda" in meas.profiled_on)
     return StageMemory(
         stage, params, weights, grads, optimizer, activations, logits, in_flight, korth, held, step
     )

@@ -276,13 +276,19 @@ def _memory_measurements(runs: Runs, layout: Layout) -> tuple[Measurements, Meas
     return Measurements(runs.rows, layout.dtype, ep=layout.ep), single
 
 
+def case_depth(model: ModelShape) -> int:
+    """The layers of the model's case as published (the runs' own where no case names it): the deepest
+    model ``num_layers=fit`` tries."""
+    return ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
+
+
 def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_gb: float) -> ModelShape:
     """The runs' model at the largest depth, up to its case's own (one the layout can split:
     ``Layout.stage_layers``), whose fullest GPU is predicted within ``gpu_memory_gb`` less MEMORY_MARGIN:
     what a one-GPU validation of a real-width model can hold. UserError (one line) when not even the
     shallowest such depth fits."""
     limit = gpu_memory_gb * 1e9 * (1 - MEMORY_MARGIN)
-    full = ModelShape.from_case(model.case).num_layers if model.case else model.num_layers
+    full = case_depth(model)
     depths = [d for d in range(1, max(full, layout.pp * layout.vpp) + 1) if layout.splits(d)]
     if not depths:
         layout.stage_layers(full)  # no depth splits as the layout says, the case's own neither: why

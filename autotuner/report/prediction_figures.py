@@ -216,12 +216,12 @@ def memory_figure(record: Mapping[str, Any], gpu_memory_gb: float | None = None)
                 estimate.set_gid(f"korthikanti:{stack.stage}")
                 ax.add_patch(estimate)
             base += value
-            if term == "optimizer":
+            if term == "optimizer":  # the resident states' top: where the step's own begins
+                resident = base
                 step = Rectangle((stack.stage - 0.47, base), 0.15, stack.optimizer_step)
                 step.set(facecolor="white", edgecolor=TERM_COLOURS[STEP_TERM], hatch="//")
                 step.set_gid(f"{STEP_TERM}:{stack.stage}")
                 ax.add_patch(step)
-        resident = sum(value for _, value in stack.terms[:3])
         top_of_stage = max(base, resident + stack.optimizer_step)
         ax.text(
             stack.stage - 0.075, top_of_stage, human_bytes(stack.total), ha="center", va="bottom", fontsize=8
