@@ -13,5 +13,8 @@ setup(
     # so that an editable install's finder, and Hydra's pkg://, resolve it like any subpackage).
     packages=[*find_packages(include=["autotuner", "autotuner.*"]), *SHIPPED],
     package_dir=SHIPPED,
-    package_data={"autotuner.cases": ["*.yaml"], "autotuner.configs": ["*.yaml", "*/*.yaml"]},
+    package_data={
+        "autotuner.cases": ["*.yaml", "hf/*/config.json"],
+        "autotuner.configs": ["*.yaml", "*/*.yaml"],
+    },
 )

@@ -113,9 +113,7 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     rates = [_calibration_rates(device)]
     params, tensors = sum(m.numel() for m in masters), len(masters)
     args = trainer.spec.model_args
-    shape = ModelShape.from_config(
-        name, vars(trainer.spec.tf_config), args.vocab_size, args.tie_word_embeddings
-    )
+    shape = ModelShape.from_args(name, args, tf_config=trainer.spec.tf_config)
     expected = shape.untouched_embedding_params(1, layout.global_batch_size * layout.seq_len)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     zeroing: list[float] = []

@@ -105,7 +105,7 @@ class Bench:
         # (the layers are alike: one layer's figures serve all)
         layer_saved = forward_saved_bytes(self.phases[0]["forward"], list(self.model.parameters()))
         args = self.trainer.spec.model_args
-        shape = ModelShape.from_config(name, args.transformer, args.vocab_size, args.tie_word_embeddings)
+        shape = ModelShape.from_args(name, args)
         self.held_bytes = mean_reuse_distance([stage_sweep(shape, self.layout, 0, layer_saved)])
         self.held_graphs = graphs_to_hold(layer_saved, self.held_bytes)
 
