@@ -33,7 +33,7 @@ TC = {
 VOCAB, H = 1024, 64
 # One layer's parameters by hand: qkv 64*(4+2*2)*16, proj 64*64, fc1 64*2*176, fc2 176*64, two norms.
 LAYER_PARAMS = 64 * 8 * 16 + 64 * 64 + 64 * 352 + 176 * 64 + 2 * 64
-CAL = {"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10, "device_type": "cpu"}
+CAL = {"peak_flops": {"fp32": 1e11, "bf16": 1e11}, "memory_bandwidth": 1e10, "device_type": "cpu"}
 US = 1e-6
 
 
