@@ -124,7 +124,10 @@ def test_capture_refusals_name_the_field(tmp_path: Path, change, words: str):
         (lambda d: d.update(adam_seconds_per_tensor=-1), "adam_seconds_per_tensor must be at least 0"),
         (lambda d: d.pop("memory_bandwidth"), "memory_bandwidth is missing (bytes/s)"),
         (lambda d: d.update(environment=[1]), "environment must be a mapping, not list"),
-        (lambda d: d.update(all_reduce_bandwidth={"nccl:8": "x"}), "all_reduce_bandwidth.nccl:8 must be a number, not str 'x'"),
+        (
+            lambda d: d.update(all_reduce_bandwidth={"nccl:8": "x"}),
+            "all_reduce_bandwidth.nccl:8 must be a number, not str 'x'",
+        ),
     ],
 )
 def test_calibration_refusals_name_the_field(tmp_path: Path, change, words: str, capsys):

@@ -2,8 +2,12 @@
 
 ``python -m autotuner.calibrate`` measures the ceilings and writes the file; the get_data launcher reads it
 to judge each op against them, and the report reads the copy a run keeps (``calibration.json`` in the run
-directory) or one given with ``--calibration``. Both read it with :func:`load`, so a file one accepts the
-other accepts too. The file is plain JSON::
+directory) or one given with ``--calibration``; the predictor reads it for what the rows do not hold. All
+read it with :func:`load`, so a file one accepts the others accept too; it is checked against
+:class:`CalibrationFile` (pydantic, strict), and a wrong type is one line naming the field. Where a file is
+named, so may be a shipped preset (``h100``, ``h200``: ``presets/``, calibrations measured on those GPUs,
+each with a ``preset`` block saying where, when and from what record: docs/predict_presets.md). The file
+is plain JSON::
 
     {"peak_flops": {"fp32": <FLOP/s>, "bf16": ..., ...},   the matrix-product ceiling per dtype
      "memory_bandwidth": <bytes/s>,                          the copy ceiling
@@ -33,7 +37,8 @@ other accepts too. The file is plain JSON::
                                                              stage's part and a part per layer
 
 The link entries are optional (a file written before them, or on one process, is still a calibration);
-where present they are checked like the ceilings. Bus bandwidth is nccl-tests' figure: the data a rank
+where present they are checked like the ceilings. Other keys (``device_type``, ``environment``, ...) are
+kept as written. Bus bandwidth is nccl-tests' figure: the data a rank
 sends over its link per second, whatever the world size, so it is comparable across sizes of group
 (autotuner.predict.links turns it back into a collective's time).
 
