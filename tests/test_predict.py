@@ -126,7 +126,10 @@ def test_1f1b_step_bubble_and_sources(tmp_path):
     kinds = {name: t.source.kind for st in pred.stages for name, _, t, _ in st.items}
     assert kinds.pop("grad_accumulation") == "modelled"
     assert set(kinds.values()) == {"measured"}
-    assert pred.missing == []
+    # every figure measured at the point, but warm, where a calibration naming no cache wants them flushed
+    # (the warning says so): the one run to measure is the flushed one
+    (flushed,) = pred.missing
+    assert "timing.flush_cache=true" in flushed["command"] and len(flushed["figures"]) == 8
     assert pred.tokens_per_s_per_gpu.value == pytest.approx(8 * 32 / pred.step.total / 2)
     per_token = 3 * (4 * (2 * LAYER_PARAMS + 4 * 32 * 64) + 2 * H * VOCAB)
     assert pred.mfu is not None and pred.mfu.value == pytest.approx(
@@ -1081,7 +1084,11 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     ]
     assert layer["seconds"] == pytest.approx(measured["fenced_mean_us"] * US)  # what a step adds per visit
     assert pred["memory"][0]["activations"]["source"]["kind"] == "measured"
-    assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0 and pred["missing"] == []
+    assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0
+    # all measured at the point, warm (the profile's default) where the step wants them flushed (no cache
+    # size calibrated): said, and what to run is the flushed profile alone
+    assert any("measured with warm caches" in w for w in pred["warnings"])
+    assert pred["missing"] and all("timing.flush_cache=true" in m["command"] for m in pred["missing"])
     # the real stages differ (the output layer and loss on the last), so the simulated schedule ends
     # before the closed form that paces every stage at the slowest; the bubble (p-1)/m = 1/4 shrinks
     step, slowest = pred["step"], pred["stages"][pred["step"]["slowest_stage"]]
@@ -1753,6 +1760,10 @@ def test_the_warnings_about_rows_count_the_rows_the_times_came_from(tmp_path):
     assert pred.stages[0].dominant in ("self_attention", "mlp")  # the sub-ops' rows were consulted
     (warm,) = [w for w in pred.warnings if "measured with warm caches" in w]
     assert warm.startswith(f"{len(taken)} of the rows used (")
+    # and the commands it points to are printed: the run that measures them as the step runs them
+    assert "the commands printed for what is missing do" in warm
+    (planned,) = pred.missing
+    assert set(planned["figures"]) == taken and "timing.flush_cache=true" in planned["command"]
     (spread,) = [w for w in pred.warnings if "spread widely" in w]
     assert spread.startswith("1 of the rows used spread widely (transformer_layer.forward (iqr=40%))")
 

@@ -597,6 +597,14 @@ def predict(
     others = [str(w.message) for w in caught if not isinstance(w.message, LinkWarning)]
     notes = list(dict.fromkeys([*(w for t in models for w in t.warnings), *others, *cache]))
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
+    # the rows of the other cache mode that stood in (the cache warnings): planned as the step wants them
+    point = (layout.seq_len, layout.micro_batch_size, layout.tp)
+    other_mode = "measured with the other cache mode than the step's"
+    missing_items += [
+        Missing(*key.split("."), *point, other_mode)
+        for t in models
+        for key in sorted(t.other_cache_rows & used)
+    ]
     profile = profiling_plan(model, layout, missing_items, cold, cpu)
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
@@ -884,7 +892,7 @@ def render(pred: Prediction) -> str:
         for figure in (pred.megatron_report.activations, pred.megatron_report.weights_and_optimizer):
             out.append(f"  stage 0, {figure.source.detail}")
     if pred.missing:
-        out += ["", "not measured at this layout's point; to measure:"]
+        out += ["", "not measured at this layout's point, or not as its step runs it; to measure:"]
         out += [f"  {command}" for command in dict.fromkeys(item["command"] for item in pred.missing)]
     said = [w for w in pred.warnings if pred.memory_fit is None or w != pred.memory_fit.said()]  # above
     if said:
