@@ -164,6 +164,12 @@ def test_a_gpu_prediction_without_a_calibration_is_refused_naming_what_measures_
     assert "the runs were profiled on NVIDIA H200 and keep no calibration.json" in err
     assert "give calibration=h200 (the preset measured on an NVIDIA H200)" in err
     assert "python -m autotuner.calibrate --device cuda" in err
+    # refused before num_layers=fit prints the depth it chose
+    assert (
+        predict_main([str(bare), *LAYOUT, "num_layers=fit", "gpu_memory_gb=150.8", "--json", str(out)]) == 2
+    )
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == err
     assert predict_main([str(bare), *LAYOUT, "calibration=h200", "--json", str(out)]) == 0
 
 

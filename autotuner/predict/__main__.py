@@ -35,6 +35,7 @@ from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import (
     case_depth,
+    check_calibration,
     deepest_that_fits,
     load_calibration_for,
     load_runs,
@@ -116,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.slurm:
             check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         profiled = ModelShape.from_environment(runs.env)
+        check_calibration(runs, calibration, layout.dtype, given, profiled.case)  # before num_layers=fit
         model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
         pred = predict(runs, layout, calibration, model, calibration_from=given)
         if gpu_memory_gb is not None:
