@@ -3,7 +3,10 @@
 
 Every figure carries its ``Source`` (autotuner.predict.layout): measured at the exact point, scaled from a
 neighbouring point by a named rule, or modelled. What the runs lack at the layout's point is listed with
-the profiling command that would measure it (``missing``), never counted as zero.
+the profiling command that would measure it (``missing``), never counted as zero. The prediction names
+the calibration it stands on (a file, or a preset measured on a GPU: autotuner.results.calibration), the
+figures it read from it and the rows its times came from; a GPU's prediction without a calibration, or
+with one that lacks the dtype's peak, is refused (:func:`check_calibration`).
 
 MFU (Chowdhery et al. 2022, PaLM, appendix B): model FLOPs per token 6*N + 12*L*heads*head_dim*s, N the
 parameters a token passes through in its matrix products (each layer's active parameters and the output
