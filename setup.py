@@ -1,7 +1,8 @@
 """What pyproject.toml cannot say declaratively: the repository keeps ``cases/`` and ``configs/`` at its
 top level (the design card's layout), and the package carries them as ``autotuner.cases`` and
 ``autotuner.configs``. A wheel holds them under ``autotuner/``; an editable install maps those names
-back onto the checkout's folders. The code finds them through ``autotuner.shipped_folder``.
+back onto the checkout's folders. The code finds them through ``autotuner.shipped_folder``. The
+calibration presets (``autotuner/results/presets/*.json``) are package data of their module.
 Everything else (metadata, dependencies, console commands) is in pyproject.toml."""
 
 from setuptools import find_packages, setup
@@ -16,5 +17,6 @@ setup(
     package_data={
         "autotuner.cases": ["*.yaml", "hf/*/config.json"],
         "autotuner.configs": ["*.yaml", "*/*.yaml"],
+        "autotuner.results": ["presets/*.json"],
     },
 )

@@ -1,8 +1,8 @@
 """Rank the training layouts of a model on a number of GPUs by predicted step time.
 
     python -m autotuner.tune [RUN_DIR ...] case=llama7b gpus=16 gpu_memory_gb=80 global_batch_size=512 \\
-        seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [gpus_per_node=8] [calibration=FILE] [--explain N] \\
-        [--slurm DIR]
+        seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [gpus_per_node=8] [calibration=h100|h200|FILE] \\
+        [--explain N] [--slurm DIR]
 
 Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, experts and
 batch, the layers' split over the pipeline ranks, uneven ones near the even split included; with
@@ -16,8 +16,11 @@ the profiling runs that would measure them (for the layouts shown) are printed a
 ``--slurm DIR`` written as SLURM array task files.
 
 Without run directories every figure is modelled from the case's sizes and the calibration (and says
-so): the profiling plan then lists everything to measure. Layouts with expert parallelism are ranked
-as the others (autotuner.predict.op_time: the expert ops at that ep, measured or derived from ep=1 rows).
+so): the profiling plan then lists everything to measure. A calibration is needed then, and for runs
+profiled on a GPU: ``calibration=h100`` or ``h200`` names a preset measured on that GPU
+(docs/predict_presets.md), else the command refuses in one line naming what measures one. Layouts with
+expert parallelism are ranked as the others (autotuner.predict.op_time: the expert ops at that ep,
+measured or derived from ep=1 rows).
 """
 
 from __future__ import annotations
@@ -99,12 +102,13 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
         dtype,
         max_tp=settings.get("gpus_per_node"),
     )
-    limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", MEMORY_MARGIN))
+    gpu_memory_gb, margin = settings["gpu_memory_gb"], settings.get("margin", MEMORY_MARGIN)
     ranked: list[Ranked] = []
     for layout in layouts:
-        pred = predict(runs, layout, calibration, model).without_schedule_boxes()
-        memory = max(stage.total for stage in pred.memory)
-        ranked.append(Ranked(pred, memory, memory <= limit))
+        pred = predict(runs, layout, calibration, model, calibration_from=settings.get("calibration"))
+        pred = pred.without_schedule_boxes().against_gpu_memory(gpu_memory_gb, margin)
+        fit = pred.memory_fit
+        ranked.append(Ranked(pred, fit.fullest_bytes, fit.fits))
     ranked.sort(key=lambda r: (not r.fits, r.prediction.step_seconds, r.memory_bytes))
     return ranked, runs
 
@@ -207,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the task files written before anything is printed: kept if the reader stops reading (| head)
         arrays = profile.slurm(args.slurm) if args.slurm else ()
         print(header)
+        for line in shown[0].prediction.provenance():  # one calibration and one set of runs for all
+            print(line.replace("rows: ", "rows (#1): ", 1))
         print(table(ranked, top))
         for warning in warnings_of(shown):
             print(f"warning: {warning}")

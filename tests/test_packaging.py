@@ -179,6 +179,11 @@ def test_wheel_and_sdist_carry_the_cases_configs_and_commands(dists):
         scripts = wheel.read(entry_points).decode()
     assert {f"autotuner/{name}" for name in _shipped_yaml()} <= names
     assert "autotuner/configs/launcher/get_data.yaml" in names and "autotuner/cases/tiny.yaml" in names
+    # the calibration presets, package data of the module that reads them
+    presets = {
+        f"autotuner/results/presets/{p.name}" for p in (REPO / "autotuner/results/presets").glob("*.json")
+    }
+    assert presets and presets <= names
     # one top-level package, ours: cases/ and configs/ never land in site-packages under their own names
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"autotuner"}
     for command, module in COMMANDS.items():
@@ -222,6 +227,9 @@ def test_installed_commands_answer_help_from_outside_the_checkout(venv, tmp_path
         assert "usage:" in usage.lower(), command
         assert "usage:" in _ok(_run([venv.python, "-m", module, "--help"], tmp_path)).stdout.lower()
     assert not list(tmp_path.iterdir())  # --help writes nothing
+    # the presets, by name, from the installed package
+    code = "from autotuner.results.calibration import load; print(load('h200')['preset']['measured'])"
+    assert _ok(_run([venv.python, "-c", code], tmp_path)).stdout.strip() == "2026-12-04"
 
 
 def _one_run(root: Path) -> Path:

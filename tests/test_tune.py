@@ -58,7 +58,7 @@ def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run
 def test_gpus_per_node_keeps_tensor_parallelism_inside_a_node(capsys):
     """Megatron-Core accepts a tensor-parallel group across nodes; gpus_per_node keeps tp at most that, and
     a bad value is one line."""
-    dims = ["case=tiny", *SETTINGS, "gpu_memory_gb=1"]
+    dims = ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "calibration=h100"]
     everywhere, _ = rank([], parse_settings(dims)[1])
     assert {r.prediction.layout.tp for r in everywhere} == {1, 2}  # tiny's 2 query groups allow tp=2
     in_node, _ = rank([], parse_settings([*dims, "gpus_per_node=1"])[1])
@@ -85,25 +85,38 @@ def test_nothing_fits_is_one_line_and_exit_2(tiny_run: Path, capsys):
     assert "no layout fits" in err and len(err.splitlines()) == 1
 
 
-def test_without_runs_everything_is_modelled_and_the_plan_lists_the_runs(capsys):
-    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2"]) == 0
+def test_without_runs_a_calibration_is_needed_and_a_preset_prices_every_op(capsys):
+    """With nothing measured of the GPU, neither rows nor a calibration, there is no prediction: one line
+    naming the presets and the command that calibrates one. With a preset every op is modelled from its
+    figures, and the ranking says which preset, where and when it was measured."""
+    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1
+    assert "no profile and no calibration of the GPU" in err
+    assert (
+        "calibration=h100 or calibration=h200" in err and "python -m autotuner.calibrate --device cuda" in err
+    )
+    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2", "calibration=h200"]) == 0
     out = capsys.readouterr().out
-    assert "modelled 100%" in out
+    # nothing measured: the ops modelled, the optimizer and the gradients' accumulation scaled from the
+    # preset's timed rates
+    ranked = [line for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(ranked) == 2 and all("modelled" in line and "measured" not in line for line in ranked)
+    (said,) = [line for line in out.splitlines() if line.startswith("calibration: ")]
+    assert said.startswith("calibration: preset h200: NVIDIA H200") and "measured 2026-12-04" in said
+    assert "peak_flops[fp32]" in said  # the figure the modelled layers took
+    assert "rows (#1): none: every op's time is modelled from the calibration" in out
     # what the modelled times rest on is said under the table, not only with --explain, each once
     warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
-    assumed = "warning: no calibration and no GEMM rows: assumed a peak of 1e+12 FLOP/s (python -m autotuner"
-    assert sum(line.startswith(assumed) and "calibration=FILE" in line for line in warnings) == 1
+    assert not any("assumed a peak" in line or "ASSUMED peak" in line for line in warnings)
     assert len(warnings) == len(set(warnings))
     # the links: the shown layouts' collectives, timed from the one assumed bandwidth, said in one line
     # (three before, one per collective and world size)
     links = [line for line in warnings if "bus bandwidth" in line]
     assert len(links) == 1 and "ASSUMED bus bandwidth 100 GB/s" in links[0], links
-    assert (
-        "all_gather, all_reduce, reduce_scatter over " in links[0]
-        and "autotuner.calibrate --collectives" in links[0]
-    )
-    # the runs that would measure the top layouts, cold-cached (tiny's modelled layouts exceed no cache:
-    # the tune has no calibration naming one)
+    assert " over 2 ranks: " in links[0] and "autotuner.calibrate --collectives" in links[0]
+    # the runs that would measure the top layouts, cold-cached for the visits that follow a backward
     assert "-m autotuner.main case=tiny launcher=get_data timing.flush_cache=true" in out
 
 
@@ -207,7 +220,7 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
 
 
 def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):
-    assert tune_main(["case=tiny_moe", *SETTINGS, "gpu_memory_gb=1", "top=40"]) == 0
+    assert tune_main(["case=tiny_moe", *SETTINGS, "gpu_memory_gb=1", "top=40", "calibration=h100"]) == 0
     out = capsys.readouterr().out
     ranked = [line for line in out.splitlines() if line.strip()[:1].isdigit() and " ep=" in line]
     with_ep = [line for line in ranked if " ep=1 " not in line]

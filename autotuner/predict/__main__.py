@@ -3,13 +3,16 @@
     python -m autotuner.predict RUN_DIR [RUN_DIR ...] seq_len=2048 tp=2 pp=4 dp=8 micro_batch_size=1 \\
         global_batch_size=512 [vpp=1] [first_stage_layers=N] [last_stage_layers=N] \\
         [recompute=none|selective|full] [sequence_parallel=false] \\
-        [distributed_optimizer=false] [dtype=bf16] [calibration=FILE] [validate=false] [repeats=5] \\
-        [report=true] [gpu_memory_gb=80] [num_layers=N|fit] [--json OUT]
+        [distributed_optimizer=false] [dtype=bf16] [calibration=h100|h200|FILE] [validate=false] \\
+        [repeats=5] [report=true] [gpu_memory_gb=80] [num_layers=N|fit] [--json OUT]
 
 Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what
 is missing; ``--slurm DIR``: also as SLURM arrays) and writes ``prediction.json`` (``--json``; default: in
 the first run directory). dtype defaults to the runs' dtype; the calibration to the one the first run
-kept (calibration.json). ``validate=true`` also runs the layout's real training steps on this machine
+kept (calibration.json); ``calibration=h100`` or ``h200`` names a preset measured on that GPU
+(docs/predict_presets.md). A GPU's prediction without a calibration is refused, naming what measures it.
+With ``gpu_memory_gb`` the prediction says whether its fullest GPU fits it less a 10% margin, as
+``autotuner.tune`` keeps layouts. ``validate=true`` also runs the layout's real training steps on this machine
 and prints predicted against measured step time and peak memory (autotuner.predict.validate).
 Beside prediction.json it writes ``prediction.html`` (autotuner.report.prediction: the 1F1B timeline,
 the memory per stage against ``gpu_memory_gb`` when given, predicted against measured bars), as a run
@@ -32,6 +35,7 @@ from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import (
     case_depth,
+    check_calibration,
     deepest_that_fits,
     load_calibration_for,
     load_runs,
@@ -93,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         dirs, settings = parse_settings(args.args)
         runs = load_runs(dirs)
-        calibration = load_calibration_for(runs, settings.pop("calibration", None))
+        given = settings.pop("calibration", None)
+        calibration = load_calibration_for(runs, given)
         validating, repeats = settings.pop("validate", False), settings.pop("repeats", 5)
         if repeats < 1:  # refused here, before the prediction, not by the steps' process after it
             raise UserError(f"repeats={repeats} must be at least 1: give e.g. repeats=5")
@@ -112,8 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.slurm:
             check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
         profiled = ModelShape.from_environment(runs.env)
+        check_calibration(runs, calibration, layout.dtype, given, profiled.case)  # before num_layers=fit
         model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
-        pred = predict(runs, layout, calibration, model)
+        pred = predict(runs, layout, calibration, model, calibration_from=given)
+        if gpu_memory_gb is not None:
+            pred = pred.against_gpu_memory(gpu_memory_gb)
         record = pred.to_json()
         # written before it is printed: kept if the validation fails, or the reader stops reading (| head)
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")

@@ -237,7 +237,7 @@ def cache_plan(
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)
     if caches is None:
-        why = "the calibration names no shared_cache_bytes: assumed every op's data leaves the cache"
+        why = "no calibrated cache size (shared_cache_bytes): assumed every op's data leaves the cache"
     else:
         why = (
             f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
@@ -284,7 +284,7 @@ def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None) -> tuple[b
     from autotuner.results.units import human_bytes
 
     if caches is None:
-        return False, "the calibration names no cache sizes: assumed swept out"
+        return False, "no calibrated cache size: assumed swept out"
     touched = sum(op.footprint for op in sweep)
     cached = touched <= caches.each
     where = "within" if cached else "beyond"

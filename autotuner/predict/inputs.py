@@ -404,6 +404,17 @@ class Measurements:
         ]
         return max(rates) if rates else None
 
+    def best_memory_throughput(self) -> tuple[float, dict[str, Any]] | None:
+        """(bytes/s, the row): the fastest any row moved its counted bytes (``bytes_moved``, a minimum of
+        what it reads and writes) at; a CPU prediction's stand-in for the copy bandwidth without a
+        calibration. None without such a row."""
+        rated = [
+            (r["bytes_moved"] / (r["median_us"] * 1e-6), r)
+            for r in self.index.values()
+            if r.get("bytes_moved") and r["median_us"] > 0
+        ]
+        return max(rated, key=lambda pair: pair[0]) if rated else None
+
 
 def row_seconds(row: Mapping[str, Any]) -> float:
     """What one visit of the row's op adds to a step: its fenced mean (a step adds its visits up, and the

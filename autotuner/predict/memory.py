@@ -512,7 +512,8 @@ def stage_memory(
     if shared:
         said += f"; {', '.join(shared)} from rows at a smaller TP, divided by the ratio to tp={layout.tp}"
     exact = not lacking and all(o.exact for o in walk)
-    in_flight = Figure(in_flight_bytes(walk), "B", Source("measured" if exact else "scaled", said))
+    kind = "measured" if exact else "scaled" if walk else "modelled"  # modelled: no row, nothing counted
+    in_flight = Figure(in_flight_bytes(walk), "B", Source(kind, said))
     k = (
         korthikanti_layer_bytes(s, b, model.hidden, model.heads, tp, sp, layout.recompute, layout.dtype)
         * layers_held

@@ -33,9 +33,12 @@ in this order, each result carrying its ``Source``:
    bandwidth (autotuner.predict.links): per layer 2 all-reduces of s*b*h elements forward and 2 backward
    (Shoeybi et al. 2019, Megatron-LM, section 3), or with sequence parallelism 2 all-gathers + 2
    reduce-scatters each way (Korthikanti et al. 2022, section 4.2.2);
-5. *modelled*: the analytic FLOPs (backward: 2x forward) over the calibrated peak (``peak_flops[dtype]``),
-   or, without a calibration, over the best throughput any GEMM row of the runs reached (said so); the
-   embedding and norms as memory-bound, 2*s*b*h elements moved over the calibrated memory bandwidth.
+5. *modelled*: the analytic FLOPs (backward: 2x forward) over the calibrated peak (``peak_flops[dtype]``);
+   the embedding and norms as memory-bound, 2*s*b*h elements moved over the calibrated memory bandwidth.
+   A CPU prediction from CPU rows may go without a calibration (autotuner.predict.prediction refuses a
+   GPU's): its rows are the measurement, the peak the best throughput any GEMM row reached, the bandwidth
+   the fastest any row moved its counted bytes at (said so); where the rows have neither, refused in one
+   line naming the command that measures it. No figure is assumed.
 
 A figure that is not measured at the exact point and TP also yields a ``Missing`` record: the profiling
 run that would measure it (never a silent zero).
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from autotuner.errors import UserError
 from autotuner.ops_test.places import OpTree, op_tree
 from autotuner.predict.inputs import (
     EP_LEAF_OPS,
@@ -68,9 +72,6 @@ REPLICATED_WITHOUT_SP = frozenset(
 )
 # Ops whose time the analytic FLOPs model (step 3 and 5 of the module docstring).
 ANALYTIC_OPS = frozenset({"transformer_layer", "self_attention", "output_layer"})
-# Without a calibration, and without any GEMM row to take a throughput from: said as an assumption.
-ASSUMED_PEAK_FLOPS = 1e12
-ASSUMED_MEMORY_BANDWIDTH = 1e10
 # Repeats of a row (autotuner.predict.inputs.repeated) further apart than this fraction are said: the CPU
 # target's 5%.
 REPEATS_APART = 0.05
@@ -162,7 +163,8 @@ class TimeModel:
     ) -> None:
         self.meas, self.model, self.layout = meas, model, layout
         self.without_ep = without_ep  # rows measured at ep=1, for the expert ops at ep > 1
-        self.calibration = dict(calibration or {})
+        # kept as given, not copied: the prediction names the figures read from it (prediction.FiguresRead)
+        self.calibration: Mapping[str, Any] = calibration if calibration is not None else {}
         self.tree = tree or op_tree()
         self.warnings: list[str] = []
         self.cold, self.cache_reason = True, "assumed: the step's data exceeds the cache"
@@ -177,27 +179,45 @@ class TimeModel:
 
     # -- calibration ----------------------------------------------------------------------------------
     def peak_flops(self) -> tuple[float, str]:
-        peak = (self.calibration.get("peak_flops") or {}).get(self.layout.dtype)
+        dtype = self.layout.dtype
+        peak = (self.calibration.get("peak_flops") or {}).get(dtype)
         if peak:
-            return float(peak), f"calibrated peak_flops[{self.layout.dtype}] {peak / 1e12:.4g} TFLOP/s"
+            return float(peak), f"calibrated peak_flops[{dtype}] {peak / 1e12:.4g} TFLOP/s"
         best = self.meas.best_gemm_throughput()
         if best:
-            return best, f"no calibrated peak: the best GEMM row's {best / 1e12:.4g} TFLOP/s"
-        self._warn(
-            f"no calibration and no GEMM rows: assumed a peak of {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (python -m "
-            "autotuner.calibrate on the target device measures it: pass its file as calibration=FILE)"
+            return best, f"no calibration: the best {dtype} GEMM row's {best / 1e12:.4g} TFLOP/s"
+        raise UserError(
+            f"no calibration, and no {dtype} GEMM row in the runs to take a peak from for the ops modelled "
+            f"from their FLOPs: give calibration=FILE ({self.calibrate_command()} writes one), or profile "
+            f"the model in {dtype} (python -m autotuner.main case={self.model.case} dtype={dtype})"
         )
-        return ASSUMED_PEAK_FLOPS, f"ASSUMED peak {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (no calibration)"
 
     def memory_bandwidth(self) -> tuple[float, str]:
         bw = self.calibration.get("memory_bandwidth")
         if bw:
             return float(bw), f"calibrated memory_bandwidth {bw / 1e9:.4g} GB/s"
+        best = self.meas.best_memory_throughput()
+        if best is None:
+            raise UserError(
+                "no calibration, and no row in the runs counts its bytes moved to take a memory bandwidth "
+                f"from: give calibration=FILE ({self.calibrate_command()} writes one)"
+            )
+        rate, row = best
+        said = f"the rows' fastest bytes moved, {rate / 1e9:.4g} GB/s ({describe_row(row)})"
         self._warn(
-            f"no calibrated memory_bandwidth: assumed {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s "
-            "(python -m autotuner.calibrate measures it)"
+            f"no calibration: the memory bandwidth is {said}, a stand-in for the copy bandwidth "
+            f"({self.calibrate_command()} measures it: pass its file as calibration=FILE)"
         )
-        return ASSUMED_MEMORY_BANDWIDTH, f"ASSUMED memory bandwidth {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s"
+        return rate, f"no calibration: {said}"
+
+    def untimed(self, what: str) -> str:
+        """ "the calibration did not time <what>", or without one "no calibration timed <what>"."""
+        return f"{'the calibration did not time' if self.calibration else 'no calibration timed'} {what}"
+
+    def calibrate_command(self) -> str:
+        """The command that calibrates the device the rows were profiled on."""
+        device = "cpu" if self.meas.profiled_on == {"cpu"} else "cuda"
+        return f"python -m autotuner.calibrate --device {device}"
 
     def set_cache_mode(self, cold: bool, reason: str) -> None:
         """Which rows this model stands for (autotuner.predict.caches.cache_plan); ``meas`` should prefer
@@ -222,10 +242,10 @@ class TimeModel:
         if repeats and max(repeats) > (1 + REPEATS_APART) * min(repeats):
             self.apart_rows[f"{row['op']}.{row['phase']}"] = f"{min(repeats):.4g}-{max(repeats):.4g}us"
 
-    def cache_warning(self) -> str | None:
+    def cache_warning(self, used: set[str]) -> str | None:
         """What to say when rows of the other cache mode went into the prediction
-        (autotuner.predict.caches)."""
-        rows = self.other_cache_rows
+        (autotuner.predict.caches): those of them ``used`` (``op.phase``: the rows its times came from)."""
+        rows = self.other_cache_rows & used
         if not rows:
             return None
         named = ", ".join(sorted(rows)[:4]) + (", ..." if len(rows) > 4 else "")

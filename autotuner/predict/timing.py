@@ -160,7 +160,7 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     nbytes = per_param * params
     detail = (
         f"{what}: {per_param} B x {params:.4g} params = {nbytes:.4g} B / {said} (none with "
-        "gradient_accumulation_fusion; the calibration did not time it, python -m autotuner.calibrate does: "
+        f"gradient_accumulation_fusion; {tm.untimed('it')}, python -m autotuner.calibrate does: "
         "a bf16 gradient's add ran at 0.64x the copy rate on an H200)"
     )
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
@@ -176,8 +176,9 @@ def host_work(tm: TimeModel, phase: str, layers: int, cached: tuple[bool, str] =
         return None
     timed = tm.calibration.get(HOST_WORK)
     if not timed:
+        what = "a step's host work outside its ops"
         tm._warn(
-            "the calibration did not time a step's host work outside its ops (Megatron's schedule, "
+            f"{tm.untimed(what)} (Megatron's schedule, "
             "GPTModel's own work; about 1 ms a micro-batch on this project's CPU VM): not added, "
             "python -m autotuner.calibrate times it"
         )
@@ -472,7 +473,7 @@ def optimizer_step(
     rate = tm.calibration.get("adam_seconds_per_parameter")
     if not rate:
         tm._warn(
-            "the calibration did not time the Adam step: it is modelled from the memory bandwidth (one "
+            f"{tm.untimed('the Adam step')}: it is modelled from the memory bandwidth (one "
             "pass per tensor, an underestimate where the step makes several: python -m autotuner.calibrate "
             "times it)"
         )
@@ -492,7 +493,7 @@ def optimizer_step(
             how += f"{rate * 1e9:.4g} ns per fp32 parameter"
         else:
             tm._warn(
-                f"the calibration did not time Adam on {lay.gpus} CPU processes at once (they share the "
+                f"{tm.untimed(f'Adam on {lay.gpus} CPU processes at once')} (they share the "
                 f"memory: each runs slower than one alone): torchrun --nproc-per-node={lay.gpus} -m "
                 "autotuner.calibrate --collectives times it"
             )
@@ -536,7 +537,7 @@ def gradient_zeroing_seconds(
     calibration: Mapping[str, Any], params: float, copy_bandwidth: float
 ) -> tuple[float, str]:
     """Seconds a step takes to zero ``params`` fp32 gradients for the next one, and how, in words: at the
-    calibration's zeroing rate, else at ``copy_bandwidth`` (the calibration's). They differ on a CPU,
+    calibration's zeroing rate, else at ``copy_bandwidth``. They differ on a CPU,
     whose core reads a line before writing it: on session 36's VM the llama-shaped model's steps zeroed
     their 21 MB in 2.43-2.90 ms, the zeroing rate gave 2.77-2.82, the copy bandwidth (2 B moved a byte
     copied) 1.79-1.84 (autotuner.calibrate)."""
@@ -544,7 +545,8 @@ def gradient_zeroing_seconds(
     rate = calibration.get(ZEROING_BANDWIDTH)
     if rate:
         return nbytes / rate, f"{GRAD_BYTES} B per parameter at the calibrated zeroing {rate / 1e9:.4g} GB/s"
+    lacking = "no zeroing_bandwidth in the calibration" if calibration else "no calibration"
     return nbytes / copy_bandwidth, (
-        f"{GRAD_BYTES} B per parameter at the copy bandwidth {copy_bandwidth / 1e9:.4g} GB/s (no "
-        "zeroing_bandwidth in the calibration: python -m autotuner.calibrate times it)"
+        f"{GRAD_BYTES} B per parameter at the copy bandwidth {copy_bandwidth / 1e9:.4g} GB/s ({lacking}: "
+        "python -m autotuner.calibrate times zeroing)"
     )
