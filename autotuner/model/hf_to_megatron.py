@@ -29,6 +29,28 @@ _ACTIVATIONS = {
 _WINDOW_TYPES = {"full_attention": 0, "sliding_attention": 1}
 
 
+# Every TransformerConfig field the mapping sets: what the model is (its sizes and its arithmetic), as
+# against how a run runs it (parallel sizes, dtypes, kernels), which the run's settings give.
+MODEL_FIELDS = frozenset(
+    {
+        *("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups"),
+        *("kv_channels", "layernorm_epsilon", "normalization", "gated_linear_unit", "add_bias_linear"),
+        *("add_qkv_bias", "attention_dropout", "hidden_dropout", "qk_layernorm", "softmax_scale"),
+        *("window_size", "window_attn_skip_freq", "layernorm_zero_centered_gamma"),
+        *("qk_layernorm_span", "post_layernorms", "residual_scale", "attention_softcap"),
+        *("embedding_scale", "embedding_dropout", "logit_scale", "logit_softcap"),
+        *("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq"),
+        *("moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function"),
+        *("moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_num_groups"),
+        *("moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff"),
+        *("moe_router_load_balancing_type", "moe_input_jitter_eps", "moe_router_dtype"),
+        *("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim"),
+        *("v_head_dim", "rotary_base", "rotary_percent", "rope_type", "rotary_scaling_factor"),
+        *("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    }
+)
+
+
 @dataclass
 class MegatronModelArgs:
     """What building the Megatron-Core model needs: TransformerConfig kwargs (``transformer``, with the
@@ -307,6 +329,7 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
     transformer.update(_moe_fields(hf, family, layers, notes))
     transformer.update(_family_fields(hf, family, hidden, embedding_dropout))
     _family_checks(hf, family, notes)
+    assert set(transformer) <= MODEL_FIELDS, sorted(set(transformer) - MODEL_FIELDS)
     return MegatronModelArgs(
         transformer=transformer,
         activation=_ACTIVATIONS[act],

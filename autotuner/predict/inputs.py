@@ -81,13 +81,20 @@ class ModelShape:
                 "the run's environment.json holds no transformer_config and no case: pass a run directory "
                 "written by python -m autotuner.main"
             )
-        from autotuner.model.hf_to_megatron import MegatronModelArgs
+        from autotuner.model.hf_to_megatron import MODEL_FIELDS, MegatronModelArgs
 
         known = {f.name for f in fields(MegatronModelArgs)}
+        if "transformer" not in args:  # a record of the TransformerConfig alone: its model's sizes
+            shape = {k: v for k, v in tc.items() if k in MODEL_FIELDS and _plain(v)}
+            defaults = dict(activation="silu", max_sequence_length=2**31 - 1, rotary_base=10000.0)
+            defaults.update(rotary_percent=1.0, tie_word_embeddings=False)
+            args = {**defaults, **args, "transformer": shape}
         model_args = MegatronModelArgs(**{k: v for k, v in args.items() if k in known})
         mapped = model_args.transformer
         built = {k: tc[k] for k in mapped if k in tc and _plain(tc[k]) and tc[k] != _as_json(mapped[k])}
-        return cls.from_args(str(env.get("case")), model_args, built)
+        shape = cls.from_args(str(env.get("case")), model_args, built)
+        # the run's own settings (gradient_accumulation_fusion, the parallel sizes) as it recorded them
+        return replace(shape, config={**shape.config, **{k: v for k, v in tc.items() if _plain(v)}})
 
     @classmethod
     def from_case(cls, name: str, case_dir: str | None = None) -> ModelShape:
