@@ -527,3 +527,46 @@ def test_a_runs_notes_are_printed_at_start_and_kept_in_environment_json(tmp_path
     assert "note: config key(s) my_training_flag: not fields of transformers' LlamaConfig" in err
     notes = json.loads((run_dir / "environment.json").read_text())["notes"]
     assert any("my_training_flag" in note for note in notes)
+
+
+def _small_case(tmp_path: Path, model_type: str) -> str:
+    """A case folder holding the family's published config at a CPU test's sizes (every other field as
+    published); returns case_dir."""
+    fields = {**cases.load_case(PUBLISHED[model_type]).hf_fields, **MOE_SMALL, "max_position_embeddings": 64}
+    family = FAMILIES[model_type]
+    if family.moe is not None:
+        fields = {**fields, **_small_moe(model_type)}
+    if "sliding_window" in fields and fields["sliding_window"]:
+        fields["sliding_window"] = 8
+    if model_type == "gemma2":
+        fields["query_pre_attn_scalar"] = 8
+    known = _class_fields(family) | set(cases.load_case(PUBLISHED[model_type]).hf_fields)
+    fields = {k: v for k, v in fields.items() if k in known}
+    folder = tmp_path / "cases"
+    (folder / "small").mkdir(parents=True)
+    (folder / "small" / "config.json").write_text(json.dumps(fields))
+    (folder / "small.yaml").write_text(
+        "hf_config_dir: small\nshapes: {seq_len: [16], micro_batch_size: [2]}\n"
+    )
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_op_of_every_family_runs_forward_and_backward_on_meta(tmp_path, model_type):
+    """Each family's model, as built with its pieces, runs every op it has forward and backward (on meta
+    tensors, as dry_run costs them): no op of the family is left unbuildable."""
+    from autotuner.config import compose_config
+    from autotuner.runner.dry_run import preview
+    from autotuner.runner.spec import resolve_spec
+
+    spec = resolve_spec(compose_config([f"case_dir={_small_case(tmp_path, model_type)}", "case=small"]))
+    costs = preview(spec).costs
+    failed = [(c.op, c.phase, c.error) for c in costs if c.error is not None]
+    assert not failed
+    ran = {c.op for c in costs}
+    assert {"transformer_layer", "core_attention", "output_layer"} <= ran
+    if FAMILIES[model_type].post_norms:
+        assert {"post_attention_layernorm", "post_mlp_layernorm"} <= ran
+    if FAMILIES[model_type].moe is not None:
+        assert {"router", "experts", "moe_layer"} <= ran

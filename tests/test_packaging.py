@@ -179,6 +179,7 @@ def test_wheel_and_sdist_carry_the_cases_configs_and_commands(dists):
         scripts = wheel.read(entry_points).decode()
     assert {f"autotuner/{name}" for name in _shipped_yaml()} <= names
     assert "autotuner/configs/launcher/get_data.yaml" in names and "autotuner/cases/tiny.yaml" in names
+    assert "autotuner/cases/hf/deepseek_v3/config.json" in names  # a published config a case points at
     # the calibration presets, package data of the module that reads them
     presets = {
         f"autotuner/results/presets/{p.name}" for p in (REPO / "autotuner/results/presets").glob("*.json")
