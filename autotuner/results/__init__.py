@@ -9,9 +9,8 @@ complete, valid files (never a half-written line):
 
 :class:`Row` is the one definition of the columns: their order (the CSV header, the JSONL keys), each
 one's meaning, unit and table label. Rows travel as plain dicts (they round-trip through JSON); the
-writer refuses a key that :class:`Row` does not define. The columns, as :func:`describe_columns` lists
-them (units in the name; empty where a value does not apply or was not measured):
-
+writer refuses a key that :class:`Row` does not define. docs/columns.md lists the columns
+(:func:`describe_columns` writes that table; a test holds the page to it).
 """
 
 from __future__ import annotations
@@ -333,16 +332,11 @@ def label(name: str) -> str:
 
 
 def describe_columns() -> str:
-    """The columns as a reStructuredText table: name, unit, meaning (this module's docstring ends with it)."""
-    width = max(len(name) for name in COLUMNS)
-    unit_width = max(len(c.unit or "") for c in SCHEMA.values())
-    rule = f"{'=' * width}  {'=' * unit_width}  {'=' * 60}"
-    lines = [rule, f"{'column':{width}}  {'unit':{unit_width}}  meaning", rule]
-    lines += [f"{c.name:{width}}  {c.unit or '':{unit_width}}  {c.doc}" for c in SCHEMA.values()]
-    return "\n".join([*lines, rule])
-
-
-__doc__ = (__doc__ or "") + describe_columns() + "\n"
+    """The columns as the Markdown table docs/columns.md holds: name, unit, meaning (empty cells of a row
+    are values that do not apply or were not measured)."""
+    lines = ["| column | unit | meaning |", "|---|---|---|"]
+    lines += [f"| `{c.name}` | {c.unit or ''} | {c.doc.replace('|', '/')} |" for c in SCHEMA.values()]
+    return "\n".join(lines)
 
 
 class UnknownColumnError(ValueError):
