@@ -24,7 +24,7 @@ columns (weight_bytes, num_threads, call_count) stay empty.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 import shutil
 import sqlite3
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import OneLineParser, UserError
+from autotuner.results.environment import load_environment
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
@@ -64,12 +65,9 @@ def context_of(report: Path) -> dict[str, Any]:
     spec."""
     match = _RANK_RE.search(report.stem)
     context: dict[str, Any] = {"rank": int(match[1]) if match else 0}
-    try:
-        record = json.loads((report.parent / "environment.json").read_text())
-    except (OSError, ValueError):
+    if not os.path.lexists(report.parent / "environment.json"):
         return context  # a report copied on its own: those columns stay empty
-    if not isinstance(record, dict):
-        return context
+    record = load_environment(report.parent)  # checked: a FIFO or a damaged record is one line
     tf_config = record.get("transformer_config") or {}
     context.update(
         case=record.get("case"),

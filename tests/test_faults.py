@@ -215,7 +215,9 @@ def test_resume_where_the_results_file_is_a_folder_is_one_line(tmp_path, capsys)
     assert run([*TINY, "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}", "resume=true"]) == 2
     captured = capsys.readouterr()
     lines = _errors(captured.err)
-    assert len(lines) == 1 and "results.jsonl is not a file: move it away" in lines[0], captured.err
+    assert len(lines) == 1 and "results.jsonl is a folder, not a regular file: move it away" in lines[0], (
+        captured.err
+    )
     assert "nothing to resume" not in captured.err
 
 
@@ -882,3 +884,29 @@ def test_capture_out_onto_a_folder_is_refused_before_the_run(tmp_path: Path):
     proc = _tool("autotuner.capture", "--out", "shapes", "--", "python", "train.py", cwd=tmp_path)
     _one_line(proc, 2, "is a folder", "give a file name")
     assert proc.stdout == "" and _files(tmp_path) == {"train.py": b"print('trained')\n"}
+
+
+# --- files of a run directory that are not files, resumes of rows another version measured ---------------
+
+
+@pytest.mark.parametrize("name", ["environment.json", "results.jsonl", ".hydra/overrides.yaml"])
+def test_a_fifo_in_a_run_directory_is_one_line_for_every_tool_that_reads_it(tmp_path: Path, capsys, name):
+    """A FIFO waits for a writer that never comes: resume, predict, compare and report hung in its open.
+    Each refuses in one line (exit 2) naming the file, without opening it; the FIFO is left as it was."""
+    run_dir = _run_dir(tmp_path / "run")
+    (run_dir / ".hydra").mkdir()
+    fifo = run_dir / name
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    tools = [
+        ("autotuner.compare", run_dir),
+        ("autotuner.report", run_dir, "--out", tmp_path / "page"),
+        ("autotuner.predict", run_dir, "seq_len=8", "micro_batch_size=1", "global_batch_size=1"),
+    ]
+    for tool in tools if name != ".hydra/overrides.yaml" else tools[1:2]:
+        _one_line(_tool(*tool), 2, f"{fifo} is a FIFO, not a regular file")
+    capsys.readouterr()
+    assert run([*TINY, "ops=[mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and f"{fifo} is a FIFO, not a regular file" in lines[0], lines
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "page").exists()

@@ -21,6 +21,7 @@ from autotuner.report import REPORT_NAME
 from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.environment import load_environment
+from autotuner.results.reading import check_regular
 from autotuner.results.table import render
 
 # The most calls a profiling launcher (nsys, torch_profiler) makes of each op at each point: every one is a
@@ -221,12 +222,23 @@ def _every_rank_stem(world: int) -> list[str]:
     return [results_stem(rank, world) for rank in range(world)]
 
 
+# Files a run opens in place, not through autotuner.results.atomic: Hydra's record of the config and its
+# log. A FIFO there holds Hydra's open for ever, so each must be a regular file, or absent.
+_OPENED_IN_PLACE = ("main.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+
+
+def _check_opened_in_place(run_dir: Path) -> None:
+    for name in _OPENED_IN_PLACE:
+        check_regular(Path(run_dir) / name, "move it away, or choose another hydra.run.dir")
+
+
 def check_fresh(run_dir: Path, world: int) -> None:
     """Without ``resume=true``, before anything is written: a directory that holds an earlier run's
     results is refused (one line), since a new run would replace them: finished rows are never lost.
     Under torchrun every rank checks every rank's file (``results.rank<N>.jsonl``, :func:`_every_rank_stem`)
     and the merged ``results.jsonl``; no rank writes a row before all have passed here, since every row
     takes all ranks' collectives."""
+    _check_opened_in_place(run_dir)
     names = {f"{stem}.jsonl" for stem in [*_every_rank_stem(world), "results"]}
     earlier = sorted(n for n in names if (Path(run_dir) / n).is_file() and (Path(run_dir) / n).stat().st_size)
     if earlier:
@@ -249,16 +261,17 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     if run_dir in _RESUME_CHECKED:
         return
     rank, world = spec.rank, spec.world
+    _check_opened_in_place(run_dir)
     rows = []
     # every rank's, so the ranks decide alike; and any other results file there, so that a run of another
     # process count is not taken for nothing to resume (and its merged results.jsonl then replaced)
     found = sorted(p.name.removesuffix(".jsonl") for p in run_dir.glob("results.rank*.jsonl"))
     for stem in dict.fromkeys([*_every_rank_stem(world), "results", *found]):
         results = run_dir / f"{stem}.jsonl"
-        if results.exists() and not results.is_file():
-            raise UserError(
-                f"cannot resume: {results} is not a file: move it away, or start a new run elsewhere"
-            )
+        try:
+            check_regular(results, "move it away, or start a new run elsewhere")
+        except UserError as exc:  # a folder, a FIFO: never opened
+            raise UserError(f"cannot resume: {exc}") from None
         try:
             rows += read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
         except RowsFileError as exc:  # its message names the line and the fix
@@ -271,9 +284,9 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         _RESUME_CHECKED.add(run_dir)
         return
     try:
-        recorded = json.loads((run_dir / "environment.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
+        recorded = load_environment(run_dir).get("fingerprint")
+    except UserError as exc:  # a FIFO, a device, a damaged record: its message names the file and why
+        raise UserError(f"cannot resume: {exc}") from None
     if not isinstance(recorded, dict):
         raise UserError(
             f"cannot resume {run_dir}: its environment.json holds no configuration fingerprint (missing, "

@@ -20,6 +20,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -28,6 +29,7 @@ from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.reading import UnreadableRunFile, read_run_text
 
 
 def _column(
@@ -537,13 +539,9 @@ def read_rows(path: Path, allow_torn_tail: bool = False) -> tuple[list[dict[str,
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RowsFileError(f"{path} is not UTF-8 text (byte {exc.start}): {_FIX}") from None
-    except OSError as exc:
-        raise RowsFileError(
-            f"cannot read {path}: {exc.strerror or exc}: check the path and its permissions"
-        ) from None
+        text = read_run_text(path, fix=_FIX)
+    except UnreadableRunFile as exc:  # a FIFO, a device, a folder, a file too large: never opened
+        raise RowsFileError(str(exc)) from None
     lines = text.split("\n")
     rows: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
@@ -575,7 +573,7 @@ def load_run_rows(run_dir: str | Path, fix: str) -> list[dict[str, Any]]:
     measurements every rank has (a rank stopped a row earlier has not measured the rest: a TP op's time
     is its slowest rank's). Without either, a UserError (one line) ending with ``fix``."""
     run_dir = Path(run_dir)
-    if (run_dir / "results.jsonl").is_file():
+    if os.path.lexists(run_dir / "results.jsonl"):  # whatever it is: a FIFO is refused, not passed over
         return load_rows(run_dir / "results.jsonl")
     found = ((_RANK_FILE.fullmatch(p.name), p) for p in run_dir.glob("results.rank*.jsonl"))
     ranked = {int(match.group(1)): p for match, p in found if match}

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.results.reading import read_run_text
 
 DEFAULT_DIR = Path("runs") / "calibration"
 # Host-transfer ceilings a calibration of a GPU holds (an op names the one it is judged against).
@@ -101,10 +102,11 @@ def load(path: str | Path) -> dict[str, Any]:
     """Read and check a calibration file; UserError (one line, naming the file and the fix) when it is
     missing, not JSON, or lacks a positive number where a ceiling belongs."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
-        raise UserError(f"cannot read the calibration file {path} ({why}): {_FIX}") from exc
+        data = json.loads(read_run_text(path, fix=_FIX))  # a FIFO or a device: refused, not waited on
+    except ValueError as exc:
+        raise UserError(
+            f"cannot read the calibration file {path} ({str(exc).splitlines()[0]}): {_FIX}"
+        ) from exc
     if not isinstance(data, dict):
         raise UserError(f"calibration file {path} holds no JSON object: {_FIX}")
     peak = data.get("peak_flops")
