@@ -207,6 +207,9 @@ class AutotunerConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     resume: bool = False
+    # resume=true into a run another autotuner version or environment measured (environment.json): false
+    # refuses in one line; true measures the rest, each new row naming its environment (measured_by)
+    resume_across_versions: bool = False
     calibration: str | None = None
     progress: bool = True
     report: bool = True  # write report.html and its figures into the run directory (autotuner.report)

@@ -910,3 +910,84 @@ def test_a_fifo_in_a_run_directory_is_one_line_for_every_tool_that_reads_it(tmp_
     lines = _errors(capsys.readouterr().err)
     assert len(lines) == 1 and f"{fifo} is a FIFO, not a regular file" in lines[0], lines
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "page").exists()
+
+
+def _edit_environment(run_dir: Path, **changed: str) -> dict:
+    """Record ``changed`` in the run's environment (and fingerprint, where it holds the key): the run as
+    another version of the tool or its libraries would have written it."""
+    path = run_dir / "environment.json"
+    record = json.loads(path.read_text())
+    record["environment"].update(changed)
+    record["fingerprint"].update({k: v for k, v in changed.items() if k in record["fingerprint"]})
+    path.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def test_resume_of_a_run_another_version_measured_is_refused_or_kept_apart(finished, tmp_path, capsys):
+    """A resume rewrote environment.json's versions, crediting the earlier rows to the new version. It is
+    refused in one line naming what differs (nothing written); resume_across_versions=true measures the
+    rest, environment.json keeping the earlier environment and adding this one, each new row naming it."""
+    run_dir = _copy_run(finished, tmp_path / "older")
+    old = _edit_environment(run_dir, autotuner_revision="0000000", torch="2.0.0")
+    before = _snapshot(run_dir)
+    extend = [*TINY, "ops=[linear_qkv,mlp,linear_proj]", f"hydra.run.dir={run_dir}", "resume=true"]
+    capsys.readouterr()
+    assert run(extend) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and "measured in another environment" in lines[0], lines
+    assert 'autotuner_revision "0000000" -> ' in lines[0] and 'torch "2.0.0" -> ' in lines[0]
+    assert "resume_across_versions=true" in lines[0]
+    assert _snapshot(run_dir) == before
+
+    assert run([*extend, "resume_across_versions=true"]) == 0
+    record = json.loads((run_dir / "environment.json").read_text())
+    assert record["environment"] == old["environment"]  # the earlier rows' environment, kept
+    (key, this), *others = record["environments"].items()
+    assert not others and this["torch"] != "2.0.0" and this["autotuner_revision"] != "0000000"
+    rows = load_rows(run_dir / "results.jsonl")
+    earlier = [json.loads(line) for line in before["results.jsonl"].decode().splitlines()]
+    assert rows[:4] == earlier and all(r["measured_by"] is None for r in rows[:4])
+    assert [(r["op"], r["measured_by"]) for r in rows[4:]] == [("linear_proj", key)] * 2
+
+
+def test_resume_measures_again_a_row_without_its_median_and_says_so(finished, tmp_path, capsys):
+    """A row edited or cut so that it lacks median_us counted as measured, and the resume skipped it,
+    silently: it is measured again, with a note naming it; the rows that were whole are kept as they were."""
+    run_dir = _copy_run(finished, tmp_path / "cut")
+    results = run_dir / "results.jsonl"
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    del rows[2]["median_us"]  # mlp.forward
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    notes = [line for line in _errors(capsys.readouterr().err) if "median_us" in line]
+    assert len(notes) == 1 and "1 measured again (mlp.forward s16_b1)" in notes[0], notes
+    again = load_rows(results)
+    assert [r for r in again if r["op"] != "mlp" or r["phase"] != "forward"] == rows[:2] + rows[3:]
+    assert next(r for r in again if r["op"] == "mlp" and r["phase"] == "forward")["median_us"] > 0
+
+
+def test_resume_keeps_a_row_found_twice_once_and_refuses_two_different_rows_of_one_measurement(
+    finished, tmp_path, capsys
+):
+    """A results file appended to itself held every row twice, and a resume kept both. The same row twice
+    is kept once, with a note; two different rows of one measurement cannot be told apart: refused in one
+    line naming the measurement, the files as they were."""
+    run_dir = _copy_run(finished, tmp_path / "twice")
+    results = run_dir / "results.jsonl"
+    text = results.read_text()
+    results.write_text(text + text)
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    notes = [line for line in _errors(capsys.readouterr().err) if "twice" in line]
+    assert len(notes) == 1 and "held 4 row(s) twice" in notes[0], notes
+    assert results.read_text() == text
+
+    other = json.loads(text.splitlines()[1])
+    other["median_us"] *= 2
+    results.write_text(text + json.dumps(other) + "\n")
+    before = _snapshot(run_dir)
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and "two different rows of linear_qkv.backward s16_b1" in lines[0], lines
+    assert _snapshot(run_dir) == before

@@ -85,6 +85,13 @@ class Row:
     dtype: str | None = _column("compute dtype (fp32/bf16/fp16)")
     device: str | None = _column("device type (cpu/cuda)")
     launcher: str | None = _column("get_data, nsys or torch_profiler: who measured the times")
+    measured_by: str | None = _column(
+        "in a run resumed by another autotuner version or environment (resume_across_versions=true): the "
+        "environment that measured the row, its key in environment.json's ``environments``; empty: the "
+        "run's own ``environment``",
+        label="measured by",
+        optional=True,
+    )
     rank: int | str | None = _column(
         "the process's rank; with several ranks, ``max`` on the merged row that carries the cross-rank "
         "figure (the slowest rank's statistics)"
@@ -374,8 +381,9 @@ def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
 class ResultsWriter:
     """Holds the run's rows and rewrites ``results.jsonl`` and ``results.csv`` atomically after each one.
 
-    With ``resume=True`` the rows already in ``results.jsonl`` are loaded, and :meth:`done` tells the
-    runner which measurements to skip (rows with status ``ok``; failed ones are measured again).
+    With ``resume=True`` the rows already in ``results.jsonl`` are loaded (a row found twice, kept once:
+    :func:`unique_rows`), and :meth:`done` tells the runner which measurements to skip: rows with status
+    ``ok`` and their ``median_us``. Failed ones are measured again, and so are :func:`incomplete` ones.
     """
 
     def __init__(self, run_dir: Path, resume: bool = False, stem: str = "results") -> None:
@@ -386,18 +394,27 @@ class ResultsWriter:
         self.rows: list[dict[str, Any]] = []
         # The start of a last line that a kill cut short, dropped on resume (the caller says so).
         self.dropped_tail: str | None = None
+        # The environment that measures the rows written from now on, where a resumed run's earlier rows
+        # were measured in another one (the ``measured_by`` column); None: the run's own.
+        self.measured_by: str | None = None
+        # How many rows the file held twice, dropped on resume (the caller says so).
+        self.duplicates = 0
         if resume and self.jsonl.exists():
-            self.rows, self.dropped_tail = read_rows(self.jsonl, allow_torn_tail=True)
-            if self.dropped_tail is not None:
+            rows, self.dropped_tail = read_rows(self.jsonl, allow_torn_tail=True)
+            self.rows, self.duplicates = unique_rows(rows, self.jsonl)
+            if self.dropped_tail is not None or self.duplicates:
                 self._flush()  # the files are valid again even if nothing is left to measure
 
     def done(self, key: tuple[Any, ...]) -> bool:
-        """Whether a row with this key (see KEY) was measured successfully."""
-        return any(row_key(r) == key and r.get("status") == "ok" for r in self.rows)
+        """Whether a row with this key (see KEY) was measured successfully: ``ok``, with its median."""
+        return any(
+            row_key(r) == key and r.get("status") == "ok" and r.get("median_us") is not None
+            for r in self.rows
+        )
 
     def write(self, row: dict[str, Any]) -> None:
         """Add (or replace, by key) a row and persist every file before returning."""
-        full = as_row(row)
+        full = as_row({"measured_by": self.measured_by, **row})
         self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
         self._flush()
 
@@ -418,6 +435,31 @@ class ResultsWriter:
             if self.jsonl.exists():
                 atomic_write_text(self.csv, _csv_text(read_rows(self.jsonl, allow_torn_tail=True)[0]))
             raise
+
+
+def incomplete(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that say ``ok`` without the ``median_us`` every reader takes, or say no status at all: what
+    an edit or a cut leaves, never what a launcher writes. A resume measures them again, saying so."""
+    return [
+        r for r in rows if r.get("status") is None or (r["status"] == "ok" and r.get("median_us") is None)
+    ]
+
+
+def unique_rows(rows: list[dict[str, Any]], path: Path) -> tuple[list[dict[str, Any]], int]:
+    """``rows`` with each row found more than once kept once (the first), and how many were dropped: a
+    file appended to itself, or two copies of a run concatenated, hold the same row twice. Two different
+    rows of one measurement (see KEY) are :class:`RowsFileError`: which one the run measured cannot be
+    told, and keeping either would lose the other."""
+    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        first = kept.setdefault(row_key(row), row)
+        if first != row:
+            case, op, phase, point, rank = row_key(row)
+            raise RowsFileError(
+                f"{path} holds two different rows of {op}.{phase} {point} (case {case}, rank {rank}): "
+                "delete the one this run did not measure"
+            )
+    return list(kept.values()), len(rows) - len(kept)
 
 
 def _csv_text(rows: Iterable[dict[str, Any]]) -> str:

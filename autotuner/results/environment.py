@@ -19,7 +19,7 @@ from autotuner.errors import UserError
 from autotuner.results.reading import read_run_text
 
 FILE_NAME = "environment.json"
-SECTIONS = ("environment", "transformer_config", "model_args", "fingerprint", "routing")
+SECTIONS = ("environment", "environments", "transformer_config", "model_args", "fingerprint", "routing")
 # Sizes the tools compute with, checked when present and not null; with a transformer_config, those of
 # _REQUIRED must be there (the predictor builds the model's shape from them).
 _SIZES = {
