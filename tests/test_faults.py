@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from namespaces import namespaced
 
 from autotuner.errors import UserError
 from autotuner.main import run
@@ -991,3 +992,23 @@ def test_resume_keeps_a_row_found_twice_once_and_refuses_two_different_rows_of_o
     lines = _errors(capsys.readouterr().err)
     assert len(lines) == 1 and "two different rows of linear_qkv.backward s16_b1" in lines[0], lines
     assert _snapshot(run_dir) == before
+
+
+def test_report_of_a_read_only_run_directory_is_one_line_or_goes_where_out_says(tmp_path: Path):
+    """A run directory on a read-only mount (an archive, a colleague's share) gave a traceback: one line
+    naming the fix, the run untouched; with --out the page is written there."""
+    run = _run_dir(tmp_path / "run")
+    before = _files(run)
+    report = [sys.executable, "-m", "autotuner.report", run]
+    for out in ([], ["--out", tmp_path / "page"]):
+        proc = subprocess.run(
+            namespaced([*report, *out], read_only=[run]),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if not out:
+            _one_line(proc, 2, f"the run directory {run}", "Read-only file system", "--out DIR")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "page" / "report.html").is_file() and _files(run) == before
