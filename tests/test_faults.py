@@ -646,6 +646,34 @@ def test_a_run_directory_that_cannot_be_a_folder_is_refused(capsys, tmp_path, wh
     assert blocker.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
 
 
+def _deep_folder(root: Path, length: int) -> Path:
+    """A path under ``root`` of ``length`` characters, in names of at most 200."""
+    path = str(root)
+    while len(path) < length:
+        path += "/" + "d" * min(200, max(1, length - len(path) - 1))
+    return Path(path)
+
+
+@pytest.mark.parametrize("length", [4000, 4090], ids=["room_for_no_file", "the_folders_cannot_be_made"])
+def test_a_run_directory_near_path_max_is_one_line_and_leaves_nothing(capsys, tmp_path, length):
+    """Near PATH_MAX a run made its folders, its lock file and Hydra's files, then failed at its first
+    results file (a traceback); a little longer, the lock failed and the folders stayed. Refused first, in
+    one line, nothing made."""
+    run_dir = _deep_folder(tmp_path / "long", length)
+    line = _refused(capsys, run_dir, [], "characters long, too long for the files a run writes in it")
+    assert "give a shorter path" in line and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["the_link", "under_the_link"])
+def test_a_run_directory_on_a_loop_of_links_is_one_line(capsys, tmp_path, where):
+    """pathlib's resolve() raised RuntimeError("Symlink loop") out of the lock's claim: a traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    run_dir = tmp_path / "a" if where == "the_link" else tmp_path / "a" / "run"
+    _refused(capsys, run_dir, [], f"hydra.run.dir={run_dir} cannot be used", "symbolic links", "another path")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
 @pytest.mark.parametrize(
     "shapes, words",
     [

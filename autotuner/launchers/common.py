@@ -3,6 +3,7 @@ record on disk and the closing summary."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -82,9 +83,14 @@ def claim_run_dir(run_dir: Path) -> None:
     A lock counts only while its file is still the one at the path: a refused run removes the lock files
     it made (:func:`release_run_dirs`), and one that locked the removed file tries again.
     """
-    run_dir = Path(run_dir).resolve()
+    fix = "choose another with hydra.run.dir=..."
+    try:
+        run_dir = Path(run_dir).resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of links (RuntimeError before Python 3.13)
+        raise UserError(f"cannot use {run_dir} as the run directory ({exc}): {fix}") from None
     rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
     stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
+    made = [p for p in (run_dir, *run_dir.parents) if not os.path.lexists(p)]  # removed if refused here
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stem in stems:
@@ -115,10 +121,12 @@ def claim_run_dir(run_dir: Path) -> None:
             _HELD[path] = fd
             _sweep_temporaries(run_dir, stem)
     except OSError as exc:
-        raise UserError(
-            f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): "
-            "choose another with hydra.run.dir=..."
-        ) from None
+        for path in [p for p in _CREATED if p.parent == run_dir]:
+            path.unlink(missing_ok=True)
+        for folder in made:  # leaf first: the folders this claim made, as they were (empty)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise UserError(f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): {fix}") from None
 
 
 def _sweep_temporaries(run_dir: Path, stem: str) -> None:
