@@ -1040,3 +1040,64 @@ def test_report_of_a_read_only_run_directory_is_one_line_or_goes_where_out_says(
             _one_line(proc, 2, f"the run directory {run}", "Read-only file system", "--out DIR")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "page" / "report.html").is_file() and _files(run) == before
+
+
+# Inside a mount namespace with a small tmpfs at DISK: a run that fills it after its first row, the disk
+# freed, the command it printed run; the run folder copied out after each (the tmpfs ends with the
+# namespace) and what each said written to OUT/said.json.
+_DISK_FILLS_MID_RUN = """
+import json, os, shlex, shutil, subprocess, sys, time
+disk, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+run_dir = os.path.join(disk, "run")
+proc = subprocess.Popen([sys.executable, "-m", "autotuner.main", *args, f"hydra.run.dir={run_dir}"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+results = os.path.join(run_dir, "results.jsonl")
+while proc.poll() is None and not (os.path.isfile(results) and open(results).read().count(chr(10))):
+    time.sleep(0.005)
+filler = os.open(os.path.join(disk, "filler"), os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(filler, bytes(4096))
+except OSError:
+    os.close(filler)
+_, full = proc.communicate(timeout=300)
+shutil.copytree(run_dir, os.path.join(out, "full"))
+os.unlink(os.path.join(disk, "filler"))
+command = shlex.split(full.rsplit("finish the run with: ", 1)[-1]) if "finish the run with" in full else []
+again = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=300)
+shutil.copytree(run_dir, os.path.join(out, "freed"))
+said = {"code": proc.returncode, "err": full, "command": command, "again": again.returncode}
+open(os.path.join(out, "said.json"), "w").write(json.dumps(said))
+"""
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_printed_command_finishes_the_run(tmp_path):
+    """A full disk (ENOSPC, a real tmpfs of 2 MiB filled after the first row) ended the run in Hydra's
+    traceback. One line: what could not be written, the rows kept, the command that finishes the run
+    once space is freed; exit 74 (EX_IOERR), the files whole. That command, run after freeing, measures
+    the rest."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    script = tmp_path / "fills.py"
+    script.write_text(_DISK_FILLS_MID_RUN)
+    args = [*TINY, "ops=[linear_qkv,core_attention,mlp,linear_proj]"]
+    command = namespaced([sys.executable, script, disk, out, *args], tmpfs=[(disk, "2m")])
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads((out / "said.json").read_text())
+    lines = _errors(said["err"])
+    assert said["code"] == 74 and len(lines) == 1, said["err"][-3000:]
+    kept = load_rows(out / "full" / "results.jsonl")
+    assert 1 <= len(kept) < 8
+    assert f"cannot write {disk}/run/results." in lines[0] and "(No space left on device)" in lines[0]
+    assert f"{len(kept)} row(s) kept in {disk}/run/results.jsonl" in lines[0]
+    assert said["command"][1:4] == ["-m", "autotuner.main", *args[:1]] and "resume=true" in said["command"]
+    assert "free space there, then finish the run with: python -m autotuner.main" in lines[0]
+    csv_rows = (out / "full" / "results.csv").read_text().splitlines()[1:]
+    assert len(csv_rows) in (len(kept) - 1, len(kept))  # whole; a row behind at most
+    assert not [p.name for p in (out / "full").iterdir() if p.name.endswith(".tmp")]
+    assert said["again"] == 0
+    rows = load_rows(out / "freed" / "results.jsonl")
+    assert len(rows) == 8 and rows[: len(kept)] == kept

@@ -482,7 +482,10 @@ def start_writer(
             listed = earlier.get(key)
             had = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
             record[key] = list(dict.fromkeys([*had, *record[key]]))
-    atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
+    try:
+        atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
+    except OSError as exc:
+        raise writer.not_written(exc, run_dir / "environment.json") from exc
     for note in spec.notes:
         print(f"note: {note}", file=sys.stderr)
     return writer

@@ -16,6 +16,7 @@ them (units in the name; empty where a value does not apply or was not measured)
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -425,16 +426,47 @@ class ResultsWriter:
         self._flush()
 
     def _flush(self) -> None:
+        target = self.jsonl
         try:
             atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.rows))
+            target = self.csv
             atomic_write_text(self.csv, _csv_text(self.rows))
-        except BaseException:
+        except BaseException as exc:
             # A signal between the two writes (SIGTERM's handler raises, so does SIGINT) would leave
             # results.csv a row behind: each write is atomic, so results.jsonl holds the old rows or the
             # new ones, and results.csv is written again from whichever it holds before the signal goes on.
-            if self.jsonl.exists():
-                atomic_write_text(self.csv, _csv_text(read_rows(self.jsonl, allow_torn_tail=True)[0]))
+            # A full disk may refuse that too: results.csv then stays whole, at most a row behind.
+            with contextlib.suppress(OSError):
+                if self.jsonl.exists():
+                    atomic_write_text(self.csv, _csv_text(read_rows(self.jsonl, allow_torn_tail=True)[0]))
+            if isinstance(exc, OSError):
+                raise self.not_written(exc, target) from exc
             raise
+
+    def not_written(self, exc: OSError, path: Path) -> RunFileNotWritten:
+        """``exc``, raised writing ``path`` of this run, as :class:`RunFileNotWritten` counting the rows
+        that ``results.jsonl`` keeps."""
+        try:
+            kept = len(read_rows(self.jsonl, allow_torn_tail=True)[0]) if self.jsonl.exists() else 0
+        except UserError:
+            kept = 0
+        return RunFileNotWritten(exc, Path(path), kept, self.jsonl)
+
+
+class RunFileNotWritten(OSError):
+    """A file of a run that could not be written while it ran (a full disk, a quota, a file size limit):
+    what was written before stays whole (every write is atomic), ``kept`` rows in ``results``. The
+    command reports it in one line, with how to finish the run (autotuner.main)."""
+
+    def __init__(self, exc: OSError, path: Path, kept: int, results: Path) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc), str(path))
+        self.path, self.kept, self.results = path, kept, results
+
+    def __str__(self) -> str:
+        return (
+            f"cannot write {self.path} ({self.strerror}): {self.kept} row(s) kept in {self.results}, "
+            "every file whole"
+        )
 
 
 def incomplete(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
