@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from namespaces import namespaced
 
 from autotuner.errors import UserError
 from autotuner.main import run
 from autotuner.results import ResultsWriter, load_rows
+from tests.namespaces import namespaced
 
 REPO = Path(__file__).resolve().parents[1]
 
