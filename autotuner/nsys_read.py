@@ -24,6 +24,7 @@ columns (weight_bytes, num_threads, call_count) stay empty.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import OneLineParser, UserError
-from autotuner.results.environment import load_environment
+from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
@@ -96,11 +97,17 @@ def foreign(op: str, point: str, record: dict[str, Any]) -> str | None:
 
 
 def _record_of(report: Path) -> dict[str, Any]:
-    """The environment.json of the run directory the report sits in (checked: a FIFO or a damaged record
-    is one line), or {} for a report copied on its own."""
-    if not os.path.lexists(report.parent / "environment.json"):
+    """The environment.json of the run directory the report sits in, or {} for a report copied on its
+    own or a record that is not a JSON object (its columns then stay empty). Only a regular file is read:
+    a FIFO is one line (autotuner.results.reading), not an open that waits."""
+    path = report.parent / "environment.json"
+    if not os.path.lexists(path):
         return {}
-    return load_environment(report.parent)
+    try:
+        record = json.loads(read_run_text(path))
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def read_rows(sqlite_path: Path, shown: Path) -> tuple[list[dict[str, Any]], list[str]]:
