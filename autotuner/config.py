@@ -149,6 +149,8 @@ class NsysLauncherConfig(LauncherConfig):
     phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).
     ``sub_op_ranges``: give the sub-ops of the op being measured their ranges too (nested in its range
     on the timeline, at a small cost inside its time); false marks the measured op alone.
+    ``start_timeout_s``: how long nsys may take to start the worker (its Python, torch imported) before it
+    is killed and the run refused in one line: an nsys that never starts its program would wait for ever.
     """
 
     name: str = "nsys"
@@ -158,6 +160,7 @@ class NsysLauncherConfig(LauncherConfig):
     warmup: int = 2
     iterations: int = 5
     sub_op_ranges: bool = True
+    start_timeout_s: float = 300.0
 
 
 @dataclass
