@@ -35,6 +35,7 @@ from autotuner.termination import (
     end_on_a_closed_pipe,
     forget_stop,
     interrupting_on_sigint,
+    stopping_with_torchrun,
     unwinding_on_sigterm,
 )
 
@@ -558,6 +559,7 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> None:
     """Validate the command line, then hand it to Hydra."""
     original = list(sys.argv[1:] if argv is None else argv)
+    stopping_with_torchrun()  # a rank orphaned by torchrun killed outright ends, not runs the plan out
     argv = open_dict_overrides(original)
     register_configs()
     _register_resolvers()
