@@ -88,21 +88,29 @@ def differences(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str | 
     return f"the runs differ in {'; '.join(found)}: each ratio compares that too" if found else None
 
 
+def _no_time(row: dict[str, Any]) -> str:
+    """What a table cell says for a row without a time: its status (failed, skipped, ...), ``no median``
+    for an ok row without one, ``no status`` for a row without one."""
+    status = row.get("status")
+    return "no median" if status == "ok" else str(status or "no status")
+
+
 def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 3) -> str:
     """The comparison tables, one per op, as text."""
-    index = {}
+    index, why = {}, {}
     for label, run in zip(labels, runs, strict=True):
         for row in run["rows"]:
+            key = (label, row["op"], row["phase"], row["point"])
             if row.get("status") == "ok" and row.get("median_us") is not None:
-                index[(label, row["op"], row["phase"], row["point"])] = row
+                index[key] = row
+            elif why.get(key) != "failed":  # a failed rank's row says more than another rank's
+                why[key] = _no_time(row)
     ops = list(dict.fromkeys(row["op"] for run in runs for row in run["rows"]))
     points = list(dict.fromkeys(row["point"] for run in runs for row in run["rows"]))
     blocks = []
     for op in ops:
         cells = [r["median_us"] for (_, o, _, _), r in index.items() if o == op]
-        if not cells:
-            continue
-        unit, scale = common_time_unit(cells, digits)
+        unit, scale = common_time_unit(cells, digits)  # us where the op has no time in any run
         header = [f"[ {op} ]  ({unit})", *points]
         lines = []
         for phase in PHASES:
@@ -111,7 +119,7 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
                 for point in points:
                     row = index.get((label, op, phase, point))
                     if row is None:
-                        line.append(MISSING)
+                        line.append(why.get((label, op, phase, point), MISSING))
                         continue
                     text = significant(row["median_us"] / scale, digits)
                     base = index.get((labels[0], op, phase, point))
@@ -125,7 +133,8 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
         blocks.append(text_table(header, lines, [False] + [True] * len(points), rule=False))
     legend = (
         f"baseline: {labels[0]}; (N.NNx) = speed-up over the baseline, ~ = within noise (IQR); "
-        "! = the sampler warned (see results.csv)"
+        f"! = the sampler warned (see results.csv); failed, skipped, ...: the row's status, no time (its "
+        f"error column says why); no median: ok but without one; {MISSING} = no row (not measured)"
     )
     return "\n\n".join([*blocks, legend])
 

@@ -149,6 +149,8 @@ class NsysLauncherConfig(LauncherConfig):
     phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).
     ``sub_op_ranges``: give the sub-ops of the op being measured their ranges too (nested in its range
     on the timeline, at a small cost inside its time); false marks the measured op alone.
+    ``start_timeout_s``: how long nsys may take to start the worker (its Python, torch imported) before it
+    is killed and the run refused in one line: an nsys that never starts its program would wait for ever.
     """
 
     name: str = "nsys"
@@ -158,6 +160,7 @@ class NsysLauncherConfig(LauncherConfig):
     warmup: int = 2
     iterations: int = 5
     sub_op_ranges: bool = True
+    start_timeout_s: float = 300.0
 
 
 @dataclass
@@ -207,6 +210,9 @@ class AutotunerConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     resume: bool = False
+    # resume=true into a run another autotuner version or environment measured (environment.json): false
+    # refuses in one line; true measures the rest, each new row naming its environment (measured_by)
+    resume_across_versions: bool = False
     calibration: str | None = None
     progress: bool = True
     report: bool = True  # write report.html and its figures into the run directory (autotuner.report)

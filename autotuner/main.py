@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import errno
 import io
 import itertools
 import os
@@ -19,6 +20,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,11 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
 from autotuner.errors import UserError
+from autotuner.results import RunFileNotWritten
 from autotuner.results.atomic import check_writable
 from autotuner.termination import (
     end_on_a_closed_pipe,
     forget_stop,
     interrupting_on_sigint,
+    stopping_with_torchrun,
     unwinding_on_sigterm,
 )
 
@@ -340,6 +344,8 @@ def _app(cfg: DictConfig) -> None:
         raise SystemExit(exc.exit_code) from None
     except BrokenPipeError:  # the reader of the run's table stopped reading (| head): its rows are on disk
         end_on_a_closed_pipe(at_once=int(os.environ.get("WORLD_SIZE", 1)) > 1)
+    except RunFileNotWritten as exc:  # a full disk mid-run: what was measured is on disk, whole
+        _end_not_written(exc)
     except Exception:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             # The other ranks may be waiting for this one in a collective, and a normal exit can block
@@ -359,6 +365,30 @@ def _app(cfg: DictConfig) -> None:
         )
     elif code:
         raise SystemExit(code)
+
+
+# The exit status of a run that could not write its files (sysexits.h's EX_IOERR): neither bad input (2)
+# nor a finished run with failed ops (1).
+EXIT_NOT_WRITTEN = 74
+_FIX_NOT_WRITTEN = {
+    errno.ENOSPC: "free space there",
+    errno.EDQUOT: "free space there (the quota is full)",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+}
+
+
+def _end_not_written(exc: RunFileNotWritten) -> NoReturn:
+    """One line for a run file that could not be written (what, the rows kept, how to finish), then end
+    with :data:`EXIT_NOT_WRITTEN`; a rank of several leaves at once (its peers may wait in a collective)."""
+    fix = _FIX_NOT_WRITTEN.get(exc.errno or 0, "fix that")
+    command = _resume_command(_ORIGINAL_ARGV)
+    finish = f"{fix}, then finish the run with: {command}" if command else f"{fix}, then run it again"
+    if os.environ.get("RANK", "0") == "0" or int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        print(f"autotuner: error: {exc}: {finish}", file=sys.stderr)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stderr.flush()
+        os._exit(EXIT_NOT_WRITTEN)
+    raise SystemExit(EXIT_NOT_WRITTEN) from None
 
 
 def _report(run_dir: Path) -> None:
@@ -389,6 +419,9 @@ def _shared_run_dir(argv: list[str]) -> list[str]:
             "use torchrun --standalone, or pass hydra.run.dir=<folder>"
         )
     return [*argv, f"hydra.run.dir=runs/${{case}}/${{launcher.name}}/job-{job}"]
+
+
+_ORIGINAL_ARGV: list[str] = []  # the command line as given (main), for the commands that finish a run
 
 
 def _claim_run_dir(argv: list[str]) -> None:
@@ -526,6 +559,7 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> None:
     """Validate the command line, then hand it to Hydra."""
     original = list(sys.argv[1:] if argv is None else argv)
+    stopping_with_torchrun()  # a rank orphaned by torchrun killed outright ends, not runs the plan out
     argv = open_dict_overrides(original)
     register_configs()
     _register_resolvers()
@@ -540,6 +574,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     sys.argv = [sys.argv[0], *argv]
+    _ORIGINAL_ARGV[:] = original  # for the one line of a run that cannot write its files
     with _guarded_run(original):
         _app()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import OneLineParser, UserError
+from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
@@ -64,12 +66,9 @@ def context_of(report: Path) -> dict[str, Any]:
     spec."""
     match = _RANK_RE.search(report.stem)
     context: dict[str, Any] = {"rank": int(match[1]) if match else 0}
-    try:
-        record = json.loads((report.parent / "environment.json").read_text())
-    except (OSError, ValueError):
+    record = _record_of(report)
+    if not record:
         return context  # a report copied on its own: those columns stay empty
-    if not isinstance(record, dict):
-        return context
     tf_config = record.get("transformer_config") or {}
     context.update(
         case=record.get("case"),
@@ -80,9 +79,43 @@ def context_of(report: Path) -> dict[str, Any]:
     return {k: v for k, v in context.items() if v is not None}
 
 
-def read_rows(sqlite_path: Path, shown: Path) -> list[dict[str, Any]]:
-    """The rows of an SQLite export; UserError (naming ``shown``) when it is not one or has none of ours."""
+def foreign(op: str, point: str, record: dict[str, Any]) -> str | None:
+    """Why a ``measure`` window of ``op`` at ``point`` is not one of this tool's, or None when it is: an op
+    this tool has (or the run's record lists: a captured call's) at a shape point ``s<seq>_b<mbs>`` (a
+    captured call's at its signature). Another program's ranges can share our names' form; as rows they
+    were ``ok`` rows of nothing, which the report could not draw."""
+    from autotuner.ops_test.places import op_tree
+    from autotuner.runner.plan import point_dims
+
+    listed = record.get("ops") if isinstance(record.get("ops"), list) else []
+    ours = set(op_tree().order)
+    if op not in ours and op not in listed:
+        return "no such op"
+    if op in ours and not all(d is not None and d > 0 for d in point_dims(point)):
+        return "not a shape point s<seq>_b<mbs>"
+    return None
+
+
+def _record_of(report: Path) -> dict[str, Any]:
+    """The environment.json of the run directory the report sits in, or {} for a report copied on its
+    own or a record that is not a JSON object (its columns then stay empty). Only a regular file is read:
+    a FIFO is one line (autotuner.results.reading), not an open that waits."""
+    path = report.parent / "environment.json"
+    if not os.path.lexists(path):
+        return {}
+    try:
+        record = json.loads(read_run_text(path))
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def read_rows(sqlite_path: Path, shown: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of an SQLite export, and the ``measure`` windows left out as not this tool's
+    (:func:`foreign`: each named once, with why); UserError (naming ``shown``) when it is not a report or
+    has no window of ours."""
     from autotuner.launchers.nsys_rows import read_sqlite, report_rows
+    from autotuner.launchers.nsys_worker import marker_name
 
     try:
         data = read_sqlite(sqlite_path)
@@ -90,12 +123,15 @@ def read_rows(sqlite_path: Path, shown: Path) -> list[dict[str, Any]]:
         raise UserError(
             f"{shown} is not an nsys report ({exc}): give a .nsys-rep or the .sqlite that nsys export wrote"
         ) from exc
+    context, record = context_of(shown), _record_of(shown)
+    left_out = {key: why for key in data.measured if (why := foreign(key[0], key[2], record))}
+    data.measured = {key: found for key, found in data.measured.items() if key not in left_out}
     if not data.measured:
         raise UserError(
-            f"{shown} holds no ranges of ours (no 'measure <op>.<phase> [<point>]' NVTX range): "
-            "give a report made by python -m autotuner.main launcher=nsys"
+            f"{shown} holds no ranges of ours (no 'measure <op>.<phase> [<point>]' NVTX range of this "
+            "tool's ops and points): give a report made by python -m autotuner.main launcher=nsys"
         )
-    return report_rows(data, context_of(shown))
+    return report_rows(data, context), [f"{marker_name(*key)} ({why})" for key, why in left_out.items()]
 
 
 def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
@@ -154,7 +190,13 @@ def read_report(
     out_dir = _out_dir(report, out)
     with tempfile.TemporaryDirectory(prefix="nsys_read-") as tmp:
         exported = _export(report, nsys_bin, Path(tmp)) if report.suffix == ".nsys-rep" else None
-        rows = read_rows(exported or report, report)
+        rows, left_out = read_rows(exported or report, report)
+        if left_out:  # counted and named once, never rows
+            shown = "; ".join(left_out[:5]) + (f"; and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+            print(
+                f"note: {len(left_out)} range(s) not of this tool's ops and points, left out: {shown}",
+                file=sys.stderr,
+            )
         try:
             ResultsWriter(out_dir).extend(rows)
             if exported is not None:

@@ -102,3 +102,26 @@ def test_runs_measured_otherwise_are_said_to_differ_and_labels_must_differ(tmp_p
     assert default_labels(["/tmp/x/run", "/tmp/x/run/"]) == ["run #1", "run #2"]
     assert main([base, str(other), "--labels", "a,a"]) == 2
     assert "names two runs alike" in capsys.readouterr().err
+
+
+def test_a_cell_without_a_time_says_why(tmp_path, capsys):
+    """Every cell without a median read "-": a failed op, a skipped one, a row without its median and a
+    point never measured looked alike, and an op without a time in any run had no table at all."""
+    base = _run(tmp_path, "base", {("mlp", "forward", "s8_b1"): 10.0, ("mlp", "forward", "s16_b1"): 20.0})
+    new = _run(tmp_path, "new", {("mlp", "forward", "s8_b1"): 10.0})
+    writer = ResultsWriter(tmp_path / "new", resume=True)
+    for op, status in (("mlp", "failed"), ("embedding", "skipped"), ("norm", "ok")):
+        writer.write({"case": "tiny", "op": op, "phase": "forward", "point": "s16_b1", "status": status})
+    assert main([base, new]) == 0
+    out = capsys.readouterr().out
+    cells = {
+        (block.split("]")[0].strip("[ "), line[:13].strip()): line[13:].split()
+        for block in out.split("\n\n")[:-1]
+        for line in block.splitlines()[1:]
+    }
+    assert cells["mlp", "forward  new"] == ["10.0", "(~1.00x)", "failed"]
+    assert cells["mlp", "forward  base"] == ["10.0", "20.0"]
+    assert cells["embedding", "forward  new"] == ["-", "skipped"]
+    assert cells["norm", "forward  new"] == ["-", "no", "median"]
+    assert cells["norm", "backward new"] == ["-", "-"]
+    assert "- = no row (not measured)" in out.splitlines()[-1]

@@ -80,9 +80,11 @@ def _summary(out: Path, returncode: int, before: tuple[int, int, int] | None) ->
     except UserError as exc:
         return f"autotuner.capture: {exc}"
     status = capture.status + (f": {capture.error}" if capture.error else "")
+    compiled = capture.settings.get("torch_compile")
     return (
         f"autotuner.capture: {capture.total_calls} calls, {len(capture.calls)} distinct, in "
         f"{capture.steps_captured} optimizer step(s) -> {out} ({status}, {ending})"
+        + (f"; note: the torch.compile'd model {compiled}" if compiled else "")
     )
 
 

@@ -3,8 +3,10 @@ record on disk and the closing summary."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
+import hashlib
 import json
 import os
 import re
@@ -18,10 +20,21 @@ from omegaconf import DictConfig, OmegaConf
 from autotuner.errors import UserError
 from autotuner.model.runtime import device_name, environment, process_rank
 from autotuner.report import REPORT_NAME
-from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
+from autotuner.results import (
+    ResultsWriter,
+    RowsFileError,
+    incomplete,
+    load_rows,
+    merge_ranks,
+    read_rows,
+    row_key,
+    unique_rows,
+)
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.environment import load_environment
+from autotuner.results.reading import check_regular
 from autotuner.results.table import render
+from autotuner.runner.plan import plan
 
 # The most calls a profiling launcher (nsys, torch_profiler) makes of each op at each point: every one is a
 # range the profiler keeps until the end (torch.profiler in this process's memory, nsys in its report), so
@@ -70,9 +83,14 @@ def claim_run_dir(run_dir: Path) -> None:
     A lock counts only while its file is still the one at the path: a refused run removes the lock files
     it made (:func:`release_run_dirs`), and one that locked the removed file tries again.
     """
-    run_dir = Path(run_dir).resolve()
+    fix = "choose another with hydra.run.dir=..."
+    try:
+        run_dir = Path(run_dir).resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of links (RuntimeError before Python 3.13)
+        raise UserError(f"cannot use {run_dir} as the run directory ({exc}): {fix}") from None
     rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
     stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
+    made = [p for p in (run_dir, *run_dir.parents) if not os.path.lexists(p)]  # removed if refused here
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stem in stems:
@@ -103,10 +121,12 @@ def claim_run_dir(run_dir: Path) -> None:
             _HELD[path] = fd
             _sweep_temporaries(run_dir, stem)
     except OSError as exc:
-        raise UserError(
-            f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): "
-            "choose another with hydra.run.dir=..."
-        ) from None
+        for path in [p for p in _CREATED if p.parent == run_dir]:
+            path.unlink(missing_ok=True)
+        for folder in made:  # leaf first: the folders this claim made, as they were (empty)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise UserError(f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): {fix}") from None
 
 
 def _sweep_temporaries(run_dir: Path, stem: str) -> None:
@@ -151,7 +171,10 @@ def release_run_dirs(refused: bool = False) -> None:
 # Config keys that never change a measurement, so a resumed run may change them (that is how a run is
 # extended): which ops and shapes, what is shown, resume itself. hf, tf, device and dtype are compared
 # resolved (the model config Megatron builds; cuda and bf16 rather than auto), case_dir as the case.
-_RESUMABLE_KEYS = {"ops", "shapes", "progress", "report", "resume", "case_dir", "hf", "tf", "device", "dtype"}
+_RESUMABLE_KEYS = {
+    *("ops", "shapes", "progress", "report", "resume", "resume_across_versions"),
+    *("case_dir", "hf", "tf", "device", "dtype"),
+}
 _VERSIONED = ("torch", "megatron-core", "transformers", "transformer-engine")
 
 
@@ -221,12 +244,23 @@ def _every_rank_stem(world: int) -> list[str]:
     return [results_stem(rank, world) for rank in range(world)]
 
 
+# Files a run opens in place, not through autotuner.results.atomic: Hydra's record of the config and its
+# log. A FIFO there holds Hydra's open for ever, so each must be a regular file, or absent.
+_OPENED_IN_PLACE = ("main.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+
+
+def _check_opened_in_place(run_dir: Path) -> None:
+    for name in _OPENED_IN_PLACE:
+        check_regular(Path(run_dir) / name, "move it away, or choose another hydra.run.dir")
+
+
 def check_fresh(run_dir: Path, world: int) -> None:
     """Without ``resume=true``, before anything is written: a directory that holds an earlier run's
     results is refused (one line), since a new run would replace them: finished rows are never lost.
     Under torchrun every rank checks every rank's file (``results.rank<N>.jsonl``, :func:`_every_rank_stem`)
     and the merged ``results.jsonl``; no rank writes a row before all have passed here, since every row
     takes all ranks' collectives."""
+    _check_opened_in_place(run_dir)
     names = {f"{stem}.jsonl" for stem in [*_every_rank_stem(world), "results"]}
     earlier = sorted(n for n in names if (Path(run_dir) / n).is_file() and (Path(run_dir) / n).stat().st_size)
     if earlier:
@@ -249,18 +283,23 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     if run_dir in _RESUME_CHECKED:
         return
     rank, world = spec.rank, spec.world
+    _check_opened_in_place(run_dir)
     rows = []
     # every rank's, so the ranks decide alike; and any other results file there, so that a run of another
     # process count is not taken for nothing to resume (and its merged results.jsonl then replaced)
     found = sorted(p.name.removesuffix(".jsonl") for p in run_dir.glob("results.rank*.jsonl"))
     for stem in dict.fromkeys([*_every_rank_stem(world), "results", *found]):
         results = run_dir / f"{stem}.jsonl"
-        if results.exists() and not results.is_file():
-            raise UserError(
-                f"cannot resume: {results} is not a file: move it away, or start a new run elsewhere"
-            )
         try:
-            rows += read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
+            check_regular(results, "move it away, or start a new run elsewhere")
+        except UserError as exc:  # a folder, a FIFO: never opened
+            raise UserError(f"cannot resume: {exc}") from None
+        try:
+            rows += (
+                unique_rows(read_rows(results, allow_torn_tail=True)[0], results)[0]
+                if results.is_file()
+                else []
+            )
         except RowsFileError as exc:  # its message names the line and the fix
             raise UserError(f"cannot resume: {exc}, or start a new run without resume=true") from None
     if not rows:
@@ -271,9 +310,9 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         _RESUME_CHECKED.add(run_dir)
         return
     try:
-        recorded = json.loads((run_dir / "environment.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
+        recorded = load_environment(run_dir).get("fingerprint")
+    except UserError as exc:  # a FIFO, a device, a damaged record: its message names the file and why
+        raise UserError(f"cannot resume: {exc}") from None
     if not isinstance(recorded, dict):
         raise UserError(
             f"cannot resume {run_dir}: its environment.json holds no configuration fingerprint (missing, "
@@ -282,8 +321,11 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         )
     current = fingerprint(cfg, spec)
     absent = object()
+    # the libraries' versions are in the environment too, which _check_environment compares
     differ = sorted(
-        k for k in recorded.keys() | current.keys() if recorded.get(k, absent) != current.get(k, absent)
+        k
+        for k in (recorded.keys() | current.keys()) - set(_VERSIONED)
+        if recorded.get(k, absent) != current.get(k, absent)
     )
     if differ:
         shown = ", ".join(
@@ -295,7 +337,84 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
             f"cannot resume {run_dir} with a different configuration ({shown}): resume with {processes}the "
             "settings of that run (its .hydra/overrides.yaml), or start a new run without resume=true"
         )
+    _check_environment(cfg, spec, run_dir, rows)
     _RESUME_CHECKED.add(run_dir)
+
+
+# What of a run's environment (autotuner.model.runtime.environment) is the process's, not what measured:
+# its command line, the node (SLURM requeues a job onto another node of its kind; the device's name is
+# compared), its thread count (each row has its own; timing.threads is in the fingerprint) and its host
+# heap (set up after the check, from the device and the platform, both compared).
+_INCIDENTAL = frozenset({"command", "hostname", "num_threads", "host_heap"})
+
+
+def _measuring(env: Any) -> dict[str, Any]:
+    """The part of an environment record that a resume compares (all but :data:`_INCIDENTAL`)."""
+    return {k: v for k, v in env.items() if k not in _INCIDENTAL} if isinstance(env, dict) else {}
+
+
+def environment_key(env: dict[str, Any]) -> str:
+    """The name of an environment in environment.json's ``environments`` and in the rows it measured
+    (``measured_by``): the autotuner version and revision, then a digest of what was compared."""
+    digest = hashlib.sha1(json.dumps(_measuring(env), sort_keys=True, default=repr).encode()).hexdigest()
+    return f"{env.get('autotuner')}+{env.get('autotuner_revision')}-{digest[:8]}"
+
+
+def _environments_of(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The environments that measured ``rows``: the record's ``environment`` for a row without
+    ``measured_by``, else the one its ``measured_by`` names in ``environments`` (unknown: an empty one)."""
+    named = record.get("environments") if isinstance(record.get("environments"), dict) else {}
+    keys = dict.fromkeys(row.get("measured_by") for row in rows)
+    return [record.get("environment") if key is None else named.get(key) or {} for key in keys]
+
+
+def _check_environment(cfg: DictConfig, spec: Any, run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """The resumed rows' environments against this process's: another autotuner version or revision,
+    Python, platform or library would credit the earlier rows to this one (environment.json keeps the
+    environment that measured them). Refused in one line unless ``resume_across_versions=true``, under
+    which each new row names its own (``measured_by``)."""
+    if cfg.get("resume_across_versions", False):
+        return
+    current = _measuring(environment(spec.device))
+    for earlier in map(_measuring, _environments_of(rows, load_environment(run_dir))):
+        differ = sorted(k for k in earlier.keys() | current.keys() if earlier.get(k) != current.get(k))
+        if differ:
+            shown = ", ".join(
+                f"{k} {_shown(earlier.get(k))} -> {_shown(current.get(k))}" for k in differ[:4]
+            ) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+            raise UserError(
+                f"cannot resume {run_dir}: its rows were measured in another environment ({shown}): resume "
+                "with the versions of that run (its environment.json), or add resume_across_versions=true "
+                "to record the new rows with their own, or start a new run without resume=true"
+            )
+
+
+def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
+    """One note for the rows a resume found twice (kept once) and one for those it found incomplete
+    (:func:`autotuner.results.incomplete`; measured again where this run's plan has them)."""
+    if writer.duplicates:
+        print(
+            f"note: {writer.jsonl} held {writer.duplicates} row(s) twice (the same row, as a file appended "
+            "to itself holds it): kept once",
+            file=sys.stderr,
+        )
+    lacking = incomplete(writer.rows)
+    if not lacking:
+        return
+    planned = {(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
+    again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if row_key(r) in planned]
+    said = (
+        [f"{len(again)} measured again ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''})"]
+        if again
+        else []
+    )
+    if len(lacking) > len(again):
+        said.append(f"{len(lacking) - len(again)} outside this run's ops and points left as they are")
+    print(
+        f"note: {len(lacking)} row(s) of {writer.jsonl} lack their median_us or status (an edited or cut "
+        f"file), so they do not count as measured: {'; '.join(said)}",
+        file=sys.stderr,
+    )
 
 
 def start_writer(
@@ -316,32 +435,6 @@ def start_writer(
     else:
         check_fresh(run_dir, spec.world)
     rank, world = spec.rank, spec.world
-    record = None
-    if rank == 0:
-        record = {
-            "environment": environment(spec.device, tools),
-            "case": spec.case,
-            "dtype": spec.dtype,
-            "points": [p.label for p in spec.points],
-            "ops": [op.name for op in spec.ops],
-            "transformer_engine_spec": spec.use_transformer_engine,
-            "routing": {"mode": spec.routing.mode, "zipf_s": spec.routing.zipf_s},  # moe.*: MoE ops' input
-            "transformer_config": {
-                k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
-                for k, v in vars(spec.tf_config).items()
-                if not k.startswith("_")
-            },
-            "model_args": {k: v for k, v in vars(spec.model_args).items()},
-            "notes": spec.notes,
-            "world_size": world,
-            "fingerprint": fingerprint(cfg, spec),
-        }
-        if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
-            earlier = load_environment(run_dir)
-            for key in ("points", "ops"):
-                listed = earlier.get(key)
-                had = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
-                record[key] = list(dict.fromkeys([*had, *record[key]]))
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:
         print(
@@ -349,9 +442,50 @@ def start_writer(
             f"{writer.dropped_tail[:60]!r}",
             file=sys.stderr,
         )
-    if record is None:
+    _say_what_a_resume_drops(writer, spec)
+    this = environment(spec.device, tools)
+    earlier = load_environment(run_dir) if cfg.resume else {}
+    # The environment that measured the earlier rows stays the run's; another one (resume_across_versions,
+    # checked by check_resume) is added to its environments and named in each row it measures.
+    kept = (
+        earlier.get("environment") if writer.rows and isinstance(earlier.get("environment"), dict) else None
+    )
+    if kept is not None and _measuring(kept) != _measuring(this):
+        writer.measured_by = environment_key(this)
+    if rank != 0:
         return writer
-    atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
+    record = {
+        "environment": kept or this,
+        "case": spec.case,
+        "dtype": spec.dtype,
+        "points": [p.label for p in spec.points],
+        "ops": [op.name for op in spec.ops],
+        "transformer_engine_spec": spec.use_transformer_engine,
+        "routing": {"mode": spec.routing.mode, "zipf_s": spec.routing.zipf_s},  # moe.*: MoE ops' input
+        "transformer_config": {
+            k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
+            for k, v in vars(spec.tf_config).items()
+            if not k.startswith("_")
+        },
+        "model_args": {k: v for k, v in vars(spec.model_args).items()},
+        "notes": spec.notes,
+        "world_size": world,
+        "fingerprint": fingerprint(cfg, spec),
+    }
+    named = earlier.get("environments") if writer.rows else None
+    if writer.measured_by or isinstance(named, dict):
+        record["environments"] = {**(named if isinstance(named, dict) else {})}
+        if writer.measured_by:
+            record["environments"][writer.measured_by] = this
+    if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
+        for key in ("points", "ops"):
+            listed = earlier.get(key)
+            had = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
+            record[key] = list(dict.fromkeys([*had, *record[key]]))
+    try:
+        atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
+    except OSError as exc:
+        raise writer.not_written(exc, run_dir / "environment.json") from exc
     for note in spec.notes:
         print(f"note: {note}", file=sys.stderr)
     return writer

@@ -90,6 +90,11 @@ def _check_settings(cfg: DictConfig) -> None:
     if launcher.warmup < 0 or launcher.iterations < 1:
         raise UserError("launcher.warmup must be >= 0 and launcher.iterations >= 1: fix launcher.*")
     check_profiled_calls({"launcher.warmup": launcher.warmup, "launcher.iterations": launcher.iterations})
+    if not 0 < launcher.start_timeout_s <= 3600:  # NaN fails too
+        raise UserError(
+            f"launcher.start_timeout_s={launcher.start_timeout_s} must be above 0 and at most 3600 (seconds "
+            "nsys may take to start the worker)"
+        )
     if cfg.resume:
         raise UserError("launcher=nsys cannot resume (one report holds every op of a run): drop resume=true")
 
@@ -146,7 +151,13 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     with StopSignals(worker_dir, TORCHRUN_STOP_GRACE_S if world > 1 else None) as stop:
         wait_turn(run_dir, rank, world, stop)
         report = report_base.with_suffix(".nsys-rep")
-        result = profile(cmd, log_path, worker_dir, report, stop, worker_port=worker_port)
+        result = profile(cmd, log_path, worker_dir, report, stop, worker_port, launcher.start_timeout_s)
+        if stop.never_started is not None:
+            raise UserError(
+                f"{nsys} did not start the worker within launcher.start_timeout_s={stop.never_started:g} s "
+                f"(killed; its output: {log_path}): check that it runs a program ({nsys} profile "
+                "python -c pass), or raise launcher.start_timeout_s"
+            )
         if stop.killed:
             print(
                 f"autotuner: {stop.killed}: killed nsys and the worker (its report may be lost)",

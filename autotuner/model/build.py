@@ -13,6 +13,7 @@ import collections.abc
 import dataclasses
 import enum
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -259,7 +260,26 @@ def build_transformer_config(
         return config_class(bool(kwargs.get("multi_latent_attention")))(**kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        message = megatron_flags_as_overrides(message, config_class)
         raise UserError(f"invalid TransformerConfig: {message}: fix the hf./tf. overrides") from exc
+
+
+def megatron_flags_as_overrides(message: str, config_class: type) -> str:
+    """Megatron's message with its training script's flags (``--moe-router-pre-softmax``) written as the
+    override a user of this tool types (``tf.moe_router_pre_softmax=true``): a flag named after a field of
+    ``config_class``, with its value (``--x=v``: ``tf.x=v``), ``=true`` for a boolean field's bare flag.
+    Any other flag is left as Megatron wrote it."""
+    kinds = {f.name: f.type for f in dataclasses.fields(config_class)}
+
+    def override(match: re.Match[str]) -> str:
+        name = match[1].replace("-", "_")
+        if name not in kinds:
+            return match[0]
+        if match[2]:
+            return f"tf.{name}{match[2]}"
+        return f"tf.{name}=true" if kinds[name] in (bool, "bool") else f"tf.{name}"
+
+    return re.sub(r"--([a-z][a-z0-9-]*[a-z0-9])(=[^\s,;]+)?", override, message)
 
 
 def moe_implementation(device: torch.device) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from autotuner.errors import UserError, schema_problem
+from autotuner.results.reading import read_run_text
 
 DEFAULT_DIR = Path("runs") / "calibration"
 # Host-transfer ceilings a calibration of a GPU holds (an op names the one it is judged against).
@@ -224,12 +225,12 @@ def load(path: str | Path) -> dict[str, Any]:
     missing, not JSON, or a figure is absent or of the wrong type. Returns the file's data as written."""
     path = resolve(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        # a FIFO or a device is refused, not waited on; a missing file says the presets
+        data = json.loads(read_run_text(path, fix=f"{_FIX}, or name a preset: {', '.join(presets())}"))
+    except ValueError as exc:
         raise UserError(
-            f"cannot read the calibration file {path} ({why}): {_FIX}, or name a preset: "
-            f"{', '.join(presets())}"
+            f"cannot read the calibration file {path} ({str(exc).splitlines()[0]}): {_FIX}, or name a "
+            f"preset: {', '.join(presets())}"
         ) from exc
     if not isinstance(data, dict):
         raise UserError(f"calibration file {path} holds no JSON object: {_FIX}")
