@@ -256,11 +256,12 @@ def build_transformer_config(
             f"expert_model_parallel_size={ep} does not divide the {experts} experts: "
             "choose an EP size that divides num_moe_experts"
         )
+    family_config = config_class(bool(kwargs.get("multi_latent_attention")))
     try:
-        return config_class(bool(kwargs.get("multi_latent_attention")))(**kwargs)
+        return family_config(**kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-        message = megatron_flags_as_overrides(message, config_class)
+        message = megatron_flags_as_overrides(message, family_config)
         raise UserError(f"invalid TransformerConfig: {message}: fix the hf./tf. overrides") from exc
 
 
