@@ -1,4 +1,4 @@
-"""``python -m autotuner.nsys_read REPORT [--out DIR] [--nsys-bin NSYS]``: the per-op table from a report.
+"""``autotuner-nsys-read REPORT [out=DIR] [nsys_bin=NSYS]``: the per-op table from a report.
 
 For a report of launcher=nsys read somewhere else than where it was made (a cluster node's report on a
 laptop), or one the launcher could not read (the node's nsys had no working exporter). Everything a row
@@ -11,9 +11,9 @@ NVTX range. What the report cannot tell (case, dtype, tensor_parallel) comes fro
 columns (weight_bytes, num_threads, call_count) stay empty.
 
 * ``REPORT.sqlite`` (nsys's SQLite export) is read as it is; ``REPORT.nsys-rep`` is first exported with
-  nsys (``--nsys-bin``, looked up as the launcher looks up ``launcher.nsys_bin``), and the export is kept
+  nsys (``nsys_bin``, looked up as the launcher looks up ``launcher.nsys_bin``), and the export is kept
   in DIR as ``<REPORT stem>.sqlite``.
-* DIR (``--out``, default the report's folder) gets ``results.csv`` and ``results.jsonl``. Left to its
+* DIR (``out``, default the report's folder) gets ``results.csv`` and ``results.jsonl``. Left to its
   default, it must not hold results already (the launcher's, with the worker's columns, are kept); named,
   it may hold results only when it is the report's own folder (replaced), never another run's.
 * Exit code 0 when every row is ok, 1 when one failed (a window left open or short of iterations), 2
@@ -23,7 +23,6 @@ columns (weight_bytes, num_threads, call_count) stay empty.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -31,10 +30,12 @@ import shutil
 import sqlite3
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, parse, setting
+from autotuner.errors import UserError
 from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
@@ -42,21 +43,26 @@ REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
 _RANK_RE = re.compile(r"-rank(\d+)$")  # report-rank<N>: one report per rank under torchrun
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog="python -m autotuner.nsys_read",
-        description="Build the per-op table (results.csv/.jsonl) from an nsys report of launcher=nsys.",
+@dataclass(frozen=True)
+class NsysReadSettings:
+    out: str | None = setting(
+        None,
+        "where to write results.csv/.jsonl (default: the report's folder, if it holds no results)",
+        "DIR",
     )
-    parser.add_argument("report", type=Path, metavar="REPORT", help="a .nsys-rep or its .sqlite export")
-    parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="where to write (default: the report's folder)"
+    nsys_bin: str | None = setting(
+        None, "the nsys that exports a .nsys-rep (default: launcher.nsys_bin's default search)", "NSYS"
     )
-    parser.add_argument(
-        "--nsys-bin",
-        metavar="NSYS",
-        help="the nsys that exports a .nsys-rep (default: launcher.nsys_bin's default)",
-    )
-    return parser.parse_args(argv)
+
+
+COMMAND = Command(
+    "autotuner-nsys-read",
+    "autotuner.nsys_read",
+    "Build the per-op table (results.csv/.jsonl) from an nsys report of launcher=nsys.",
+    "REPORT",
+    NsysReadSettings,
+    most=1,
+)
 
 
 def context_of(report: Path) -> dict[str, Any]:
@@ -150,20 +156,20 @@ def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
 
 
 def _out_dir(report: Path, out: Path | None) -> Path:
-    """Where the rows go. Results already there are replaced only when asked for by name: ``--out`` the
+    """Where the rows go. Results already there are replaced only when asked for by name: ``out`` the
     report's own folder (its launcher's rows); another run's folder is refused, its measurements kept."""
     taken = [name for name in ("results.jsonl", "results.csv") if ((out or report.parent) / name).exists()]
     if out is not None:
         if taken and out.resolve() != report.parent.resolve():
             raise UserError(
-                f"--out {out} holds another run's {taken[0]}: give --out an empty or new folder (or the "
+                f"out={out} holds another run's {taken[0]}: give out= an empty or new folder (or the "
                 f"report's own, {report.parent}, to replace its rows)"
             )
         return out
     if taken:
         raise UserError(
-            f"{report.parent} already holds {taken[0]}: pass --out DIR for the rows read from the report "
-            f"(--out {report.parent} replaces them)"
+            f"{report.parent} already holds {taken[0]}: pass out=DIR for the rows read from the report "
+            f"(out={report.parent} replaces them)"
         )
     return report.parent
 
@@ -203,18 +209,19 @@ def read_report(
                 shutil.move(exported, out_dir / exported.name)  # read it again without nsys
         except OSError as exc:
             raise UserError(
-                f"cannot write to {out_dir}: {exc.strerror or exc}: give --out a writable folder"
+                f"cannot write to {out_dir}: {exc.strerror or exc}: give out= a writable folder"
             ) from exc
     return rows, out_dir
 
 
 @ending_quietly_on_a_closed_pipe
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    paths, args, _ = parse(COMMAND, argv)
     try:
-        rows, out_dir = read_report(args.report, args.out, args.nsys_bin)
+        out = Path(args.out) if args.out else None
+        rows, out_dir = read_report(Path(paths[0]), out, args.nsys_bin)
     except UserError as exc:
-        print(f"autotuner.nsys_read: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     from autotuner.results.table import render
 

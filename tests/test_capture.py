@@ -46,8 +46,8 @@ for step in range(int(sys.argv[1])):
 
 
 def _capture_cli(out: Path, *command: str, steps: str | None = None, **kwargs) -> subprocess.Popen:
-    window = ["--steps", steps] if steps else []
-    argv = [sys.executable, "-m", "autotuner.capture", "--out", str(out), *window, "--", *command]
+    window = [f"steps={steps}"] if steps else []
+    argv = [sys.executable, "-m", "autotuner.capture", f"out={out}", *window, "--", *command]
     return subprocess.Popen(
         argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
     )

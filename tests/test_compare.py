@@ -38,7 +38,7 @@ def test_table_speedups_noise_marks_and_significant_figures(tmp_path, capsys):
         tmp_path, "base", {("mlp", "forward", "s8_b1"): 12345.678, ("mlp", "forward", "s16_b1"): 4000.0}
     )
     new = _run(tmp_path, "new", {("mlp", "forward", "s8_b1"): 6172.8, ("mlp", "forward", "s16_b1"): 4000.5})
-    assert main([base, new, "--labels", "main,branch"]) == 0
+    assert main([base, new, "labels=[main,branch]"]) == 0
     out = capsys.readouterr().out
     assert "[ mlp ]  (ms)" in out
     assert " 12.3 " in out  # 12345.678 us trimmed to 3 significant figures in ms
@@ -54,7 +54,7 @@ def test_within_noise():
 def test_oss_json_export(tmp_path):
     run = _run(tmp_path, "one", {("linear_qkv", "backward", "s8_b1"): 50.0})
     out = tmp_path / "oss.json"
-    assert main([run, "--oss-json", str(out)]) == 0
+    assert main([run, f"oss_json={out}"]) == 0
     records = json.loads(out.read_text())
     assert {r["metric"]["name"] for r in records} == {
         "backward_median_us",
@@ -100,7 +100,7 @@ def test_runs_measured_otherwise_are_said_to_differ_and_labels_must_differ(tmp_p
     ]
     # one folder given twice: its name, numbered (it read "//tmp/.../run #1")
     assert default_labels(["/tmp/x/run", "/tmp/x/run/"]) == ["run #1", "run #2"]
-    assert main([base, str(other), "--labels", "a,a"]) == 2
+    assert main([base, str(other), "labels=[a,a]"]) == 2
     assert "names two runs alike" in capsys.readouterr().err
 
 

@@ -789,7 +789,7 @@ def test_compare_on_a_corrupt_results_file_is_one_line(tmp_path: Path):
     with open(run / "results.jsonl", "a") as handle:
         handle.write('{"case": "tin\n')  # a line cut short, as a copy or an editor can leave it
     before = _files(tmp_path)
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "oss.json")
+    proc = _tool("autotuner.compare", run, f"oss_json={tmp_path / 'oss.json'}")
     _one_line(proc, 2, "results.jsonl line 3", "not valid JSON", "fix or delete that line")
     assert proc.stdout == "" and _files(tmp_path) == before
 
@@ -812,11 +812,11 @@ def test_compare_oss_json_under_a_file_is_one_line_and_a_missing_folder_is_made(
     run = _run_dir(tmp_path / "run")
     (tmp_path / "notes.txt").write_text("mine\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "notes.txt" / "oss.json")
+    proc = _tool("autotuner.compare", run, f"oss_json={tmp_path / 'notes.txt' / 'oss.json'}")
     _one_line(proc, 2, "notes.txt is a file, not a folder", "give a path under a folder")
     # Refused before the table is printed: a half-done command would read as a success.
     assert proc.stdout == "" and _files(tmp_path) == before
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "new" / "oss.json")
+    proc = _tool("autotuner.compare", run, f"oss_json={tmp_path / 'new' / 'oss.json'}")
     assert proc.returncode == 0 and json.loads((tmp_path / "new" / "oss.json").read_text())
 
 
@@ -867,13 +867,13 @@ def test_report_out_onto_an_existing_file_is_one_line(tmp_path: Path):
     run = _run_dir(tmp_path / "run")
     (tmp_path / "notes.txt").write_text("mine\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.report", run, "--out", tmp_path / "notes.txt")
+    proc = _tool("autotuner.report", run, f"out={tmp_path / 'notes.txt'}")
     _one_line(proc, 2, "notes.txt is a file", "give a folder")
     assert _files(tmp_path) == before
 
 
 def test_capture_of_a_missing_script_is_one_line_and_exit_2(tmp_path: Path):
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "missing.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "missing.py", cwd=tmp_path)
     _one_line(proc, 2, "can't open file 'missing.py'", "give the path of the training script")
     assert _files(tmp_path) == {}
 
@@ -882,7 +882,7 @@ def test_capture_of_a_folder_without_a_main_module_is_refused_before_it_starts(t
     (tmp_path / "pkg").mkdir()
     (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
     before = _files(tmp_path)
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "pkg", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "pkg", cwd=tmp_path)
     _one_line(proc, 2, "can't find '__main__' module in 'pkg'", "give the path of the training script")
     assert _files(tmp_path) == before
 
@@ -890,7 +890,7 @@ def test_capture_of_a_folder_without_a_main_module_is_refused_before_it_starts(t
 def test_capture_of_a_script_that_does_not_compile_writes_nothing(tmp_path: Path):
     (tmp_path / "broken.py").write_text("def (\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "broken.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "broken.py", cwd=tmp_path)
     # The script's own error, shown as Python shows it (exit code 1), then our one line.
     assert "Traceback" not in proc.stderr and "SyntaxError: invalid syntax" in proc.stderr
     assert proc.returncode == 1
@@ -902,7 +902,7 @@ def test_capture_killed_child_keeps_an_earlier_file_and_says_so(tmp_path: Path):
     (tmp_path / "dies.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
     before = _files(tmp_path)
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "dies.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "dies.py", cwd=tmp_path)
     _one_line(proc, -signal.SIGKILL, "nothing written", "killed by SIGKILL", "from an earlier capture")
     assert _files(tmp_path) == before
 
@@ -910,7 +910,7 @@ def test_capture_killed_child_keeps_an_earlier_file_and_says_so(tmp_path: Path):
 def test_capture_out_onto_a_folder_is_refused_before_the_run(tmp_path: Path):
     (tmp_path / "train.py").write_text("print('trained')\n")
     (tmp_path / "shapes").mkdir()
-    proc = _tool("autotuner.capture", "--out", "shapes", "--", "python", "train.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=shapes", "--", "python", "train.py", cwd=tmp_path)
     _one_line(proc, 2, "is a folder", "give a file name")
     assert proc.stdout == "" and _files(tmp_path) == {"train.py": b"print('trained')\n"}
 
@@ -929,7 +929,7 @@ def test_a_fifo_in_a_run_directory_is_one_line_for_every_tool_that_reads_it(tmp_
     os.mkfifo(fifo)
     tools = [
         ("autotuner.compare", run_dir),
-        ("autotuner.report", run_dir, "--out", tmp_path / "page"),
+        ("autotuner.report", run_dir, f"out={tmp_path / 'page'}"),
         ("autotuner.predict", run_dir, "seq_len=8", "micro_batch_size=1", "global_batch_size=1"),
     ]
     for tool in tools if name != ".hydra/overrides.yaml" else tools[1:2]:
@@ -1024,11 +1024,11 @@ def test_resume_keeps_a_row_found_twice_once_and_refuses_two_different_rows_of_o
 
 def test_report_of_a_read_only_run_directory_is_one_line_or_goes_where_out_says(tmp_path: Path):
     """A run directory on a read-only mount (an archive, a colleague's share) gave a traceback: one line
-    naming the fix, the run untouched; with --out the page is written there."""
+    naming the fix, the run untouched; with out= the page is written there."""
     run = _run_dir(tmp_path / "run")
     before = _files(run)
     report = [sys.executable, "-m", "autotuner.report", run]
-    for out in ([], ["--out", tmp_path / "page"]):
+    for out in ([], [f"out={tmp_path / 'page'}"]):
         proc = subprocess.run(
             namespaced([*report, *out], read_only=[run]),
             cwd=REPO,
@@ -1037,7 +1037,7 @@ def test_report_of_a_read_only_run_directory_is_one_line_or_goes_where_out_says(
             timeout=120,
         )
         if not out:
-            _one_line(proc, 2, f"the run directory {run}", "Read-only file system", "--out DIR")
+            _one_line(proc, 2, f"the run directory {run}", "Read-only file system", "out=DIR")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "page" / "report.html").is_file() and _files(run) == before
 

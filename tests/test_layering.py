@@ -48,7 +48,7 @@ PARTS = (
     ("runner", ("autotuner.runner", "autotuner.measure")),
     ("ops", ("autotuner.ops", "autotuner.ops_test", "autotuner.op_mapping")),
     ("model", ("autotuner.model",)),
-    ("base", ("autotuner.errors", "autotuner")),
+    ("base", ("autotuner.errors", "autotuner.cli", "autotuner")),
 )
 RESULTS_USERS = ("entry", "predict", "launchers", "capture", "runner")
 RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places", "autotuner.ops.naming")

@@ -553,7 +553,7 @@ def test_nsys_read_exports_a_real_report(
     assert proc.returncode == 0 and report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
 
     out = tmp_path / "read"
-    assert nsys_read.main([str(report), "--out", str(out), "--nsys-bin", nsys_bin]) == 1  # two rows failed
+    assert nsys_read.main([str(report), f"out={out}", f"nsys_bin={nsys_bin}"]) == 1  # two rows failed
     printed, said = capsys.readouterr()
     # the foreign windows were ok rows of nothing, which the report could not draw: counted, named once
     assert said.splitlines() == [

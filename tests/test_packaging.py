@@ -277,7 +277,7 @@ def test_installed_demo_case_dir_compare_and_report(venv, tmp_path):
 
     oss = work / "oss.json"
     table = _ok(
-        _run([str(venv.bin / "autotuner-compare"), str(demo), str(mine), "--oss-json", str(oss)], work)
+        _run([str(venv.bin / "autotuner-compare"), str(demo), str(mine), f"oss_json={oss}"], work)
     ).stdout
     assert "linear_qkv" in table and json.loads(oss.read_text())
     _ok(_run([str(venv.bin / "autotuner-report"), str(mine)], work))

@@ -1325,14 +1325,14 @@ def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows
 
 @pytest.mark.parametrize("name", ["results.jsonl", "environment.json", "results.csv", "calibration.json"])
 def test_an_output_never_replaces_the_records_of_a_run_it_reads(tmp_path, capsys, name):
-    """--json (predict), --oss-json (compare): a path naming a record of an input run was overwritten."""
+    """--json (predict), oss_json= (compare): a path naming a record of an input run was overwritten."""
     from autotuner.compare import main as compare_main
 
     run_dir = make_run(tmp_path, base_rows())
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     target = str(run_dir / ".." / run_dir.name / name)  # however it is spelled
     assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", target]) == 2
-    assert compare_main([str(run_dir), str(run_dir), "--labels", "a,b", "--oss-json", target]) == 2
+    assert compare_main([str(run_dir), str(run_dir), "labels=[a,b]", f"oss_json={target}"]) == 2
     for line in capsys.readouterr().err.strip().splitlines():
         assert f"is the run's own {name}" in line and "give another file name" in line, line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before

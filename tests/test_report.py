@@ -132,7 +132,7 @@ def test_cli_remakes_a_report_in_place(run_a: Path, capsys):
 @pytest.mark.slow
 def test_compare_two_runs(run_a: Path, run_b: Path, tmp_path: Path):
     out = tmp_path / "compare"
-    assert report_main([str(run_a), str(run_b), "--out", str(out)]) == 0
+    assert report_main([str(run_a), str(run_b), f"out={out}"]) == 0
     page = check_report(out, {r["op"] for r in load_rows(run_a / "results.jsonl")})
     assert "Speed-up" in page.headings and "2 runs compared" in page.all_text
     text = page.all_text
@@ -156,7 +156,7 @@ def test_failed_rows_are_listed_and_calibration_draws_the_roof(run_a: Path, tmp_
     (copy / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calibration = tmp_path / "ceilings.json"
     calibration.write_text(json.dumps({"peak_flops": {"fp32": 5e10}, "memory_bandwidth": 1e10}))
-    assert report_main([str(copy), "--calibration", str(calibration)]) == 0
+    assert report_main([str(copy), f"calibration={calibration}"]) == 0
     page = check_report(copy, {r["op"] for r in rows})
     assert "Failed ops (1)" in page.headings
     assert "RuntimeError: out of memory (made up)" in page.all_text

@@ -192,7 +192,7 @@ def load(path: str | os.PathLike[str]) -> Capture:
     except OSError as exc:
         raise UserError(
             f"cannot read capture file {source}: {exc.strerror or exc}: pass the file "
-            "python -m autotuner.capture --out wrote"
+            "autotuner-capture out= wrote"
         ) from exc
     try:
         data = json.loads(text)

@@ -90,7 +90,7 @@ def _read_overrides(run_dir: Path) -> list[str]:
 
 
 def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any] | None = None) -> Run:
-    """Read a run directory. ``calibration`` (from ``--calibration``) wins over the run's own file."""
+    """Read a run directory. ``calibration`` (from ``calibration=``) wins over the run's own file."""
     run_dir = Path(run_dir)
     # checked: a bad line or value is one UserError here, not a traceback later
     rows = load_run_rows(run_dir, "give a run directory of python -m autotuner.main")

@@ -83,7 +83,7 @@ def check_writable(
     is a folder, a folder's that is a file, or one whose nearest existing folder above is a file or not
     writable (the folders between are made); and a file that is one of the records of a run folder the
     command ``reads``: writing it would replace what was measured. ``named`` is how the user gave it
-    (``--out x.json``, ``hydra.run.dir=x``), which the one-line UserError repeats."""
+    (``out=x.json``, ``hydra.run.dir=x``), which the one-line UserError repeats."""
     target = Path(os.path.abspath(path))
     if not folder and RUN_RECORDS.fullmatch(target.name):
         for run_dir in reads:

@@ -2,7 +2,7 @@
 
 ``python -m autotuner.calibrate`` measures the ceilings and writes the file; the get_data launcher reads it
 to judge each op against them, and the report reads the copy a run keeps (``calibration.json`` in the run
-directory) or one given with ``--calibration``; the predictor reads it for what the rows do not hold. All
+directory) or one given with ``calibration=``; the predictor reads it for what the rows do not hold. All
 read it with :func:`load`, so a file one accepts the others accept too; it is checked against
 :class:`CalibrationFile` (pydantic, strict), and a wrong type is one line naming the field. Where a file is
 named, so may be a shipped preset (``h100``, ``h200``: ``presets/``, calibrations measured on those GPUs,
