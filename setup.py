@@ -2,7 +2,8 @@
 top level (the design card's layout), and the package carries them as ``autotuner.cases`` and
 ``autotuner.configs``. A wheel holds them under ``autotuner/``; an editable install maps those names
 back onto the checkout's folders. The code finds them through ``autotuner.shipped_folder``. The
-calibration presets (``autotuner/results/presets/*.json``) are package data of their module.
+calibration presets (``autotuner/results/presets/*.json``) and the cluster presets
+(``autotuner/predict/clusters/*.json``) are package data of their modules.
 Everything else (metadata, dependencies, console commands) is in pyproject.toml."""
 
 from setuptools import find_packages, setup
@@ -18,5 +19,6 @@ setup(
         "autotuner.cases": ["*.yaml", "hf/*/config.json"],
         "autotuner.configs": ["*.yaml", "*/*.yaml"],
         "autotuner.results": ["presets/*.json"],
+        "autotuner.predict": ["clusters/*.json"],
     },
 )

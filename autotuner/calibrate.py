@@ -65,6 +65,12 @@ as the get_data launcher:
   parameters), where the rates give 0.23. The back-to-back sets cannot see it: it is paid once a step,
   and their solve has no term for that.
 
+``torchrun --nproc-per-node=N [--nnodes=M] -m autotuner.calibrate --links [--out FILE] [--ranks-per-node K]
+[--cluster PRESET]`` measures a cluster's links level by level (autotuner.measure.links): each collective at
+a few sizes inside every node at once and between the nodes at once, fitted to latency + bytes over bus
+bandwidth, written as a cluster file (autotuner.predict.cluster; default ``runs/calibration/cluster.json``)
+that predict and tune take as ``cluster=FILE``; ``--cluster`` supplies the levels one job cannot measure.
+
 ``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
 between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
 bus bandwidth of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at a few sizes,
@@ -119,6 +125,7 @@ from autotuner.results.calibration import (
     ADAM_TOGETHER,
     ADAM_ZERO_STATE,
     COLLECTIVES,
+    DEFAULT_DIR,
     GRAD_ACCUMULATION,
     HOST_WORK,
     HOST_WORK_FLUSHED,
@@ -539,6 +546,81 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
     return 0
 
 
+def _main_links(
+    device: torch.device, out: Path, budget_s: float, ranks_per_node: int | None, base_given: str | None
+) -> int:
+    """``--links``: every rank measures its node's and its local index's groups (autotuner.measure.links);
+    rank 0 fits them and writes the cluster file (autotuner.predict.cluster.measured_file)."""
+    import platform
+    from datetime import date
+
+    from autotuner.measure.links import LEVEL_KINDS, measure_links
+    from autotuner.predict.cluster import load as load_cluster
+    from autotuner.predict.cluster import measured_file
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world < 2:
+        raise UserError(
+            "--links measures the links between processes: launch it with torchrun --nproc-per-node=N "
+            "[--nnodes=M] -m autotuner.calibrate --links (N*M >= 2)"
+        )
+    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise UserError(
+            f"--ranks-per-node {per_node} does not divide the job's {world} ranks: give a divisor of {world}"
+        )
+    base = load_cluster(base_given) if base_given else None
+    nodes = world // per_node
+    if per_node == 1 and base is None:
+        raise UserError(
+            f"{per_node} rank a node measures no link inside a node: give --cluster PRESET (e.g. dgx_h100) "
+            "for it"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _init_links(device)
+    dist = torch.distributed
+    try:
+        kinds = LEVEL_KINDS
+        notes = []
+        if str(dist.get_backend()) == "gloo" and not gloo_has_sequence_parallel_collectives():
+            kinds = ("all_reduce", "all_to_all", "send_recv")
+            notes.append(
+                f"gloo in torch {torch.__version__} lacks all_gather_into_tensor/reduce_scatter_tensor"
+            )
+        policy = SamplingPolicy(warmup=3, min_samples=5, budget_s=budget_s, target_rel_ci=0.05)
+        measured = measure_links(device, per_node, COLLECTIVE_SIZES[device.type], policy, kinds)
+        if dist.get_rank() == 0:
+            where = {
+                "host": platform.node(),
+                "backend": str(dist.get_backend()),
+                "date": date.today().isoformat(),
+                "world": world,
+                "device": device_name(device),
+                "torch": torch.__version__,
+            }
+            try:
+                data = measured_file(measured, per_node, nodes, where, base)
+            except ValueError as exc:
+                raise UserError(f"{exc}") from None
+            atomic_write_text(out, json.dumps(data, indent=2) + "\n")
+            for level, fits in data["measured"].items():
+                for kind, fitted in fits.items():
+                    print(
+                        f"{level:10} {kind:15} over {fitted['ranks']:3} ranks: "
+                        f"{fitted['bus_bandwidth'] / 1e9:10.3f} GB/s bus bandwidth, "
+                        f"{fitted['latency'] * 1e6:8.1f} us latency (the fit within "
+                        f"{fitted['worst_error']:.0%} of every size)"
+                    )
+            for note in notes:
+                print(f"note: {note}")
+            print(f"written to {out}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 @ending_quietly_on_a_closed_pipe
 @ending_in_one_line_on_ctrl_c("autotuner.calibrate")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
@@ -552,6 +634,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="under torchrun: measure the links' collectives and merge them into the file",
     )
     parser.add_argument(
+        "--links",
+        action="store_true",
+        help="under torchrun: measure the links inside each node and between nodes, write a cluster file",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="with --links: the ranks a node holds (default: torchrun's LOCAL_WORLD_SIZE)",
+    )
+    parser.add_argument(
+        "--cluster",
+        help="with --links: a preset or cluster file for the levels the job cannot measure (one node, or "
+        "one rank a node)",
+    )
+    parser.add_argument(
         "--budget-s", type=float, default=1.0, help="sampling time per collective and size (default 1.0)"
     )
     args = parser.parse_args(argv)
@@ -561,6 +658,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError(
                 f"--budget-s {args.budget_s} must be above 0 and at most 3600: give e.g. --budget-s 1"
             )
+        if args.links:
+            out = Path(args.out) if args.out else DEFAULT_DIR / "cluster.json"
+            check_writable(out, f"--out {out}")
+            return _main_links(device, out, args.budget_s, args.ranks_per_node, args.cluster)
+        if args.ranks_per_node is not None or args.cluster is not None:
+            raise UserError("--ranks-per-node and --cluster go with --links: add --links, or drop them")
         out = Path(args.out) if args.out else default_path(device.type, device_name(device))
         check_writable(out, f"--out {out}")  # before the minutes of measuring that it would lose
         if args.collectives:

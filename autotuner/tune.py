@@ -2,7 +2,7 @@
 
     python -m autotuner.tune [RUN_DIR ...] case=llama7b gpus=16 gpu_memory_gb=80 global_batch_size=512 \\
         seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [gpus_per_node=8] [calibration=h100|h200|FILE] \\
-        [--explain N] [--slurm DIR]
+        [cluster=dgx_h100|FILE] [overlap=false] [max_cp=1] [num_layers=N] [--explain N] [--slurm DIR]
 
 Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, experts and
 batch, the layers' split over the pipeline ranks, uneven ones near the even split included; with
@@ -15,6 +15,13 @@ N`` prints the whole prediction of the N-th. Where the ranking rests on figures 
 the profiling runs that would measure them (for the layouts shown) are printed as commands, and with
 ``--slurm DIR`` written as SLURM array task files.
 
+With ``cluster`` (autotuner.predict.cluster: a preset such as ``dgx_h100``, or the file
+``autotuner-calibrate --links`` writes) every collective is priced by where its group's ranks lie
+(autotuner.predict.collectives), and tp is kept inside its nodes; ``overlap=true`` ranks the layouts with
+Megatron's overlaps on where they apply, ``max_cp`` tries context parallelism up to that size
+(autotuner.predict.layouts); ``num_layers`` ranks the runs' model at that depth (their rows are per
+layer: a one-layer profile ranks the whole model).
+
 Without run directories every figure is modelled from the case's sizes and the calibration (and says
 so): the profiling plan then lists everything to measure. A calibration is needed then, and for runs
 profiled on a GPU: ``calibration=h100`` or ``h200`` names a preset measured on that GPU
@@ -26,7 +33,7 @@ measured or derived from ep=1 rows).
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +43,11 @@ from autotuner.predict.memory import MEMORY_MARGIN
 from autotuner.results.atomic import check_writable
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
-INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node")
+INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node", "max_cp", "num_layers")
 FLOAT_KEYS = ("gpu_memory_gb", "margin")
-STR_KEYS = ("case", "case_dir", "dtype", "calibration")
-KEYS = (*INT_KEYS, *FLOAT_KEYS, *STR_KEYS)
+STR_KEYS = ("case", "case_dir", "dtype", "calibration", "cluster")
+BOOL_KEYS = ("overlap",)
+KEYS = (*INT_KEYS, *FLOAT_KEYS, *STR_KEYS, *BOOL_KEYS)
 REQUIRED = ("gpus", "gpu_memory_gb", "global_batch_size", "seq_len")
 
 
@@ -60,6 +68,7 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         **dict.fromkeys(INT_KEYS, int),
         **dict.fromkeys(FLOAT_KEYS, float),
         **dict.fromkeys(STR_KEYS, str),
+        **dict.fromkeys(BOOL_KEYS, bool),
     }
     dirs, settings = parse_key_values(items, kinds)
     missing = [key for key in REQUIRED if key not in settings]
@@ -76,8 +85,12 @@ def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     return dirs, settings
 
 
-def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], Any]:
-    """Predict every layout; (the ranked ones, fitting first by step time; the runs)."""
+def rank(
+    dirs: Sequence[str], settings: dict[str, Any], keep: Callable[[Any], bool] | None = None
+) -> tuple[list[Ranked], Any]:
+    """Predict every layout (those ``keep`` keeps, where given: a benchmark's stated layout); (the ranked
+    ones, fitting first by step time; the runs)."""
+    from autotuner.predict.cluster import load as load_cluster
     from autotuner.predict.inputs import ModelShape
     from autotuner.predict.layouts import ModelDims, enumerate_layouts
     from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
@@ -92,7 +105,20 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
         model = ModelShape.from_case(settings["case"], settings["case_dir"])
     else:
         model = ModelShape.from_environment(runs.env)
+    if settings.get("num_layers"):  # the runs' rows are per layer: they hold at any depth
+        if settings["num_layers"] < 1:
+            raise UserError(
+                f"num_layers={settings['num_layers']} must be at least 1: give e.g. num_layers=32"
+            )
+        model = model.at_depth(settings["num_layers"])
     calibration = load_calibration_for(runs, settings.get("calibration"))
+    cluster = load_cluster(settings["cluster"]) if settings.get("cluster") else None
+    per_node = settings.get("gpus_per_node", cluster.gpus_per_node if cluster else None)
+    if cluster is not None and settings.get("gpus_per_node") not in (None, cluster.gpus_per_node):
+        raise UserError(
+            f"gpus_per_node={settings['gpus_per_node']} and cluster {cluster.origin} has "
+            f"{cluster.gpus_per_node} GPUs a node: drop one"
+        )
     dtype = runs.dtype_to_predict(settings.get("dtype"))
     layouts = enumerate_layouts(
         ModelDims.from_transformer(model.config),
@@ -100,12 +126,16 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
         settings["global_batch_size"],
         settings["seq_len"],
         dtype,
-        max_tp=settings.get("gpus_per_node"),
+        max_tp=per_node,
+        max_cp=settings.get("max_cp", 1),
+        overlap=settings.get("overlap", False),
     )
     gpu_memory_gb, margin = settings["gpu_memory_gb"], settings.get("margin", MEMORY_MARGIN)
     ranked: list[Ranked] = []
-    for layout in layouts:
-        pred = predict(runs, layout, calibration, model, calibration_from=settings.get("calibration"))
+    for layout in (lay for lay in layouts if keep is None or keep(lay)):
+        pred = predict(
+            runs, layout, calibration, model, calibration_from=settings.get("calibration"), cluster=cluster
+        )
         pred = pred.without_schedule_boxes().against_gpu_memory(gpu_memory_gb, margin)
         fit = pred.memory_fit
         ranked.append(Ranked(pred, fit.fullest_bytes, fit.fits))

@@ -147,6 +147,31 @@ step predict_validate_full 120 "$PY" -m autotuner.predict "$RUNS/predict_profile
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
     --json "$RUNS/predict_validate_full.json"
 
+# The H100 fixture of Megatron-LM's published weak-scaling runs (benchmarks.megatron_published,
+# docs/cluster_model.md): for each GPT of the table, one layer of one emulated rank at the run's TP
+# (tf.tensor_model_parallel_size without torchrun: the rank's shapes, its collectives recorded, not run;
+# sequence parallelism at TP > 1), bf16, attention=sdpa, cold caches, s4096 at micro-batches 1 and 2,
+# the ops the prediction reads (the layer, core attention for selective recompute and context
+# parallelism, its four GEMMs for tp_comm_overlap, the embedding, final norm and output layer), each
+# run keeping the device calibration. OUT_DIR/h100_megatron_gpt is the fixture: copy it to
+# tests/fixtures/. Then the benchmark from it. scripts/make_h100_fixture.sh runs these steps alone.
+FIXTURE="$OUT_DIR/h100_megatron_gpt"
+FIXTURE_OPS='ops=[embedding,transformer_layer,core_attention,linear_qkv,linear_proj,linear_fc1,linear_fc2,final_layernorm,output_layer]'
+for spec in 1_7b:1 7_1b:2 16b:4 32b:8; do
+    name=${spec%:*} tp=${spec#*:}
+    SP=()
+    [ "$tp" -gt 1 ] && SP=(tf.sequence_parallel=true)
+    step "fixture_$name" 150 "${RUN[@]}" "case=megatron_gpt_$name" hf.num_hidden_layers=1 device=cuda \
+        dtype=bf16 attention=sdpa "tf.tensor_model_parallel_size=$tp" "${SP[@]}" shapes.seq_len=[4096] \
+        shapes.micro_batch_size=[1,2] timing.flush_cache=true timing.budget_s=0.3 report=false \
+        "$FIXTURE_OPS" "${CAL[@]}" "hydra.run.dir=$FIXTURE/megatron_gpt_$name"
+done
+if [ -d "$FIXTURE" ]; then
+    [ -f "$RUNS/calibration.json" ] && cp "$RUNS/calibration.json" "$FIXTURE/"
+    step fixture_benchmark 120 "$PY" -m benchmarks.megatron_published --fixture "$FIXTURE"
+    cp "$LOGS/fixture_benchmark.log" "$OUT_DIR/megatron_published.txt" 2>/dev/null
+fi
+
 # Which nsys: the bundle's when NSYS_BUNDLE names one, else the launcher's own lookup (no nsys_bin given).
 # Nsight Compute's bundled nsys is not tried: it writes a .qdstrm but no report (docs/gpu_checks.md).
 NSYS_ARGS=()

@@ -185,6 +185,10 @@ def test_wheel_and_sdist_carry_the_cases_configs_and_commands(dists):
         f"autotuner/results/presets/{p.name}" for p in (REPO / "autotuner/results/presets").glob("*.json")
     }
     assert presets and presets <= names
+    clusters = {
+        f"autotuner/predict/clusters/{p.name}" for p in (REPO / "autotuner/predict/clusters").glob("*.json")
+    }
+    assert clusters and clusters <= names
     # one top-level package, ours: cases/ and configs/ never land in site-packages under their own names
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"autotuner"}
     for command, module in COMMANDS.items():

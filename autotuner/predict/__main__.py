@@ -1,9 +1,10 @@
 """Predict a layout's step time and memory from profiled runs.
 
     python -m autotuner.predict RUN_DIR [RUN_DIR ...] seq_len=2048 tp=2 pp=4 dp=8 micro_batch_size=1 \\
-        global_batch_size=512 [vpp=1] [first_stage_layers=N] [last_stage_layers=N] \\
-        [recompute=none|selective|full] [sequence_parallel=false] \\
-        [distributed_optimizer=false] [dtype=bf16] [calibration=h100|h200|FILE] [validate=false] \\
+        global_batch_size=512 [vpp=1] [cp=1] [first_stage_layers=N] [last_stage_layers=N] \\
+        [recompute=none|selective|full] [sequence_parallel=false] [distributed_optimizer=false] \\
+        [overlap_grad_reduce=false] [overlap_param_gather=false] [tp_comm_overlap=false] \\
+        [dtype=bf16] [calibration=h100|h200|FILE] [cluster=dgx_h100|FILE] [validate=false] \\
         [repeats=5] [report=true] [gpu_memory_gb=80] [num_layers=N|fit] [--json OUT]
 
 Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what
@@ -12,7 +13,9 @@ the first run directory). dtype defaults to the runs' dtype; the calibration to 
 kept (calibration.json); ``calibration=h100`` or ``h200`` names a preset measured on that GPU
 (docs/predict_presets.md). A GPU's prediction without a calibration is refused, naming what measures it.
 With ``gpu_memory_gb`` the prediction says whether its fullest GPU fits it less a 10% margin, as
-``autotuner.tune`` keeps layouts. ``validate=true`` also runs the layout's real training steps on this machine
+``autotuner.tune`` keeps layouts. With ``cluster`` the collectives are priced by where their groups lie
+on that cluster (autotuner.predict.collectives); the overlaps and ``cp`` are Megatron's
+(autotuner.predict.overlap). ``validate=true`` also runs the layout's real training steps on this machine
 and prints predicted against measured step time and peak memory (autotuner.predict.validate).
 Beside prediction.json it writes ``prediction.html`` (autotuner.report.prediction: the 1F1B timeline,
 the memory per stage against ``gpu_memory_gb`` when given, predicted against measured bars), as a run
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import OneLineParser, UserError
+from autotuner.predict.cluster import load as load_cluster
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import (
@@ -51,11 +55,14 @@ from autotuner.termination import (
 )
 
 INT_KEYS = (
-    *("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats"),
+    *("seq_len", "tp", "cp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats"),
     *("first_stage_layers", "last_stage_layers"),
 )
-BOOL_KEYS = ("sequence_parallel", "distributed_optimizer", "validate", "report")
-STR_KEYS = ("recompute", "dtype", "calibration", "num_layers")
+BOOL_KEYS = (
+    *("sequence_parallel", "distributed_optimizer", "validate", "report"),
+    *("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"),
+)
+STR_KEYS = ("recompute", "dtype", "calibration", "num_layers", "cluster")
 FLOAT_KEYS = ("gpu_memory_gb",)
 KEYS = (*INT_KEYS, *BOOL_KEYS, *STR_KEYS, *FLOAT_KEYS)
 
@@ -99,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = load_runs(dirs)
         given = settings.pop("calibration", None)
         calibration = load_calibration_for(runs, given)
+        cluster_given = settings.pop("cluster", None)
+        cluster = load_cluster(cluster_given) if cluster_given else None
         validating, repeats = settings.pop("validate", False), settings.pop("repeats", 5)
         if repeats < 1:  # refused here, before the prediction, not by the steps' process after it
             raise UserError(f"repeats={repeats} must be at least 1: give e.g. repeats=5")
@@ -119,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profiled = ModelShape.from_environment(runs.env)
         check_calibration(runs, calibration, layout.dtype, given, profiled.case)  # before num_layers=fit
         model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
-        pred = predict(runs, layout, calibration, model, calibration_from=given)
+        pred = predict(runs, layout, calibration, model, calibration_from=given, cluster=cluster)
         if gpu_memory_gb is not None:
             pred = pred.against_gpu_memory(gpu_memory_gb)
         record = pred.to_json()

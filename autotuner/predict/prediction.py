@@ -27,6 +27,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
+from autotuner.predict.cluster import Cluster
 from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu, row_expert_parallel
 from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
@@ -213,6 +214,7 @@ class Prediction:
     calibration_figures: list[str] = field(default_factory=list)  # what the prediction read from it
     rows_note: str = ""  # which rows the times stand on, in words
     memory_fit: MemoryFit | None = None  # against a GPU's memory, where one was given (against_gpu_memory)
+    cluster: str | None = None  # the cluster the collectives were priced over, in words
 
     @property
     def step_seconds(self) -> float:
@@ -277,8 +279,10 @@ class Prediction:
                 "schedule": s.schedule.to_json(),
                 "dp_reduction": Figure(s.dp_reduction, "s", s.dp_source).to_json(),
                 "optimizer": Figure(s.optimizer, "s", s.optimizer_source).to_json(),
-                "overlap": OVERLAP,
+                "overlap": s.statement,
+                "communication": [term.to_json() for term in s.terms],
             },
+            "cluster": self.cluster,
             "tp_collectives": self.tp_note,
             "cache": self.cache_note,
             "memory": [m.to_json() for m in self.memory],
@@ -540,18 +544,29 @@ def predict(
     calibration: Mapping[str, Any] | None = None,
     model: ModelShape | None = None,
     calibration_from: str | Path | None = None,
+    cluster: Cluster | None = None,
 ) -> Prediction:
     """The prediction of ``layout`` from ``runs`` (see the module docstrings of timing and memory), with
     ``calibration`` (read from ``calibration_from``, a file or a preset's name; by default the one the
-    runs kept). UserError (one line) where the device's figures it needs are missing
-    (:func:`check_calibration`)."""
+    runs kept) and the collectives over ``cluster``'s links where one is given (autotuner.predict.
+    collectives; else the calibration's). A context-parallel layout is predicted as one rank computes it
+    (``Layout.context_rank_view``) with its attention's ring steps added. UserError (one line) where the
+    device's figures it needs are missing (:func:`check_calibration`)."""
     model = model or ModelShape.from_environment(runs.env)
     layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
     if calibration_from is None and calibration is not None:
         calibration_from = runs.calibration_path
     check_calibration(runs, calibration, layout.dtype, calibration_from, model.case)
+    if layout.overlap_grad_reduce and layout.ep > 1:
+        raise UserError(
+            "overlap_grad_reduce=true at ep>1 is not modelled (the experts' gradients are bucketed over "
+            "their own group): give overlap_grad_reduce=false"
+        )
+    if cluster is not None:
+        cluster.nodes_for(layout.gpus)
     read = FiguresRead(calibration) if calibration is not None else None
     calibration = read
+    whole, layout = layout, layout.context_rank_view()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # the memory first (no cache mode changes it); which rows each visit of an op wants follows from
@@ -581,7 +596,7 @@ def predict(
                 if layout.ep > 1
                 else None
             )
-            tm = TimeModel(meas, model, layout, calibration, without_ep=ep1)
+            tm = TimeModel(meas, model, layout, calibration, without_ep=ep1, cluster=cluster, cp=whole.cp)
             tm.set_cache_mode(cold, why)
             return tm
 
@@ -615,9 +630,9 @@ def predict(
     notes += _spread_notes(models, stages, used)
     notes += _forward_order_note(warm_tm if cold else tm, layout)
     positions = (runs.env.get("model_args") or {}).get("max_sequence_length")
-    if isinstance(positions, int) and layout.seq_len > positions:  # the profiler refuses such a shape
+    if isinstance(positions, int) and whole.seq_len > positions:  # the profiler refuses such a shape
         notes.append(
-            f"seq_len={layout.seq_len} is above the model's max_position_embeddings={positions}: a longer "
+            f"seq_len={whole.seq_len} is above the model's max_position_embeddings={positions}: a longer "
             "context than it was made for (its times scaled from the rows as any length's)"
         )
     calibrated_on = (calibration or {}).get("device_type")
@@ -654,6 +669,14 @@ def predict(
         )
     else:
         tp_note = f"modelled: TP=1 rows / tp={layout.tp} plus all-reduces from the link calibration"
+    if tm.op("transformer_layer", "forward").recorded:
+        tp_note = (
+            f"rows of an emulated rank at tp={layout.tp}: the collectives its ops recorded, priced over "
+            + (cluster.origin if cluster is not None else "the calibration's links")
+        )
+    if cluster is not None and cluster.nominal:
+        notes.append(cluster.describe())
+    layout = whole  # the figures of the whole step: its tokens and GPUs, its attention over s
     tokens = layout.global_batch_size * layout.seq_len
     kinds = {t.source.kind for st in stages for _, _, t, _ in st.items}
     kind = "modelled" if "modelled" in kinds else ("scaled" if "scaled" in kinds else "measured")
@@ -699,7 +722,8 @@ def predict(
         notes=notes,
         link_gaps=gaps,
         cache_note=why,
-        megatron_report=megatron_report(model, layout, memory[0].params.value),
+        megatron_report=megatron_report(model, layout.context_rank_view(), memory[0].params.value),
+        cluster=cluster.describe() if cluster is not None else None,
     )
 
 
@@ -820,12 +844,17 @@ def render(pred: Prediction) -> str:
         out += [f"model chunks (forward / backward per micro-batch, chunk 0 first): {chunks}", ""]
     s = pred.step
     out += [
-        f"step time        {_t(s.total)}  (upper bound: {OVERLAP})",
+        f"step time        {_t(s.total)}  ({'upper bound: ' if s.statement == OVERLAP else ''}{s.statement})",
         f"  pipeline       {_t(s.pipeline)}  {s.formula}; bubble and exchanges {s.bubble_fraction:.1%} "
         f"of stage {s.slowest_stage}'s m x (t_f + t_b)",
         f"  DP reduction   {_t(s.dp_reduction)}  [{s.dp_source.kind}] {s.dp_source.detail}",
         f"  optimizer      {_t(s.optimizer)}  [{s.optimizer_source.kind}] {s.optimizer_source.detail}",
         f"  TP collectives {pred.tp_note}",
+        *(
+            f"  {term.name:14} {_t(term.exposed)} exposed of {_t(term.total)} [modelled] beside "
+            f"{term.overlaps_with}: {term.rule}"
+            for term in s.terms
+        ),
         f"  cache          {pred.cache_note}",
         f"tokens/s per GPU {pred.tokens_per_s_per_gpu.value:.4g}",
         f"MFU              {pred.mfu.value:.1%}  ({pred.mfu_note})"

@@ -84,8 +84,20 @@ def describe_layout(layout: Mapping[str, Any]) -> str:
         for end in ("first", "last")
         if layout.get(f"{end}_stage_layers")
     )
+    overlaps = [
+        name
+        for name, key in (
+            ("grad", "overlap_grad_reduce"),
+            ("param", "overlap_param_gather"),
+            ("tp", "tp_comm_overlap"),
+        )
+        if layout.get(key)
+    ]
+    split += f" overlap={','.join(overlaps)}" if overlaps else ""
+    context = f" cp={layout['cp']}" if int(layout.get("cp") or 1) > 1 else ""
     return (
-        f"tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} ep={layout['ep']} "
+        f"tp={layout['tp']}{context} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} "
+        f"ep={layout['ep']} "
         f"mbs={layout['micro_batch_size']} gbs={layout['global_batch_size']} s={layout['seq_len']} "
         f"recompute={layout['recompute']} sp={flag('sequence_parallel')} "
         f"distopt={flag('distributed_optimizer')} {layout['dtype']}{split} "
