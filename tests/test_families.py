@@ -570,3 +570,24 @@ def test_every_op_of_every_family_runs_forward_and_backward_on_meta(tmp_path, mo
         assert {"post_attention_layernorm", "post_mlp_layernorm"} <= ran
     if FAMILIES[model_type].moe is not None:
         assert {"router", "experts", "moe_layer"} <= ran
+
+
+def test_a_deeper_moe_model_after_a_shallower_one_routes_in_the_same_process():
+    """Megatron records each layer's auxiliary loss in a process-wide table sized by the first model that
+    routed: a deeper model built later (an op's own parts, another case) indexed past its end."""
+    from autotuner.model import cpu_bridges
+    from autotuner.model.build import ModelParts, build_model, build_transformer_config
+    from autotuner.model.runtime import init_parallel
+
+    fields = _small_moe("mixtral")
+    args = map_hf_config(_hf(fields))
+    tf = build_transformer_config(args, {}, "fp32", torch.device("cpu"), 1)
+    cpu_bridges.apply(torch.device("cpu"))
+    init_parallel(torch.device("cpu"))
+    tokens = torch.randn(6, 1, fields["hidden_size"])
+    for depth in (1, 2):
+        model = build_model(args, tf, ModelParts(num_layers=depth), torch.device("cpu"), False)
+        router = model.decoder.layers[depth - 1].mlp.router
+        router.train()
+        probs, _ = router(tokens)
+        assert probs.shape == (6, fields["num_local_experts"])

@@ -478,6 +478,13 @@ def build_model(
         vp_stage=parts.vp_stage,
     )
     adapt_model(model, _norm_class(config, spec))
+    if config.num_moe_experts:
+        # Megatron's per-layer record of the auxiliary losses is sized by the first model whose router ran
+        # in this process: a model of more layers built after it (an op's own parts, another case) would
+        # index past its end. A new model starts a new record.
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
     model.to(device)
     # Megatron's training wraps the model in Float16Module, which casts every parameter to the half dtype,
     # the norms' too (torch.nn norms ignore params_dtype): do the same, so each op sees training's dtypes.
