@@ -8,7 +8,7 @@ as the get_data launcher:
   reads and writes the buffer, 2 x its bytes), the memory ceiling;
 * zeroing bandwidth: ``zero_()`` of the copy's destination (``zeroing_bandwidth``), the rate a training
   step zeroes its gradients at. Not half a copy on a CPU, whose core reads a line before writing it: on
-  session 36's VM the llama-shaped model's steps zeroed their 21 MB of gradient buffers in 2.90 and 2.43
+  a 2-core CPU VM the llama-shaped model's steps zeroed their 21 MB of gradient buffers in 2.90 and 2.43
   ms after their Adam step, which this rate gave as 2.82 and 2.77 and the copy bandwidth as 1.84 and 1.79
   (``python -m benchmarks.adam_in_step``, two runs); tiny's 0.9 MB, which stay in the cache, 0.09 against
   0.12 and 0.08;
@@ -30,14 +30,14 @@ as the get_data launcher:
   layers stepped with zero gradients, whose moments stay zero, for what such a parameter costs more
   (``adam_seconds_per_zero_state_parameter``): an untied embedding's rows that no token of a step touches
   are such parameters, 925,696 of the llama-shaped model's 5.26 M in the validation's steps, and on
-  session 35's VM a CPU Adam step took 2.4 ns a parameter more over them than over others (torch's
+  a 2-core CPU VM a CPU Adam step took 2.4 ns a parameter more over them than over others (torch's
   ``sqrt`` of zeros ran about ten times slower than of other values), 12% of that model's Adam
   (``python -m benchmarks.adam_in_step``);
 * the gradient accumulation a training step makes per micro-batch: ``main_grad.add_(grad)``, a gradient
   of each dtype added into an fp32 gradient of ``buffer_bytes`` (``grad_accumulation_seconds_per_parameter``,
-  per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it
-  took 3.7 ps per parameter (2.7 TB/s of its 10 B) against 2.8 for fp32 (4.3 TB/s of 12 B), the copy
-  4.1 TB/s, and a Llama-2-7B layer's backward inside a real step grew by that 0.75 ms (docs/gpu_checks.md).
+  per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it took 3.7
+  ps per parameter (2.7 TB/s of its 10 B) against 2.8 for fp32 (4.3 TB/s of 12 B), the copy 4.1 TB/s, and a
+  Llama-2-7B layer's backward inside a real step grew by that 0.75 ms (docs/gpu_validation.md).
 
 * on a CPU, a training step's time outside its ops per micro-batch (``host_work_seconds_per_microbatch``,
   forward and backward: :func:`host_work`): Megatron-Core's schedule (the forward and backward steps, the
@@ -50,7 +50,7 @@ as the get_data launcher:
   twice: as it runs, and with the last-level cache flushed inside every layer's forward and backward
   (``host_work_seconds_per_microbatch_flushed``), as a model whose ops sweep more than that cache
   leaves it: the interpreter's, the allocator's and autograd's data live in the L3 and come back from
-  memory. On this project's VM (session 28, one process) the minimal model at four layers took 0.18 ms
+  memory. On a 2-core CPU VM (one process) the minimal model at four layers took 0.18 ms
   forward and 0.29 backward a micro-batch, 0.18 / 0.26 with a 2 MiB flush (the L2's size), 0.22 / 0.39
   with 8 MiB, 0.40 / 0.74 with 32 MiB (the L3's); the llama-shaped model's own steps (four layers,
   about 50 MB of weights, gradients and activations a micro-batch) 0.37 / 0.73, tiny's (two layers,
@@ -59,7 +59,7 @@ as the get_data launcher:
 * on a CPU, from the same steps, what an Adam step inside a training step takes beyond the back-to-back
   rates above, once a step (``adam_seconds_per_step_in_training``: :func:`adam_in_step`). A step's Adam
   follows its backward, which ran other code on other data; timed back to back, Adam's calls find their
-  own still in the caches. In one process on this project's VM (session 21, one thread, 30 rounds) tiny's
+  own still in the caches. In one process on a 2-core CPU VM (one thread, 30 rounds) tiny's
   Adam took 1.245 ms inside its steps and 0.799 back to back (1.470 after a cache flush, 1.191 after 2 ms
   asleep); the minimal model's optimizer phase took 0.75-0.81 ms at one layer (9 tensors, 17.5 K
   parameters), where the rates give 0.23. The back-to-back sets cannot see it: it is paid once a step,
@@ -424,7 +424,7 @@ def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -
             # a fresh receive buffer every call, as Megatron's p2p communication allocates one for every
             # exchange (``torch.empty(..., requires_grad=True)``): on a CPU, whose allocator keeps no
             # cache, that is memory to find and pages to fault in; one buffer reused call after call hid
-            # it (two gloo processes on this project's VM, medians of 130 exchanges, session 27: 64 KiB
+            # it (two gloo processes on a 2-core CPU VM, medians of 130 exchanges: 64 KiB
             # 0.13 ms reused, 0.16-0.17 fresh; 1 MiB 0.61-0.62 and 0.79-0.88). On a GPU the caching
             # allocator hands back a block it holds.
             received = torch.empty(full.shape, dtype=full.dtype, device=device, requires_grad=True)

@@ -13,7 +13,7 @@ rank 0 and rank 1, after a barrier; and prints, per size and lateness, the media
 end's call took and how long after the late end's arrival the early end's call returned (one machine:
 ``time.perf_counter`` is one clock for both processes).
 
-What it showed on this project's VM (session 16, three runs): with both ends arriving together the
+What it showed on a 2-core CPU VM (three runs): with both ends arriving together the
 late end's call took 0.21-0.32 ms (32 KiB, tiny's activations) and 0.28-0.40 ms (256 KiB); with one end
 2 or 5 ms late, 0.23-0.49 and 0.27-0.55 ms, the early end back 0.21-0.36 and 0.25-0.51 ms after the late
 one arrived. So an exchange costs both ends about its calibrated time whether or not one waited (a

@@ -1,11 +1,11 @@
-"""Fault injection (issue 14): every bad input refused in one line, every fault survived.
+"""Fault injection: every bad input refused in one line, every fault survived.
 
-The promise the README makes, kept in one module so it stays tested as the code changes: bad input is one
-line on stderr naming the problem and the fix, exit code 2, no traceback and nothing written; a fault in
-one op is a failed row and the plan goes on; nothing already measured is lost (files written atomically,
-an interrupted run resumable, a second run refused from a live run's directory); no process outlives
-its run. Each test drives the real CLI or tool (in-process where one Megatron import can serve, in real
-subprocesses where the fault is between processes) and checks the files on disk, not only the exit code.
+The promise README.md and docs/launchers.md make, kept in one module so it stays tested as the code changes:
+bad input is one line on stderr naming the problem and the fix, exit code 2, no traceback and nothing written;
+a fault in one op is a failed row and the plan goes on; nothing already measured is lost (files written
+atomically, an interrupted run resumable, a second run refused from a live run's directory); no process
+outlives its run. Each test drives the real CLI or tool (in-process where one Megatron import can serve, in
+real subprocesses where the fault is between processes) and checks the files on disk, not only the exit code.
 """
 
 from __future__ import annotations

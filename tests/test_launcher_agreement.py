@@ -17,7 +17,7 @@ from autotuner.launcher_agreement import main
 from autotuner.main import run
 from autotuner.results import load_rows
 
-OPS = ("transformer_layer", "linear_qkv", "core_attention", "mlp", "linear_fc1")  # issue 13's table
+OPS = ("transformer_layer", "linear_qkv", "core_attention", "mlp", "linear_fc1")  # the GPU check's table
 POINT = "s16_b1"
 TINY = [
     "case=tiny",
@@ -181,8 +181,9 @@ def test_bad_input_is_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path,
     reason=f"no GPU report fixtures at {H200_NSYS.parent} (CI clones the repo with shared/ beside it)",
 )
 def test_gpu_rows_are_judged_by_kernel_time(tmp_path: Path) -> None:
-    """The nsys rows an H200 wrote for Llama-2-7B's layer (shared/fixtures), against issue 13's get_data
-    and torch_profiler medians: the reference is each row's kernel time, never its host range."""
+    """The nsys rows an H200 wrote for Llama-2-7B's layer (shared/fixtures), against the get_data and
+    torch_profiler medians reported beside that report: the reference is each row's kernel time, never its
+    host range."""
     with open(H200_NSYS, newline="") as handle:
         nsys = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
     issue = {  # (get_data, torch_profiler) medians, forward then backward, us

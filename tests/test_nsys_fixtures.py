@@ -3,10 +3,10 @@
 ``tiny/`` (case=tiny, bf16, s64_b2) and ``l7/`` (a Llama-2-7B layer, bf16, s2048_b1) each hold the
 ``report.sqlite`` nsys 2023.4 exported and the ``results.csv`` the launcher wrote from it on the GPU, when
 ``median_us`` was still the NVTX range (the host's time; ``host_median_us`` now). Expected values come from
-three places that do not use our reader: an SQL query written here (kernels joined to the CUDA runtime
-call that launched them by correlation id, inside the op's own ranges of its ``measure`` window, median
-over the iterations), the committed ``results.csv``, and the figures in ``shared/notes/nsys.md`` and the
-issue that asked for this (made by another SQL count, over every range of the op's name).
+three places that do not use our reader: an SQL query written here (kernels joined to the CUDA runtime call
+that launched them by correlation id, inside the op's own ranges of its ``measure`` window, median over the
+iterations), the committed ``results.csv``, and figures counted when the reports were recorded (by another SQL
+count, over every range of the op's name).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 # The transformer layer's direct sub-ops, in model order (Megatron-Core's TransformerLayer).
 LAYER_PARTS = ("input_layernorm", "self_attention", "self_attn_bda", "pre_mlp_layernorm", "mlp", "mlp_bda")
 
-# shared/notes/nsys.md, l7: median over every range of the op's name (its own window, and nested in
+# Counted when l7 was recorded: median over every range of the op's name (its own window, and nested in
 # the ops that contain it), us.
 NOTES_L7 = {
     ("linear_fc1", "forward"): 474.7,

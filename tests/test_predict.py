@@ -305,7 +305,7 @@ def test_interleaved_bubble_and_recompute(tmp_path):
     assert "1F1B order simulated, each model chunk its own time" in pred.step.formula
     shown = next(line for line in render(pred).splitlines() if line.startswith("model chunks"))
     assert "stage 0: 1.10 ms / " in shown and "stage 1: 1.00 ms / 2.21 ms, 1.31 ms / 2.90 ms" in shown
-    # the stage's time split evenly over its chunks (the predictor before session 27) ends elsewhere
+    # the stage's time split evenly over its chunks ends elsewhere
     even = {(st.index, ph): getattr(st, ph) / 2 for st in pred.stages for ph in ("forward", "backward")}
     assert simulate(lambda key: even[key[:2]], 2, 2, 8, P2P).end != pytest.approx(sched.end, rel=1e-3)
     # which the accuracy benchmark rebuilds to print beside the new one (no host work calibrated here)
@@ -1196,8 +1196,8 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
     assert 28 / 1e12 < per_parameter < 1e-6
     # torch's Adam on a CPU loops over the tensors, a dozen small ops each: microseconds, not nothing
     assert 1e-6 < per_tensor < 1e-3
-    # zero gradients and moments: never negative, nor ten times a parameter's own step (session 35's VM:
-    # 2.4 ns more a parameter, where the step took 3.6)
+    # zero gradients and moments: never negative, nor ten times a parameter's own step (on a 2-core CPU
+    # VM: 2.4 ns more a parameter, where the step took 3.6)
     zero_state = adam_zero_state_seconds(torch.device("cpu"), policy, per_parameter, per_tensor)
     assert 0 <= zero_state < 10 * per_parameter
     seconds = per_parameter * count
@@ -1397,7 +1397,7 @@ H200 = Path(__file__).parent / "fixtures" / "h200_llama7b"
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_predictions_from_an_h200_profile_meet_the_steps_measured_there(recompute):
-    """Recorded on an H200 (tests/fixtures/h200_llama7b/steps.json, docs/gpu_checks.md): a 4-layer profile
+    """Recorded on an H200 (tests/fixtures/h200_llama7b/steps.json, docs/gpu_validation.md): a 4-layer profile
     of a Llama-2-7B-shaped model and the real steps of the model as deep as num_layers=fit chose. With
     recompute the forward-backward holds little, and Adam's foreach step (a 4 B copy of every parameter's
     exp_avg_sq) is the peak: predicted without it, 32 layers were said to fit and the steps ran out of
@@ -1527,7 +1527,7 @@ def test_the_accuracy_benchmark_spreads_its_step_draws_between_a_rounds_profiles
     after them all, and the rest between them, as evenly as whole profiles allow."""
     from benchmarks.predict_accuracy import STEP_DRAWS, draw_points
 
-    assert draw_points(3, 2) == []  # before and after alone, the benchmark before session 39
+    assert draw_points(3, 2) == []  # before and after alone
     assert draw_points(3, 3) == [2]  # warm, flushed | draw | warm again: the middle of the warm pair
     assert draw_points(6, 3) == [3]  # with the other span's three profiles around the round's own
     assert draw_points(6, 5) == [2, 3, 4]
@@ -1570,7 +1570,9 @@ def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, c
 
     logs = []
     for run, steps in enumerate(([0.97, 1.02, 0.99], [1.01, 0.98, 1.03], [0.5, 0.5, 0.5])):
-        lines = [f"{SCHEDULING}: {REALTIME}"] if run == 2 else []  # logs before session 31 have no such line
+        lines = (
+            [f"{SCHEDULING}: {REALTIME}"] if run == 2 else []
+        )  # an older benchmark's logs have no such line
         lines += ["intra-op threads per process (profiles, steps, calibration): 1"]
         for i, step in enumerate(steps):
             said = one(step, 1.2 if i == 0 else 1.0)

@@ -47,18 +47,16 @@ def _sources(name: str) -> dict[str, str]:
 
 def test_the_presets_hold_the_figures_measured_on_their_gpus_with_where_and_when():
     assert calibration.presets() == ("h100", "h200")
-    # the H200's: the whole calibration the fifth GPU session's profile kept, the file it cites
+    # the H200's: the whole calibration the H200 profile of the predictor's validation kept, the file it cites
     h200 = calibration.load("h200")
     kept = json.loads((H200 / "calibration.json").read_text())
     (record,) = set(_sources("h200").values())
     assert record.startswith("tests/fixtures/h200_llama7b/profile/calibration.json, copied whole")
     assert _figures(h200) == _figures(kept) and h200["environment"] == kept["environment"]
     assert h200["preset"]["measured"] == "2026-12-04" and "NVIDIA H200" in h200["preset"]["device"]
-    # the H100's: the rows of docs/gpu_checks.md's calibration table, each from the run its source names
-    doc = (REPO / "docs" / "gpu_checks.md").read_text()
-    table = doc[doc.index("## Calibration (`python -m autotuner.calibrate --device cuda`)") :].split("\n\n")[
-        1
-    ]
+    # the H100's: the rows of docs/gpu_validation.md's calibration table, each from the run its source names
+    doc = (REPO / "docs" / "gpu_validation.md").read_text()
+    table = doc[doc.index("## H100: calibration") :].split("\n\n")[1]
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in table.splitlines()[2:]}
     recorded = {
         "peak_flops.bf16": ("matmul bf16, 8192^3", 0, 1e12),

@@ -156,9 +156,9 @@ def lost_launch_race(run: NsysRun, report: Path) -> bool:
     and another nsys process opens it; on a loaded machine the open can come first, and nsys exits 1
     with a ``sem_open`` "No such file or directory" error from its ProcessWaiter, before the program
     ran (seen here in about 1 of 8 runs under load; the program had not started in any of them). Such
-    a run is safe to repeat. So is its other start-up failure on a loaded machine (session 49, a suite
-    beside it): "Connection to the Agent lost." and no report, at exit code 0 or 1. The caller repeats only
-    a run whose program had not started.
+    a run is safe to repeat. So is its other start-up failure on a loaded machine (seen with the test suite
+    running beside it): "Connection to the Agent lost." and no report, at exit code 0 or 1. The caller repeats
+    only a run whose program had not started.
     """
     if report.exists():
         return False
@@ -381,8 +381,8 @@ def end_agent(nsys_pid: int, grace_s: float = AGENT_GRACE_S) -> None:
 
     nsys runs its agent in a session of its own, so no signal to nsys's group reaches it. It ends with
     nsys's program (seen here within 0.25 s of nsys, nsys killed or not), except after nsys's start-up
-    failure "Connection to the Agent lost.", after which it stayed for good (two found hours later,
-    session 49). Said in one line; SIGTERM first, SIGKILL 3 s later."""
+    failure "Connection to the Agent lost.", after which it stayed for good (two found hours
+    later). Said in one line; SIGTERM first, SIGKILL 3 s later."""
     deadline = time.monotonic() + grace_s
     while (agents := _agents_of(nsys_pid)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -301,9 +301,9 @@ class Measurements:
     (the slowest rank: :func:`ran_collectives`); of any other op each rank's row is a repeat (below): each
     rank timed the same op on its own, and the slowest of their medians is the largest of a few draws of the
     machine's noise, not a time a step waits for (three profiles of the llama-shaped layer in two processes on
-    a CPU, session 43: the ranks' medians up to 1.26 apart; over the same 4 rounds each, the slowest ranks'
-    rows predicted the llama-shaped PP2 and DP2 steps at 1.064 and 1.047 of the measured, the ranks' repeats
-    at 1.034 and 1.018: docs/predictor_accuracy.md, "Ranks that wait for no one"); a step's wait for its
+    a CPU: the ranks' medians up to 1.26 apart; over the same 4 rounds each, the slowest ranks' rows predicted
+    the llama-shaped PP2 and DP2 steps at 1.064 and 1.047 of the measured, the ranks' repeats at 1.034 and
+    1.018: ``python -m benchmarks.predict_accuracy --layouts pp2,dp2`` prints both); a step's wait for its
     slowest rank is the step's own spread. Otherwise the single process's row. With ``ep``, rows of the ops
     expert parallelism changes (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A
     row measured with the cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured
@@ -438,13 +438,13 @@ def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     took, and its confidence interval (the sampler stops at 2% wide) says how well it knows that second, not
     the machine: on a shared host the speed moves from one second to the next. On this project's VMs a
     llama-shaped layer's rows moved by 6.8-7.7% (forward) and 2.8-6.1% (backward) of their mean between
-    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``, session
-    19), and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps moved by 1.04
-    (session 36: a step runs for seconds and pays the machine's mean speed). Rows of runs made at different
+    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``),
+    and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps moved by 1.04
+    (a step runs for seconds and pays the machine's mean speed). Rows of runs made at different
     moments average it, as the accuracy benchmark's two warm profiles a round do
     (benchmarks.predict_accuracy). The median, not the mean: a second of a shared host can also be taken by
     another tenant whole, and a row inside it reads slow all through, past any fence its own samples set
-    (session 40: one of a round's four warm profiles read the layer 13-14% over the other three, forward and
+    (seen: one of a round's four warm profiles read the layer 13-14% over the other three, forward and
     backward, and moved the mean of the round's two by 6-7%); from three runs a disturbed one is out-voted,
     and the middle one still stands between the moments the runs sampled."""
     if len(rows) == 1:

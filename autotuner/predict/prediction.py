@@ -402,7 +402,7 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     not as rows profiled in fewer, which read fast, nor in more; a GPU's ranks each have their own
     device. The pipeline's stages too: on this project's CPU the llama-shaped PP2's layer rows read
     0.85-1.00 of their time inside the steps profiled in one process, 1.01-1.11 in two
-    (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
+    (``python -m benchmarks.predict_accuracy --layouts pp2`` prints both)."""
     rows = [(key, r) for tm in models for key, r in tm.meas.index.items() if r.get("device") == "cpu"]
     used = {r.get("run_processes") for _, r in _at_point(rows, layout)}
     other = sorted(n for n in used if n and n != layout.gpus)
@@ -431,12 +431,12 @@ NOISY_SHARE = 0.05
 
 def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime], used: set[str]) -> list[str]:
     """Notes where rows the prediction cannot pin carry NOISY_SHARE of a stage's time or more, naming the
-    four that carry the most: rows whose samples spread widely (the timer's ``noisy`` warning), whose
-    mean moves between profiles by more than their samples' spread within one profile suggests
-    (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor parallelism on this
-    VM"); and ops timed by several runs whose rows lie more than REPEATS_APART apart
-    (autotuner.predict.inputs.repeated): the machine's speed moved between the runs by about the CPU
-    target, and the median the prediction takes (of two, their mean) is as good as their number. Of the
+    four that carry the most: rows whose samples spread widely (the timer's ``noisy`` warning), whose mean
+    moves between profiles by more than their samples' spread within one profile suggests (tensor-parallel
+    rows over gloo on a CPU, whose collectives stall for a scheduler tick in some calls: ``python -m
+    benchmarks.machine_noise``); and ops timed by several runs whose rows lie more than REPEATS_APART apart
+    (autotuner.predict.inputs.repeated): the machine's speed moved between the runs by about the CPU target,
+    and the median the prediction takes (of two, their mean) is as good as their number. Of the
     rows the model consulted, those ``used`` (:func:`rows_used`) count: the ones the times came from."""
     noisy = {key: said for tm in models for key, said in tm.noisy_rows.items() if key in used}
     apart = {key: said for tm in models for key, said in tm.apart_rows.items() if key in used}

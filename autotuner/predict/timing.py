@@ -41,8 +41,8 @@ so their bytes add), the host work is the calibration's timed with the cache flu
 (``host_work_seconds_per_microbatch_flushed``). On this project's VM the llama-shaped model's steps (four
 layers, s128, one process) spent 0.37 ms forward and 0.73 backward a micro-batch outside their ops, the
 minimal model at four layers, as one calibration timed it, 0.17 / 0.26 warm and 0.39 / 0.70 flushed; its PP2
-stages (two processes, each a stage of about 26 MB) 0.28-0.30 forward, the flushed figure at two layers 0.26
-(session 28). On a GPU the host queues the kernels ahead of the device, which hides this behind them as long
+stages (two processes, each a stage of about 26 MB) 0.28-0.30 forward, the flushed figure at two layers 0.26.
+On a GPU the host queues the kernels ahead of the device, which hides this behind them as long
 as the kernels outlast it: not added.
 
 **The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
@@ -344,9 +344,9 @@ def chunk_times(
     layer in its last (rank p-1's chunk v-1), the layers, their collectives and recompute, and the host
     work (:func:`host_work`, per chunk and per layer) a 1/v share each, the gradients' accumulation by
     parameters (``extras_share``: the stage's share outside its layers, which is the first or the last
-    chunk's). Before session 27 each chunk took 1/v of its stage, which on the llama-shaped VPP2 put
-    half the last chunk's output layer (2.1 ms forward, 3.1 backward a micro-batch) into the chunk before
-    it, and paid the host work's part for a stage once, not per chunk."""
+    chunk's). An even 1/v of the stage per chunk would put half the last chunk's output layer into the
+    chunk before it (on the llama-shaped VPP2 2.1 ms forward, 3.1 backward a micro-batch), and pay the host
+    work's part for a stage once, not per chunk."""
     v = lay.vpp
     edge = 0 if stage == 0 else v - 1  # the chunk holding what lies outside the layers, if any
     times = [[0.0, 0.0] for _ in range(v)]
@@ -707,7 +707,7 @@ def gradient_zeroing_seconds(
 ) -> tuple[float, str]:
     """Seconds a step takes to zero ``params`` fp32 gradients for the next one, and how, in words: at the
     calibration's zeroing rate, else at ``copy_bandwidth``. They differ on a CPU,
-    whose core reads a line before writing it: on session 36's VM the llama-shaped model's steps zeroed
+    whose core reads a line before writing it: on a 2-core CPU VM the llama-shaped model's steps zeroed
     their 21 MB in 2.43-2.90 ms, the zeroing rate gave 2.77-2.82, the copy bandwidth (2 B moved a byte
     copied) 1.79-1.84 (autotuner.calibrate)."""
     nbytes = GRAD_BYTES * params

@@ -275,7 +275,7 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         )
         + " and starts when its rank is free and its input has arrived; an exchange with a neighbour stage "
         "costs "
-        # prediction.json before session 27 had no exchange_overlapped: then interleaved meant overlapped
+        # a prediction.json without exchange_overlapped (an older file): interleaved means overlapped
         + (
             "the receiving box (overlapped with compute)"
             if step.get("exchange_overlapped", sched.interleaved)

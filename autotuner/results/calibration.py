@@ -142,7 +142,7 @@ class _Points(BaseModel):
 class _Source(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    record: str  # where the figures were recorded when measured (a file, a section of docs/gpu_checks.md)
+    record: str  # where the figures were recorded when measured (a file, a section of docs/gpu_validation.md)
     figures: Annotated[list[str], Field(min_length=1)]  # "peak_flops.bf16", "memory_bandwidth", ...
 
 
