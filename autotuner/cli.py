@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import re
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from autotuner.errors import UserError
 
@@ -49,7 +51,8 @@ class Command:
 
     def usage(self) -> str:
         more = " ..." if self.most is None or self.most > 1 else ""
-        paths = f"{self.paths}{more} " if self.paths else ""
+        paths = f"{self.paths}{more}" if self.paths else ""
+        paths = f"[{paths}] " if paths and self.least == 0 else f"{paths} " if paths else ""
         trailing = f" -- {self.trailing}" if self.trailing else ""
         return f"usage: {self.name} {paths}[KEY=VALUE ...]{trailing}   (or: python -m {self.module})"
 
@@ -168,18 +171,37 @@ def settings_of(cls: type[T], items: Sequence[str], prog: str) -> T:
             raise UserError(
                 f"{key}={text!r} is not {_describe(kinds[key])}: give {key}=<{_describe(kinds[key])}>"
             )
+        if isinstance(value, float) and not math.isfinite(value):  # nan passes every range check after
+            raise UserError(f"{key}={text} is not a finite number: give e.g. {key}=8")
         given[key] = _convert(kinds[key], value)
     return cls(**given)
 
 
-def _refuse(command: Command, message: str) -> NoReturn:
-    print(f"{command.name}: error: {message} (see --help)", file=sys.stderr)
-    raise SystemExit(2)
+class UsageError(UserError):
+    """Arguments the command's grammar does not take (the message names the fix)."""
+
+
+def entry(command: Command) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """A command's ``main``: bad arguments (:func:`parse`'s UsageError) are one line on stderr and exit
+    code 2, returned as ``main``'s other refusals are."""
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(*args: Any, **kwargs: Any) -> int:
+            try:
+                return main(*args, **kwargs)
+            except UsageError as exc:
+                print(f"{command.name}: error: {exc} (see --help)", file=sys.stderr)
+                return 2
+
+        return run
+
+    return wrap
 
 
 def parse(command: Command, argv: Sequence[str] | None) -> tuple[list[str], Any, list[str]]:
     """(paths, settings, the arguments after ``--``) of the command line; ``--help`` prints the help and
-    exits 0; bad arguments are one line on stderr and exit code 2."""
+    exits 0; bad arguments raise :class:`UsageError` (``main`` under :func:`entry` returns 2 for it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     before = argv[: argv.index("--")] if "--" in argv else argv
     if any(a in ("-h", "--help") for a in before):
@@ -189,13 +211,13 @@ def parse(command: Command, argv: Sequence[str] | None) -> tuple[list[str], Any,
     flags = [p for p in paths if p.startswith("-")]
     if flags:
         key = flags[0].lstrip("-").replace("-", "_")
-        _refuse(command, f"{flags[0]}: settings are written key=value ({key}=...), not as flags")
+        raise UsageError(f"{flags[0]}: settings are written key=value ({key}=...), not as flags")
     if len(paths) < command.least:
-        _refuse(command, f"give {command.paths}" + (" (one or more)" if command.most != 1 else ""))
+        raise UsageError(f"give {command.paths}" + (" (one or more)" if command.most != 1 else ""))
     if command.most is not None and len(paths) > command.most:
-        _refuse(command, f"{len(paths)} paths given, {command.most} at most: {' '.join(paths)}")
+        raise UsageError(f"{len(paths)} paths given, {command.most} at most: {' '.join(paths)}")
     try:
         settings = settings_of(command.settings, items, command.name)
     except UserError as exc:
-        _refuse(command, str(exc))
+        raise UsageError(str(exc)) from None
     return paths, settings, rest

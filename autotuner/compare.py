@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.cli import Command, parse
+from autotuner.cli import Command, entry, parse
 from autotuner.cli import setting as cli_setting
 from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
@@ -210,6 +210,7 @@ COMMAND = Command(
 
 
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     paths, args, _ = parse(COMMAND, argv)
     if not 1 <= args.digits <= 15:

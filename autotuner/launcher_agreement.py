@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotuner.cli import Command, parse, setting
+from autotuner.cli import Command, entry, parse, setting
 from autotuner.errors import UserError
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
@@ -314,6 +314,7 @@ COMMAND = Command(
 
 
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     paths, args, _ = parse(COMMAND, argv)
     get_data, torch_profiler, nsys = (*paths, None)[:3]

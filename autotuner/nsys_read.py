@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.cli import Command, parse, setting
+from autotuner.cli import Command, entry, parse, setting
 from autotuner.errors import UserError
 from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
@@ -215,6 +215,7 @@ def read_report(
 
 
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: list[str] | None = None) -> int:
     paths, args, _ = parse(COMMAND, argv)
     try:

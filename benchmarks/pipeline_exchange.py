@@ -6,7 +6,7 @@ Megatron-Core's 1F1B schedule batches a stage's send and receive into one call (
 then wait for both), and the neighbour makes the matching call: its activation for our gradient, or the
 reverse. In a real step the two ends seldom arrive together: one waits, blocked, for the other.
 ``autotuner.predict.schedule`` charges each exchange to both ends, one calibrated ``send_recv`` each
-(``python -m autotuner.calibrate --collectives``, which times the exchange with both ranks at it).
+(``python -m autotuner.calibrate collectives=true``, which times the exchange with both ranks at it).
 This times two processes (gloo; it starts them with torchrun itself) making that exchange, one of
 them arriving ``--late`` ms after the other (spinning until then, as a stage computes), alternately
 rank 0 and rank 1, after a barrier; and prints, per size and lateness, the medians of how long the late

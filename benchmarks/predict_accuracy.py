@@ -22,7 +22,7 @@ autotuner.predict.caches.cache_plan); warm twice, first and last of the round's 
 predictor takes each op's mean of the two (a row times the machine in the second its samples took;
 autotuner.predict.inputs.repeated). The device and the
 links between two processes are calibrated in every round, between its first steps and its profiles (python -m
-autotuner.calibrate, and --collectives under torchrun: the Adam step's time per parameter, alone and
+autotuner.calibrate, and collectives=true under torchrun: the Adam step's time per parameter, alone and
 with both processes at it, the pipeline's transfers and the gradients' all-reduce, the caches a warm row
 runs in, the memory bandwidth of modelled figures; ``--calibrate once``: once for the run, which shares
 one calibration's error among all rounds, past what their spread shows). The predictor predicts the step
@@ -380,10 +380,10 @@ def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     device's on ``threads`` intra-op threads, as the steps run; 0: torch's default). Returns a line of
     what the predicted steps depend on most."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    device = [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)]
+    device = [sys.executable, "-m", "autotuner.calibrate", "device=cpu", f"out={calibration}"]
     _run_whole(device, timeout_s=600, env=env)
     links = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    links += ["-m", "autotuner.calibrate", "--device", "cpu", "--collectives", "--out", str(calibration)]
+    links += ["-m", "autotuner.calibrate", "device=cpu", "collectives=true", f"out={calibration}"]
     _run_whole(links, timeout_s=600)
     cal = load_calibration(calibration)
     return (

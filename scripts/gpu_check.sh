@@ -95,7 +95,7 @@ LLAMA=(case=llama7b device=cuda dtype=bf16 shapes.seq_len=[4096] shapes.micro_ba
 step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sensors.py tests/test_ops.py
 # The CUDA timer alone (events, hide_launch), for a session that runs only the three-launcher check.
 step timer_test 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 'hide_launch or launch_bound or events'
-step calibrate 45 "$PY" -m autotuner.calibrate --device cuda --out "$RUNS/calibration.json"
+step calibrate 45 "$PY" -m autotuner.calibrate device=cuda "out=$RUNS/calibration.json"
 CAL=()
 [ -f "$RUNS/calibration.json" ] && CAL=("calibration=$RUNS/calibration.json")
 step llama7b_bf16 120 "${RUN[@]}" "${LLAMA[@]}" 'ops=[all,functional]' \
@@ -141,11 +141,11 @@ step predict_profile 120 "${RUN[@]}" case=llama7b hf.num_hidden_layers=4 device=
 step predict_validate 180 "$PY" -m autotuner.predict "$RUNS/predict_profile" seq_len=2048 \
     micro_batch_size=1 global_batch_size=8 dtype=bf16 validate=true repeats=5 report=false \
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
-    --json "$RUNS/predict_validate.json"
+    "json=$RUNS/predict_validate.json"
 step predict_validate_full 120 "$PY" -m autotuner.predict "$RUNS/predict_profile" seq_len=2048 \
     micro_batch_size=1 global_batch_size=8 dtype=bf16 recompute=full validate=true repeats=5 report=false \
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
-    --json "$RUNS/predict_validate_full.json"
+    "json=$RUNS/predict_validate_full.json"
 
 # The H100 fixture of Megatron-LM's published weak-scaling runs (benchmarks.megatron_published,
 # docs/cluster_model.md): for each GPT of the table, one layer of one emulated rank at the run's TP
@@ -248,7 +248,7 @@ if [ -f "$RUNS/agree_get_data/results.jsonl" ] && [ -f "$RUNS/agree_torch_profil
     # It reads two or three results files, a second's work: it runs even past the deadline.
     {
         printf '\n== three launchers, Llama-2-7B layer, bf16, s2048_b1 (%s)\n' "$NSYS_NOTE"
-        timeout 60 "$PY" -m autotuner.launcher_agreement "${AGREE_RUNS[@]}" --json "$OUT_DIR/agreement.json"
+        timeout 60 "$PY" -m autotuner.launcher_agreement "${AGREE_RUNS[@]}" "json=$OUT_DIR/agreement.json"
         echo "launcher_agreement exit $?"
     } >"$OUT_DIR/agreement.txt" 2>&1
     cp "$OUT_DIR/agreement.txt" "$RUNS/"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -509,12 +510,78 @@ def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypa
     ],
 )
 def test_every_tools_bad_arguments_are_one_line_and_exit_2(module, capsys, monkeypatch):
-    """argparse's own error printed the whole usage first (2-4 lines): autotuner.errors.OneLineParser."""
+    """A flag where the grammar wants key=value is one line naming the setting, exit code 2
+    (autotuner.cli)."""
     import importlib
 
     main = importlib.import_module(f"autotuner.{module}").main
     monkeypatch.setattr(sys, "argv", [module, "--bogus-option"])  # capture's main reads sys.argv
-    with pytest.raises(SystemExit) as ended:
-        main() if module == "capture.__main__" else main(["--bogus-option"])
+    if module == "capture.__main__":
+        with pytest.raises(SystemExit) as ended:
+            main()
+        code = ended.value.code
+    else:
+        code = main(["--bogus-option"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert ended.value.code == 2 and len(err) == 1 and "error:" in err[0] and "(see --help)" in err[0], err
+    assert code == 2 and len(err) == 1 and "error:" in err[0] and "(see --help)" in err[0], err
+    assert "bogus_option=" in err[0], err
+
+
+TOOLS = (
+    "compare",
+    "report.__main__",
+    "nsys_read",
+    "launcher_agreement",
+    "capture.__main__",
+    "calibrate",
+    "predict.__main__",
+    "tune",
+)
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_every_tools_help_lists_each_setting_with_its_meaning(module, capsys):
+    """One grammar: every command but autotuner takes paths then key=value settings, and --help names
+    each setting of its settings class with its meaning (and default where it has one)."""
+    import dataclasses
+    import importlib
+
+    command = importlib.import_module(f"autotuner.{module}").COMMAND
+    with pytest.raises(SystemExit) as ended:
+        from autotuner.cli import parse
+
+        parse(command, ["--help"])
+    out = capsys.readouterr().out
+    assert ended.value.code == 0 and out.startswith(f"usage: {command.name} ")
+    for field in dataclasses.fields(command.settings):
+        assert f"  {field.name}=" in out and field.metadata["meaning"] in out, field.name
+
+
+def test_the_grammar_reads_values_as_hydra_does_and_refuses_slips_in_one_line():
+    from dataclasses import dataclass
+
+    from autotuner.cli import Command, UsageError, parse, setting
+
+    @dataclass(frozen=True)
+    class Settings:
+        labels: list[str] | None = setting(None, "names")
+        digits: int = setting(3, "figures")
+        scale: float = setting(1.0, "a factor")
+        name: str | None = setting(None, "text")
+
+    command = Command("tool", "tool", "a tool", "PATH", Settings)
+    paths, got, rest = parse(
+        command, ["a", "labels=[x,y]", "digits=4", "scale=2", "name=1.5", "b", "--", "c=1"]
+    )
+    assert paths == ["a", "b"] and rest == ["c=1"]
+    assert got == Settings(labels=["x", "y"], digits=4, scale=2.0, name="1.5")
+    for argv, words in (
+        (["a", "digitz=4"], "unknown setting 'digitz' (did you mean digits?)"),
+        (["a", "digits=four"], "digits='four' is not an integer"),
+        (["a", "labels=x,y"], "a sweep in Hydra's grammar: write a list as labels=[x,y]"),
+        (["a", "scale=nan"], "scale=nan is not a finite number"),
+        (["a", "--digits", "4"], "--digits: settings are written key=value (digits=...)"),
+        ([], "give PATH"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(words)):
+            parse(command, argv)

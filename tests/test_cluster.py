@@ -1,5 +1,5 @@
 """The cluster model: cluster files and presets, where a layout's groups lie (against Megatron-Core's own
-rank generator), the collectives' formulas, a cluster's links measured by calibrate --links over real
+rank generator), the collectives' formulas, a cluster's links measured by calibrate links=true over real
 processes, and predictions priced over a cluster."""
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def test_predictions_price_the_data_parallel_reduction_by_where_its_ranks_lie():
 
 def _links(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "cluster.json"
-    launch = "-m torch.distributed.run --standalone --nproc-per-node=2 -m autotuner.calibrate --links"
-    command = [sys.executable, *launch.split(), "--out", str(out), "--budget-s", "0.1", *extra]
+    launch = "-m torch.distributed.run --standalone --nproc-per-node=2 -m autotuner.calibrate links=true"
+    command = [sys.executable, *launch.split(), f"out={out}", "budget_s=0.1", *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"written to {out}" in done.stdout
@@ -159,7 +159,7 @@ def test_calibrate_links_measures_the_links_and_the_cluster_prices_them_as_measu
 def test_calibrate_links_between_nodes_takes_the_level_it_cannot_measure_from_a_preset(tmp_path):
     """One rank a node (two "nodes" of one process): the link between them measured, the node's own from
     the preset; without the preset, refused in one line."""
-    data = _links(tmp_path, "--ranks-per-node", "1", "--cluster", "dgx_h100")
+    data = _links(tmp_path, "ranks_per_node=1", "cluster=dgx_h100")
     assert data["nodes"] == 2 and set(data["measured"]) == {"inter_node"}
     assert "preset dgx_h100" in data["intra_node"]["bandwidth_source"]
     cluster = load(tmp_path / "cluster.json")
@@ -167,6 +167,9 @@ def test_calibrate_links_between_nodes_takes_the_level_it_cannot_measure_from_a_
     priced, _ = collective_time(cluster, "all_reduce", fitted["bytes"][-1], Group("dp", 2, 1))
     assert abs(priced / fitted["seconds"][-1] - 1) <= fitted["worst_error"] + 1e-9
     refused = subprocess.run(
-        [sys.executable, "-m", "autotuner.calibrate", "--links"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "autotuner.calibrate", "links=true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert refused.returncode == 2 and "torchrun" in refused.stderr and len(refused.stderr.splitlines()) == 1

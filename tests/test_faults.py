@@ -823,10 +823,10 @@ def test_compare_oss_json_under_a_file_is_one_line_and_a_missing_folder_is_made(
 def test_commands_that_measure_first_refuse_an_output_they_could_not_write_before_measuring(tmp_path: Path):
     """calibrate and the steps measure for seconds to minutes, then write: a folder given as the file,
     or a path under a file, is refused first (it had cost the whole measurement)."""
-    proc = _tool("autotuner.calibrate", "--device", "cpu", "--out", tmp_path)
-    _one_line(proc, 2, f"--out {tmp_path} is a folder: give a file name in it")
-    proc = _tool("autotuner.calibrate", "--budget-s", "1e9", "--out", tmp_path / "c.json")
-    _one_line(proc, 2, "--budget-s 1000000000.0 must be above 0 and at most 3600")
+    proc = _tool("autotuner.calibrate", "device=cpu", f"out={tmp_path}")
+    _one_line(proc, 2, f"out={tmp_path} is a folder: give a file name in it")
+    proc = _tool("autotuner.calibrate", "budget_s=1e9", f"out={tmp_path / 'c.json'}")
+    _one_line(proc, 2, "budget_s=1e+09 must be above 0 and at most 3600")
     from autotuner.predict.steps import parse_args
 
     proc = _tool("autotuner.predict.steps", "--help")  # usage, not "'--help' is not key=value"
@@ -849,7 +849,7 @@ def test_ctrl_c_during_a_calibration_is_one_line_and_exit_130(tmp_path: Path):
     """It had printed KeyboardInterrupt's traceback; its file is written only at the end, atomically."""
     out = tmp_path / "calibration.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(out)],
+        [sys.executable, "-m", "autotuner.calibrate", "device=cpu", f"out={out}"],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -148,10 +148,8 @@ def test_calibration_refusals_name_the_field(tmp_path: Path, change, words: str,
     assert words in message and "autotuner.calibrate" in message, message
     out = tmp_path / "p.json"
     assert (
-        predict_main(
-            [str(fixture), "seq_len=2048", "report=false", f"calibration={path}", "--json", str(out)]
-        )
+        predict_main([str(fixture), "seq_len=2048", "report=false", f"calibration={path}", f"json={out}"])
         == 2
     )
     err = capsys.readouterr().err.strip()
-    assert err == f"autotuner.predict: error: {message}" and not out.exists()
+    assert err == f"autotuner-predict: error: {message}" and not out.exists()

@@ -178,12 +178,12 @@ def test_the_commands_take_the_cluster_the_overlaps_and_cp(tmp_path, capsys):
 
     out = tmp_path / "prediction.json"
     layout = ["seq_len=4096", "cp=2", "dp=8", "global_batch_size=32", "overlap_grad_reduce=true"]
-    assert predict_main([str(H200), *layout, "cluster=dgx_h200", "report=false", "--json", str(out)]) == 0
+    assert predict_main([str(H200), *layout, "cluster=dgx_h200", "report=false", f"json={out}"]) == 0
     record = json.loads(out.read_text())
     assert record["layout"]["cp"] == 2 and "preset dgx_h200" in record["cluster"]
     assert {term["name"] for term in record["step"]["communication"]} >= {"dp_grad_reduce", "cp_kv_exchange"}
     assert "cp_kv_exchange" in capsys.readouterr().out
-    assert predict_main([str(H200), *layout, "cluster=nowhere.json", "report=false", "--json", str(out)]) == 2
+    assert predict_main([str(H200), *layout, "cluster=nowhere.json", "report=false", f"json={out}"]) == 2
     assert "cannot read the cluster file" in capsys.readouterr().err
     ranked = ["gpus=16", "gpu_memory_gb=141", "global_batch_size=32", "seq_len=4096", "top=3"]
     assert tune_main([str(H200), *ranked, "cluster=dgx_h200", "overlap=true", "max_cp=2"]) == 0

@@ -287,7 +287,7 @@ def test_installed_demo_case_dir_compare_and_report(venv, tmp_path):
     _ok(_run([str(venv.bin / "autotuner-report"), str(mine)], work))
     assert (mine / "report.html").is_file()
     _ok(_run([str(venv.bin / "autotuner-report"), str(demo), str(mine)], work))
-    assert (_one_run(work / "runs" / "compare") / "report.html").is_file()  # the default --out: ./runs/
+    assert (_one_run(work / "runs" / "compare") / "report.html").is_file()  # the default out=: ./runs/
     # nothing written beside the installed package
     assert not list(venv.root.rglob("runs")) and not list(venv.root.rglob("results.jsonl"))
 

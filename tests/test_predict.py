@@ -1049,7 +1049,7 @@ def test_bad_layout_is_one_line_and_exit_2(tmp_path, capsys, settings, words):
     run_dir = make_run(tmp_path, base_rows())
     assert main([str(run_dir), "seq_len=32", *settings]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("autotuner.predict: error:") and words in err[0], err
+    assert len(err) == 1 and err[0].startswith("autotuner-predict: error:") and words in err[0], err
     assert not (run_dir / "prediction.json").exists()
 
 
@@ -1069,7 +1069,7 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     ]
     assert run([*args, ops, *fast, f"hydra.run.dir={run_dir}"]) == 0
     out = tmp_path / "p.json"
-    assert main([str(run_dir), "seq_len=32", "pp=2", "global_batch_size=4", "--json", str(out)]) == 0
+    assert main([str(run_dir), "seq_len=32", "pp=2", "global_batch_size=4", f"json={out}"]) == 0
     text = capsys.readouterr().out
     assert "step time" in text and "memory per GPU" in text
     pred = json.loads(out.read_text())
@@ -1325,24 +1325,22 @@ def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows
 
 @pytest.mark.parametrize("name", ["results.jsonl", "environment.json", "results.csv", "calibration.json"])
 def test_an_output_never_replaces_the_records_of_a_run_it_reads(tmp_path, capsys, name):
-    """--json (predict), oss_json= (compare): a path naming a record of an input run was overwritten."""
+    """json= (predict), oss_json= (compare): a path naming a record of an input run was overwritten."""
     from autotuner.compare import main as compare_main
 
     run_dir = make_run(tmp_path, base_rows())
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     target = str(run_dir / ".." / run_dir.name / name)  # however it is spelled
-    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", target]) == 2
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", f"json={target}"]) == 2
     assert compare_main([str(run_dir), str(run_dir), "labels=[a,b]", f"oss_json={target}"]) == 2
     for line in capsys.readouterr().err.strip().splitlines():
         assert f"is the run's own {name}" in line and "give another file name" in line, line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     # nor the run's report, by the page beside a JSON named report.json
-    assert (
-        main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(run_dir / "report.json")]) == 2
-    )
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", f"json={run_dir / 'report.json'}"]) == 2
     assert "is the run's own report.html" in capsys.readouterr().err
     # the page goes beside the JSON with .html: a JSON named so was replaced by its page
-    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(tmp_path / "p.html")]) == 2
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", f"json={tmp_path / 'p.html'}"]) == 2
     assert "give a .json name" in capsys.readouterr().err and not (tmp_path / "p.html").exists()
 
 
@@ -1744,7 +1742,7 @@ def test_a_cpu_prediction_without_a_calibration_takes_its_rows_figures_and_assum
         predict(runs, Layout(seq_len=32, global_batch_size=2, dtype="bf16"))
     message = str(refused.value)
     assert message.startswith("no calibration, and no bf16 GEMM row in the runs to take a peak from")
-    assert "python -m autotuner.calibrate --device cpu" in message and "dtype=bf16" in message
+    assert "python -m autotuner.calibrate device=cpu" in message and "dtype=bf16" in message
 
 
 def test_the_warnings_about_rows_count_the_rows_the_times_came_from(tmp_path):
@@ -1788,7 +1786,7 @@ def test_a_prediction_without_rows_of_its_dtype_says_what_its_figures_come_from(
 def test_a_layout_that_does_not_fit_the_gpu_says_so_and_tune_drops_it(tmp_path, capsys):
     run = make_run(tmp_path, base_rows())
     out = tmp_path / "p.json"
-    argv = [str(run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false", "--json", str(out)]
+    argv = [str(run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false", f"json={out}"]
     assert main([*argv, "gpu_memory_gb=0.001"]) == 0
     printed = capsys.readouterr().out
     record = json.loads(out.read_text())

@@ -99,7 +99,7 @@ def test_a_preset_is_selected_by_name_and_a_file_path_still_works(tmp_path, monk
     assert preset.step_seconds == kept.step_seconds and preset.memory == kept.memory
     text = render(preset).splitlines()
     assert text[1].startswith("calibration: preset h200: NVIDIA H200 (143771 MiB")
-    assert "measured 2026-12-04 by python -m autotuner.calibrate --device cuda" in text[1]
+    assert "measured 2026-12-04 by python -m autotuner.calibrate device=cuda" in text[1]
     taken = text[1].split("; figures taken: ")[1].split(", ")
     assert {"peak_flops[bf16]", "memory_bandwidth", "adam_seconds_per_parameter"} <= set(taken)
     assert "grad_accumulation_seconds_per_parameter[bf16]" in taken and "h2d_pinned" not in taken
@@ -116,7 +116,7 @@ def test_a_preset_is_selected_by_name_and_a_file_path_still_works(tmp_path, monk
     mine = tmp_path / "mine.json"
     shutil.copy(H200 / "calibration.json", mine)
     out = tmp_path / "p.json"
-    assert predict_main([str(H200), *LAYOUT, f"calibration={mine}", "--json", str(out)]) == 0
+    assert predict_main([str(H200), *LAYOUT, f"calibration={mine}", f"json={out}"]) == 0
     record = json.loads(out.read_text())
     assert (
         record["calibration"].startswith(f"{mine} (cuda NVIDIA H200;") and record["rows"] == preset.rows_note
@@ -127,7 +127,7 @@ def test_a_preset_is_selected_by_name_and_a_file_path_still_works(tmp_path, monk
     with pytest.raises(UserError, match=r"names both the preset h100 and the file \./h100: give \./h100"):
         calibration.load("h100")
     capsys.readouterr()
-    assert predict_main([str(H200), *LAYOUT, "calibration=h300", "--json", str(out)]) == 2
+    assert predict_main([str(H200), *LAYOUT, "calibration=h300", f"json={out}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot read h300" in err
     assert "name a preset: h100, h200" in err
@@ -137,7 +137,7 @@ def test_the_h100_preset_prices_what_it_measured_and_says_what_it_did_not(capsys
     """The H100's calibration predates the timed Adam step: modelled from its copy bandwidth, said so; and
     the rows of another GPU beside it are said."""
     out = tmp_path / "p.json"
-    assert predict_main([str(H200), *LAYOUT, "calibration=h100", "--json", str(out)]) == 0
+    assert predict_main([str(H200), *LAYOUT, "calibration=h100", f"json={out}"]) == 0
     printed = capsys.readouterr().out
     assert "calibration: preset h100: NVIDIA H100 80GB HBM3" in printed and "measured 2026-11-26" in printed
     assert "the calibration did not time the Adam step: it is modelled from the memory bandwidth" in printed
@@ -155,20 +155,18 @@ def test_a_gpu_prediction_without_a_calibration_is_refused_naming_what_measures_
     shutil.copytree(H200, bare)
     (bare / "calibration.json").unlink()
     out = tmp_path / "p.json"
-    assert predict_main([str(bare), *LAYOUT, "--json", str(out)]) == 2
+    assert predict_main([str(bare), *LAYOUT, f"json={out}"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert captured.out == "" and len(err.splitlines()) == 1 and not out.exists()
     assert "the runs were profiled on NVIDIA H200 and keep no calibration.json" in err
     assert "give calibration=h200 (the preset measured on an NVIDIA H200)" in err
-    assert "python -m autotuner.calibrate --device cuda" in err
+    assert "python -m autotuner.calibrate device=cuda" in err
     # refused before num_layers=fit prints the depth it chose
-    assert (
-        predict_main([str(bare), *LAYOUT, "num_layers=fit", "gpu_memory_gb=150.8", "--json", str(out)]) == 2
-    )
+    assert predict_main([str(bare), *LAYOUT, "num_layers=fit", "gpu_memory_gb=150.8", f"json={out}"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip() == err
-    assert predict_main([str(bare), *LAYOUT, "calibration=h200", "--json", str(out)]) == 0
+    assert predict_main([str(bare), *LAYOUT, "calibration=h200", f"json={out}"]) == 0
 
 
 def test_a_calibration_without_the_dtype_predicted_is_refused(tmp_path, capsys):
@@ -179,8 +177,8 @@ def test_a_calibration_without_the_dtype_predicted_is_refused(tmp_path, capsys):
     path = tmp_path / "fp32_only.json"
     path.write_text(json.dumps(partial))
     out = tmp_path / "p.json"
-    assert predict_main([str(H200), *LAYOUT, f"calibration={path}", "--json", str(out)]) == 2
+    assert predict_main([str(H200), *LAYOUT, f"calibration={path}", f"json={out}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and not out.exists()
     assert f"the calibration {path} has no peak_flops for bf16, the dtype predicted (it has fp32)" in err
-    assert "python -m autotuner.calibrate --device cuda" in err and "dtype=fp32" in err
+    assert "python -m autotuner.calibrate device=cuda" in err and "dtype=fp32" in err

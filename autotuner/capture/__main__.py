@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotuner.capture import _child
-from autotuner.cli import Command, parse, setting
+from autotuner.cli import Command, entry, parse, setting
 from autotuner.errors import UserError
 from autotuner.results.atomic import check_writable
 from autotuner.termination import ending_quietly_on_a_closed_pipe
@@ -117,6 +117,7 @@ COMMAND = Command(
 )
 
 
+@entry(COMMAND)
 def run(argv: list[str]) -> int:
     """Run the capture CLI; return the exit code (negative: the child was killed by that signal)."""
     _, args, command = parse(COMMAND, argv)

@@ -16,7 +16,7 @@ it comes from::
 450e9), ``latency`` the time one step of a ring over that level adds, ``base_latency`` what any
 collective pays once. Between nodes a GPU's share is ``nic_bandwidth * nics_per_node / gpus_per_node``.
 ``nodes`` may be absent (a kind of machine, as the presets are): then as many as a layout needs.
-``measured`` is what ``autotuner-calibrate --links`` timed on the machine it ran on, per level and
+``measured`` is what ``autotuner-calibrate links=true`` timed on the machine it ran on, per level and
 collective: an affine fit of time against bytes (latency + bytes x bus factor / bus bandwidth, as
 nccl-tests defines bus bandwidth) and the points it was fitted to; where present it prices that
 collective at that level in place of the link's nominal figures (autotuner.predict.collectives).
@@ -42,9 +42,9 @@ from autotuner.errors import UserError, schema_problem
 
 PRESET_DIR = Path(__file__).resolve().parent / "clusters"
 LEVELS = ("intra_node", "inter_node")
-# The collectives a cluster's links price (autotuner.predict.collectives) and calibrate --links measures.
+# The collectives a cluster's links price (autotuner.predict.collectives) and calibrate links=true measures.
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-_FIX = "give a preset (cluster=dgx_h100) or a file autotuner-calibrate --links wrote"
+_FIX = "give a preset (cluster=dgx_h100) or a file autotuner-calibrate links=true wrote"
 
 _Rate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 _Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -103,7 +103,7 @@ class ClusterFile(BaseModel):
     base_latency: _Seconds
     base_latency_source: _Text
     measured: dict[Literal[LEVELS], dict[Literal[KINDS], _Fit]] = {}  # type: ignore[valid-type]
-    measured_on: dict[str, Any] = {}  # where and when calibrate --links ran (host, backend, date, ...)
+    measured_on: dict[str, Any] = {}  # where and when calibrate links=true ran (host, backend, date, ...)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Link:
 
 @dataclass(frozen=True)
 class Fit:
-    """A collective timed at one level by ``autotuner-calibrate --links``: ``ranks`` of that level, the
+    """A collective timed at one level by ``autotuner-calibrate links=true``: ``ranks`` of that level, the
     fitted latency (s) and bus bandwidth (bytes/s), and the sizes and times fitted."""
 
     ranks: int
@@ -156,7 +156,7 @@ class Cluster:
         if self.inter is None:
             raise UserError(
                 f"cluster {self.origin} has no inter_node link (it was measured on one node), and the "
-                "layout's groups cross nodes: run autotuner-calibrate --links on two nodes or more, or "
+                "layout's groups cross nodes: run autotuner-calibrate links=true on two nodes or more, or "
                 "give a preset (cluster=dgx_h100)"
             )
         return self.inter
@@ -183,7 +183,7 @@ class Cluster:
             f"measured ({', '.join(f'{level} {kind}' for level, kind in self.measured)})"
             if self.measured
             else "published rates, which nccl-tests reaches only in part: measure them with "
-            "autotuner-calibrate --links"
+            "autotuner-calibrate links=true"
         )
         return (
             f"cluster {self.origin}: {self.gpus_per_node} GPUs a node, {self.intra.bandwidth / 1e9:.4g} GB/s "
@@ -323,7 +323,7 @@ def measured_file(
     measured_on: Mapping[str, Any],
     base: Cluster | None = None,
 ) -> dict[str, Any]:
-    """A cluster file of what autotuner-calibrate --links measured (``{level: {kind: {"ranks", "bytes",
+    """A cluster file of what autotuner-calibrate links=true measured (``{level: {kind: {"ranks", "bytes",
     "seconds"}}}``): each collective's fit per level, and each level's link from its all-reduce's fit (a
     ring step's latency, its bus bandwidth a GPU's); a level not measured taken from ``base`` (a preset),
     else refused (ValueError naming it)."""
@@ -333,7 +333,7 @@ def measured_file(
         }
         for level, kinds in measured.items()
     }
-    where = f"measured by autotuner-calibrate --links on {measured_on.get('host', 'this machine')}"
+    where = f"measured by autotuner-calibrate links=true on {measured_on.get('host', 'this machine')}"
     where += f" ({measured_on.get('backend', '?')}, {measured_on.get('date', '?')})"
 
     def from_fit(level: str) -> tuple[float, float, str]:
@@ -384,7 +384,7 @@ def measured_file(
         else:
             raise ValueError(
                 f"no {level} link was measured ({gpus_per_node} rank(s) a node, {nodes} node(s)): give "
-                "--cluster PRESET for the figures not measured"
+                "cluster=PRESET for the figures not measured"
             )
         data[level] = link
     return data

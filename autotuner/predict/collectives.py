@@ -27,7 +27,7 @@ level's latency (src/graph/tuning.cc); every GPU's NIC is its own (rail-optimise
 the layout runs its collective at once, so no NIC is shared. NCCL's flat ring over the same ranks moves
 ``2(n-1)/n`` of B through the NICs where this moves ``2(N-1)/N``: up to ``(1-1/n)/(1-1/N)`` slower (1.5 at
 2 nodes of 2 ranks, 1.17 at 6 of 8), and in-network reduction (NVLS, SHARP) can be faster; neither is
-modelled. Where the cluster file holds a level's measured fit for the collective (calibrate --links),
+modelled. Where the cluster file holds a level's measured fit for the collective (calibrate links=true),
 that level's bandwidth and latency are the fit's (its latency scaled by the ring's steps from the ranks it
 was measured at), else the link's nominal figures.
 """

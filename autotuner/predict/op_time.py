@@ -225,7 +225,7 @@ class TimeModel:
     def calibrate_command(self) -> str:
         """The command that calibrates the device the rows were profiled on."""
         device = "cpu" if self.meas.profiled_on == {"cpu"} else "cuda"
-        return f"python -m autotuner.calibrate --device {device}"
+        return f"python -m autotuner.calibrate device={device}"
 
     def set_cache_mode(self, cold: bool, reason: str) -> None:
         """Which rows this model stands for (autotuner.predict.caches.cache_plan); ``meas`` should prefer

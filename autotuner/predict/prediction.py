@@ -776,7 +776,7 @@ def check_calibration(
             raise UserError(
                 f"the calibration {calibration_label(calibration, given)} has no peak_flops for {dtype}, "
                 f"the dtype predicted (it has {', '.join(peak) or 'none'}): calibrate with "
-                f"python -m autotuner.calibrate --device {device} (it times fp32, bf16 and fp16), or "
+                f"python -m autotuner.calibrate device={device} (it times fp32, bf16 and fp16), or "
                 f"predict dtype={next(iter(peak), 'fp32')}"
             )
         return
@@ -787,7 +787,7 @@ def check_calibration(
         raise UserError(
             f"no profile and no calibration of the GPU to predict {case} on: give {named} (presets measured "
             "on those GPUs: docs/predict_presets.md), or calibration=FILE (python -m autotuner.calibrate "
-            "--device cuda on the GPU writes one)"
+            "device=cuda on the GPU writes one)"
         )
     device = (runs.env.get("environment") or {}).get("device_name") or "a GPU"
     preset = preset_for(device)
@@ -795,7 +795,7 @@ def check_calibration(
     raise UserError(
         f"the runs were profiled on {device} and keep no calibration.json, and a GPU's step needs its "
         f"calibrated peak and bandwidth: give {instead}, or calibration=FILE (python -m autotuner.calibrate "
-        "--device cuda on it writes one)"
+        "device=cuda on it writes one)"
     )
 
 

@@ -658,13 +658,13 @@ def optimizer_step(
         together = tm.calibration.get(ADAM_TOGETHER, {}).get(link)
         if together:
             rate = together
-            how = f"Adam step timed by autotuner.calibrate --collectives on {link}, every rank at once: "
+            how = f"Adam step timed by autotuner.calibrate collectives=true on {link}, every rank at once: "
             how += f"{rate * 1e9:.4g} ns per fp32 parameter"
         else:
             tm._warn(
                 f"{tm.untimed(f'Adam on {lay.gpus} CPU processes at once')} (they share the "
                 f"memory: each runs slower than one alone): torchrun --nproc-per-node={lay.gpus} -m "
-                "autotuner.calibrate --collectives times it"
+                "autotuner.calibrate collectives=true times it"
             )
     adam = per_rank * rate
     detail = f"{how} x {per_rank:.4g} params = {adam:.4g} s"

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotuner.cli import Command, parse, setting
+from autotuner.cli import Command, entry, parse, setting
 from autotuner.errors import UserError
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
@@ -43,6 +43,7 @@ COMMAND = Command(
 
 
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: list[str] | None = None) -> int:
     paths, args, _ = parse(COMMAND, argv)
     from autotuner.report import build_report

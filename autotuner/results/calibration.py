@@ -25,7 +25,7 @@ is plain JSON::
      "shared_cache_bytes_reported": <bytes>,                 optional: the size the device reports
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
-     "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
+     "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate collectives=true)
      "send_recv_bandwidth": {...},                           and the point-to-point exchange's
      "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...},
                                                              the timed sizes behind them
@@ -88,7 +88,7 @@ HOST_WORK_FLUSHED = "host_work_seconds_per_microbatch_flushed"
 HOST_WORK_PARTS = ("forward", "forward_per_layer", "backward", "backward_per_layer")
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
-_LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
+_LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate collectives=true to measure them again"
 
 
 def default_path(device_type: str, device_name: str) -> Path:
@@ -299,7 +299,7 @@ def link_key(backend: str, world: int) -> str:
 
 
 def merge_links(calibration: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
-    """``calibration`` with the link entries of ``measured`` (what ``calibrate --collectives`` returns:
+    """``calibration`` with the link entries of ``measured`` (what ``calibrate collectives=true`` returns:
     the ``*_bandwidth`` and ``collective_points`` keys) added: a key measured again replaces its old
     value, every other entry (the compute and memory ceilings, other worlds and backends) is kept."""
     merged = dict(calibration)
