@@ -547,9 +547,6 @@ def _main_links(
     return 0
 
 
-@ending_quietly_on_a_closed_pipe
-@ending_in_one_line_on_ctrl_c("autotuner.calibrate")
-@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 @dataclass(frozen=True)
 class CalibrateSettings:
     device: str = setting("auto", "auto, cpu or cuda", "DEVICE")
@@ -585,6 +582,9 @@ COMMAND = Command(
 )
 
 
+@ending_quietly_on_a_closed_pipe
+@ending_in_one_line_on_ctrl_c("autotuner.calibrate")
+@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
 @entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     _, args, _ = parse(COMMAND, argv)

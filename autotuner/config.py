@@ -262,9 +262,10 @@ def _why(exc: BaseException) -> str:
     return said
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
+def compose_config(overrides: list[str], with_hydra: bool = False) -> DictConfig:
     """Compose the config for one job's overrides without running it (the command line's checks, tests,
-    benchmarks). Raises UserError for an unknown launcher or a bad override."""
+    benchmarks); ``with_hydra`` keeps Hydra's own node (where the run goes). Raises UserError for an
+    unknown launcher or a bad override."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException, MissingConfigException
@@ -275,7 +276,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
+            return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
     except MissingConfigException as exc:
         if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in overrides):
             raise UserError(

@@ -314,16 +314,16 @@ def test_a_user_config_dir_is_searched_before_any_work(tmp_path, capsys):
     """A launcher YAML in ``--config-dir`` (or ``hydra.searchpath``) passes the checks that run before
     Hydra does, as it passes Hydra's own composition; a config folder that is not there is one line."""
     from autotuner.errors import UserError
-    from autotuner.main import preflight, run
+    from autotuner.main import parse_command_line, preflight, run
 
     (tmp_path / "launcher").mkdir()
     (tmp_path / "launcher" / "quick.yaml").write_text("defaults:\n  - get_data\n")
     job = ["case=tiny", "launcher=quick", *TINY]
     with pytest.raises(UserError, match="unknown launcher"):
-        preflight(job)
-    preflight(["--config-dir", str(tmp_path), *job])
-    preflight([f"--config-dir={tmp_path}", *job])
-    preflight([f"hydra.searchpath=[file://{tmp_path}]", *job])
+        preflight(parse_command_line(job))
+    preflight(parse_command_line(["--config-dir", str(tmp_path), *job]))
+    preflight(parse_command_line([f"--config-dir={tmp_path}", *job]))
+    preflight(parse_command_line([f"hydra.searchpath=[file://{tmp_path}]", *job]))
 
     missing = tmp_path / "nowhere"
     assert run(["--config-dir", str(missing), *job]) == 2

@@ -294,12 +294,10 @@ def render(result: Preview) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: Any) -> str:
-    """The preview of one composed config, as text. Raises UserError for what it cannot preview."""
+def dry_run(spec: RunSpec) -> str:
+    """The preview of one resolved run, as text. Raises UserError for what it cannot preview."""
     from autotuner.errors import UserError
-    from autotuner.runner.spec import resolve_spec
 
-    spec = resolve_spec(cfg)
     if spec.session is not None:  # a capture's generic plan: no Megatron model to build on meta
         raise UserError(
             "dry_run=true previews plans of the Megatron model, not a capture's generic calls: "
