@@ -168,6 +168,7 @@ class Job:
     cfg: DictConfig
     hydra: DictConfig
     _spec: Any = None
+    run: Any = None  # the RunDirectory held before Hydra's run, where its folder is known in advance
 
     @property
     def spec(self) -> Any:
@@ -316,28 +317,31 @@ def _no_run_to_resume(key: str, parent: Path) -> str:
 _JOBS: list[Job] = []  # this command's jobs (main), whose specs Hydra's run of each job takes up
 
 
-def _resolved(cfg: DictConfig) -> Any:
-    """The RunSpec of the job Hydra runs: the one preflight resolved for the same config, or, for a job
-    that started in a process of its own (a sweep's job sent to SLURM), resolved here."""
+def _job_of(cfg: DictConfig) -> Job:
+    """The job Hydra runs: the one preflight composed for the same config, or, for a job that started in
+    a process of its own (a sweep's job sent to SLURM), a new one."""
     for job in _JOBS:
         if job.cfg == cfg:
-            return job.spec
-    from autotuner.runner.spec import resolve_spec
-
-    return resolve_spec(cfg)
+            return job
+    _JOBS.append(Job([], cfg, OmegaConf.create()))
+    return _JOBS[-1]
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def _app(cfg: DictConfig) -> None:
     import autotuner.capture.replay  # noqa: F401  (registers capture=<file>; a sweep's job may start here)
     from autotuner.launchers import launch
+    from autotuner.launchers.common import RunDirectory
     from autotuner.model.host_heap import keep_freed_memory
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    job = _job_of(cfg)
+    if job.run is None or job.run.path != run_dir.resolve():
+        job.run = RunDirectory(run_dir)
     try:
-        spec = _resolved(cfg)
+        spec = job.spec
         keep_freed_memory(spec.device)  # before the run's environment records it (autotuner.model.host_heap)
-        code = launch(cfg, spec, run_dir)
+        code = launch(cfg, spec, job.run)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
@@ -436,8 +440,7 @@ def _claim_run_dir(line: CommandLine, jobs: list[Job]) -> None:
     """
     from omegaconf.errors import OmegaConfBaseException
 
-    from autotuner.launchers.common import check_fresh, check_resume, claim_run_dir, release_run_dirs
-    from autotuner.model.runtime import process_rank
+    from autotuner.launchers.common import RunDirectory
 
     given = [a.split("=", 1)[1] for a in line.hydra_overrides if a.lstrip("+").startswith("hydra.run.dir=")]
     if not given or "now:" in given[-1] or line.multirun:
@@ -447,15 +450,14 @@ def _claim_run_dir(line: CommandLine, jobs: list[Job]) -> None:
         run_dir = Path(str(OmegaConf.select(job.hydra, "run.dir")))
     except OmegaConfBaseException as exc:
         raise UserError(f"bad hydra.run.dir: {short_error(exc)}: give a folder path") from exc
+    run = RunDirectory(run_dir).claim()
     try:
-        claim_run_dir(run_dir)
-        if job.cfg.resume and job.cfg.launcher.name != "nsys":  # nsys refuses resume=true itself
-            check_resume(job.cfg, job.spec, run_dir)
-        elif not job.cfg.resume:
-            check_fresh(run_dir, process_rank()[1])
+        if not (job.cfg.resume and job.cfg.launcher.name == "nsys"):  # nsys refuses resume=true itself
+            run.check(job.cfg, job.spec)
     except UserError:
-        release_run_dirs(refused=True)
+        run.release()
         raise
+    job.run = run
 
 
 def _dry_run(jobs: list[Job]) -> bool:
@@ -504,9 +506,7 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
     """Around Hydra's run: on SIGTERM (what SLURM sends at the time limit or on preemption) say how to
     finish the run, unwind (files being written are cleaned up: autotuner.results.atomic) and end as the
     signal would have, exit status 143 (autotuner.termination); on Ctrl-C the same in one line, no
-    traceback, exit status 130; pass the user's umask on to processes that reset it (nsys); release the
-    run directory's locks when the run ends in-process."""
-    from autotuner.launchers.common import release_run_dirs
+    traceback, exit status 130; pass the user's umask on to processes that reset it (nsys)."""
     from autotuner.results.atomic import remember_user_umask
 
     def say_how_to_finish() -> bool:
@@ -533,8 +533,6 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
             finish = f"; finish the run with: {resume_command[0]}" if resume_command[0] else ""
             print(f"autotuner: interrupted{finish}", file=sys.stderr)
         raise SystemExit(130) from None
-    finally:
-        release_run_dirs()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -561,6 +559,9 @@ def main(argv: list[str] | None = None) -> None:
         with _guarded_run(original):
             _app()
     finally:
+        for job in _JOBS:  # a job Hydra ran in this process holds its folder until here (the report too)
+            if job.run is not None:
+                job.run.release()
         _JOBS.clear()
 
 

@@ -132,6 +132,7 @@ def test_a_second_run_into_a_live_run_directory_is_refused(tmp_path):
     expected = ops[holder].split("[")[1].rstrip("]")
     assert [(r["op"], r["phase"]) for r in rows] == [(expected, "forward"), (expected, "backward")]
     assert "2 rows" in out
+    assert not lock.exists(), "a run that ended cleanly left its lock file"
     # the refused run wrote nothing, not even Hydra's record of its config
     assert ops[other] not in (run_dir / ".hydra" / "overrides.yaml").read_text()
 
@@ -141,7 +142,7 @@ def test_a_run_refused_between_the_holders_lock_and_its_pid_still_names_the_hold
     refused in that window, which a loaded machine can stretch, waits for the pid rather than naming
     "pid unknown". Held here by a lock taken in this test, its pid written 0.3 s late."""
     from autotuner.errors import UserError
-    from autotuner.launchers.common import claim_run_dir
+    from autotuner.launchers.common import RunDirectory
 
     run_dir = tmp_path / "held"
     run_dir.mkdir()
@@ -151,7 +152,7 @@ def test_a_run_refused_between_the_holders_lock_and_its_pid_still_names_the_hold
     late.start()
     try:
         with pytest.raises(UserError, match="another run \\(pid 424242\\)"):
-            claim_run_dir(run_dir)
+            RunDirectory(run_dir).claim()
     finally:
         late.join()
         os.close(fd)

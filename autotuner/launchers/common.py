@@ -64,69 +64,92 @@ def results_stem(rank: int, world: int) -> str:
     return f"results.rank{rank}" if world > 1 else "results"
 
 
-# Locks this process holds on run directories (lock file -> descriptor), and the run directories whose
-# resume was already checked (autotuner.main checks before Hydra writes; start_writer again, for runs
-# main could not place in advance): both end with the run (release_run_dirs) or with the process.
-_HELD: dict[Path, int] = {}
-_CREATED: set[Path] = set()  # the lock files this process made, removed again if its run is refused
-_RESUME_CHECKED: set[Path] = set()
-
-
-def claim_run_dir(run_dir: Path) -> None:
-    """Take this process's locks on ``run_dir``, or raise UserError naming the live run that holds them.
+class RunDirectory:
+    """A run's folder as this process holds it: its locks, the lock files it made, and whether its fresh
+    start or resume was checked. :meth:`claim` and :meth:`check` are done once, however often asked
+    (autotuner.main does them before Hydra writes its record, where the folder is known in advance;
+    :func:`start_writer` for the others); :meth:`release` ends the hold.
 
     A lock is ``fcntl.flock`` on a hidden file per results stem (``.results.lock``; under torchrun each
     rank locks ``.results.rank<N>.lock`` and rank 0 also ``.results.lock``, the merged files it writes),
-    held as long as this process lives: the kernel drops it when the process ends, killed or not, so a
-    crashed run never leaves a stale lock to clean up. A second run into the directory, which would
-    interleave its rows with the first one's and each rewrite the other's files, is refused instead.
-    A lock counts only while its file is still the one at the path: a refused run removes the lock files
-    it made (:func:`release_run_dirs`), and one that locked the removed file tries again.
+    held while this process lives: the kernel drops it when the process ends, killed or not, so a crashed
+    run never leaves a lock that holds. A second run into the folder, which would interleave its rows
+    with the first one's, is refused instead. A lock counts only while its file is still the one at the
+    path: :meth:`release` removes the files (still holding them), and a run that locked a removed file
+    tries again.
     """
-    fix = "choose another with hydra.run.dir=..."
-    try:
-        run_dir = Path(run_dir).resolve()
-    except (OSError, RuntimeError) as exc:  # a loop of links (RuntimeError before Python 3.13)
-        raise UserError(f"cannot use {run_dir} as the run directory ({exc}): {fix}") from None
-    rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
-    stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
-    made = [p for p in (run_dir, *run_dir.parents) if not os.path.lexists(p)]  # removed if refused here
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stem in stems:
-            path = run_dir / f".{stem}.lock"
-            if path in _HELD:
-                continue
-            while True:
-                try:
-                    fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
-                except FileExistsError:
-                    fd, created = os.open(path, os.O_RDWR), False
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = _holder_pid(fd)
-                    os.close(fd)
-                    raise UserError(
-                        f"another run (pid {holder}) is writing into {run_dir}: wait for it to end, or "
-                        "choose another directory with hydra.run.dir=..."
-                    ) from None
-                if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
-                    break
-                os.close(fd)  # a refused run removed this file after we opened it: lock the path's own
-            if created:
-                _CREATED.add(path)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
-            _HELD[path] = fd
-            _sweep_temporaries(run_dir, stem)
-    except OSError as exc:
-        for path in [p for p in _CREATED if p.parent == run_dir]:
-            path.unlink(missing_ok=True)
-        for folder in made:  # leaf first: the folders this claim made, as they were (empty)
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._locks: dict[Path, int] = {}  # lock file -> descriptor
+        self._checked = False
+
+    def claim(self) -> RunDirectory:
+        """Take the locks, or raise UserError naming the live run that holds them."""
+        fix = "choose another with hydra.run.dir=..."
+        try:
+            self.path = self.path.resolve()
+        except (OSError, RuntimeError) as exc:  # a loop of links (RuntimeError before Python 3.13)
+            raise UserError(f"cannot use {self.path} as the run directory ({exc}): {fix}") from None
+        rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
+        stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
+        made = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]  # removed if refused
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for stem in stems:
+                lock = self.path / f".{stem}.lock"
+                if lock not in self._locks:
+                    self._lock(lock)
+                    _sweep_temporaries(self.path, stem)
+        except OSError as exc:
+            self.release()
+            for folder in made:  # leaf first: the folders this claim made, as they were (empty)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise UserError(
+                f"cannot use {self.path} as the run directory ({exc.strerror or exc}): {fix}"
+            ) from None
+        return self
+
+    def _lock(self, path: Path) -> None:
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_pid(fd)
+                os.close(fd)
+                self.release()
+                raise UserError(
+                    f"another run (pid {holder}) is writing into {self.path}: wait for it to end, or "
+                    "choose another directory with hydra.run.dir=..."
+                ) from None
+            if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+            os.close(fd)  # a run that ended removed this file after we opened it: lock the path's own
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
+        self._locks[path] = fd
+
+    def check(self, cfg: DictConfig, spec: Any) -> None:
+        """:func:`check_resume` with ``resume=true``, else :func:`check_fresh`; once. Raises UserError."""
+        if self._checked:
+            return
+        if cfg.resume:
+            check_resume(cfg, spec, self.path)
+        else:
+            check_fresh(self.path, spec.world)
+        self._checked = True
+
+    def release(self) -> None:
+        """Drop the locks and remove their files (a finished or refused run leaves no lock file behind;
+        each is removed while still held, so no other run holds a lock on a file that is gone)."""
+        for path, fd in self._locks.items():
             with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise UserError(f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): {fix}") from None
+                path.unlink()
+            os.close(fd)
+        self._locks.clear()
+        self._checked = False
 
 
 def _sweep_temporaries(run_dir: Path, stem: str) -> None:
@@ -153,19 +176,6 @@ def _holder_pid(fd: int) -> str:
         if text.endswith("\n") or time.monotonic() > deadline:
             return text.strip() or "unknown"
         time.sleep(0.01)
-
-
-def release_run_dirs(refused: bool = False) -> None:
-    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process). A ``refused``
-    run also removes the lock files it made, so that it leaves the directory as it found it; it still
-    holds each one while removing it."""
-    for path, fd in _HELD.items():
-        if refused and path in _CREATED:
-            path.unlink(missing_ok=True)
-        os.close(fd)
-    _HELD.clear()
-    _CREATED.clear()
-    _RESUME_CHECKED.clear()
 
 
 # Config keys that never change a measurement, so a resumed run may change them (that is how a run is
@@ -280,8 +290,6 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     is left to ResultsWriter, which drops it with a warning (start_writer).
     """
     run_dir = Path(run_dir).resolve()
-    if run_dir in _RESUME_CHECKED:
-        return
     rank, world = spec.rank, spec.world
     _check_opened_in_place(run_dir)
     rows = []
@@ -307,7 +315,6 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
             print(
                 f"note: resume=true but nothing to resume in {run_dir}; starting a new run", file=sys.stderr
             )
-        _RESUME_CHECKED.add(run_dir)
         return
     try:
         recorded = load_environment(run_dir).get("fingerprint")
@@ -338,7 +345,6 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
             "settings of that run (its .hydra/overrides.yaml), or start a new run without resume=true"
         )
     _check_environment(cfg, spec, run_dir, rows)
-    _RESUME_CHECKED.add(run_dir)
 
 
 # What of a run's environment (autotuner.model.runtime.environment) is the process's, not what measured:
@@ -418,7 +424,7 @@ def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
 
 
 def start_writer(
-    cfg: DictConfig, spec: Any, run_dir: Path, tools: dict[str, tuple[str, str]] | None = None
+    cfg: DictConfig, spec: Any, run: RunDirectory, tools: dict[str, tuple[str, str]] | None = None
 ) -> ResultsWriter:
     """Lock the run directory, check a resume, then write ``environment.json`` (versions, device, the
     derived model config, the ``tools`` the launcher runs: see :func:`autotuner.model.runtime.environment`;
@@ -428,12 +434,8 @@ def start_writer(
     With several processes each rank writes its own ``results.rank<N>.{jsonl,csv}``; :func:`finish`
     merges them into ``results.{jsonl,csv}`` on rank 0.
     """
-    run_dir = Path(run_dir)
-    claim_run_dir(run_dir)
-    if cfg.resume:
-        check_resume(cfg, spec, run_dir)
-    else:
-        check_fresh(run_dir, spec.world)
+    run.claim().check(cfg, spec)
+    run_dir = run.path
     rank, world = spec.rank, spec.world
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:

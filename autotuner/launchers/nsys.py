@@ -54,7 +54,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -71,6 +71,9 @@ from autotuner.launchers.nsys_process import (
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
 from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
 from autotuner.runner.plan import plan
+
+if TYPE_CHECKING:
+    from autotuner.launchers.common import RunDirectory
 
 REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
 LOG_NAME = "nsys.log"
@@ -110,7 +113,7 @@ def _worker_config(cfg: DictConfig, run_dir: Path, worker_dir: Path) -> Path:
     return path
 
 
-def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
+def launch(cfg: DictConfig, spec: Any, run: RunDirectory) -> int:
     """Profile the plan under nsys, read the report, write and print the table.
 
     Exit code: 0 when every row is ok or skipped; 1 when a row failed or nsys exited non-zero; 2
@@ -127,7 +130,7 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     rank, world = spec.rank, spec.world
     if rank == 0:
         print(f"autotuner: nsys {found.short_version} at {nsys}", file=sys.stderr)
-    run_dir = Path(run_dir).resolve()
+    run_dir = run.path.resolve()
     worker_port = join_ranks(world)  # under torchrun: where the workers' own process group meets
     worker_dir = worker_dir_of(run_dir, rank, world)
     # One report per rank: report-rank<N>.nsys-rep (a dot would read as the file's suffix).
@@ -146,7 +149,7 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     program = worker_command(run_dir, _worker_config(cfg, run_dir, worker_dir))
     cmd = nsys_command(nsys, launcher, spec.device, report_base, program)
 
-    writer = start_writer(cfg, spec, run_dir, tools={"nsys": (nsys, found.version)})
+    writer = start_writer(cfg, spec, run, tools={"nsys": (nsys, found.version)})
     # From here a SIGTERM or SIGINT stops nsys and the worker, and the rows are still written.
     with StopSignals(worker_dir, TORCHRUN_STOP_GRACE_S if world > 1 else None) as stop:
         wait_turn(run_dir, rank, world, stop)
