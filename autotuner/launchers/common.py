@@ -22,12 +22,12 @@ from autotuner.model.runtime import device_name, environment, process_rank
 from autotuner.report import REPORT_NAME
 from autotuner.results import (
     ResultsWriter,
+    RowKey,
     RowsFileError,
     incomplete,
     load_rows,
     merge_ranks,
     read_rows,
-    row_key,
     unique_rows,
 )
 from autotuner.results.atomic import atomic_write_text
@@ -407,8 +407,8 @@ def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
     lacking = incomplete(writer.rows)
     if not lacking:
         return
-    planned = {(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
-    again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if row_key(r) in planned]
+    planned = {RowKey(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
+    again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if RowKey.of(r) in planned]
     said = (
         [f"{len(again)} measured again ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''})"]
         if again

@@ -22,7 +22,7 @@ from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.routing import Routing
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
-from autotuner.results import CALL_COLUMNS, ResultsWriter
+from autotuner.results import CALL_COLUMNS, ResultsWriter, RowKey
 from autotuner.runner.plan import plan, row_identity
 from autotuner.termination import check_stop
 
@@ -329,7 +329,7 @@ class Runner:
         """Run every (point, op, phase) not already done; return the rows written in this run."""
         planned = plan(self.spec)
         done = [
-            self.writer.done((self.spec.case, op.name, phase, point.label, self.rank))
+            self.writer.done(RowKey(self.spec.case, op.name, phase, point.label, self.rank))
             for point, op, phase in planned
         ]
         if self.world > 1:
