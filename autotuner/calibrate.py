@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.measure.cache import last_level_cache_bytes, shared_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.host_heap import keep_freed_memory
@@ -442,7 +441,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
         try:
             existing = load(out)
         except UserError as exc:
-            print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
+            say_error("autotuner.calibrate", exc)
             readable = False
     if rank == 0 and readable and existing is None:
         # Before the process group exists: the sampler's RankAgreement would otherwise wait for the
@@ -605,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.collectives:
             return _main_collectives(device, out, args.budget_s)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return 2
     result = calibrate(device)
     if device.type == "cpu":

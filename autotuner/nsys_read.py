@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else None
         rows, out_dir = read_report(Path(paths[0]), out, args.nsys_bin)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     from autotuner.results.table import render
 

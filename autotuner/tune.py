@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotuner.cli import Command, entry, parse, setting, settings_of, split
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
 from autotuner.results.atomic import check_writable
@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n" + render(shown[explain - 1].prediction))
         print("\nmeasurements behind this ranking: " + profile.text(arrays))
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     return 0
 

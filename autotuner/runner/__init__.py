@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from autotuner.errors import one_line
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.routing import Routing
 from autotuner.ops.naming import PHASES
@@ -298,11 +299,6 @@ class Observer(Protocol):
     def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]: ...
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
 class Runner:
     """Builds the model once, then runs the plan through an observer, writing a row per measurement."""
 
@@ -395,7 +391,7 @@ class Runner:
         if isinstance(build_error, OpNotApplicable):
             return {"status": "skipped", "error": str(build_error)}
         if build_error is not None:
-            return {"status": "failed", "error": _one_line(build_error)}
+            return {"status": "failed", "error": one_line(build_error)}
         assert call is not None
         try:
             metrics = self.observer.observe(op, point, Phase(phase_name, call, self.spec.seed))
@@ -406,7 +402,7 @@ class Runner:
             if self.progress:
                 print(f"\n{op.name}.{phase_name} {point.label} failed:", file=sys.stderr)
                 traceback.print_exc(limit=3)
-            return {"status": "failed", "error": _one_line(exc)}
+            return {"status": "failed", "error": one_line(exc)}
 
 
 def _progress(total: int, done: int, enabled: bool) -> tqdm:

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotuner.errors import one_line
 from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
@@ -145,18 +146,13 @@ def model_parameters(spec: RunSpec) -> tuple[int, int]:
     return counts.total, counts.active
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
 def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception) -> PhaseCost:
     from torch.utils.flop_counter import FlopCounterMode
 
     base = {"op": op.name, "phase": phase, "point": point.label}
     if isinstance(call, Exception):  # the op could not be built (not in this layer spec, ...)
         return PhaseCost(
-            **base, parameters=0, weight_bytes=0, flops=None, bytes_moved=None, error=_one_line(call)
+            **base, parameters=0, weight_bytes=0, flops=None, bytes_moved=None, error=one_line(call)
         )
     params = _unique_parameters(call.module)
     weights = sum(p.numel() * p.element_size() for p in params)
@@ -170,7 +166,7 @@ def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Except
             counted.run()
         flops = int(counter.get_total_flops())
     except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
-        return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=_one_line(exc))
+        return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=one_line(exc))
     return PhaseCost(**base, weight_bytes=weights, flops=flops, bytes_moved=moved)
 
 
