@@ -40,6 +40,7 @@ from autotuner.model.runtime import (
     gloo_has_sequence_parallel_collectives,
     resolve_device,
 )
+from autotuner.notices import say_notes
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
@@ -462,8 +463,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
                     print(f"{kind:15} {link:8} {bandwidth / 1e9:10.3f} GB/s bus bandwidth")
             for link, rate in links.get(ADAM_TOGETHER, {}).items():
                 print(f"Adam, together {link:8} {rate * 1e9:8.3f} ns per parameter on each rank")
-            for note in notes:
-                print(f"note: {note}")
+            say_notes(*notes)
             print(f"written to {out}")
         dist.barrier()  # the others leave once the file is written
     finally:
@@ -537,8 +537,7 @@ def _main_links(
                         f"{fitted['latency'] * 1e6:8.1f} us latency (the fit within "
                         f"{fitted['worst_error']:.0%} of every size)"
                     )
-            for note in notes:
-                print(f"note: {note}")
+            say_notes(*notes)
             print(f"written to {out}")
         dist.barrier()
     finally:

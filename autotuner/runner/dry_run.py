@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autotuner.errors import one_line
 from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
+from autotuner.notices import Notices
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.results.units import human_bytes, human_si
 from autotuner.runner import Phase, RunSpec
@@ -277,7 +278,7 @@ def render(result: Preview) -> str:
         f"dry run of case={result.case} ({result.dtype}): nothing built on a device, nothing measured",
         f"parameters: total {result.total_parameters}, active {result.active_parameters}",
         *([result.routing] if result.routing else []),
-        *(f"note: {note}" for note in result.notes),
+        *Notices().note(*result.notes).lines(),
         "",
         table,
         "",
