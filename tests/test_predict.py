@@ -356,7 +356,7 @@ def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tm
     inside = predict(runs_in_training, layout, in_training)
     assert inside.step.optimizer == pytest.approx(looped.step.optimizer + 4e-4)
     assert "+ 400 us a step more inside training steps" in inside.step.optimizer_source.detail
-    # the distributed optimizer steps one share of each flat buffer (autotuner.predict.steps)
+    # the distributed optimizer steps one share of each flat buffer (autotuner.validate.steps)
     zero = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32", distributed_optimizer=True)
     sharded = predict(runs, zero, looped_cal)
     assert "x 1 flat buffer shares" in sharded.step.optimizer_source.detail
@@ -1113,7 +1113,7 @@ def test_adam_pays_its_zero_state_rate_for_embedding_rows_no_token_touches(tmp_p
     plain = predict(load_runs([make_run(tmp_path, base_rows(), "plain", cal)]), layout, cal)
     runs = load_runs([make_run(tmp_path, base_rows(), "zero", zero_cal)])
     zero = predict(runs, layout, zero_cal)
-    # the expected untouched rows against the validation's own draws (autotuner.predict.stage_trainer:
+    # the expected untouched rows against the validation's own draws (autotuner.validate.stage_trainer:
     # torch.randint over the vocabulary), counted over many global batches
     generator = torch.Generator().manual_seed(0)
     counted = [VOCAB - len(torch.randint(VOCAB, (64,), generator=generator).unique()) for _ in range(4000)]
@@ -1147,7 +1147,7 @@ def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_
     (per tensor, per parameter, and the gradients' zeroing at the calibrated zeroing rate, else the copy
     bandwidth), median over the steps of every depth; the warm-up and metered steps left out."""
     from autotuner.calibrate import adam_in_step
-    from autotuner.predict.step_measurement import RankSteps, StepMeasurement
+    from autotuner.validate.step_measurement import RankSteps, StepMeasurement
 
     rates = {"adam_seconds_per_tensor": 2e-5, "adam_seconds_per_parameter": 2e-9, "memory_bandwidth": 4e9}
 

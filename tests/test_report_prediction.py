@@ -143,7 +143,7 @@ def test_validation_bars_hold_the_record(tmp_path):
         "peak memory:measured": 4e6,
     }
     assert [ax.get_title() for ax in figure.axes] == ["step time: error +25.0%", "peak memory: error -25.0%"]
-    # with the step's phases (validate=true records them): a panel of them between, and rows in the table
+    # with the step's phases (autotuner-validate records them): a panel of them between, and rows in the table
     rec["validation"]["phases"] = {
         "forward-backward": {"predicted_s": 0.04, "measured_s": 0.032},
         "gradient reduction": {"predicted_s": 0.006, "measured_s": 0.005},
@@ -171,10 +171,10 @@ def test_validation_bars_hold_the_record(tmp_path):
 
 
 def test_the_measured_steps_op_visits_are_drawn_per_rank(tmp_path):
-    """The validation's timeline (autotuner.predict.validate.RankTimeline, as validate=true records it):
+    """The validation's timeline (autotuner.validate.validate.RankTimeline, as autotuner-validate records it):
     each rank's op visits as boxes at their times, rank 0 on top, the stage's own span (which holds the
     ops) not drawn, and the time between the ops in the caption."""
-    from autotuner.predict.validate import RankTimeline
+    from autotuner.validate.validate import RankTimeline
 
     rec = prediction(tmp_path, pp=2, global_batch_size=8)
     assert measured_timeline_figure(rec) is None

@@ -37,7 +37,7 @@ before waited in the same exchange for the gradient; and two processes in that e
 up to 5 ms after the other, left it together (``python -m benchmarks.pipeline_exchange``).
 
 The interleaved schedule as Megatron-LM runs it by default (``overlap_p2p_comm``, as
-autotuner.predict.steps runs it) posts each exchange without waiting and waits only for a receive, just
+autotuner.validate.steps runs it) posts each exchange without waiting and waits only for a receive, just
 before the box that needs its data. On a GPU the exchange then runs beside the compute (NCCL's kernels
 on their own stream) and costs the receiving box alone (``overlapped``, :func:`overlaps_exchanges`).
 Between CPU processes its work shares the cores with the compute and hides behind nothing: a measured

@@ -60,7 +60,7 @@ time per parameter (``adam_seconds_per_parameter``; for a layout of several CPU 
 memory, the rate timed with all of them at it) x the stage's parameters, plus its measured time per tensor
 (``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors) x the tensors it steps (the
 stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed optimizer each flat buffer's
-share, as autotuner.predict.steps runs it), plus its measured cost for each parameter whose gradient and
+share, as autotuner.validate.steps runs it), plus its measured cost for each parameter whose gradient and
 moments are zero (``adam_seconds_per_zero_state_parameter``) x the first stage's embedding parameters in rows
 no token of the global batch touches (``ModelShape.untouched_embedding_params``: tokens drawn uniformly, as
 the validation's steps draw them, one global batch every step; over a real run's varied text they dwindle to
@@ -675,7 +675,7 @@ def optimizer_step(
         )
     elif per_tensor > 0:
         # what Adam loops over: each parameter tensor, or with the distributed optimizer each flat
-        # buffer's share (dense, routed experts), as autotuner.predict.steps steps them
+        # buffer's share (dense, routed experts), as autotuner.validate.steps steps them
         stepped = (1 + (expert_params > 0)) if lay.distributed_optimizer else tensors
         adam += stepped * per_tensor
         what = "flat buffer shares" if lay.distributed_optimizer else "parameter tensors"

@@ -195,7 +195,7 @@ def _validation_table(v: Mapping[str, Any]) -> str:
             for name, p in validation_phases({"validation": v}).items()
             if p["measured"] > 0
         ),
-        # where inside the forward-backward (autotuner.predict.in_step): each hooked op per visit
+        # where inside the forward-backward (autotuner.validate.in_step): each hooked op per visit
         *(
             (
                 f"in the step, stage {i['stage']}: {i['what']} ({i['how']})",
@@ -343,7 +343,7 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
             validation_figure(record),
             "Predicted step time and peak memory of the fullest GPU beside the real steps' (median, IQR bar)."
             if validation
-            else "No validation record: python -m autotuner.predict ... validate=true runs the "
+            else "No validation record: python -m autotuner.validate runs the "
             "real steps of this layout and adds one.",
             "predicted: this prediction; measured: the real training steps" if validation else "none",
         ),
@@ -389,7 +389,7 @@ def _measured_timeline_section(record: Mapping[str, Any]) -> str:
     )
     caption = (
         "The real step beside the schedule above: each box one op's visit as module hooks timed it inside "
-        "the step (autotuner.predict.in_step), in the step whose forward-backward was the median. White "
+        "the step (autotuner.validate.in_step), in the step whose forward-backward was the median. White "
         "between the boxes is outside every op: on a pipeline the waits for the neighbour stage and the "
         "transfers, under tensor parallelism the collectives outside the layers, and everywhere the "
         f"schedule's own work. Between the ops: {between}.{handovers}{replayed}"

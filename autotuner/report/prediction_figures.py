@@ -12,10 +12,10 @@ simulation replaces (Narayanan et al. 2021, section 2.2: every stage paced at th
 optimizer states, activations, logits, in flight) stacked to its total; beside each, Korthikanti et
 al.'s closed-form activation estimate from the same base, and the GPU's memory as a line when given.
 
-**Validation** (``validation_bars``): the ``validation`` record (``validate=true``) as predicted and
+**Validation** (``validation_bars``): the ``validation`` record (``autotuner-validate``) as predicted and
 measured bars for step time (with the measured IQR) and peak memory, and between them each phase of
 the step (``validation_phases``: forward-backward, gradient reduction, optimizer), where the error
-comes from; its table adds each op inside the step (autotuner.predict.in_step) beside its prediction.
+comes from; its table adds each op inside the step (autotuner.validate.in_step) beside its prediction.
 Below them the measured step op by op (``measured_timeline_figure``): each rank's op visits in the median
 step, on the schedule's time axis, with what lies between them.
 """
@@ -325,7 +325,7 @@ def validation_figure(record: Mapping[str, Any]) -> Figure | None:
         ax.set_title(f"{what}: error {100 * error:+.1f}%", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.88, wspace=0.35)
-    figure.suptitle("Predicted against measured steps (validate=true)")
+    figure.suptitle("Predicted against measured steps (autotuner-validate)")
     return figure
 
 

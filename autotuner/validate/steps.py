@@ -1,4 +1,4 @@
-"""Real training steps, timed and metered: the measured side of ``autotuner.predict ... validate=true``.
+"""Real training steps, timed and metered: the measured side of ``autotuner-validate``.
 
 A prediction is only as good as its error on the thing it predicts, so this module runs that thing: the
 whole Megatron-Core ``GPTModel`` (embedding, the layers, final norm, output layer and loss) trained for a
@@ -47,17 +47,17 @@ the others). Collectives inside the forward-backward (TP, EP) stay in it. Proces
 counts the allocator's caches and Python. The metered step is not timed (the profiler slows it). The
 peak of a run is the largest over its ranks.
 
-Inside the timed steps each op's time per visit is taken too, by module hooks (autotuner.predict.in_step:
+Inside the timed steps each op's time per visit is taken too, by module hooks (autotuner.validate.in_step:
 the layers, the final norm and output layer forward and backward, the embedding's and the stage's
 forward; each rank's fenced means, ``in_step_s``), for the validation to set beside the op rows it predicted
 from. Not with activation recompute.
 
 The model, its data, its gradients and optimizer, and each phase of a step are built and run by
-autotuner.predict.stage_trainer (``StageTrainer``; how a pipeline stage gets the single-process model's
+autotuner.validate.stage_trainer (``StageTrainer``; how a pipeline stage gets the single-process model's
 weights, how data parallelism splits the batch); this module times and meters them.
 
 Under torchrun (TP x PP x DP processes) call :func:`measure_steps` on every rank, or run
-``python -m autotuner.predict.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
+``python -m autotuner.validate.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
 runs it and reads the result): tp * pp * dp processes.
 """
 
@@ -78,11 +78,11 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.in_step import IN_STEP_KEYS, Visit
 from autotuner.predict.layout import Layout
-from autotuner.predict.stage_trainer import OPTIMIZER, StageTrainer, flush_inside_layers
-from autotuner.predict.step_measurement import RankSteps, StepMeasurement
 from autotuner.results.atomic import atomic_write_text, check_writable
+from autotuner.validate.in_step import IN_STEP_KEYS, Visit
+from autotuner.validate.stage_trainer import OPTIMIZER, StageTrainer, flush_inside_layers
+from autotuner.validate.step_measurement import RankSteps, StepMeasurement
 
 
 def steps_command(
@@ -99,7 +99,7 @@ def steps_command(
     one."""
     args = [
         "-m",
-        "autotuner.predict.steps",
+        "autotuner.validate.steps",
         f"out={out}",
         f"case={case}",
         f"repeats={repeats}",
@@ -135,7 +135,7 @@ def measure_steps(
     """Train the case's whole model in ``layout`` for ``warmup`` + 1 + ``repeats`` steps and measure them
     (module docstring). Under torchrun every rank calls this and gets the same result (all ranks' data).
     ``overrides``: the project's config overrides (``hf.``, ``tf.``, ``device=``, ``seed=``...);
-    ``flush_in_layers``: autotuner.predict.stage_trainer.flush_inside_layers (the calibration's
+    ``flush_in_layers``: autotuner.validate.stage_trainer.flush_inside_layers (the calibration's
     flushed host work)."""
     import torch
     import torch.distributed as dist
@@ -305,7 +305,7 @@ def _gather_timelines(
     ranks: tuple[RankSteps, ...], mine: tuple[Visit, ...], wall: float
 ) -> tuple[RankSteps, ...]:
     """Every rank's timeline on every rank, on one time axis: the wall clock at each rank's start mark
-    (``wall``) minus the earliest rank's shifts its visits (autotuner.predict.in_step). One float64
+    (``wall``) minus the earliest rank's shifts its visits (autotuner.validate.in_step). One float64
     all-gather: a first row with the wall clock, then each visit as four numbers (its key's index in
     IN_STEP_KEYS, the layer, start, end), padded with NaN to the longest rank's."""
     import torch
@@ -523,7 +523,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
 
 
 USAGE = (
-    "usage: python -m autotuner.predict.steps layout.seq_len=N out=FILE.json [case=tiny] [layout.tp=N] "
+    "usage: python -m autotuner.validate.steps layout.seq_len=N out=FILE.json [case=tiny] [layout.tp=N] "
     "[layout.pp=N] [layout.vpp=N] [layout.dp=N] [layout.ep=N] [layout.micro_batch_size=N] "
     "[layout.global_batch_size=N] [layout.dtype=fp32|bf16] [repeats=5] [warmup=2] [lr=1e-3] [the "
     "profiler's config overrides: device=cpu hf.<field>=V tf.<field>=V ...] (under torchrun with "

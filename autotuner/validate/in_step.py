@@ -1,6 +1,6 @@
 """The ops' times inside the real training step, by module hooks: where a step-time error sits.
 
-The predictor sums op rows, each timed alone; autotuner.predict.steps runs the whole step. When the two
+The predictor sums op rows, each timed alone; autotuner.validate.steps runs the whole step. When the two
 disagree, the step's own per-op times say which op or which cost between ops is missing. ``ModuleClock``
 hooks each model chunk of a rank (Megatron's GPTModel) while its training steps run:
 
@@ -15,7 +15,7 @@ hooks each model chunk of a rank (Megatron's GPTModel) while its training steps 
 Each timed step's visits are kept too, as a timeline (:data:`Visit`: the key, the layer's number, start
 and end from the rank's mark at the step's start), so that the gaps between a rank's ops (waits for
 another rank, transfers, the schedule's own work) show beside the ops: the validation keeps one step's
-(autotuner.predict.steps) and the prediction page draws it. The ranks' timelines go on one time axis by
+(autotuner.validate.steps) and the prediction page draws it. The ranks' timelines go on one time axis by
 the wall clock read at each rank's start mark (one clock for the processes of a machine; across
 machines as close as their clocks are kept): the ranks leave the barrier before a step up to
 milliseconds apart on this project's VM, and a timeline from each rank's own start put a stage's first
