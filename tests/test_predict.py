@@ -1414,6 +1414,12 @@ def test_predictions_from_an_h200_profile_meet_the_steps_measured_there(recomput
     assert memory.total == pytest.approx(measured["peak_bytes"], rel=0.01)
     assert (memory.optimizer_step.value > memory.forward_backward) == (recompute != "none")
     assert pred.step.total == pytest.approx(measured["step_s"], rel=0.03)
+    # what only the CPU validation host has is not in a GPU's prediction: no zero-moment Adam rows (a
+    # GPU's Adam moves the same bytes whatever their values), no line of which visits found a warm cache
+    # when none does (each row's source says it is a flushed one)
+    assert "moments are zero" not in pred.step.optimizer_source.detail
+    assert "adam_seconds_per_zero_state_parameter" not in pred.calibration_figures
+    assert pred.cache_note == "" and "  cache " not in render(pred)
 
 
 def _moe_run(tmp_path: Path, rows: list[dict], name: str, ep: int, cal: dict) -> Path:

@@ -721,7 +721,8 @@ def predict(
         plan=profile,
         notes=notes,
         link_gaps=gaps,
-        cache_note=why,
+        # on a GPU whose visits all take flushed rows there is nothing to say beyond each row's source
+        cache_note=why if cpu or wants_warm else "",
         megatron_report=megatron_report(model, layout.context_rank_view(), memory[0].params.value),
         cluster=cluster.describe() if cluster is not None else None,
     )
@@ -855,7 +856,7 @@ def render(pred: Prediction) -> str:
             f"{term.overlaps_with}: {term.rule}"
             for term in s.terms
         ),
-        f"  cache          {pred.cache_note}",
+        *([f"  cache          {pred.cache_note}"] if pred.cache_note else []),
         f"tokens/s per GPU {pred.tokens_per_s_per_gpu.value:.4g}",
         f"MFU              {pred.mfu.value:.1%}  ({pred.mfu_note})"
         if pred.mfu
