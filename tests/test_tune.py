@@ -322,7 +322,7 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     log = tmp_path / "prediction.steps.stderr.txt"
     assert f"(all output: {log})" in err[0] and "the steps refused this" in log.read_text()
     record = json.loads(out.read_text())
-    assert record["step"]["total_s"] > 0 and "validation" not in record
+    assert record["derived"]["step_s"] > 0 and "validation" not in record
 
 
 def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, capsys):

@@ -58,9 +58,6 @@ class Source:
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"Source kind must be one of {SOURCE_KINDS}, not {self.kind!r}")
 
-    def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "detail": self.detail}
-
 
 @dataclass(frozen=True)
 class Figure:
@@ -69,9 +66,6 @@ class Figure:
     value: float
     unit: str
     source: Source
-
-    def to_json(self) -> dict[str, Any]:
-        return {"value": self.value, "unit": self.unit, "source": self.source.to_json()}
 
 
 def worst_kind(sources: list[Source]) -> str:

@@ -112,14 +112,6 @@ class MegatronReport:
     def total(self) -> float:
         return self.activations.value + self.weights_and_optimizer.value
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": 0,
-            "total_bytes": self.total,
-            "activations": self.activations.to_json(),
-            "weights_and_optimizer": self.weights_and_optimizer.to_json(),
-        }
-
 
 def megatron_report(model: ModelShape, layout: Layout, first_stage_params: float) -> MegatronReport:
     """What Megatron-LM's ``report_theoretical_memory`` computes for ``layout`` (module docstring), its
@@ -209,27 +201,6 @@ class StageMemory:
     def total(self) -> float:
         """The peak: the resident states plus the larger of the two phases' own."""
         return self.resident + max(self.forward_backward, self.optimizer_step.value)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "held_microbatches": self.held,
-            "total_bytes": self.total,
-            **{
-                name: getattr(self, name).to_json()
-                for name in (
-                    "params",
-                    "weights",
-                    "gradients",
-                    "optimizer",
-                    "activations",
-                    "logits",
-                    "in_flight",
-                    "optimizer_step",
-                    "korthikanti_activations",
-                )
-            },
-        }
 
 
 def _ratio(model: ModelShape, layout: Layout, s: int, b: int, t: int) -> float:

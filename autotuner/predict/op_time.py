@@ -144,9 +144,6 @@ class OpTime:
     # as (kind, bytes at the layout's point, group), for the step to price
     recorded: tuple[tuple[str, float, str], ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "source": self.source.to_json(), "parts": dict(self.parts)}
-
 
 def _children(tree: OpTree, op: str) -> tuple[str, ...]:
     return tree.children(op) if op in tree.parents else ()

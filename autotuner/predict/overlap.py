@@ -143,13 +143,3 @@ class Exposed:
     exposed: float
     overlaps_with: str
     rule: str
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "total_s": self.total,
-            "exposed_s": self.exposed,
-            "overlaps_with": self.overlaps_with,
-            "rule": self.rule,
-            "source": {"kind": "modelled", "detail": self.rule},
-        }

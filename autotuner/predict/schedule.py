@@ -49,16 +49,15 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 # A box's key: (stage, phase, micro-batch, chunk).
 Key = tuple[int, str, int, int]
 # A box as :func:`placement` orders it: its key, the position of its input's box (-1: none), whether that
 # box is another rank's, whether its rank exchanges before it.
 Placed = tuple[Key, int, bool, bool]
-BOX_COLUMNS = ("stage", "phase", "microbatch", "chunk", "start_s", "end_s")
 
 
 class Box(NamedTuple):
@@ -73,10 +72,6 @@ class Box(NamedTuple):
     start: float
     end: float
 
-    def row(self) -> list[Any]:
-        """The box as plain data, in :data:`BOX_COLUMNS` order (``prediction.json``'s schedule)."""
-        return list(self)
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -86,8 +81,8 @@ class Schedule:
     shows)."""
 
     placed: tuple[Placed, ...]  # :func:`placement`'s entries, box by box
-    starts: Sequence[float]
-    ends: Sequence[float]
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
     exchange_s: float  # one exchange's time, as the simulation charged it
     end: float  # when the last box ends: the pipeline's time
 
@@ -102,13 +97,6 @@ class Schedule:
         """The same schedule's end and exchange without its boxes: what a ranking of thousands of
         layouts keeps of each (autotuner.tune)."""
         return Schedule((), (), (), self.exchange_s, self.end)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "columns": list(BOX_COLUMNS),
-            "boxes": [box.row() for box in self.boxes],
-            "exchange_s": self.exchange_s,
-        }
 
 
 def rank_order(stage: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
@@ -230,7 +218,7 @@ def simulate(
         starts.append(start)
         ends.append(end)
         free[stage] = end
-    return Schedule(order, starts, ends, exchange_s, max(free))
+    return Schedule(order, tuple(starts), tuple(ends), exchange_s, max(free))
 
 
 def closed_form_s(slowest: float, p: int, v: int, m: int) -> float:

@@ -160,20 +160,6 @@ class StageTime:
     def total(self) -> float:
         return self.forward + self.backward
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.index,
-            "layers": self.layers,
-            "forward_s": self.forward,
-            "backward_s": self.backward,
-            "dominant_op": self.dominant,
-            "chunks": [{"forward_s": f, "backward_s": b} for f, b in self.chunks],
-            "items": [
-                {"name": n, "phase": p, "count": c, **t.to_json(), "total_s": t.seconds * c}
-                for n, p, t, c in self.items
-            ],
-        }
-
 
 def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     """Adding one micro-batch's weight gradients into the kept fp32 gradients of ``params`` parameters
