@@ -1849,3 +1849,17 @@ def test_a_layout_that_does_not_fit_the_gpu_says_so_and_tune_drops_it(tmp_path, 
     assert all(r.fits == r.prediction.memory_fit.fits for r in ranked)
     shown = table(ranked, top=len(ranked))
     assert all((r.prediction.layout.describe() in shown) == r.fits for r in ranked)
+
+
+def test_the_predictor_and_the_validation_state_each_module_in_at_most_30_lines():
+    """A module docstring says the contract and the why (the long explanations are docs/predict.md's)."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "autotuner"
+    long = {}
+    for path in sorted([*(package / "predict").glob("*.py"), *(package / "validate").glob("*.py")]):
+        first = ast.parse(path.read_text()).body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            if (lines := first.end_lineno - first.lineno + 1) > 30:
+                long[path.name] = lines
+    assert long == {}

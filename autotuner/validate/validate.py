@@ -1,4 +1,4 @@
-"""``validate=true``: a prediction against the real training steps it predicts.
+"""``autotuner-validate``: a prediction against the real training steps it predicts.
 
 The predictor (autotuner.predict.prediction) turns op rows into a step time and a peak memory per GPU;
 autotuner.validate.steps runs the real thing, the case's whole GPTModel (embedding, every layer, output
