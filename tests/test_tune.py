@@ -351,3 +351,18 @@ def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, caps
         tune_main([*runs, "gpus=1", "gpu_memory_gb=1", "global_batch_size=2", "seq_len=32", "dtype=bf16"])
         == 0
     )
+
+
+def test_predict_sends_a_validation_to_autotuner_validate(tiny_run: Path, capsys):
+    """The real steps are autotuner.validate's: autotuner-predict has no validate= setting and its help
+    names the command that has."""
+    argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
+    assert predict_main([*argv, "validate=true"]) == 2
+    assert "unknown setting 'validate'" in capsys.readouterr().err
+    for main, said in (
+        (predict_main, "autotuner-validate takes the same settings"),
+        (validate_main, "repeats=N"),
+    ):
+        with pytest.raises(SystemExit) as ended:
+            main(["--help"])
+        assert ended.value.code == 0 and said in capsys.readouterr().out

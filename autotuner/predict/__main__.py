@@ -95,6 +95,7 @@ COMMAND = Command(
     "Predict a layout's step time and memory per GPU from profiled runs (docs/predict.md).",
     "RUN_DIR",
     PredictSettings,
+    epilog="autotuner-validate takes the same settings and runs the layout's real training steps too.",
 )
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(Layout))
 
