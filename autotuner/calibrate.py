@@ -166,11 +166,11 @@ def minimal_model_steps(flush_in_layers: bool = False) -> list[tuple[int, Any]]:
     """[(layers, StepMeasurement)]: the minimal GPTModel's real steps at each of HOST_WORK_DEPTHS, each
     run in a fresh process (Megatron is imported there, not here), one intra-op thread; with
     ``flush_in_layers`` the last-level cache flushed inside every layer's forward and backward
-    (autotuner.predict.stage_trainer.flush_inside_layers)."""
+    (autotuner.validate.stage_trainer.flush_inside_layers)."""
     import tempfile
 
     from autotuner.predict.layout import Layout
-    from autotuner.predict.steps import run_steps
+    from autotuner.validate.steps import run_steps
 
     layout = Layout(**HOST_WORK_STEPS)
     measured = []
@@ -197,8 +197,8 @@ def host_work(steps: list[tuple[int, Any]]) -> dict[str, float]:
     """A CPU training step's time outside its ops per micro-batch (module docstring), per phase: its part
     for a stage (``forward``, ``backward``) and per layer of it (``forward_per_layer``,
     ``backward_per_layer``), a line through the minimal model's ``steps`` (:func:`minimal_model_steps`)
-    from each depth's median step's visits (autotuner.predict.in_step.host_work_s)."""
-    from autotuner.predict.in_step import host_work_s
+    from each depth's median step's visits (autotuner.validate.in_step.host_work_s)."""
+    from autotuner.validate.in_step import host_work_s
 
     per_depth = []
     for _, measured in steps:

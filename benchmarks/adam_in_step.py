@@ -9,7 +9,7 @@ and per tensor, solved from ``torch.optim.Adam.step`` over two sets of fp32 tens
 ``optimizer_step``). ``benchmarks.predict_accuracy`` found the llama-shaped model's Adam inside its steps
 at 1.23-1.34x a prediction without the zero-state and once-a-step terms on a 2-core CPU VM, every
 round. This builds the steps' own GPTModel
-(autotuner.predict.steps: TP1, s128, one sample a micro-batch, 4 micro-batches, fp32) and, in each round,
+(autotuner.validate.steps: TP1, s128, one sample a micro-batch, 4 micro-batches, fp32) and, in each round,
 one training step, then in a random order one Adam step of each kind, all over the model's parameter
 shapes, so that each step between two kinds tells one cause apart:
 
@@ -62,7 +62,7 @@ from autotuner.calibrate import POLICY, adam_rates, adam_zero_state_seconds, mem
 from autotuner.measure.cache import CacheFlusher
 from autotuner.measure.timer import median_ci
 from autotuner.predict.inputs import ModelShape
-from autotuner.predict.stage_trainer import StageTrainer
+from autotuner.validate.stage_trainer import StageTrainer
 from benchmarks.predict_accuracy import CASES, layout_of
 from benchmarks.row_in_step import steps_arguments
 

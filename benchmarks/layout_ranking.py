@@ -9,7 +9,7 @@ minutes (benchmarks.machine_noise), which moves both numbers of a predicted / me
 two layouts measured back to back drift alike. Each round calibrates the machine, profiles the stage ops
 once (warm and flushed, at the layouts' common point: the layouts compared differ only in how they split
 the layers, so the same rows serve all of them: benchmarks.predict_accuracy.profile), predicts every
-layout from those rows, and runs each layout's real training steps (autotuner.predict.steps) in the
+layout from those rows, and runs each layout's real training steps (autotuner.validate.steps) in the
 order A B C, then C B A (a drift linear over the round moves every layout's mean alike). Per layout
 after the first: its predicted step over the first's, and its measured step (the mean of its two runs)
 over the first's, in the same round. Printed: the medians over the rounds, the measured ratio's 95%
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from autotuner.measure.timer import median_ci
 from autotuner.predict.prediction import load_calibration_for, predict
-from autotuner.predict.steps import run_steps
 from autotuner.termination import unwinding_on_sigterm
+from autotuner.validate.steps import run_steps
 from benchmarks.predict_accuracy import (
     CASES,
     LAYOUTS,

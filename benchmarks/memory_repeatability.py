@@ -3,7 +3,7 @@
     python -m benchmarks.memory_repeatability [--runs 6] [--case llama_small] [--layout dp2zero]
 
 A peak is a count of bytes, not a time: the same steps on the same shapes must read the same peak in
-every process and, for data-parallel ranks, on every rank. This runs autotuner.predict.steps ``--runs``
+every process and, for data-parallel ranks, on every rank. This runs autotuner.validate.steps ``--runs``
 times (torchrun for several processes, the case's and layout's definitions from
 benchmarks.predict_accuracy) and prints each rank's metered peak above its resident memory, and the
 largest over the smallest (target: 1.00 for DP ranks and runs; TP and EP ranks hold different shards).
@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 from autotuner.predict.layout import Layout
-from autotuner.predict.steps import run_steps
 from autotuner.termination import unwinding_on_sigterm
+from autotuner.validate.steps import run_steps
 from benchmarks.predict_accuracy import CASES, LAYOUTS, MBS, MICROBATCHES, SEQ, cpu_share
 
 

@@ -26,7 +26,7 @@ autotuner.calibrate, and collectives=true under torchrun: the Adam step's time p
 with both processes at it, the pipeline's transfers and the gradients' all-reduce, the caches a warm row
 runs in, the memory bandwidth of modelled figures; ``--calibrate once``: once for the run, which shares
 one calibration's error among all rounds, past what their spread shows). The predictor predicts the step
-(autotuner.predict), and the real steps run (autotuner.predict.steps: the whole GPTModel, Megatron-Core's
+(autotuner.predict), and the real steps run (autotuner.validate.steps: the whole GPTModel, Megatron-Core's
 schedule, Adam). Each round measures the steps, profiles, predicts and measures the steps again, afresh,
 so the ratio's spread over rounds is printed beside its median; the measured step of a round is the mean
 of its step draws (``--step-draws``, 4 by default): before its profiles, after them, and between them
@@ -60,11 +60,11 @@ autotuner.predict.inputs.ran_collectives); the same rows with a stage's first fo
 row whatever its warm row timed (the predictor takes the warm row where that was timed after the op's
 backward, as the visit runs: autotuner.predict.caches.warm_visits); the ops inside the forward-backward,
 each hooked op's predicted time per visit / its time inside the measured steps
-(autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in its
+(autotuner.validate.in_step), medians over the rounds; then per rank the time between its ops in its
 median step, per stage the host work of a micro-batch's forward predicted beside measured (the model
 forwards' spans less their ops), and on a pipeline the hand-overs a stage waited for beside the predicted
 exchange, and the measured step replayed through the predictor's schedule simulation over its measured
-span (autotuner.predict.in_step.replay: the schedule model alone). With more than two step draws, the
+span (autotuner.validate.in_step.replay: the schedule model alone). With more than two step draws, the
 same predictions judged on the first and the last draw alone; with
 ``--beside-row-seconds S``, the step predicted from the same ops profiled in the same round with rows
 spanning S seconds (0: get_data's default), judged on the same draws, and its ratio to the round's own
@@ -91,11 +91,11 @@ from autotuner.ops.naming import PHASES
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
 from autotuner.predict.schedule import simulate
-from autotuner.predict.steps import run_process_group, run_steps
-from autotuner.predict.validate import validate
 from autotuner.results.calibration import ADAM_IN_STEP, HOST_WORK, HOST_WORK_FLUSHED
 from autotuner.results.calibration import load as load_calibration
 from autotuner.termination import unwinding_on_sigterm
+from autotuner.validate.steps import run_process_group, run_steps
+from autotuner.validate.validate import validate
 from benchmarks.machine_noise import REALTIME_REFUSED, run_realtime
 
 CASES = {
@@ -251,7 +251,7 @@ STAGE_OPS = ("embedding", "transformer_layer", "final_layernorm", "output_layer"
 
 def _run_whole(command: list[str], timeout_s: float, env: dict[str, str] | None = None) -> None:
     """``command`` with its output captured, every process it starts stopped with it if this run stops
-    (autotuner.predict.steps.run_process_group: a stopped benchmark left torchrun's workers running
+    (autotuner.validate.steps.run_process_group: a stopped benchmark left torchrun's workers running
     into its next round's steps); CalledProcessError if it fails."""
     run_process_group(command, env, timeout_s).check_returncode()
 
@@ -345,7 +345,7 @@ def layout_of(name: str) -> Layout:
 
 
 def steps_arguments(case: list[str], layout: Layout, threads: int = 0) -> tuple[str, list[str]]:
-    """The case and overrides of the layout's real steps (autotuner.predict.steps), each process on
+    """The case and overrides of the layout's real steps (autotuner.validate.steps), each process on
     ``threads`` (:func:`cpu_share`)."""
     return case[0].split("=", 1)[1], [*case[1:], *cpu_share(layout.gpus, threads), "device=cpu"]
 
@@ -405,7 +405,7 @@ class Round(NamedTuple):
     measured_s: float  # the mean of the round's step draws: before, between and after the profiles
     phases: tuple[tuple[str, float, float], ...]  # (phase, predicted s, measured s)
     drift: float  # the steps after the profiles / before them
-    in_step: tuple[tuple[int, str, float, float, str], ...]  # autotuner.predict.validate.Validation.in_step
+    in_step: tuple[tuple[int, str, float, float, str], ...]  # autotuner.validate.validate.Validation.in_step
     adam_rate: float  # the round's calibrated Adam seconds per parameter
     adam_in_training_s: float  # and its time once a step inside training steps beyond its rates (0: none)
     between_ops: tuple[tuple[int, float, float], ...]  # per rank: (rank, between ops s, forward-backward s)
@@ -422,7 +422,7 @@ class Round(NamedTuple):
     # work's stage part once per stage, not per chunk as the predictor places them (None: no vpp)
     even_chunks_predicted_s: float | None = None
     # per rank: (its pipeline stage, the predicted host work of a micro-batch's forward, the measured one:
-    # the model forwards' spans less the ops inside them, autotuner.predict.in_step.host_work_s), s; the
+    # the model forwards' spans less the ops inside them, autotuner.validate.in_step.host_work_s), s; the
     # backward's part is not beside it: on a pipeline it holds the waits for the other stage
     host_forward: tuple[tuple[int, float, float], ...] = ()
     # the step from the same rows with the host work as timed with warm caches whatever the stage's ops
@@ -612,7 +612,7 @@ def warm_host_work_step_s(runs: Runs, layout: Layout, calibrated: dict[str, Any]
 
 def forward_host_work(pred: Any, checked: Any) -> tuple[tuple[int, float, float], ...]:
     """:attr:`Round.host_forward` of a round's prediction and its validated steps (none on a GPU)."""
-    from autotuner.predict.in_step import host_work_s
+    from autotuner.validate.in_step import host_work_s
 
     predicted = {
         st.index: sum(

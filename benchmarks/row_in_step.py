@@ -6,9 +6,9 @@ process, alternated step by step.
 The layer's forward and backward rows are most of a predicted step (docs/predict.md).
 ``benchmarks.predict_accuracy`` compares a profile and real steps taken in different processes, a
 minute apart, where a shared VM's drift is as large as the error sought. This takes the drift out: one
-process builds the steps' own GPTModel (autotuner.predict.steps: TP1, s128, one sample a micro-batch, 4
+process builds the steps' own GPTModel (autotuner.validate.steps: TP1, s128, one sample a micro-batch, 4
 micro-batches, fp32), trains it step by step with the steps' hooks timing every layer's visits
-(autotuner.predict.in_step.ModuleClock), and after each step times each of its layers alone, as get_data
+(autotuner.validate.in_step.ModuleClock), and after each step times each of its layers alone, as get_data
 does (autotuner.runner.Phase and autotuner.measure.timer.DeviceTimer.time_ns: the forward back to back,
 each sample right after an untimed call of the same forward; the forward after its backward, each
 sample right after an untimed forward and its backward, as ``timing.forward_after_backward`` times it;
@@ -56,8 +56,8 @@ from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
 from autotuner.predict.caches import mean_reuse_distance, stage_sweep
 from autotuner.predict.inputs import ModelShape
-from autotuner.predict.stage_trainer import StageTrainer
 from autotuner.runner import Phase
+from autotuner.validate.stage_trainer import StageTrainer
 from benchmarks._ops import dropping_result, two_or_more
 from benchmarks.predict_accuracy import CASES, layout_of, threads_per_process
 

@@ -128,7 +128,7 @@ step mla_deepseek_bf16 120 "${RUN[@]}" case=deepseek_v2_lite device=cuda dtype=b
 
 # The predictor against real steps on a GPU: a Llama-2-7B-shaped model, bf16, its stage ops
 # profiled cold-cached as a step runs them (per layer: the profiled model's depth does not matter), then
-# predicted and validated against Megatron's schedule running the whole model (autotuner.predict.steps)
+# predicted and validated against Megatron's schedule running the whole model (autotuner.validate.steps)
 # with as many layers as the prediction fits in the GPU's memory (num_layers=fit, up to Llama's 32); and
 # with full recompute, where Adam's step, not the activations, sets the peak (docs/gpu_validation.md:
 # 29 layers).
@@ -138,12 +138,12 @@ step predict_profile 120 "${RUN[@]}" case=llama7b hf.num_hidden_layers=4 device=
     shapes.seq_len=[2048] shapes.micro_batch_size=[1] timing.flush_cache=true report=false \
     'ops=[embedding,transformer_layer,core_attention,final_layernorm,output_layer]' "${CAL[@]}" \
     "hydra.run.dir=$RUNS/predict_profile"
-step predict_validate 180 "$PY" -m autotuner.predict "$RUNS/predict_profile" seq_len=2048 \
-    micro_batch_size=1 global_batch_size=8 dtype=bf16 validate=true repeats=5 report=false \
+step predict_validate 180 "$PY" -m autotuner.validate "$RUNS/predict_profile" seq_len=2048 \
+    micro_batch_size=1 global_batch_size=8 dtype=bf16 repeats=5 report=false \
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
     "json=$RUNS/predict_validate.json"
-step predict_validate_full 120 "$PY" -m autotuner.predict "$RUNS/predict_profile" seq_len=2048 \
-    micro_batch_size=1 global_batch_size=8 dtype=bf16 recompute=full validate=true repeats=5 report=false \
+step predict_validate_full 120 "$PY" -m autotuner.validate "$RUNS/predict_profile" seq_len=2048 \
+    micro_batch_size=1 global_batch_size=8 dtype=bf16 recompute=full repeats=5 report=false \
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
     "json=$RUNS/predict_validate_full.json"
 

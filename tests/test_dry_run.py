@@ -50,7 +50,8 @@ def test_a_block_never_has_more_layers_than_the_model():
     assert not any(
         "transformer_block" in n for n in _spec(*TINY, "hf.num_hidden_layers=1", "ops=[mlp]").notes
     )
-    # the models calibrate's host-work steps build (every op, as predict.steps resolves them): they resolve
+    # the models calibrate's host-work steps build (every op, as autotuner.validate.steps resolves them):
+    # they resolve
     for depth in HOST_WORK_DEPTHS:
         assert _spec(
             "case=tiny", *HOST_WORK_MODEL, f"hf.num_hidden_layers={depth}", "device=cpu"

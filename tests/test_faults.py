@@ -828,10 +828,10 @@ def test_commands_that_measure_first_refuse_an_output_they_could_not_write_befor
     _one_line(proc, 2, f"out={tmp_path} is a folder: give a file name in it")
     proc = _tool("autotuner.calibrate", "budget_s=1e9", f"out={tmp_path / 'c.json'}")
     _one_line(proc, 2, "budget_s=1e+09 must be above 0 and at most 3600")
-    from autotuner.predict.steps import parse_args
+    from autotuner.validate.steps import parse_args
 
-    proc = _tool("autotuner.predict.steps", "--help")  # usage, not "'--help' is not key=value"
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m autotuner.predict.steps")
+    proc = _tool("autotuner.validate.steps", "--help")  # usage, not "'--help' is not key=value"
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m autotuner.validate.steps")
 
     (tmp_path / "a-file").write_text("")
     for argv, words in (

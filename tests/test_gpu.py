@@ -270,11 +270,11 @@ def test_moe_and_mla_ops_run_on_the_gpu_whether_or_not_transformer_engine_import
 
 
 def test_the_steps_time_their_ops_inside_with_cuda_events(tmp_path: Path):
-    # autotuner.predict.in_step on a GPU: each span is device time between two recorded events, read after
+    # autotuner.validate.in_step on a GPU: each span is device time between two recorded events, read after
     # the step's synchronize; the layers and the head inside the stage's forward, as on a CPU
-    from autotuner.predict.in_step import IN_STEP_KEYS
     from autotuner.predict.layout import Layout
-    from autotuner.predict.steps import run_steps
+    from autotuner.validate.in_step import IN_STEP_KEYS
+    from autotuner.validate.steps import run_steps
 
     layout = Layout(seq_len=32, micro_batch_size=1, global_batch_size=4, dtype="fp32")
     measured = run_steps("tiny", ["device=cuda"], layout, tmp_path / "steps.json", repeats=3, timeout_s=300)

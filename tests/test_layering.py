@@ -6,6 +6,9 @@
   through what it imports: a report or a comparison is made on a machine without the model stack.
 * Each part imports only the parts below it (:data:`PARTS`, docs/extending.md's "The package's parts"): a
   change to the model set-up cannot need a change to the runner, an op cannot reach into a launcher.
+* The predictor (autotuner/predict, its command line included) never imports the validation
+  (autotuner/validate), which runs real steps to check it: the model is the same whether or not anything
+  checks it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ ENTRY_POINTS = {
     "autotuner.nsys_read",
     "autotuner.launcher_agreement",
     "autotuner.predict.__main__",
+    "autotuner.validate.__main__",
     "autotuner.tune",
 }
 RESULTS_SIDE = ("autotuner.results", "autotuner.report")
@@ -37,11 +41,13 @@ RESULTS_SIDE = ("autotuner.results", "autotuner.report")
 # the sampler's settings, so it sits beside the launchers. The results side is used by the parts above
 # the ops and may import only the base, the op tree (ops_test.places: names and places, no torch),
 # which tells the report which ops make up a layer, and the names of ranges and phases (ops.naming, no
-# torch either), which the report's columns and the ranges in a trace share. The predictor reads results
-# rows and calibrations, counts parameters from the model config and may run real steps (launchers and
-# below): it sits just under the entry points.
+# torch either), which the report's columns and the ranges in a trace share. The validation runs a
+# layout's real steps (launchers and below) and compares them with the predictor's model; the predictor
+# reads results rows and calibrations and counts parameters from the model config, and never imports the
+# validation: the model is the same whether or not anything checks it.
 PARTS = (
     ("entry", tuple(sorted(ENTRY_POINTS))),
+    ("validate", ("autotuner.validate",)),
     ("predict", ("autotuner.predict",)),
     ("launchers", ("autotuner.launchers", "autotuner.config")),
     ("capture", ("autotuner.capture",)),
@@ -50,7 +56,7 @@ PARTS = (
     ("model", ("autotuner.model",)),
     ("base", ("autotuner.errors", "autotuner.notices", "autotuner.cli", "autotuner")),
 )
-RESULTS_USERS = ("entry", "predict", "launchers", "capture", "runner")
+RESULTS_USERS = ("entry", "validate", "predict", "launchers", "capture", "runner")
 RESULTS_MAY_IMPORT = (
     "autotuner.errors",
     "autotuner.notices",
@@ -180,6 +186,22 @@ def upward_imports(root: Path) -> list[str]:
     return found
 
 
+def predict_imports_of_validate(root: Path) -> list[str]:
+    """``module:line imports other`` for each import of autotuner.validate by a module of autotuner.predict,
+    its command line included (which the parts, entry points on top, would allow)."""
+    return [
+        f"{name}:{imp.line} imports {imp.name}"
+        for name, path in modules(root).items()
+        if _within(name, ("autotuner.predict",))
+        for imp in imports_of(path, root)
+        if _within(imp.name, ("autotuner.validate",))
+    ]
+
+
+def test_the_predictor_never_imports_the_validation() -> None:
+    assert predict_imports_of_validate(SOURCE) == []
+
+
 def test_each_part_imports_only_the_parts_below_it() -> None:
     assert upward_imports(SOURCE) == []
 
@@ -230,6 +252,9 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
             "errors.py": "",
             "model/build.py": "from autotuner.ops.instrument import wrap\nfrom autotuner.errors import E\n",
             "ops/instrument.py": "from autotuner.model import build\n",
+            "predict/timing.py": "def step():\n    from autotuner.validate.steps import run_steps\n",
+            "predict/__main__.py": "from autotuner.validate import steps\n",
+            "validate/steps.py": "from autotuner.predict.timing import step\n",
             "results/__init__.py": "import autotuner.runner\nfrom autotuner.ops_test.places import t\n",
             "runner/__init__.py": "from autotuner.results import load_rows\n",
         },
@@ -237,7 +262,15 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
     assert upward_imports(tree) == [
         "autotuner.model.build:1 imports autotuner.ops.instrument",
         "autotuner.model.build:1 imports autotuner.ops.instrument.wrap",
+        "autotuner.predict.timing:2 imports autotuner.validate.steps",
+        "autotuner.predict.timing:2 imports autotuner.validate.steps.run_steps",
         "autotuner.results:1 imports autotuner.runner",
+    ]
+    assert predict_imports_of_validate(tree) == [
+        "autotuner.predict.__main__:1 imports autotuner.validate",
+        "autotuner.predict.__main__:1 imports autotuner.validate.steps",
+        "autotuner.predict.timing:2 imports autotuner.validate.steps",
+        "autotuner.predict.timing:2 imports autotuner.validate.steps.run_steps",
     ]
 
 

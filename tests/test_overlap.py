@@ -78,7 +78,7 @@ def test_overlap_grad_reduce_hides_all_but_the_tail_and_says_so(h200):
     )
     text = render(with_overlap)
     assert "dp_grad_reduce" in text and "overlap_grad_reduce" in text and "upper bound" not in text
-    assert with_overlap.to_json()["step"]["communication"][0]["name"] == "dp_grad_reduce"
+    assert with_overlap.to_json()["step"]["terms"][0]["name"] == "dp_grad_reduce"
 
 
 def test_overlap_param_gather_delays_the_first_forward_alone(h200):
@@ -181,7 +181,7 @@ def test_the_commands_take_the_cluster_the_overlaps_and_cp(tmp_path, capsys):
     assert predict_main([str(H200), *layout, "cluster=dgx_h200", "report=false", f"json={out}"]) == 0
     record = json.loads(out.read_text())
     assert record["layout"]["cp"] == 2 and "preset dgx_h200" in record["cluster"]
-    assert {term["name"] for term in record["step"]["communication"]} >= {"dp_grad_reduce", "cp_kv_exchange"}
+    assert {term["name"] for term in record["step"]["terms"]} >= {"dp_grad_reduce", "cp_kv_exchange"}
     assert "cp_kv_exchange" in capsys.readouterr().out
     assert predict_main([str(H200), *layout, "cluster=nowhere.json", "report=false", f"json={out}"]) == 2
     assert "cannot read the cluster file" in capsys.readouterr().err

@@ -38,6 +38,7 @@ COMMANDS = {
     "autotuner-nsys-read": "autotuner.nsys_read",
     "autotuner-launcher-agreement": "autotuner.launcher_agreement",
     "autotuner-predict": "autotuner.predict",
+    "autotuner-validate": "autotuner.validate",
     "autotuner-tune": "autotuner.tune",
 }
 TINY = ["shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", "progress=false"]

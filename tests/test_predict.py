@@ -356,7 +356,7 @@ def test_optimizer_from_the_calibrated_adam_rate_else_modelled_with_a_warning(tm
     inside = predict(runs_in_training, layout, in_training)
     assert inside.step.optimizer == pytest.approx(looped.step.optimizer + 4e-4)
     assert "+ 400 us a step more inside training steps" in inside.step.optimizer_source.detail
-    # the distributed optimizer steps one share of each flat buffer (autotuner.predict.steps)
+    # the distributed optimizer steps one share of each flat buffer (autotuner.validate.steps)
     zero = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32", distributed_optimizer=True)
     sharded = predict(runs, zero, looped_cal)
     assert "x 1 flat buffer shares" in sharded.step.optimizer_source.detail
@@ -680,7 +680,7 @@ def test_a_stages_first_forward_op_takes_its_warm_row_only_where_that_row_follow
     # stage 1's two layer visits a micro-batch: the first after the backward, the second after a layer
     assert after[1]["transformer_layer"] == pytest.approx(1000 * US)
     assert after[0]["embedding"] == pytest.approx(100 * US)
-    assert "unless its warm forward row was timed after its backward" in pred.to_json()["cache"]
+    assert "unless its warm forward row was timed after its backward" in pred.cache_note
     _, back_to_back = forwards(base_rows(), "b2b")
     assert back_to_back[1]["transformer_layer"] == pytest.approx((1000 + 3000) / 2 * US)
     assert back_to_back[0]["embedding"] == pytest.approx(300 * US)
@@ -825,7 +825,7 @@ def test_an_op_partly_cached_blends_its_warm_and_flushed_rows(tmp_path):
     layer = pred.stages[0].items[0][2]
     assert layer.seconds == pytest.approx((3 * 1000 + 1 * 1500) / 4 * US)
     assert "3 of 4 visits per micro-batch with the data cached" in layer.source.detail
-    assert "of 14 op visits per micro-batch find their data" in pred.to_json()["cache"]  # 7 ops x 2 phases
+    assert "of 14 op visits per micro-batch find their data" in pred.cache_note  # 7 ops x 2 phases
     # on a CPU, DP2's two processes share the host's cache, each sweeping its own copy of the stage: twice
     # the room plans as one process's, the same room leaves each too little for a layer's own data
     dp2 = Layout(seq_len=32, dp=2, global_batch_size=2, dtype="fp32")
@@ -912,8 +912,9 @@ def test_megatron_report_is_what_megatron_lm_prints_for_the_first_stage(tmp_path
     head = s * b * H * 4 * (1 + VOCAB / H)
     assert report.activations.value == pytest.approx((layer * layers + 8 * s * b + s * b * H + head) / 2)
     assert "18 + 4*ffn/h" in report.activations.source.detail
-    data = pred.to_json()["megatron_report"]
-    assert data["total_bytes"] == pytest.approx(pred.megatron_report.total)
+    data = pred.to_json()
+    assert data["derived"]["megatron_report_total_bytes"] == pytest.approx(pred.megatron_report.total)
+    assert data["megatron_report"]["activations"]["value"] == pred.megatron_report.activations.value
     assert "Megatron-LM's theoretical-memory report, stage 0" in render(pred)
 
 
@@ -1073,10 +1074,10 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "step time" in text and "memory per GPU" in text
     pred = json.loads(out.read_text())
-    layer = next(
-        i for i in pred["stages"][0]["items"] if i["name"] == "transformer_layer" and i["phase"] == "forward"
-    )
-    assert layer["source"]["kind"] == "measured" and layer["seconds"] > 0 and layer["count"] == 1
+    ((_, _, layer, count),) = [
+        i for i in pred["stages"][0]["items"] if i[:2] == ["transformer_layer", "forward"]
+    ]
+    assert layer["source"]["kind"] == "measured" and layer["seconds"] > 0 and count == 1
     (measured,) = [
         r
         for r in load_rows(run_dir / "results.jsonl")
@@ -1084,17 +1085,17 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     ]
     assert layer["seconds"] == pytest.approx(measured["fenced_mean_us"] * US)  # what a step adds per visit
     assert pred["memory"][0]["activations"]["source"]["kind"] == "measured"
-    assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0
+    assert pred["derived"]["step_s"] > pred["step"]["pipeline"] > 0
     # all measured at the point, warm (the profile's default) where the step wants them flushed (no cache
     # size calibrated): said, and what to run is the flushed profile alone
-    assert any("measured with warm caches" in w for w in pred["warnings"])
+    assert any("measured with warm caches" in w for w in pred["derived"]["warnings"])
     assert pred["missing"] and all("timing.flush_cache=true" in m["command"] for m in pred["missing"])
     # the real stages differ (the output layer and loss on the last), so the simulated schedule ends
     # before the closed form that paces every stage at the slowest; the bubble (p-1)/m = 1/4 shrinks
     step, slowest = pred["step"], pred["stages"][pred["step"]["slowest_stage"]]
-    compute = 4 * (slowest["forward_s"] + slowest["backward_s"])
-    assert compute < step["pipeline_s"] < step["closed_form_s"] == pytest.approx(compute * (1 + 1 / 4))
-    assert 0 < step["bubble_fraction"] < 1 / 4 and len(step["schedule"]["boxes"]) == 2 * 2 * 4
+    compute = 4 * (slowest["forward"] + slowest["backward"])
+    assert compute < step["pipeline"] < step["closed_form"] == pytest.approx(compute * (1 + 1 / 4))
+    assert 0 < step["bubble_fraction"] < 1 / 4 and len(step["schedule"]["placed"]) == 2 * 2 * 4
 
 
 def test_adam_pays_its_zero_state_rate_for_embedding_rows_no_token_touches(tmp_path):
@@ -1113,7 +1114,7 @@ def test_adam_pays_its_zero_state_rate_for_embedding_rows_no_token_touches(tmp_p
     plain = predict(load_runs([make_run(tmp_path, base_rows(), "plain", cal)]), layout, cal)
     runs = load_runs([make_run(tmp_path, base_rows(), "zero", zero_cal)])
     zero = predict(runs, layout, zero_cal)
-    # the expected untouched rows against the validation's own draws (autotuner.predict.stage_trainer:
+    # the expected untouched rows against the validation's own draws (autotuner.validate.stage_trainer:
     # torch.randint over the vocabulary), counted over many global batches
     generator = torch.Generator().manual_seed(0)
     counted = [VOCAB - len(torch.randint(VOCAB, (64,), generator=generator).unique()) for _ in range(4000)]
@@ -1147,7 +1148,7 @@ def test_adam_inside_training_steps_is_what_its_back_to_back_rates_leave_once_a_
     (per tensor, per parameter, and the gradients' zeroing at the calibrated zeroing rate, else the copy
     bandwidth), median over the steps of every depth; the warm-up and metered steps left out."""
     from autotuner.calibrate import adam_in_step
-    from autotuner.predict.step_measurement import RankSteps, StepMeasurement
+    from autotuner.validate.step_measurement import RankSteps, StepMeasurement
 
     rates = {"adam_seconds_per_tensor": 2e-5, "adam_seconds_per_parameter": 2e-9, "memory_bandwidth": 4e9}
 
@@ -1414,6 +1415,41 @@ def test_predictions_from_an_h200_profile_meet_the_steps_measured_there(recomput
     assert memory.total == pytest.approx(measured["peak_bytes"], rel=0.01)
     assert (memory.optimizer_step.value > memory.forward_backward) == (recompute != "none")
     assert pred.step.total == pytest.approx(measured["step_s"], rel=0.03)
+    # what only the CPU validation host has is not in a GPU's prediction: no zero-moment Adam rows (a
+    # GPU's Adam moves the same bytes whatever their values), no line of which visits found a warm cache
+    # when none does (each row's source says it is a flushed one)
+    assert "moments are zero" not in pred.step.optimizer_source.detail
+    assert "adam_seconds_per_zero_state_parameter" not in pred.calibration_figures
+    assert pred.cache_note == "" and "  cache " not in render(pred)
+
+
+def test_prediction_json_round_trips_and_another_schema_version_is_refused(tmp_path):
+    """prediction.json is the Prediction's fields (dataclasses.asdict) under a schema version: read back,
+    it is the same Prediction, every nested record its own type again (the H200 fixture's, and a CPU
+    pipeline's with its profiling plan, link gaps, Megatron's report and a GPU memory check)."""
+    from autotuner.predict.prediction import Prediction, load_calibration_for
+    from autotuner.results.prediction_record import SCHEMA_VERSION
+
+    h200 = load_runs([H200 / "profile"])
+    layout = Layout(seq_len=32, pp=2, dp=2, global_batch_size=8, dtype="fp32")
+    cpu = predict(load_runs([make_run(tmp_path, base_rows())]), layout, CAL).against_gpu_memory(0.001)
+    gpu = predict(
+        h200,
+        Layout(**json.loads((H200 / "steps.json").read_text())["layout"]),
+        load_calibration_for(h200, None),
+    )
+    assert cpu.plan is not None and cpu.plan.runs and cpu.link_gaps and cpu.megatron_report
+    for pred in (cpu, gpu):
+        record = json.loads(json.dumps(pred.to_json()))
+        assert record["schema_version"] == SCHEMA_VERSION and record["derived"]["step_s"] == pred.step.total
+        assert Prediction.from_json(record) == pred
+        assert Prediction.from_json({**record, "validation": {"step_error": 0.1}}) == pred
+    for version in (None, SCHEMA_VERSION + 1):
+        with pytest.raises(
+            UserError, match=f"schema_version {version or 1}, this autotuner reads"
+        ) as refused:
+            Prediction.from_json({**record, "schema_version": version} if version else {"layout": {}})
+        assert len(str(refused.value).splitlines()) == 1
 
 
 def _moe_run(tmp_path: Path, rows: list[dict], name: str, ep: int, cal: dict) -> Path:
@@ -1790,18 +1826,18 @@ def test_a_layout_that_does_not_fit_the_gpu_says_so_and_tune_drops_it(tmp_path, 
     assert main([*argv, "gpu_memory_gb=0.001"]) == 0
     printed = capsys.readouterr().out
     record = json.loads(out.read_text())
-    fit = record["memory_fit"]
-    assert not fit["fits"] and fit["fullest_bytes"] == max(m["total_bytes"] for m in record["memory"])
-    assert fit["limit_bytes"] == pytest.approx(0.001e9 * 0.9)
+    fit, derived = record["memory_fit"], record["derived"]
+    assert not derived["fits"] and fit["fullest_bytes"] == max(derived["memory_total_bytes"])
+    assert derived["memory_limit_bytes"] == pytest.approx(0.001e9 * 0.9)
     said = (
         f"does not fit: the fullest GPU (stage 0) needs {fit['fullest_bytes'] / 1e9:.4g} GB "
         f"({human_bytes(fit['fullest_bytes'])}), more than gpu_memory_gb=0.001 less a 10% margin (0.0009 GB)"
     )
-    assert f"memory against the GPU: {said}" in printed and record["warnings"][0].startswith(said)
+    assert f"memory against the GPU: {said}" in printed and derived["warnings"][0].startswith(said)
     assert printed.count(said) == 1  # said once, in the memory section
     assert main([*argv, "gpu_memory_gb=80"]) == 0
     assert "memory against the GPU: fits: the fullest GPU (stage 0) needs" in capsys.readouterr().out
-    assert json.loads(out.read_text())["memory_fit"]["fits"]
+    assert json.loads(out.read_text())["derived"]["fits"]
     # tune keeps what fits by the same rule, and lists no other
     from autotuner.tune import rank, table
 
@@ -1813,3 +1849,17 @@ def test_a_layout_that_does_not_fit_the_gpu_says_so_and_tune_drops_it(tmp_path, 
     assert all(r.fits == r.prediction.memory_fit.fits for r in ranked)
     shown = table(ranked, top=len(ranked))
     assert all((r.prediction.layout.describe() in shown) == r.fits for r in ranked)
+
+
+def test_the_predictor_and_the_validation_state_each_module_in_at_most_30_lines():
+    """A module docstring says the contract and the why (the long explanations are docs/predict.md's)."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "autotuner"
+    long = {}
+    for path in sorted([*(package / "predict").glob("*.py"), *(package / "validate").glob("*.py")]):
+        first = ast.parse(path.read_text()).body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            if (lines := first.end_lineno - first.lineno + 1) > 30:
+                long[path.name] = lines
+    assert long == {}

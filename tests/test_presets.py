@@ -119,7 +119,8 @@ def test_a_preset_is_selected_by_name_and_a_file_path_still_works(tmp_path, monk
     assert predict_main([str(H200), *LAYOUT, f"calibration={mine}", f"json={out}"]) == 0
     record = json.loads(out.read_text())
     assert (
-        record["calibration"].startswith(f"{mine} (cuda NVIDIA H200;") and record["rows"] == preset.rows_note
+        record["calibration"].startswith(f"{mine} (cuda NVIDIA H200;")
+        and record["rows_note"] == preset.rows_note
     )
     # a name that is a preset and a file here is one line, as is a name that is neither
     monkeypatch.chdir(tmp_path)
@@ -145,7 +146,7 @@ def test_the_h100_preset_prices_what_it_measured_and_says_what_it_did_not(capsys
         "the calibration is of an NVIDIA H100 80GB HBM3, the rows were profiled on an NVIDIA H200" in printed
     )
     record = json.loads(out.read_text())
-    assert "calibrated memory_bandwidth 2933 GB/s" in record["step"]["optimizer"]["source"]["detail"]
+    assert "calibrated memory_bandwidth 2933 GB/s" in record["step"]["optimizer_source"]["detail"]
 
 
 def test_a_gpu_prediction_without_a_calibration_is_refused_naming_what_measures_one(tmp_path, capsys):

@@ -4,6 +4,7 @@ writes it. The predictions come from the real predictor on test_predict's synthe
 
 from __future__ import annotations
 
+import json
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def spans(figure) -> dict[Key, tuple[float, float]]:
 )
 def test_timeline_is_the_1f1b_schedule_of_the_predicted_pipeline_time(tmp_path, layout):
     rec = prediction(tmp_path, **layout)
-    p, v, m = rec["layout"]["pp"], rec["layout"]["vpp"], rec["layout"]["microbatches"]
+    p, v, m = rec["layout"]["pp"], rec["layout"]["vpp"], rec["derived"]["microbatches"]
     figure = timeline_figure(rec)
     boxes = spans(figure)
     assert len(boxes) == 2 * p * m * v
@@ -72,25 +73,26 @@ def test_timeline_is_the_1f1b_schedule_of_the_predicted_pipeline_time(tmp_path, 
         # 1F1B: the forwards a stage has run when its first backward starts are the micro-batches whose
         # activations it holds at its peak, which the memory prediction counts (Megatron's warm-up + 1).
         first_backward = next(i for i, (_, phase) in enumerate(row) if phase == "backward")
-        assert first_backward == rec["memory"][s]["held_microbatches"]
+        assert first_backward == rec["memory"][s]["held"]
         if s:
             assert boxes[("forward", s, 0, 0)][0] >= boxes[("forward", s - 1, 0, 0)][1] * (1 - REL)
-    assert max(end for _, end in boxes.values()) == pytest.approx(rec["step"]["pipeline_s"], rel=REL)
+    assert max(end for _, end in boxes.values()) == pytest.approx(rec["step"]["pipeline"], rel=REL)
     # each box is its own model chunk's time, as the predictor placed it
     for (phase, stage, _, chunk), (start, end) in boxes.items():
-        assert end - start == pytest.approx(rec["stages"][stage]["chunks"][chunk][f"{phase}_s"], rel=1e-6)
+        own = rec["stages"][stage]["chunks"][chunk][("forward", "backward").index(phase)]
+        assert end - start == pytest.approx(own, rel=1e-6)
 
 
 def test_memory_stack_sums_to_each_stage_and_marks_korthikanti_and_the_gpu(tmp_path):
     rec = prediction(tmp_path, pp=2, global_batch_size=8)
     artists = drawn(memory_figure(rec, gpu_memory_gb=0.002))
-    for stage in rec["memory"]:
+    for stage, total in zip(rec["memory"], rec["derived"]["memory_total_bytes"], strict=True):
         s = stage["stage"]
         bars = [artists[f"memory:{s}:{term}"] for term in MEMORY_TERMS]
         resident = sum(b.get_height() for b in bars[:3])
         forward_backward = sum(b.get_height() for b in bars[3:])
         peak = resident + max(forward_backward, stage["optimizer_step"]["value"])
-        assert peak == pytest.approx(stage["total_bytes"], rel=REL)
+        assert peak == pytest.approx(total, rel=REL)
         assert [b.get_height() for b in bars] == [stage[t]["value"] for t in MEMORY_TERMS]
         for lower, upper in zip(bars, bars[1:], strict=False):  # stacked, not overlaid
             assert upper.get_y() == pytest.approx(lower.get_y() + lower.get_height())
@@ -106,19 +108,24 @@ def test_memory_stack_sums_to_each_stage_and_marks_korthikanti_and_the_gpu(tmp_p
     assert "gpu_memory" not in drawn(memory_figure(rec))
 
 
-def test_a_prediction_made_before_the_adam_step_was_a_term_still_makes_its_page(tmp_path):
+def test_a_prediction_of_another_schema_version_is_refused_in_one_line(tmp_path):
+    """The page reads the Prediction's fields as plain data: a file of another version (the hand-written
+    record before it has none) would be misread, so it is refused, naming what makes a new one."""
     rec = prediction(tmp_path, pp=2, global_batch_size=8)
-    for stage in rec["memory"]:
-        del stage["optimizer_step"]
-    artists = drawn(memory_figure(rec))
-    assert artists["optimizer_step:0"].get_height() == 0
-    page = write_prediction_page(rec, tmp_path / "old.html")
-    assert "Adam step" in page.read_text()
-    # a new record's page lists the term's source with the others'
-    new = write_prediction_page(
-        prediction(tmp_path / "new", pp=2, global_batch_size=8), tmp_path / "new.html"
-    )
+    new = write_prediction_page(rec, tmp_path / "new.html")
     assert "stage 0 optimizer_step: [modelled] torch.optim.Adam" in new.read_text()
+    for version in (None, 1, 99):
+        old = (
+            {**rec, "schema_version": version}
+            if version
+            else {k: v for k, v in rec.items() if k != "schema_version"}
+        )
+        (tmp_path / "old.json").write_text(json.dumps(old))
+        with pytest.raises(UserError, match="predict again") as refused:
+            load_prediction(tmp_path / "old.json")
+        assert len(str(refused.value).splitlines()) == 1 and f"schema_version {version or 1}" in str(
+            refused.value
+        )
 
 
 def test_validation_bars_hold_the_record(tmp_path):
@@ -143,7 +150,7 @@ def test_validation_bars_hold_the_record(tmp_path):
         "peak memory:measured": 4e6,
     }
     assert [ax.get_title() for ax in figure.axes] == ["step time: error +25.0%", "peak memory: error -25.0%"]
-    # with the step's phases (validate=true records them): a panel of them between, and rows in the table
+    # with the step's phases (autotuner-validate records them): a panel of them between, and rows in the table
     rec["validation"]["phases"] = {
         "forward-backward": {"predicted_s": 0.04, "measured_s": 0.032},
         "gradient reduction": {"predicted_s": 0.006, "measured_s": 0.005},
@@ -171,10 +178,10 @@ def test_validation_bars_hold_the_record(tmp_path):
 
 
 def test_the_measured_steps_op_visits_are_drawn_per_rank(tmp_path):
-    """The validation's timeline (autotuner.predict.validate.RankTimeline, as validate=true records it):
+    """The validation's timeline (autotuner.validate.validate.RankTimeline, as autotuner-validate records it):
     each rank's op visits as boxes at their times, rank 0 on top, the stage's own span (which holds the
     ops) not drawn, and the time between the ops in the caption."""
-    from autotuner.predict.validate import RankTimeline
+    from autotuner.validate.validate import RankTimeline
 
     rec = prediction(tmp_path, pp=2, global_batch_size=8)
     assert measured_timeline_figure(rec) is None
@@ -290,8 +297,6 @@ def test_the_layout_line_names_every_setting(layout):
     """One line, written once (the page's ``describe_layout``, which reads prediction.json without the
     predictor; ``Layout.describe`` calls it): every setting that tells two layouts apart is on it, in the
     names the predictor's command line takes."""
-    import json
-
     from autotuner.report.prediction import describe_layout
 
     line = layout.describe()

@@ -84,7 +84,7 @@ def test_no_exchanges_without_a_pipeline():
     assert not exchanges(0, ("forward", 0, 0), ("backward", 0, 0), 1, 1)
     sched = simulate(own_times([1.0], [2.0]), 1, 1, 4, exchange_s=10.0)
     assert sched.end == pytest.approx(12.0)
-    assert sched.to_json()["columns"] == ["stage", "phase", "microbatch", "chunk", "start_s", "end_s"]
+    assert len(sched.boxes) == 2 * 4 and {box.phase for box in sched.boxes} == {"forward", "backward"}
 
 
 def test_overlapped_exchanges_cost_only_the_receiving_box():

@@ -1,4 +1,4 @@
-"""Measured training steps (autotuner.predict.steps): the whole GPTModel trained for real, timed and metered,
+"""Measured training steps (autotuner.validate.steps): the whole GPTModel trained for real, timed and metered,
 single-process and under torchrun with TP=2, DP=2, PP=2 (Megatron's own 1F1B schedule over gloo), PP=2 with
 two model chunks per rank (its interleaved schedule) and, for the MoE model, EP=2."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from autotuner.errors import UserError
-from autotuner.predict.in_step import IN_STEP_KEYS, inside_ops_s
 from autotuner.predict.layout import Layout
-from autotuner.predict.step_measurement import RankSteps, StepMeasurement
-from autotuner.predict.steps import measure_steps, run_process_group, run_steps
+from autotuner.validate.in_step import IN_STEP_KEYS, inside_ops_s
+from autotuner.validate.step_measurement import RankSteps, StepMeasurement
+from autotuner.validate.steps import measure_steps, run_process_group, run_steps
 from benchmarks.predict_accuracy import CASES
 
 # Four micro-batches of one 16-token sequence: the schedules accumulate over several of them.
@@ -44,12 +44,12 @@ def four_layers() -> StepMeasurement:
 
 
 def busy_seconds(boxes: dict) -> float:
-    """What a rank's measured boxes (autotuner.predict.in_step.measured_boxes) add up to."""
+    """What a rank's measured boxes (autotuner.validate.in_step.measured_boxes) add up to."""
     return sum(end - start for start, end in boxes.values())
 
 
 def assert_replay_within_span(replayed: float, span: float, busiest: float) -> None:
-    """The replay (autotuner.predict.in_step.replay) places each rank's measured boxes one after another,
+    """The replay (autotuner.validate.in_step.replay) places each rank's measured boxes one after another,
     so it ends no earlier than the busiest rank's boxes add up to; it leaves out the schedule's own work
     between a rank's ops, so it ends near the measured span, not past it. A fixed fraction of the span
     as the lower bound would be a claim about the machine's load: with two test suites at once on the two
@@ -158,7 +158,7 @@ def test_a_pipelines_handovers_are_the_waits_for_a_neighbour():
     """Two stages, two micro-batches, one layer each: stage 1 waits 0.5 for micro-batch 1's activation;
     micro-batch 2's arrives while it runs its backward (busy: not a hand-over it waited for); stage 0
     waits 1.5 and 1.0 for the two gradients."""
-    from autotuner.predict.in_step import handovers, replay
+    from autotuner.validate.in_step import handovers, replay
 
     first = [
         ("stage.forward", 0, 0.0, 2.0),
@@ -206,8 +206,8 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
     one stage.forward around its layers' forwards, the embedding first and the head last; its backward the
     head's, then its layers' in reverse, then the embedding's) cuts back into the same boxes, its
     hand-overs are the exchanges, and replayed with that exchange it ends where it ended."""
-    from autotuner.predict.in_step import handovers, measured_boxes, replay
     from autotuner.predict.schedule import simulate
+    from autotuner.validate.in_step import handovers, measured_boxes, replay
 
     x = 0.25
     split = Layout(
@@ -254,7 +254,7 @@ def test_a_timeline_cuts_into_the_schedules_boxes_and_replays_to_its_own_end(p, 
 def test_host_work_is_the_time_outside_the_ops_split_by_phase():
     """Two micro-batches in 10 s: each model forward (0-3, 5-8) holds 2 s of ops, so 1 s of its own; the
     ops take 2 + 2 + 1 + 1 of the backward's time besides; what is left of the 10 s is backward host work."""
-    from autotuner.predict.in_step import host_work_s
+    from autotuner.validate.in_step import host_work_s
 
     visits = [
         ("stage.forward", 0, 0.0, 3.0),
@@ -276,7 +276,7 @@ def test_host_work_is_the_time_outside_the_ops_split_by_phase():
 def test_a_real_steps_host_work_is_its_time_between_the_ops(single):
     """On the tiny model's real steps: positive in both phases, the forward's inside the model's forward,
     and the two together all the time between the ops (the calibration times it so on a smaller model)."""
-    from autotuner.predict.in_step import host_work_s
+    from autotuner.validate.in_step import host_work_s
 
     rank, m = single.ranks[0], single.layout.microbatches
     fb = rank.forward_backward_s[single.timeline_step]
@@ -295,7 +295,7 @@ def test_flushing_inside_the_layers_trains_the_same_with_each_flush_inside_a_lay
     import torch
 
     from autotuner.measure.cache import CacheFlusher
-    from autotuner.predict.steps import parse_args, steps_command
+    from autotuner.validate.steps import parse_args, steps_command
 
     flushed = measure_steps("tiny", CPU, Layout(**BATCH), repeats=2, warmup=1, flush_in_layers=True)
     assert flushed.losses == pytest.approx(single.losses[: len(flushed.losses)], rel=1e-6)
@@ -308,7 +308,7 @@ def test_flushing_inside_the_layers_trains_the_same_with_each_flush_inside_a_lay
     assert min(layers) > 0.5 * fastest
     command = steps_command("tiny", CPU, Layout(**BATCH), 2, 1, "out.json", flush_in_layers=True)
     assert "flush_in_layers=true" in command
-    own, _, _ = parse_args(command[command.index("autotuner.predict.steps") + 1 :])
+    own, _, _ = parse_args(command[command.index("autotuner.validate.steps") + 1 :])
     assert own["flush_in_layers"] is True
     own, layout, _ = parse_args(["out=o.json", "layout.seq_len=16"])
     assert own["flush_in_layers"] is False
@@ -373,7 +373,7 @@ def test_layouts_the_steps_cannot_measure_are_refused_in_one_line(tmp_path, caps
             measure_steps("tiny", CPU, Layout(**split, **BATCH))
         assert "\n" not in str(info.value)
     # the command line's words: a flag that is not true or false is refused, not taken as true
-    from autotuner.predict.steps import main
+    from autotuner.validate.steps import main
 
     out = tmp_path / "steps.json"
     with pytest.raises(SystemExit) as exited:
@@ -434,7 +434,7 @@ def test_tensor_and_data_parallel_steps_under_torchrun(tmp_path, single, split):
 
 
 def test_a_failed_step_run_says_why_not_torchruns_banner():
-    from autotuner.predict.steps import _worker_error
+    from autotuner.validate.steps import _worker_error
 
     banner = "\n".join(["Traceback (most recent call last):", "  File x", "ChildFailedError: ", "=" * 60])
     worker = (
@@ -494,7 +494,7 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     for sent, received in zip(layer_forwards(first), layer_forwards(last), strict=True):
         assert sent[3] <= received[2], (sent, received)
     # the hand-overs a stage waited for: stage 1 at least for the first micro-batch's activation
-    from autotuner.predict.validate import RankTimeline, pipeline_handovers
+    from autotuner.validate.validate import RankTimeline, pipeline_handovers
 
     timelines = [
         RankTimeline(
@@ -515,8 +515,8 @@ def test_pipeline_parallel_steps_with_megatrons_1f1b_schedule(tmp_path, single):
     # each rank's visits make its 4 forwards and 4 backwards, and the predictor's schedule, given their
     # measured times and the median hand-over, ends near the measured span (it leaves out the schedule's
     # own work between a rank's ops: under it, not far)
-    from autotuner.predict.in_step import measured_boxes
-    from autotuner.predict.validate import pipeline_replay
+    from autotuner.validate.in_step import measured_boxes
+    from autotuner.validate.validate import pipeline_replay
 
     busiest = 0.0
     for r in result.ranks:
@@ -551,8 +551,8 @@ def test_interleaved_pipeline_steps_train_what_one_process_trains(tmp_path, four
     assert all(r.parameter_bytes < alone.ranks[0].parameter_bytes for r in result.ranks)
     # each rank's median step cuts into its chunks' forwards and backwards (4 micro-batches x 2 chunks
     # each), and the predictor's interleaved schedule replays them near the measured span
-    from autotuner.predict.in_step import measured_boxes
-    from autotuner.predict.validate import RankTimeline, pipeline_handovers, pipeline_replay
+    from autotuner.validate.in_step import measured_boxes
+    from autotuner.validate.validate import RankTimeline, pipeline_handovers, pipeline_replay
 
     step = result.timeline_step
     timelines = [
@@ -611,8 +611,8 @@ def test_an_uneven_pipeline_split_trains_what_one_process_trains(tmp_path, four_
     """pp=2 with first_stage_layers=3 on the 4-layer tiny (Megatron's num_layers_in_first_pipeline_stage):
     rank 0 holds the embedding and layers 1-3, rank 1 layer 4 and the head; the same training as one
     process, the split where the layout says, and the timelines cut into the schedule's boxes."""
-    from autotuner.predict.in_step import measured_boxes
-    from autotuner.predict.validate import RankTimeline, pipeline_handovers, pipeline_replay
+    from autotuner.validate.in_step import measured_boxes
+    from autotuner.validate.validate import RankTimeline, pipeline_handovers, pipeline_replay
 
     layout = Layout(pp=2, first_stage_layers=3, **BATCH)
     result = run_steps(
@@ -710,7 +710,7 @@ def test_a_sigterm_while_steps_run_stops_them_and_ends_as_a_sigterm_would(tmp_pa
     pid_file = tmp_path / "grandchild.pid"
     waiter = (
         "import os, sys\n"
-        "from autotuner.predict.steps import run_process_group\n"
+        "from autotuner.validate.steps import run_process_group\n"
         "run_process_group([sys.executable, '-c', sys.argv[1], sys.argv[2]], dict(os.environ), 600)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", waiter, GRANDPARENT, str(pid_file)], cwd=SOURCE)
@@ -722,7 +722,7 @@ def test_a_sigterm_while_steps_run_stops_them_and_ends_as_a_sigterm_would(tmp_pa
 
 
 def test_a_sigterm_under_an_entry_point_removes_its_temporary_folders_then_ends_as_a_sigterm_would(tmp_path):
-    """autotuner.predict ... validate=true, autotuner.calibrate and the benchmarks keep their steps and
+    """autotuner-validate, autotuner.calibrate and the benchmarks keep their steps and
     profiles in temporary folders; under autotuner.termination.unwinding_on_sigterm (theirs, and a nested
     one as autotuner.main's inside a benchmark) a SIGTERM while the steps run stops the steps' processes,
     removes both folders on the way out, and still ends the process by SIGTERM."""
@@ -730,7 +730,7 @@ def test_a_sigterm_under_an_entry_point_removes_its_temporary_folders_then_ends_
     scratch.mkdir()
     waiter = (
         "import os, sys, tempfile\n"
-        "from autotuner.predict.steps import run_process_group\n"
+        "from autotuner.validate.steps import run_process_group\n"
         "from autotuner.termination import unwinding_on_sigterm\n"
         "with unwinding_on_sigterm(), tempfile.TemporaryDirectory(dir=sys.argv[3]) as outer:\n"
         "    with unwinding_on_sigterm(), tempfile.TemporaryDirectory(dir=outer):\n"

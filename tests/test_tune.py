@@ -1,5 +1,5 @@
 """``python -m autotuner.tune`` (layouts ranked by predicted step time, memory-filtered) and
-``python -m autotuner.predict ... validate=true`` (the prediction against the real steps)."""
+``python -m autotuner.validate`` (the prediction against the real steps)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from autotuner.predict.__main__ import main as predict_main
 from autotuner.predict.prediction import load_calibration_for, load_runs, predict
 from autotuner.tune import main as tune_main
 from autotuner.tune import parse_settings, rank
+from autotuner.validate.__main__ import main as validate_main
 from tests.conftest import FAST
 
 SETTINGS = ["gpus=4", "global_batch_size=16", "seq_len=32", "dtype=fp32"]
@@ -156,9 +157,7 @@ def test_the_adam_steps_own_memory_is_the_validated_peak_where_it_is_the_larger(
     step sets the peak of the real steps: predicted without it, the peak read 4% low."""
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
-    assert (
-        predict_main([*argv, "distributed_optimizer=true", "validate=true", "repeats=1", f"json={out}"]) == 0
-    )
+    assert validate_main([*argv, "distributed_optimizer=true", "repeats=1", f"json={out}"]) == 0
     record = json.loads(out.read_text())
     (memory,) = record["memory"]
     forward_backward = sum(memory[term]["value"] for term in ("activations", "logits", "in_flight"))
@@ -170,7 +169,7 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
     # at another depth than the run's 2 layers (its rows are per layer): the steps build that model
-    assert predict_main([*argv, "validate=true", "repeats=2", "num_layers=3", f"json={out}"]) == 0
+    assert validate_main([*argv, "repeats=2", "num_layers=3", f"json={out}"]) == 0
     printed = capsys.readouterr().out
     assert "predicted vs measured steps" in printed
     record = json.loads(out.read_text())["validation"]
@@ -197,7 +196,7 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     assert record["measured_first_stage_peak_bytes"] == record["measured_peak_bytes"]
     assert 0 < record["megatron_report_bytes"] < record["measured_peak_bytes"]
     assert "Megatron-LM's report of stage 0" in printed
-    assert "autotuner.predict.steps" in " ".join(record["command"])
+    assert "autotuner.validate.steps" in " ".join(record["command"])
     assert "hf.num_hidden_layers=3" in record["command"]
     # where inside the forward-backward: each hooked op's predicted time per visit beside its time in the
     # steps, the layers' backward with their share of the gradients' accumulation
@@ -285,7 +284,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Pa
         (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "explain=0"], "explain=0: give"),
         (predict_main, [*argv, f"slurm={blocker / 'plan'}"], "is a file, not a folder"),
         (predict_main, [*argv, f"json={tmp_path}"], "is a folder: give a file name"),
-        (predict_main, [*argv, "validate=true", "repeats=0"], "repeats=0 must be at least 1"),
+        (validate_main, [*argv, "repeats=0"], "repeats=0 must be at least 1"),
         # os.access says yes to root for any folder: the check makes a file there, as the writer will
         (predict_main, [*argv, "json=/proc/prediction.json"], "cannot write in /proc"),
     ]
@@ -306,7 +305,7 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     """The steps' processes are real; their command is one that fails as a worker's bad input does."""
     import sys
 
-    from autotuner.predict import steps
+    from autotuner.validate import steps
 
     real_group = steps.run_process_group
     failing = [sys.executable, "-c", "import sys; sys.exit('autotuner: error: the steps refused this')"]
@@ -315,7 +314,7 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     )
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
-    assert predict_main([*argv, "validate=true", f"json={out}"]) == 1
+    assert validate_main([*argv, f"json={out}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "measured steps failed (1): autotuner: error: the steps refused this" in err[0]
     assert f"the prediction, unvalidated, is in {out}" in err[0]
@@ -323,7 +322,7 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     log = tmp_path / "prediction.steps.stderr.txt"
     assert f"(all output: {log})" in err[0] and "the steps refused this" in log.read_text()
     record = json.loads(out.read_text())
-    assert record["step"]["total_s"] > 0 and "validation" not in record
+    assert record["derived"]["step_s"] > 0 and "validation" not in record
 
 
 def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, capsys):
@@ -352,3 +351,18 @@ def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, caps
         tune_main([*runs, "gpus=1", "gpu_memory_gb=1", "global_batch_size=2", "seq_len=32", "dtype=bf16"])
         == 0
     )
+
+
+def test_predict_sends_a_validation_to_autotuner_validate(tiny_run: Path, capsys):
+    """The real steps are autotuner.validate's: autotuner-predict has no validate= setting and its help
+    names the command that has."""
+    argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
+    assert predict_main([*argv, "validate=true"]) == 2
+    assert "unknown setting 'validate'" in capsys.readouterr().err
+    for main, said in (
+        (predict_main, "autotuner-validate takes the same settings"),
+        (validate_main, "repeats=N"),
+    ):
+        with pytest.raises(SystemExit) as ended:
+            main(["--help"])
+        assert ended.value.code == 0 and said in capsys.readouterr().out

@@ -303,7 +303,7 @@ class ModelParts:
     post_process: bool = False
     attention: bool = True
     mlp: bool = True
-    vp_stage: int | None = None  # the model chunk of the interleaved schedule (autotuner.predict.steps)
+    vp_stage: int | None = None  # the model chunk of the interleaved schedule (autotuner.validate.steps)
 
 
 def moe_layer_pattern(tf_config: Any) -> list[bool]:

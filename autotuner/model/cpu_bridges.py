@@ -52,7 +52,7 @@ tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
     tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``. For the duration of a schedule call
     the name ``torch`` in that module is a stand-in whose ``zeros`` puts a "cuda" tensor on the run's
     device (everything else is torch's own), so only the schedules' own allocations move; the model
-    code they call, in other modules, sees the real torch. (autotuner.predict.steps runs these
+    code they call, in other modules, sees the real torch. (autotuner.validate.steps runs these
     schedules for its measured training steps.)
 11. The pipeline's point-to-point exchange (``P2PCommunicator._communicate`` and
     ``_communicate_shapes``) allocates its receive buffers on ``torch.cuda.current_device()`` and calls

@@ -18,7 +18,7 @@ settled heap, read 0.27 ms.
 turns trimming off (``mallopt``): a freed block stays in the heap and the next allocation reuses it, the
 state a long training process's heap settles into. Every process that times on a CPU calls it: a run's
 main process and the launchers' sessions (autotuner.main, autotuner.runner.spec.open_session: the nsys
-launcher's worker too), the calibration and the validated training steps (autotuner.predict.steps), so
+launcher's worker too), the calibration and the validated training steps (autotuner.validate.steps), so
 rows, rates and the steps they predict share it. A block above the ceiling is still mapped per
 allocation. A C library other than glibc (macOS, musl) is left as it is. The run's environment records
 which (``host_heap``). On a GPU the CUDA caching allocator already keeps device memory: the host's heap

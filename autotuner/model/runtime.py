@@ -84,7 +84,7 @@ def init_parallel(
     (EP) ranks over the same processes: each of TP and ETP x EP must divide the world (Megatron makes the
     rest data-parallel). autotuner.runner.spec.resolve_spec settles ETP and checks these before anything
     starts; the check here covers callers without a spec. ``pipeline_parallel`` stages (PP), each of
-    ``virtual_pipeline`` model chunks for the interleaved schedule, are for autotuner.predict.steps,
+    ``virtual_pipeline`` model chunks for the interleaved schedule, are for autotuner.validate.steps,
     which runs Megatron's pipeline schedules: TP x PP must divide the world."""
     import torch.distributed as dist
     from megatron.core import parallel_state

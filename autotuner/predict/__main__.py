@@ -3,8 +3,8 @@ GPU predicted from profiled runs (``--help`` lists every setting; docs/predict.m
 
 Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what is
 missing) and writes ``prediction.json`` and, beside it, ``prediction.html``. A GPU's prediction without a
-calibration is refused, naming what measures it. ``validate=true`` also runs the layout's real training
-steps here and prints predicted against measured (autotuner.predict.validate).
+calibration is refused, naming what measures it. ``autotuner-validate`` takes the same settings and
+also runs the layout's real training steps (autotuner.validate), through :func:`run`'s ``check``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from autotuner.predict.cluster import load as load_cluster
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import (
+    Prediction,
     case_depth,
     check_calibration,
     deepest_that_fits,
@@ -79,8 +80,6 @@ class PredictSettings:
     num_layers: str | None = setting(
         None, "predict the runs' model at N layers, or fit: the deepest that fits gpu_memory_gb", "N|fit"
     )
-    validate: bool = setting(False, "also run the layout's real training steps here and compare", "BOOL")
-    repeats: int = setting(5, "measured steps of a validation", "N")
     report: bool = setting(True, "write prediction.html beside prediction.json", "BOOL")
     json: str | None = setting(None, "write the prediction here (default <first run>/prediction.json)", "OUT")
     slurm: str | None = setting(
@@ -96,16 +95,32 @@ COMMAND = Command(
     "Predict a layout's step time and memory per GPU from profiled runs (docs/predict.md).",
     "RUN_DIR",
     PredictSettings,
+    epilog="autotuner-validate takes the same settings and runs the layout's real training steps too.",
 )
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(Layout))
 
 
+class CheckFailed(Exception):
+    """A ``check`` of :func:`run` that could not finish: its one line, the prediction kept."""
+
+
+# what checks a prediction after it is printed (autotuner-validate: the real steps): its arguments are the
+# prediction, the runs, the run folders, the settings, the JSON's path and the runs' model; it returns
+# what goes into the JSON as "validation", or raises CheckFailed
+Check = Callable[[Prediction, Any, list[str], Any, Path, ModelShape], dict[str, Any]]
+
+
 @ending_quietly_on_a_closed_pipe
 @ending_in_one_line_on_ctrl_c("autotuner.predict")
-@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
+@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of profiles, then ends
 @entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     dirs, args, _ = parse(COMMAND, argv)
+    return run(COMMAND, dirs, args)
+
+
+def run(command: Command, dirs: list[str], args: Any, check: Check | None = None) -> int:
+    """Predict the layout ``args`` give from the runs in ``dirs``, print it, write it, then ``check`` it."""
     try:
         if args.seq_len is None:
             raise UserError("seq_len= is required: give the training sequence length, e.g. seq_len=2048")
@@ -113,9 +128,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = args.calibration
         calibration = load_calibration_for(runs, given)
         cluster = load_cluster(args.cluster) if args.cluster else None
-        validating, repeats = args.validate, args.repeats
-        if repeats < 1:  # refused here, before the prediction, not by the steps' process after it
-            raise UserError(f"repeats={repeats} must be at least 1: give e.g. repeats=5")
         page, gpu_memory_gb = args.report, args.gpu_memory_gb
         if gpu_memory_gb is not None and gpu_memory_gb <= 0:
             raise UserError(f"gpu_memory_gb={gpu_memory_gb:g} must be positive: give e.g. gpu_memory_gb=80")
@@ -138,46 +150,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gpu_memory_gb is not None:
             pred = pred.against_gpu_memory(gpu_memory_gb)
         record = pred.to_json()
-        # written before it is printed: kept if the validation fails, or the reader stops reading (| head)
+        # written before it is printed: kept if the check fails, or the reader stops reading (| head)
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         planned = args.slurm and pred.plan is not None and pred.plan.runs
         arrays = pred.plan.slurm(args.slurm) if planned else ()  # the task files, likewise
         print(render(pred))
-        if validating:  # the real steps of this layout (autotuner.predict.validate)
-            from autotuner.predict.steps import StepsFailed
-            from autotuner.predict.validate import model_overrides, validate
-            from autotuner.predict.validate import render as render_validation
-
-            case = str(runs.env.get("case") or pred.model.case)
-            depth = pred.model.num_layers if pred.model.num_layers != profiled.num_layers else None
+        if check is not None:
             try:
-                overrides = model_overrides(Path(dirs[0]), depth)
-                steps_out = out.with_suffix(".steps.json")  # the measured steps, kept beside the prediction
-                checked = validate(pred, case, overrides, repeats=repeats, steps_out=steps_out)
-            except StepsFailed as exc:
-                message = f"validate=true: {exc}; the prediction, unvalidated, is in {out}"
-                say_error(COMMAND.name, f"{message}")
+                record["validation"] = check(pred, runs, dirs, args, out, profiled)
+            except CheckFailed as exc:
+                say_error(command.name, f"{exc}; the prediction, unvalidated, is in {out}")
                 return 1
-            print("\n" + render_validation(checked))
-            record["validation"] = checked.to_json()
             atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         if planned:
             print("\n" + pred.plan.text(arrays))
     except UserError as exc:
-        say_error(COMMAND.name, exc)
+        say_error(command.name, exc)
         return exc.exit_code
     except BrokenPipeError:  # the reader stopped reading: ending_quietly_on_a_closed_pipe
         raise
     except OSError as exc:
         print(
-            f"{COMMAND.name}: error: cannot write the prediction: {exc.strerror or exc}: "
+            f"{command.name}: error: cannot write the prediction: {exc.strerror or exc}: "
             "give a path you can write",
             file=sys.stderr,
         )
         return 2
     print(f"\nprediction written to {out}")
     if page:
-        _page(record, out.with_suffix(".html"), gpu_memory_gb)
+        _page(command, record, out.with_suffix(".html"), gpu_memory_gb)
     return 0
 
 
@@ -205,7 +206,7 @@ def _model_at_depth(
     return model.at_depth(int(depth))
 
 
-def _page(record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> None:
+def _page(command: Command, record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> None:
     """The prediction's HTML page. Like a run's report, a page that cannot be made is one line on stderr
     and never fails the prediction, which is already written."""
     try:
@@ -214,7 +215,7 @@ def _page(record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> No
         page = write_prediction_page(record, path, gpu_memory_gb)
     except Exception as exc:  # noqa: BLE001 - prediction.json is on disk whatever happens here
         print(
-            f"{COMMAND.name}: page not written: {type(exc).__name__}: {exc}".splitlines()[0],
+            f"{command.name}: page not written: {type(exc).__name__}: {exc}".splitlines()[0],
             file=sys.stderr,
         )
         return

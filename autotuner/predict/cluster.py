@@ -191,9 +191,6 @@ class Cluster:
             f"{self.base_latency * 1e6:.3g} us a collective; {how}"
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {"origin": self.origin, "name": self.name, "description": self.describe()}
-
 
 def presets() -> tuple[str, ...]:
     """The names of the shipped cluster presets (``dgx_h100``, ...)."""

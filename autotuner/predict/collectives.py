@@ -1,35 +1,13 @@
 """A collective's time on a cluster (autotuner.predict.cluster), from where its group's ranks lie.
 
-**Where a group lies.** Megatron-Core numbers the ranks tp fastest, then cp, ep, dp, pp (its default
-``order="tp-cp-ep-dp-pp"``; the experts' own grid, at expert_tensor_parallel_size 1, puts ep fastest), so
-a group is ``size`` ranks ``stride`` apart (:func:`megatron_groups`): tp consecutive (stride 1), cp tp apart,
-the data-parallel group with context parallelism ``dp*cp`` ranks tp apart, pp ``tp*cp*dp`` apart.
-With ``gpus_per_node`` GPUs a node, the group holding rank 0 has ``k`` ranks in each of ``N`` nodes
-(:func:`span`; the fullest node's count where the stride does not divide the node).
-
-**The formulas** (B: the collective's full buffer in bytes: the all-reduced tensor, the gathered output,
-the scattered input; for ``all_to_all`` what each rank sends, for ``send_recv`` what one rank sends;
-W_i / W_e: what a GPU sends each way inside a node / between nodes; a: a level's ring step latency):
-
-* all_reduce, hierarchical: a reduce-scatter inside each node, an all-reduce of each GPU's 1/k share
-  between the nodes (the k GPUs of a node each over its own NIC, in parallel), an all-gather inside:
-  ``max(2(k-1)/k * B/W_i, 2(N-1)/N * B/(k*W_e)) + base + 2(k-1) a_i + 2(N-1) a_e``;
-* all_gather, reduce_scatter: the same halves, ``max((k-1)/k * B/W_i, (N-1)/N * B/(k*W_e)) + base +
-  (k-1) a_i + (N-1) a_e``;
-* all_to_all (expert dispatch): of the n = k*N ranks' shares, k-1 go over the node's links and n-k
-  through the rank's NIC: ``max((k-1)/n * B/W_i, (n-k)/n * B/W_e) + base + a_i [k > 1] + a_e [N > 1]``;
-* send_recv (a pipeline stage's exchange, batched send and receive): ``B/W + base + a``, W and a of the
-  level the two ranks share.
-
-Assumptions: the levels are pipelined (NCCL moves chunks through both at once), so the slower sets the
-rate; the latency terms are NCCL's ring (Simple protocol) accounting, ``nsteps`` hops each at its
-level's latency (src/graph/tuning.cc); every GPU's NIC is its own (rail-optimised) and every group of
-the layout runs its collective at once, so no NIC is shared. NCCL's flat ring over the same ranks moves
-``2(n-1)/n`` of B through the NICs where this moves ``2(N-1)/N``: up to ``(1-1/n)/(1-1/N)`` slower (1.5 at
-2 nodes of 2 ranks, 1.17 at 6 of 8), and in-network reduction (NVLS, SHARP) can be faster; neither is
-modelled. Where the cluster file holds a level's measured fit for the collective (calibrate links=true),
-that level's bandwidth and latency are the fit's (its latency scaled by the ring's steps from the ranks it
-was measured at), else the link's nominal figures.
+Megatron-Core numbers the ranks tp fastest, then cp, ep, dp, pp, so a group is ``size`` ranks ``stride``
+apart (:func:`megatron_groups`), and with ``gpus_per_node`` GPUs a node the group holding rank 0 has k
+ranks in each of N nodes (:func:`span`). Each collective is priced hierarchically: inside the nodes at
+the intra-node bandwidth, between them each GPU over its own NIC, the two levels pipelined so the slower
+sets the rate, plus NCCL's ring latency per step of each level (:func:`collective_time`). Where the
+cluster file holds a level's measured fit (calibrate links=true) its bandwidth and latency are the
+fit's, else the link's nominal figures. Not modelled: NCCL's flat ring (up to (1-1/n)/(1-1/N) slower
+through the NICs) and in-network reduction (NVLS, SHARP). The formulas: docs/cluster_model.md.
 """
 
 from __future__ import annotations

@@ -265,16 +265,6 @@ class Missing:
     tp: int
     why: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "op": self.op,
-            "phase": self.phase,
-            "seq_len": self.seq_len,
-            "micro_batch_size": self.micro_batch_size,
-            "tp": self.tp,
-            "why": self.why,
-        }
-
 
 def measured_on_cpu(rows: Iterable[Mapping[str, Any]]) -> bool:
     """Whether the ``ok`` rows were all measured on a CPU (a layout's processes then share one host)."""

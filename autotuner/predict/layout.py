@@ -1,34 +1,17 @@
 """A training layout (how a model is split over GPUs), its checks, and the provenance records of figures.
 
-``Layout`` is the question the predictor answers: tensor (``tp``), context (``cp``), pipeline (``pp``, with
-``vpp`` virtual stages per rank for the interleaved schedule), data (``dp``) and expert (``ep``) parallel
-sizes, the batch (micro-batch size, global batch size, sequence length), the memory-saving settings
-(``recompute``, ``sequence_parallel``, ``distributed_optimizer``), and Megatron's overlaps of
-communication with compute (``overlap_grad_reduce``, ``overlap_param_gather``, ``tp_comm_overlap``:
-autotuner.predict.overlap), in a ``dtype``.
-
-Megatron-Core's rules, kept here so that a layout Megatron would refuse is refused before any arithmetic
-(``Layout.check``):
-- world size = tp * cp * pp * dp (``parallel_state.initialize_model_parallel``); expert parallelism lives
-  inside tp * cp * dp, so ep must divide it, and ep must divide the number of experts;
-- context parallelism splits the sequence into 2*cp chunks (each rank two, for a balanced causal mask), so
-  2*cp divides seq_len (Megatron-LM's argument check); with sequence parallelism tp divides s/cp;
-- tp divides the attention heads and the query groups (each rank holds whole heads);
-- the layers split over the pipeline ranks evenly (pp * vpp divides them: every virtual stage holds the
-  same number), or, with Megatron's ``num_layers_in_first_pipeline_stage`` /
-  ``num_layers_in_last_pipeline_stage`` (``first_stage_layers`` / ``last_stage_layers`` here), the first
-  and/or the last rank hold as many as given and the ranks between them share the rest evenly (a whole
-  number each, and none left over when no rank lies between); with vpp, every rank's count is a multiple
-  of vpp (:func:`split_layers`, ``Layout.layer_places``); the interleaved schedule needs pp > 1;
-- the global batch is a whole number of (micro-batch size * dp): the micro-batches per step
-  (``get_num_microbatches``); with the interleaved schedule that number is a multiple of pp;
-- sequence parallelism needs tp > 1 (Megatron turns it off otherwise);
-- ``overlap_param_gather`` needs the distributed optimizer and ``overlap_grad_reduce``, ``tp_comm_overlap``
-  sequence parallelism (Megatron-LM's argument checks; the latter runs in Transformer-Engine).
+``Layout`` is the question the predictor answers: the tensor, context, pipeline (with ``vpp`` virtual
+stages per rank), data and expert parallel sizes, the batch, the memory-saving settings and Megatron's
+overlaps of communication with compute, in a ``dtype``. ``Layout.check`` refuses, before any arithmetic
+and in one line, a layout Megatron-Core would refuse: world size = tp * cp * pp * dp, ep dividing tp * cp
+* dp and the experts, 2 * cp dividing the sequence, tp dividing the heads and query groups, the layers
+split evenly or by ``first_stage_layers`` / ``last_stage_layers`` as Megatron splits them
+(:func:`split_layers`, ``Layout.layer_places``), the global batch a whole number of micro-batches (a
+multiple of pp interleaved), sequence parallelism only with tp > 1, and the overlaps' own requirements.
 
 Every figure the predictor reports carries a ``Source``: ``measured`` (a row at that exact point),
 ``scaled`` (a neighbouring point by a named rule) or ``modelled`` (a formula and the constants it used),
-with a detail that names the row, the rule or the model, so a reader can trace each number.
+with a detail naming the row, the rule or the model, so a reader can trace each number.
 """
 
 from __future__ import annotations
@@ -58,9 +41,6 @@ class Source:
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"Source kind must be one of {SOURCE_KINDS}, not {self.kind!r}")
 
-    def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "detail": self.detail}
-
 
 @dataclass(frozen=True)
 class Figure:
@@ -69,9 +49,6 @@ class Figure:
     value: float
     unit: str
     source: Source
-
-    def to_json(self) -> dict[str, Any]:
-        return {"value": self.value, "unit": self.unit, "source": self.source.to_json()}
 
 
 def worst_kind(sources: list[Source]) -> str:

@@ -1,43 +1,16 @@
 """Every layout Megatron-Core accepts for a model on a number of GPUs, a global batch and a sequence
 length: the candidates ``python -m autotuner.tune`` predicts and ranks.
 
-The rules, each what Megatron-Core checks (or fails on) when it builds the model or the schedule:
-
-* ``tp`` divides the attention heads and the query groups (each rank holds whole heads:
-  ``TransformerConfig``/``divide`` in the attention's column-parallel projections), the dense MLP's
-  ``ffn_hidden_size`` and the routed experts' ``moe_ffn_hidden_size`` (``ColumnParallelLinear`` divides
-  its output size by tp);
-* the layers split over the ``pp`` ranks as ``Layout.stage_layers`` says Megatron splits them: evenly,
-  or with the first and/or last rank's own count (``num_layers_in_first_pipeline_stage`` /
-  ``..._last_...``) and the ranks between sharing the rest evenly; with the interleaved schedule every
-  rank's count a multiple of ``vpp``. Of the uneven splits, those whose ranks' layers per model chunk
-  differ by at most :data:`UNEVEN_SPREAD` (:func:`pipeline_splits`): a pp that does not divide the layers,
-  or a first or last stage relieved of the embedding's or the output layer's time; ``vpp > 1`` only with
-  ``pp > 1``, and then the micro-batches per step are a multiple of ``pp`` (the interleaved 1F1B
-  schedule's rule);
-* ``dp = gpus / (tp * pp)``, a whole number (``initialize_model_parallel``);
-* the global batch is a whole number of ``micro_batch_size * dp`` (``get_num_microbatches``);
-* MoE models: ``ep`` divides the experts and ``dp * tp`` (the expert-parallel groups are carved out of
-  the data- and tensor-parallel ranks); with ``tp > 1`` sequence parallelism is on (Megatron-Core's MoE
-  layer refuses tensor parallelism without it in training). Dense models: ``ep = 1``;
-* ``sequence_parallel`` only with ``tp > 1`` (Megatron turns it off at tp = 1), and then tp divides the
-  sequence length (the sequence is scattered over the tp ranks);
-* ``cp`` (context parallelism) up to ``max_cp`` (1 unless asked: Megatron runs it in Transformer-Engine,
-  and its rows are an emulated rank's at s/cp), where 2*cp divides the sequence; then the data-parallel
-  size is gpus / (tp * cp * pp) and, with sequence parallelism, tp divides s/cp;
-* with ``overlap``, Megatron's overlaps where they apply: ``overlap_grad_reduce`` with dp*cp > 1 (not
-  at ep > 1, which the predictor does not model), ``overlap_param_gather`` with it and the distributed
-  optimizer, ``tp_comm_overlap`` with sequence parallelism;
-* with ``max_tp`` (autotuner.tune's ``gpus_per_node``), tp at most that: a tensor-parallel group's
-  collectives run inside every layer, forward and backward, so it is kept inside one node's fast links,
-  which Megatron-Core does not check and practice does (it places tp ranks on consecutive GPUs);
-* ``micro_batch_size`` from a small set (:data:`MICRO_BATCH_SIZES`), ``recompute`` none / selective /
-  full, ``distributed_optimizer`` off and on.
-
-The order is deterministic: the loops nest in the order of :class:`~autotuner.predict.layout.Layout`'s
-fields (tp, cp, pp, vpp, the split, ep, micro-batch size, recompute, sequence parallel, distributed
-optimizer), each in ascending order (False before True; the even split first), so two runs list (and
-tie-break) the same layouts alike.
+The rules are those Megatron-Core checks (or fails on) when it builds the model or the schedule: tp
+divides the heads, query groups and FFN sizes; the layers split over pp (and vpp) as
+``Layout.stage_layers`` says, unevenly only where the ranks' layers per chunk differ by at most
+:data:`UNEVEN_SPREAD` (:func:`pipeline_splits`); dp = gpus / (tp * cp * pp); the global batch a whole
+number of micro_batch_size * dp; ep divides the experts and dp * tp (MoE with tp > 1: sequence
+parallelism on); sequence parallelism only with tp > 1, tp dividing the sequence; cp up to ``max_cp``;
+Megatron's overlaps where they apply (``overlap``); tp at most ``max_tp`` (tune's ``gpus_per_node``:
+Megatron does not check it, practice keeps a tensor-parallel group inside a node). The order is
+deterministic (the loops nest in :class:`~autotuner.predict.layout.Layout`'s field order, each
+ascending), so two runs list and tie-break the same layouts alike. docs/predict.md, "autotuner-tune".
 """
 
 from __future__ import annotations

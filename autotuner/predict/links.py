@@ -1,37 +1,17 @@
 """The time of a collective over the links between GPUs (or CPU processes), from the calibrated bus
-bandwidth: what the predictor charges for a collective no row measured (data-parallel gradient
-reduction, the distributed optimizer's gathers, tensor-parallel collectives at an unmeasured point).
+bandwidth: what the predictor charges for a collective no row measured.
 
-The model is the ring algorithm's, as NCCL's ring and nccl-tests' "bus bandwidth" define it. A
-collective over ``n`` ranks on a buffer of ``B`` bytes (the all-reduced tensor, the gathered output, the
-scattered input) makes every rank send ``f * B`` bytes over its link, with
-
-* all-reduce: ``f = 2(n-1)/n`` (a reduce-scatter, then an all-gather);
-* all-gather and reduce-scatter: ``f = (n-1)/n`` (each rank passes on the n-1 shards it does not own);
-* send_recv, a pipeline stage's exchange (the buffer ``B`` is what each rank sends): ``f = 1``;
-
-so at a bus bandwidth ``W`` the collective takes ``f * B / W``. ``W`` is the calibration's
-``<collective>_bandwidth["<backend>:<n>"]`` (``torchrun --nproc-per-node=n -m autotuner.calibrate
-collectives=true``: the bus bandwidth of its largest size, the plateau). Where the calibration also keeps
-the times of its sizes (``collective_points``), those decide, as measured times of this link:
-
-* between two calibrated sizes, the time is interpolated linearly in bytes (a collective's time is
-  about affine in its size: a latency plus bytes over bandwidth; measured curves bend where caches or
-  protocols change, which the points follow and one bandwidth would not);
-* above the largest, its time plus the extra bytes at the plateau: ``t_max + f * (B - B_max) / W``;
-* below the smallest, the latency that size paid beyond its bandwidth term, plus the rest of its time
-  scaled by bytes: ``a + (t_min - a) * B / B_min`` with ``a = t_min - f * B_min / W``, which is
-  ``a + f * B / W``, the bytes at the plateau; where the smallest size ran faster than the plateau's
-  bandwidth gives (noise, or a size that fits a cache), ``a`` is 0 and the bytes go at that size's own
-  rate, so that each calibrated size gets its own time back.
-
-Bus bandwidth hardly depends on ``n`` for a ring on one kind of link, so a world size not calibrated
-takes the nearest one calibrated on the same backend (its bandwidth, not its points); with nothing
-calibrated, an assumed bandwidth (:data:`ASSUMED_BUS_BANDWIDTH`). Both are said in the figure's source
-and warned about (:class:`LinkWarning`, which carries the gap as data: a prediction, and tune over its
-shown layouts, says the gaps a line per bandwidth that stood in): such a time is never 0 and never
-silent. Tree algorithms, NVLS/SHARP in-network reduction and the hierarchy of a multi-node ring
-(intra-node NVLink, inter-node network) are not modelled: calibrate at the world size the job uses.
+The ring algorithm's model, as NCCL and nccl-tests define bus bandwidth: over n ranks on a buffer of B
+bytes each rank sends f * B, f = 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or
+reduce-scatter, 1 for a pipeline's send_recv, so at bus bandwidth W it takes f * B / W
+(:func:`bus_factor`). W is the calibration's ``<collective>_bandwidth["<backend>:<n>"]``; where it also
+keeps the times of its sizes (``collective_points``), those decide: interpolated linearly in bytes
+between two sizes, the plateau's bandwidth above the largest, and below the smallest that size's latency
+plus its bytes at its own rate, so each calibrated size gets its own time back. A world size not
+calibrated takes the nearest one on the same backend; nothing calibrated, :data:`ASSUMED_BUS_BANDWIDTH`.
+Both are said in the source and warned about (:class:`LinkWarning` carries the gap as data, said a line
+per bandwidth that stood in): never 0, never silent. Trees, in-network reduction and multi-node
+hierarchy are autotuner.predict.collectives' (with a cluster file), not this module's.
 """
 
 from __future__ import annotations

@@ -1,73 +1,18 @@
-"""Memory per GPU of each pipeline stage: weights, gradients, optimizer states, activations, logits.
+"""Memory per GPU of each pipeline stage: weights, gradients, optimizer states, activations, logits, what
+the op at the peak has in flight, and what Adam's step allocates.
 
-Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
-
-* **weights**: P x bytes of the dtype;
-* **gradients**: P x 4 B: Megatron's DistributedDataParallel accumulates and reduces gradients in an fp32
-  ``main_grad`` buffer for bf16/fp16 training (``grad_reduce_in_fp32``, which Megatron-LM turns on with
-  ``--bf16``), and in fp32 training the gradients are fp32 anyway;
-* **optimizer**: Adam's exp_avg and exp_avg_sq in fp32 (8 B) plus, for bf16/fp16, the fp32 master copy of
-  the weights (4 B): 12 B per parameter (8 B in fp32), divided by dp with the distributed optimizer
-  (Megatron's ``DistributedOptimizer`` shards them over the data-parallel ranks);
-* **activations**: what one layer's forward saves for backward (the measured ``activation_bytes`` of the
-  ``transformer_layer`` forward row) x the layers of the stage x the micro-batches the stage holds at
-  once: under 1F1B stage i of p holds min(p - i, m) (its warm-up forwards plus one); interleaved with v
-  chunks, rank i holds min((p - i - 1)*2 + (v - 1)*p + 1, m*v) chunk-micro-batches of L/(p*v) layers
-  each (Megatron-Core's ``get_pipeline_parallel_forward_backward_func`` warm-up counts). Recompute:
-  ``full`` keeps each layer's input (s*b*h elements, split over tp with sequence parallelism) and one
-  layer's full activations during its backward; ``selective`` drops what core attention saves beyond its
-  inputs q, k, v;
-  The embedding's and the final norm's saved bytes (their rows' ``activation_bytes``) are added per
-  micro-batch held;
-* **logits** on the last stage: what the output layer and the loss save (the ``output_layer`` forward
-  row's ``activation_bytes``: the fp32 logits the cross-entropy keeps and the layer's input), else
-  s*b*vocab/tp x 4 B;
-* **optimizer step**: what Adam allocates while it steps, beyond its states. ``torch.optim.Adam`` over CUDA
-  tensors (torch's default there, the foreach kernels; also Megatron-Core's Adam without
-  Transformer-Engine or Apex) takes the square root of every ``exp_avg_sq`` at once
-  (``torch._foreach_sqrt``): an fp32 copy of them, 4 B per parameter it updates. On the CPU it steps
-  one tensor at a time and holds two temporaries of that tensor (the square root, then its quotient):
-  8 B x the largest tensor it updates. A fused Adam (Transformer-Engine's or Apex's FusedAdam, or
-  ``fused=True``) makes neither, so there the term is an upper bound. The forward-backward's terms
-  (activations, logits, in flight) are freed before the step, so a GPU's peak is the resident states
-  plus the larger of the two phases': at a 32-layer Llama-2-7B with full recompute on an H200 the step's
-  25 GiB copy was the peak, and the step ran out of memory where the sum without it fitted
-  (docs/gpu_validation.md);
-* **in flight**: memory an op allocates while it runs beyond what stays saved (its rows' ``peak_bytes``:
-  a forward's intermediates; a backward's input gradients and temporaries, each weight gradient until
-  it is added into the gradient buffers, the embedding's dense table gradient, net of the saved
-  activations the backward frees as autograd consumes them, which the meter sees as they happen inside
-  a training step: autotuner.measure.memory), less what is not live at that moment: walking the stage's
-  ops of one micro-batch (embedding, layers, final norm, output layer), the forward of op k runs before
-  the ops after it have saved anything (and its peak includes what it saves itself), the backward of op
-  k after they have freed theirs. So the term is max over k of (forward peak_k - saved_k, backward
-  peak_k) less the saved bytes of the ops after k, at least 0. A CPU row measured before the meter saw
-  a backward's frees (it read the backward as keeping all it saved and every weight gradient) makes the
-  term an upper bound. On this project's CPU (benchmarks/predict_accuracy.py) the stage's peak came at
-  0.974-1.005 of the measured in all eleven validated layouts (tiny, llama-shaped, tiny_moe); the lower
-  bound this replaced (every backward credited with freeing all it saved before its peak) read
-  0.92-0.98. An op without a row adds nothing here (said in the source).
-
-Side by side, the closed form of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", section 4, Table 2) per stage, per layer and micro-batch for 2-byte activations (h
-hidden, a heads, t tp): no recompute s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism
-s*b*h*(34 + 5*a*s/h)/t; selective recompute s*b*h*(10 + 24/t), with sequence parallelism 34*s*b*h/t;
-full recompute 2*s*b*h (/t with sequence parallelism). It counts dropout masks (1 B per element), which
-a model without dropout does not keep, and 2-byte tensors: in fp32 we scale it by 2. The 5*a*s/h term
-is the attention's s x s scores and their softmax, which Megatron-Core's unfused ``DotProductAttention``
-(the local spec, what this tool builds without Transformer-Engine) keeps and a fused or flash attention
-does not.
-
-And what Megatron-LM itself prints (``report_theoretical_memory`` in
-``megatron/training/theoretical_memory_usage.py``), for the first pipeline stage only
-(:func:`megatron_report`): its activations take Table 2's selective-recompute rows whatever the
-recompute setting, so no attention scores: with sequence parallelism and selective recompute
-s*b*h*(18 + 4*ffn/h) a layer (34 for ffn = 4h), else s*b*h*(10 + 24/t) with 5% added; times all L
-layers (the first stage holds L/p layers of p micro-batches), plus the embedding's input (8*s*b*p) and
-dropout mask (s*b*h*p), times 1 + (p-1)/(p*v) interleaved or min(1, m/p) otherwise, plus the output
-layer's input and logits at p = 1, in bytes of 2-byte activations whatever the dtype; its weights and
-optimizer 18 B a parameter (bf16 weights, fp32 gradients, Adam's fp32 master and states), 6 + 12/dp with
-the distributed optimizer.
+P, the parameters the stage's GPU holds after tensor parallelism, gives the resident states: weights
+(P x the dtype's bytes), fp32 gradients (P x 4 B: Megatron's DDP keeps ``main_grad`` in fp32) and Adam's
+states (12 B a parameter with an fp32 master copy, 8 B in fp32; over dp with the distributed
+optimizer). The forward-backward adds the activations of the micro-batches the stage holds under its
+schedule (:func:`held_microbatches`; from the measured ``activation_bytes`` of the layer's row, less
+under recompute), the logits on the last stage and the in-flight bytes of the op at the peak (its rows'
+``peak_bytes`` less what is not live then); the optimizer step adds its own temporaries (torch's foreach
+``_foreach_sqrt`` copy of ``exp_avg_sq`` on a GPU, two temporaries of the largest tensor on a CPU). Both
+phases' own memory is freed before the other's, so the peak is the resident states plus the larger
+(:attr:`StageMemory.total`). Beside it Korthikanti et al. 2022's closed form
+(:func:`korthikanti_layer_bytes`) and Megatron-LM's own ``report_theoretical_memory``
+(:func:`megatron_report`). Every term's equation and its validation: docs/predict.md, "Memory per GPU".
 """
 
 from __future__ import annotations
@@ -111,14 +56,6 @@ class MegatronReport:
     @property
     def total(self) -> float:
         return self.activations.value + self.weights_and_optimizer.value
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": 0,
-            "total_bytes": self.total,
-            "activations": self.activations.to_json(),
-            "weights_and_optimizer": self.weights_and_optimizer.to_json(),
-        }
 
 
 def megatron_report(model: ModelShape, layout: Layout, first_stage_params: float) -> MegatronReport:
@@ -209,27 +146,6 @@ class StageMemory:
     def total(self) -> float:
         """The peak: the resident states plus the larger of the two phases' own."""
         return self.resident + max(self.forward_backward, self.optimizer_step.value)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "held_microbatches": self.held,
-            "total_bytes": self.total,
-            **{
-                name: getattr(self, name).to_json()
-                for name in (
-                    "params",
-                    "weights",
-                    "gradients",
-                    "optimizer",
-                    "activations",
-                    "logits",
-                    "in_flight",
-                    "optimizer_step",
-                    "korthikanti_activations",
-                )
-            },
-        }
 
 
 def _ratio(model: ModelShape, layout: Layout, s: int, b: int, t: int) -> float:

@@ -1,47 +1,17 @@
 """One op's time per micro-batch on one GPU at a layout's point, from measured op rows (or a model).
 
-**An op's time at the layout's point** (sequence length s, micro-batch b, tensor-parallel size t), tried
-in this order, each result carrying its ``Source``:
-
-1. *measured*: the op's row at exactly (s, b, t) (under torchrun: the ``rank="max"`` row, the slowest
-   rank, which includes the TP collectives inside the op);
-2. for a composite op (``transformer_layer``, ``self_attention``, ``mlp``, ...: the op tree of
-   autotuner.ops_test.places): the sum of its direct sub-ops measured at exactly that point (recursively;
-   a sub-op that a run ``skipped`` as not in this model, or an alternative at the same place, as the
-   dense MLP beside an MoE layer, counts nothing);
-3. *scaled* from the op's own row at the nearest measured point (s', b') at the same t, by the op's rule:
-   GEMMs (``GEMM_OPS``, the dense MLP too) by FLOPs at the efficiency measured there (a GEMM's FLOPs grow
-   with the tokens s*b, so t = t' * s*b / (s'*b') with the efficiency stated); ``core_attention`` by
-   s^2*b (the score and value products); the layer and its attention block by their analytic FLOPs
-   (GEMMs linear in tokens, attention 4*s^2*b*heads*head_dim); everything else (norms,
-   bias-dropout-add, rope, the activation, the embedding) by tokens s*b; where the op has no row of its
-   own, the sum of its sub-ops each scaled so;
-   With expert parallelism (ep > 1), rows of the ops it changes count only if measured at that ep
-   (autotuner.predict.inputs.EP_COMPOSITE_OPS, EP_LEAF_OPS); where the runs have none, the layer and
-   the MoE layer are the sums of their sub-ops, and the expert ops come from rows measured without
-   expert parallelism: ``experts`` divided by ep (each rank computes its 1/ep of the experts, as many
-   tokens reach them as at ep=1 under balanced routing: *scaled*), ``token_dispatch`` and
-   ``token_combine`` their measured permutation plus the collectives (*modelled* from the link
-   calibration, each with its latency) of the dispatcher the row names (:func:`dispatcher_collectives`):
-   Megatron's all-to-all dispatcher sends each rank's s*b*top-k*h routed elements and their
-   probabilities, (ep-1)/ep of them to other ranks, as an all-gather of that buffer does, after
-   gathering the tokens-per-expert counts; its all-gather dispatcher (the one a CPU runs) gathers every
-   rank's routing map, probabilities and s*b*h tokens and reduce-scatters the results;
-4. the same from rows measured without tensor parallelism (t=1), divided by t, except what Megatron
-   does not split without sequence parallelism (``REPLICATED_WITHOUT_SP``: the layer norms and
-   bias-dropout-adds, and the embedding), plus the TP collectives modelled from the calibrated link
-   bandwidth (autotuner.predict.links): per layer 2 all-reduces of s*b*h elements forward and 2 backward
-   (Shoeybi et al. 2019, Megatron-LM, section 3), or with sequence parallelism 2 all-gathers + 2
-   reduce-scatters each way (Korthikanti et al. 2022, section 4.2.2);
-5. *modelled*: the analytic FLOPs (backward: 2x forward) over the calibrated peak (``peak_flops[dtype]``);
-   the embedding and norms as memory-bound, 2*s*b*h elements moved over the calibrated memory bandwidth.
-   A CPU prediction from CPU rows may go without a calibration (autotuner.predict.prediction refuses a
-   GPU's): its rows are the measurement, the peak the best throughput any GEMM row reached, the bandwidth
-   the fastest any row moved its counted bytes at (said so); where the rows have neither, refused in one
-   line naming the command that measures it. No figure is assumed.
-
-A figure that is not measured at the exact point and TP also yields a ``Missing`` record: the profiling
-run that would measure it (never a silent zero).
+At the layout's point (sequence length s, micro-batch b, tensor-parallel size t) an op's time is, in
+this order, each with its ``Source``: (1) *measured*: its row at exactly (s, b, t), under torchrun the
+slowest rank's; (2) for a composite op (the op tree of autotuner.ops_test.places), the sum of its
+sub-ops measured there; (3) *scaled* from its own row at the nearest point at the same t by the op's
+rule (GEMMs by FLOPs, core attention by s^2*b, the layer by its analytic FLOPs, the rest by tokens);
+(4) the same from t=1 rows divided by t (what Megatron does not split without sequence parallelism kept
+whole), plus the TP collectives from the link calibration; (5) *modelled*: analytic FLOPs over the
+calibrated peak, memory-bound ops over the calibrated bandwidth (a CPU prediction from CPU rows takes
+the best its rows reached, said so). With expert parallelism the ops it changes count only at that ep,
+else come from ep=1 rows (experts divided by ep, the dispatcher's collectives modelled:
+:func:`dispatcher_collectives`). A figure not measured at the exact point also yields a ``Missing``: the
+run that would measure it, never a silent zero. docs/predict.md, "An op's time at the layout's point".
 """
 
 from __future__ import annotations
@@ -143,9 +113,6 @@ class OpTime:
     # the collectives its rows recorded and did not run (an emulated rank's: :func:`recorded_collectives`),
     # as (kind, bytes at the layout's point, group), for the step to price
     recorded: tuple[tuple[str, float, str], ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "source": self.source.to_json(), "parts": dict(self.parts)}
 
 
 def _children(tree: OpTree, op: str) -> tuple[str, ...]:

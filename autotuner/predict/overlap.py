@@ -2,33 +2,18 @@
 much of it the compute it runs beside cannot hide (the *exposed* part, which the step pays). Pure
 functions of times and sizes; autotuner.predict.timing places them in the step.
 
-* ``overlap_grad_reduce`` (Megatron's DDP): the gradients are kept in buckets of ``bucket_size``
-  parameters (``max(4e7, 1e6 * dp)``, filled in the order the backward produces them); in the step's last
-  micro-batch, a bucket's all-reduce (reduce-scatter with the distributed optimizer) starts as soon as its
-  last gradient is made, one after another on one stream: ``c_j = max(c_{j-1}, r_j) + t_j`` with r_j the
-  bucket's ready time in that backward and t_j its collective. Exposed: ``max(0, c_last - T)``, T the end
-  of the rank's backward (:func:`grad_reduce_end`).
-* ``overlap_param_gather`` (distributed optimizer): the next step's forward waits for each bucket's
-  parameter all-gather before its first module; waiting for bucket j dispatches bucket j+1's, so gather
-  j+1 runs beside bucket j's compute: ``f_j = max(e_{j-1}, g_j)``, ``g_{j+1} = f_j + t_{j+1}``, ``e_j = f_j +
-  compute_j``, ``g_0 = t_0`` (the first gather hides behind nothing). Exposed: ``e_last - sum(compute)``,
-  the delay of the rank's first forward (:func:`param_gather_delay`).
-* pipeline exchanges (1F1B and interleaved): the schedule's simulation with the exchanges less the same
-  without them (autotuner.predict.schedule: 1F1B waits for each batched send and receive at both ends;
-  interleaved with ``overlap_p2p_comm`` on a GPU, only the receiver waits).
-* tensor-parallel communication: in Megatron's local spec each all-reduce (or all-gather and
-  reduce-scatter with sequence parallelism) sits between the GEMMs that need it: all exposed. With
-  Transformer-Engine's ``tp_comm_overlap``, each all-gather is split into tp chunks pipelined with the GEMM
-  that consumes it and each reduce-scatter with the GEMM that produces it (ring exchange): the pair takes
-  ``max(gemm, comm) + min(gemm, comm)/tp``, one chunk not hidden at either end, so the exposed part is
-  ``max(0, comm - gemm) + min(gemm, comm)/tp`` (:func:`tp_overlap_exposed`; *modelled*: the local spec
-  cannot run it, so no row measures it).
-* context parallelism's key-value exchange (:func:`context_attention`): each rank's attention over the
-  whole sequence is cp steps, each the s/cp queries against one rank's s/cp keys, while the next rank's
-  keys and values arrive: exposed ``(cp-1) * max(0, exchange - step)``.
+* ``overlap_grad_reduce``: bucketed reductions started as each bucket's last gradient is made, one after
+  another on one stream; exposed what ends after the rank's backward (:func:`grad_reduce_end`);
+* ``overlap_param_gather``: each bucket's all-gather waited for before its first module, the next one
+  dispatched then; exposed the delay of the rank's first forward (:func:`param_gather_delay`);
+* pipeline exchanges: the schedule simulated with the exchanges less without them;
+* ``tp_comm_overlap`` (Transformer-Engine's, *modelled*): each collective pipelined in tp chunks with its
+  GEMM, exposed ``max(0, comm - gemm) + min(gemm, comm)/tp`` (:func:`tp_overlap_exposed`);
+* context parallelism's key-value exchange beside each of its cp attention steps
+  (:func:`context_attention`).
 
-Not modelled: the compute a communication slows by sharing the GPU's memory bandwidth and SMs with it
-(NCCL's kernels take a few SMs), so a hidden collective is taken as free.
+Not modelled: the compute a collective slows by sharing the GPU's bandwidth and SMs, so a hidden
+collective is taken as free. The equations: docs/cluster_model.md.
 """
 
 from __future__ import annotations
@@ -143,13 +128,3 @@ class Exposed:
     exposed: float
     overlaps_with: str
     rule: str
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "total_s": self.total,
-            "exposed_s": self.exposed,
-            "overlaps_with": self.overlaps_with,
-            "rule": self.rule,
-            "source": {"kind": "modelled", "detail": self.rule},
-        }

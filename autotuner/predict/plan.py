@@ -1,34 +1,15 @@
 """The profiling plan: the runs that would measure what a prediction needs and the run directories lack.
 
-A layout's prediction reads op rows at one shape point (sequence length, micro-batch size) measured
-with the layout's tensor-parallel size (and expert-parallel size for an MoE model, with its sequence
-parallelism, in its dtype): a :class:`Need`. Pipeline and data parallelism, recompute and the optimizer
-change how the rows are combined, not the rows, so many layouts share a need. The plan:
-
-1. drops the needs some run directory already holds (:func:`measured`: a point with ``ok`` rows, in a
-   run whose ``environment.json`` records the same case, dtype and parallel settings);
-2. groups the rest by (case, tp, ep, sequence parallelism, dtype): one profiler run each, since one run
-   has one process group. The shape lists of a run are crossed (``shapes.seq_len`` x
-   ``shapes.micro_batch_size``, autotuner.runner.shapes), so a group whose sequence lengths need
-   different micro-batch sizes becomes one run per distinct set, and no run measures a point nobody
-   needs;
-3. writes each run as a command (:meth:`Run.argv`), with the cache mode the step runs its ops in
-   (``timing.flush_cache``, cold by default: autotuner.predict.caches.cache_plan; a warm run's
-   forwards each after the op's backward, ``timing.forward_after_backward``, as a step runs them):
-   ``python -m autotuner.main`` for one process,
-   ``torchrun --standalone --nproc-per-node=N -m autotuner.main`` for several. On a GPU N is the least
-   number of processes the run's parallel sizes fit: the least common multiple of tp and ep (the
-   profiler gives expert-parallel runs an expert-tensor-parallel size of 1, so tp and ep each need
-   only divide the world: autotuner.runner.spec). On a CPU the layout's processes share one host's
-   memory and caches and its ops run as fast as rows profiled beside as many processes
-   (autotuner.predict.prediction), so a CPU need names that count (``Need.processes``), N is it, and
-   only a run of that many processes holds the need;
-4. and as SLURM job arrays over ``scripts/slurm/sweep_array.sbatch`` (:meth:`Plan.slurm`): one array per
-   process count (an array's tasks share one resource request), its tasks listed one per line in a
-   task file (``SWEEP_FILE``: a task's overrides, separated by spaces).
-
-Commands are argument lists (printed with shell quoting for a person to paste), never strings built for a
-shell; every override is a plain ``key=value`` the profiler's config composition accepts.
+A layout reads op rows at one shape point measured at its tensor-parallel size (and expert-parallel
+size, sequence parallelism and dtype): a :class:`Need`; pipeline and data parallelism, recompute and the
+optimizer change how rows combine, not the rows, so layouts share needs. The plan drops the needs a run
+directory already holds (:func:`measured`), groups the rest into one profiler run per process group
+(a run's shape lists are crossed, so groups split where they would measure points nobody needs), and
+writes each as an argument list (:meth:`Run.argv`) with the cache mode the step runs its ops in:
+``python -m autotuner.main`` for one process, ``torchrun --standalone --nproc-per-node=N`` for several
+(on a GPU the least N the run's tp and ep fit; on a CPU the layout's own process count, since CPU rows
+stand for as many processes sharing the host). :meth:`Plan.slurm` writes them as SLURM job arrays over
+``scripts/slurm/sweep_array.sbatch``, one array per process count. Commands are never shell strings.
 """
 
 from __future__ import annotations

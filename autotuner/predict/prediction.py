@@ -17,12 +17,15 @@ peak there is no MFU (said so).
 
 from __future__ import annotations
 
+import functools
 import shlex
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+import pydantic
 
 from autotuner.errors import UserError
 from autotuner.notices import Notices
@@ -49,6 +52,7 @@ from autotuner.results.calibration import describe as describe_calibration
 from autotuner.results.calibration import label as calibration_label
 from autotuner.results.calibration import load as load_calibration
 from autotuner.results.environment import load_environment
+from autotuner.results.prediction_record import SCHEMA_VERSION, check_schema
 from autotuner.results.table import text_table
 from autotuner.results.units import human_bytes, human_time
 
@@ -180,16 +184,6 @@ class MemoryFit:
             "a smaller micro-batch or the distributed optimizer need less"
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "gpu_memory_gb": self.gpu_memory_gb,
-            "margin": self.margin,
-            "fullest_bytes": self.fullest_bytes,
-            "stage": self.stage,
-            "limit_bytes": self.limit_bytes,
-            "fits": self.fits,
-        }
-
 
 @dataclass
 class Prediction:
@@ -248,53 +242,41 @@ class Prediction:
         autotuner.tune keeps of every layout it ranks; ``to_json`` then writes no boxes."""
         return replace(self, step=replace(self.step, schedule=self.step.schedule.without_boxes()))
 
-    def to_json(self) -> dict[str, Any]:
-        s = self.step
+    def derived(self) -> dict[str, Any]:
+        """What follows from the fields (properties), for a reader of the JSON without the predictor (the
+        page): :meth:`from_json` recomputes it."""
+        fit = self.memory_fit
         return {
-            "layout": self.layout.to_json(),
-            "model": {
-                "case": self.model.case,
-                "num_layers": self.model.num_layers,
-                "hidden_size": self.model.hidden,
-                "heads": self.model.heads,
-                "query_groups": self.model.query_groups,
-                "ffn_hidden_size": self.model.ffn,
-                "vocab_size": self.model.vocab,
-                "experts": self.model.experts,
-                "parameters": self.model.parameters(),
-            },
-            "runs": self.runs,
-            "calibration": self.calibration,
-            "calibration_figures": self.calibration_figures,
-            "rows": self.rows_note,
-            "stages": [st.to_json() for st in self.stages],
-            "step": {
-                "total_s": s.total,
-                "pipeline_s": s.pipeline,
-                "formula": s.formula,
-                "closed_form_s": s.closed_form,
-                "bubble_fraction": s.bubble_fraction,
-                "slowest_stage": s.slowest_stage,
-                "exchange": s.exchange.to_json() if s.exchange else None,
-                "exchange_overlapped": s.exchange_overlapped,
-                "schedule": s.schedule.to_json(),
-                "dp_reduction": Figure(s.dp_reduction, "s", s.dp_source).to_json(),
-                "optimizer": Figure(s.optimizer, "s", s.optimizer_source).to_json(),
-                "overlap": s.statement,
-                "communication": [term.to_json() for term in s.terms],
-            },
-            "cluster": self.cluster,
-            "tp_collectives": self.tp_note,
-            "cache": self.cache_note,
-            "memory": [m.to_json() for m in self.memory],
-            "megatron_report": self.megatron_report.to_json() if self.megatron_report else None,
-            "memory_fit": self.memory_fit.to_json() if self.memory_fit else None,
-            "mfu": self.mfu.to_json() if self.mfu else None,
-            "mfu_note": self.mfu_note,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu.to_json(),
-            "missing": self.missing,
+            "step_s": self.step.total,
+            "stage_s": [st.total for st in self.stages],
+            "memory_total_bytes": [m.total for m in self.memory],
+            "megatron_report_total_bytes": self.megatron_report.total if self.megatron_report else None,
+            "memory_limit_bytes": fit.limit_bytes if fit else None,
+            "fits": fit.fits if fit else None,
+            "parameters": self.model.parameters(),
+            "gpus": self.layout.gpus,
+            "microbatches": self.layout.microbatches,
             "warnings": self.warnings,
         }
+
+    def to_json(self) -> dict[str, Any]:
+        """``prediction.json``: every field as ``dataclasses.asdict`` gives it, the schema version, and
+        :meth:`derived`."""
+        return {"schema_version": SCHEMA_VERSION, **asdict(self), "derived": self.derived()}
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> Prediction:
+        """The prediction :meth:`to_json` wrote (other keys, ``derived`` and a validation, ignored); a record
+        of another schema version is refused in one line."""
+        check_schema(record)
+        names = {f.name for f in fields(cls)}
+        return _json_reader().validate_python({k: v for k, v in record.items() if k in names})
+
+
+@functools.cache
+def _json_reader() -> pydantic.TypeAdapter[Prediction]:
+    """Rebuilds the nested dataclasses from plain data by the fields' types (pydantic)."""
+    return pydantic.TypeAdapter(Prediction)
 
 
 def _memory(
@@ -722,7 +704,8 @@ def predict(
         plan=profile,
         notes=notes,
         link_gaps=gaps,
-        cache_note=why,
+        # on a GPU whose visits all take flushed rows there is nothing to say beyond each row's source
+        cache_note=why if cpu or wants_warm else "",
         megatron_report=megatron_report(model, layout.context_rank_view(), memory[0].params.value),
         cluster=cluster.describe() if cluster is not None else None,
     )
@@ -856,7 +839,7 @@ def render(pred: Prediction) -> str:
             f"{term.overlaps_with}: {term.rule}"
             for term in s.terms
         ),
-        f"  cache          {pred.cache_note}",
+        *([f"  cache          {pred.cache_note}"] if pred.cache_note else []),
         f"tokens/s per GPU {pred.tokens_per_s_per_gpu.value:.4g}",
         f"MFU              {pred.mfu.value:.1%}  ({pred.mfu_note})"
         if pred.mfu

@@ -1,64 +1,31 @@
 """Megatron-Core's pipeline schedules, simulated: where each stage's forwards and backwards fall in a step.
 
-The predictor's pipeline time is the end of the last box this module places (:func:`simulate`), not a
-closed form. Narayanan et al. 2021 (section 2.2) give one for equal stages, (m + p - 1) x (t_f + t_b),
-or m (t_f + t_b)(1 + (p-1)/(v m)) interleaved; with no exchange cost and equal stages the simulation
-ends exactly there (tested). Real stages are not equal: the first holds the embedding, the last the
-final norm, the output layer and the loss; the closed form paces every slot, the warm-up and cool-down
-too, at the slowest stage, and over-counts a pipeline whose other stages are faster (by one slowest
-stage's lead per stage at the ends). Each stage's boxes here take its own forward and backward, and
-each model chunk's its own (autotuner.predict.timing.chunk_times: the embedding in the model's first
-chunk, the output layer in its last).
-
-**The order** each rank runs (:func:`rank_order`), as Megatron-Core's schedules do:
-
-* non-interleaved (v = 1, ``forward_backward_pipelining_without_interleaving``): stage i runs
-  min(p-i-1, m) warm-up forwards, then pairs of one forward and one backward, then the remaining
-  backwards (cool-down);
-* interleaved (v > 1, ``forward_backward_pipelining_with_interleaving``): virtual micro-batch k is
-  micro-batch (k // (p*v))*p + k % p of chunk (k // p) % v (forwards; the backwards visit the chunks in
-  reverse), rank i runs min((p-i-1)*2 + (v-1)*p, m*v) warm-up forwards (``get_pp_rank_microbatches``
-  and ``get_schedule_table``, groups of p micro-batches), then the same pairs and cool-down.
-
-**The dependencies** (:func:`dependency`): a forward waits for the same micro-batch's forward on the
-stage before (chunk c on the first rank for chunk c-1 on the last), a backward for the stage after
-(chunk c on the last rank for chunk c+1 on the first; the last chunk's backward for its own forward).
-
-**The exchanges.** Between two consecutive boxes of a rank, Megatron's schedule communicates when the
-first sends (a forward's activation to the next stage, a backward's gradient to the one before) or the
-second receives (:func:`exchanges`); it batches the two into one call (``send_forward_recv_backward``
-and the like) and waits for both. So an exchange costs both ends: a rank's next box starts an
-exchange's time after its previous one ends, and a box that receives starts an exchange's time after
-its sender's box ends, whichever is later. One exchange's time is the predictor's ``pp_p2p`` (one s*b*h
-transfer, the calibrated batched send and receive). The sending end is what the closed form leaves out:
-in a tiny PP2 step measured on this project's VM the last stage started its next forward 0.69-0.74 ms
-after its backward ended though that forward's input had arrived milliseconds before, while the stage
-before waited in the same exchange for the gradient; and two processes in that exchange, one arriving
-up to 5 ms after the other, left it together (``python -m benchmarks.pipeline_exchange``).
-
-The interleaved schedule as Megatron-LM runs it by default (``overlap_p2p_comm``, as
-autotuner.predict.steps runs it) posts each exchange without waiting and waits only for a receive, just
-before the box that needs its data. On a GPU the exchange then runs beside the compute (NCCL's kernels
-on their own stream) and costs the receiving box alone (``overlapped``, :func:`overlaps_exchanges`).
-Between CPU processes its work shares the cores with the compute and hides behind nothing: a measured
-llama-shaped VPP2 step (4 layers, s128, 4 micro-batches, on a 2-core CPU VM) replayed with its own boxes and
-median hand-over came to 0.990 of its measured span charged to both ends, 0.955 overlapped.
+The predictor's pipeline time is where the last box this module places ends (:func:`simulate`), not a
+closed form: real stages are not equal (the first holds the embedding, the last the output layer and the
+loss), and Narayanan et al. 2021's (m + p - 1)(t_f + t_b) paces every slot at the slowest stage; with
+equal stages and free exchanges the simulation ends exactly there (tested). Each rank runs its boxes in
+Megatron-Core's order (:func:`rank_order`: 1F1B's warm-up forwards, forward-backward pairs, cool-down
+backwards; interleaved over v chunks as ``get_schedule_table`` orders them), a forward waits for the same
+micro-batch on the stage before and a backward for the stage after (:func:`dependency`). 1F1B batches a
+rank's send and receive into one call and waits for both, so an exchange (``pp_p2p``) costs both ends
+(:func:`exchanges`); the interleaved schedule with ``overlap_p2p_comm`` waits only for a receive, and on a
+GPU its exchanges run beside the compute and cost the receiving box alone (:func:`overlaps_exchanges`;
+between CPU processes they share the cores and hide behind nothing). docs/predict.md, "The pipeline".
 """
 
 from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 # A box's key: (stage, phase, micro-batch, chunk).
 Key = tuple[int, str, int, int]
 # A box as :func:`placement` orders it: its key, the position of its input's box (-1: none), whether that
 # box is another rank's, whether its rank exchanges before it.
 Placed = tuple[Key, int, bool, bool]
-BOX_COLUMNS = ("stage", "phase", "microbatch", "chunk", "start_s", "end_s")
 
 
 class Box(NamedTuple):
@@ -73,10 +40,6 @@ class Box(NamedTuple):
     start: float
     end: float
 
-    def row(self) -> list[Any]:
-        """The box as plain data, in :data:`BOX_COLUMNS` order (``prediction.json``'s schedule)."""
-        return list(self)
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -86,8 +49,8 @@ class Schedule:
     shows)."""
 
     placed: tuple[Placed, ...]  # :func:`placement`'s entries, box by box
-    starts: Sequence[float]
-    ends: Sequence[float]
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
     exchange_s: float  # one exchange's time, as the simulation charged it
     end: float  # when the last box ends: the pipeline's time
 
@@ -102,13 +65,6 @@ class Schedule:
         """The same schedule's end and exchange without its boxes: what a ranking of thousands of
         layouts keeps of each (autotuner.tune)."""
         return Schedule((), (), (), self.exchange_s, self.end)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "columns": list(BOX_COLUMNS),
-            "boxes": [box.row() for box in self.boxes],
-            "exchange_s": self.exchange_s,
-        }
 
 
 def rank_order(stage: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
@@ -230,7 +186,7 @@ def simulate(
         starts.append(start)
         ends.append(end)
         free[stage] = end
-    return Schedule(order, starts, ends, exchange_s, max(free))
+    return Schedule(order, tuple(starts), tuple(ends), exchange_s, max(free))
 
 
 def closed_form_s(slowest: float, p: int, v: int, m: int) -> float:

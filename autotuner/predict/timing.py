@@ -1,75 +1,17 @@
 """Time per micro-batch of each pipeline stage, and the step time, from the ops' times.
 
-Each op's time at the layout's point, measured, scaled or modelled and said which, comes from
-autotuner.predict.op_time; which of an op's visits take its warm row and which its flushed one, from
-autotuner.predict.caches.
-
-**A stage's time per micro-batch**: the stage's layers (L/pp, or Megatron's uneven split:
-``Layout.stage_layers``) x the layer's forward and backward, plus the
-embedding on the first stage and the final norm + output layer on the last; recompute adds the forward it
-re-runs inside the backward (full: every layer's forward; selective: core attention's forward, as
-Megatron's ``recompute_granularity=selective``). With pp > 1 the stages exchange one micro-batch's s*b*h
-activations (forward) or their gradients (backward): Megatron's 1F1B batches a stage's send and receive
-into one call, one transfer's time (``pp_p2p``, *modelled* from the link calibration's ``send_recv``,
-that exchange timed between two processes), which the schedule charges where it happens (below), not
-inside a stage's time. With vpp model chunks per rank each chunk is a box of the schedule with its own
-time (:func:`chunk_times`): its layers, and the embedding in the model's first chunk, the final norm and
-the output layer in its last, as Megatron builds them (pre_process, post_process); the host work below
-is paid per chunk, each running its own forward and backward step.
-
-The op rows time a backward that hands its weight gradients back fresh; a training step adds each micro-
-batch's into the gradient it keeps across them (torch's AccumulateGrad into ``.grad``; Megatron's DDP
-into ``main_grad``): per micro-batch one pass over the stage's parameters, reading the new gradient and
-the kept fp32 one and writing it back (``grad_accumulation``): the calibration's timed rate for the
-model's dtype (``grad_accumulation_seconds_per_parameter``) x the stage's parameters, else those bytes
-over the calibrated memory bandwidth, which undercounts a bf16 gradient's add (on an H200 it ran at 0.64x
-the copy rate, and a Llama-2-7B layer's backward inside a real step was its row + that add's time).
-Megatron's ``gradient_accumulation_fusion`` (its fused weight-gradient GEMM on GPUs) accumulates inside
-the GEMM: then this is zero.
-
-**Host work outside the ops.** A training step also spends time outside every op: Megatron's schedule (each
-micro-batch's forward and backward steps, the loss function, autograd's start) and GPTModel's own work (the
-rotary table, the block's own work around each layer). On a CPU, where the host is the device, each stage's
-forward and backward per micro-batch add it (``host_work``, *scaled*): the calibration's timed part for a
-stage (for each of its model chunks) plus its part per layer x the stage's layers
-(``host_work_seconds_per_microbatch``, autotuner.calibrate.host_work, timed on a minimal GPTModel at two
-depths). That work's own data (the interpreter's, the allocator's, autograd's) lives in the last-level cache,
-which a large model's ops sweep out between its visits, and then comes back from memory: where a micro-batch's
-ops on the stage touch more bytes than the shared cache holds (autotuner.predict.caches.host_work_cached, from
-the same sweep as the ops' warm or flushed rows; on a CPU the layout's processes all sweep one host's cache,
-so their bytes add), the host work is the calibration's timed with the cache flushed inside every layer
-(``host_work_seconds_per_microbatch_flushed``). On this project's VM the llama-shaped model's steps (four
-layers, s128, one process) spent 0.37 ms forward and 0.73 backward a micro-batch outside their ops, the
-minimal model at four layers, as one calibration timed it, 0.17 / 0.26 warm and 0.39 / 0.70 flushed; its PP2
-stages (two processes, each a stage of about 26 MB) 0.28-0.30 forward, the flushed figure at two layers 0.26.
-On a GPU the host queues the kernels ahead of the device, which hides this behind them as long
-as the kernels outlast it: not added.
-
-**The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
-placed in the order Megatron-Core's 1F1B schedule (interleaved with vpp) runs them, each taking its own
-stage's time (/vpp per model chunk), each waiting for its input from the neighbour stage, and every
-exchange charged to both ends (interleaved on GPUs: to the receiving box, the exchanges overlapped with
-compute as Megatron-LM runs that schedule); the pipeline time is where the last box ends. For equal
-stages and free exchanges that is Narayanan et al. 2021's (m + p - 1) x (t_f + t_b), m * (t_f + t_b) * (1
-+ (p-1)/(v*m)) interleaved (section 2.2; printed beside it), which paces every stage at the slowest one.
-Then the data-parallel gradient reduction after the backward (all-reduce of the stage's dense gradients over
-dp and of its routed experts' over the tp*dp/ep ranks holding the same experts; with the distributed optimizer
-reduce-scatter of the gradients + all-gather of the parameters) and the Adam step (bytes read and written per
-parameter over the calibrated memory bandwidth), or, where the calibration timed it, the Adam step's measured
-time per parameter (``adam_seconds_per_parameter``; for a layout of several CPU processes, which share one
-memory, the rate timed with all of them at it) x the stage's parameters, plus its measured time per tensor
-(``adam_seconds_per_tensor``: on a CPU torch's Adam loops over the tensors) x the tensors it steps (the
-stage's parameter tensors, ``ModelShape.stage_tensors``; with the distributed optimizer each flat buffer's
-share, as autotuner.predict.steps runs it), plus its measured cost for each parameter whose gradient and
-moments are zero (``adam_seconds_per_zero_state_parameter``) x the first stage's embedding parameters in rows
-no token of the global batch touches (``ModelShape.untouched_embedding_params``: tokens drawn uniformly, as
-the validation's steps draw them, one global batch every step; over a real run's varied text they dwindle to
-the vocabulary's unused entries), plus, where a CPU calibration timed it inside real steps, what a step's Adam
-takes there beyond those back-to-back rates, once a step (``adam_seconds_per_step_in_training``:
-autotuner.calibrate.adam_in_step), plus zeroing the gradients for the next step (4 B per parameter at the
-calibration's zeroing rate, ``zeroing_bandwidth``)
-and with bf16/fp16 the copy of the fp32 main parameters into the model's dtype; the step waits for the slowest
-stage's. Nothing is assumed to overlap: the step time is an upper bound, and the table says so.
+Each op's time at the layout's point comes from autotuner.predict.op_time (measured, scaled or modelled,
+and said which); which visits take an op's warm row and which its flushed one from
+autotuner.predict.caches. A stage's time per micro-batch is its layers' forward and backward, the
+embedding on the first stage and the final norm and output layer on the last, recompute's re-run
+forwards, each micro-batch's gradient accumulation into the kept fp32 gradients (``grad_accumulation``,
+zero with ``gradient_accumulation_fusion``) and, on a CPU only, the calibrated host work outside the ops
+(:func:`host_work`; on a GPU the host queues kernels ahead of the device and it is hidden). With vpp
+each model chunk is its own box (:func:`chunk_times`). The step is the simulated pipeline
+(autotuner.predict.schedule), the data-parallel reduction and the optimizer step
+(:func:`optimizer_step`), the slowest stage's; communication terms say what of them is exposed
+(autotuner.predict.communication). Nothing else is assumed to overlap: the step time is an upper bound.
+Every term's equation and where its figures come from: docs/predict.md, "Step time".
 """
 
 from __future__ import annotations
@@ -159,20 +101,6 @@ class StageTime:
     @property
     def total(self) -> float:
         return self.forward + self.backward
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage": self.index,
-            "layers": self.layers,
-            "forward_s": self.forward,
-            "backward_s": self.backward,
-            "dominant_op": self.dominant,
-            "chunks": [{"forward_s": f, "backward_s": b} for f, b in self.chunks],
-            "items": [
-                {"name": n, "phase": p, "count": c, **t.to_json(), "total_s": t.seconds * c}
-                for n, p, t, c in self.items
-            ],
-        }
 
 
 def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
@@ -499,8 +427,12 @@ def step_time(
     if lay.overlap_grad_reduce and lay.dp > 1:
         dp_s, dp_src, term = _overlapped_reduction(tm, stages, sched, stage_params[largest], dp_src)
         terms.append(term)
-    # Adam: the next step waits for the slowest stage's
-    untouched = tm.model.untouched_embedding_params(lay.tp, lay.global_batch_size * lay.seq_len)
+    # Adam: the next step waits for the slowest stage's; its zero-moment rows step faster on a CPU only (a
+    # GPU's Adam is bound by the bytes it moves, whatever their values)
+    cpu = tm.meas.devices == {"cpu"}
+    untouched = (
+        tm.model.untouched_embedding_params(lay.tp, lay.global_batch_size * lay.seq_len) if cpu else 0.0
+    )
     optimizer, opt_src = max(
         (
             optimizer_step(
@@ -675,13 +607,13 @@ def optimizer_step(
         )
     elif per_tensor > 0:
         # what Adam loops over: each parameter tensor, or with the distributed optimizer each flat
-        # buffer's share (dense, routed experts), as autotuner.predict.steps steps them
+        # buffer's share (dense, routed experts), as autotuner.validate.steps steps them
         stepped = (1 + (expert_params > 0)) if lay.distributed_optimizer else tensors
         adam += stepped * per_tensor
         what = "flat buffer shares" if lay.distributed_optimizer else "parameter tensors"
         detail += f"; + {per_tensor * 1e6:.3g} us per tensor x {stepped} {what}"
-    per_zero = tm.calibration.get(ADAM_ZERO_STATE)
-    if per_zero and zero_state:
+    per_zero = tm.calibration.get(ADAM_ZERO_STATE) if zero_state else None
+    if per_zero:
         # with the distributed optimizer the rank whose share holds the table's rows steps them all
         zeros = min(zero_state, per_rank)
         adam += zeros * per_zero

@@ -1,6 +1,8 @@
 """The page of one prediction (``prediction.html``): the pipeline schedule, the memory of each stage, and
 the predicted against the measured steps, made from ``prediction.json`` alone (plain data: the results
-side never imports the predictor, so a page can be remade wherever the file is).
+side never imports the predictor, so a page can be remade wherever the file is). The file is the
+Prediction's fields as ``dataclasses.asdict`` writes them (autotuner.results.prediction_record) and,
+under ``derived``, what follows from them (the step's total, each stage's memory total, the warnings).
 
 Its figures (the schedule's timeline, each stage's memory, the predicted against the measured steps) are
 drawn by autotuner.report.prediction_figures; here the tables beside them and the page.
@@ -33,6 +35,7 @@ from autotuner.report.prediction_figures import (
 from autotuner.report.style import DPI
 from autotuner.report.tables import cell, table
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.prediction_record import check_schema
 from autotuner.results.units import human_bytes, human_time
 
 PAGE_NAME = "prediction.html"
@@ -49,6 +52,7 @@ def load_prediction(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(record, dict) or not {"layout", "stages", "step", "memory"} <= set(record):
         raise UserError(f"{path} is not a prediction (no layout/stages/step/memory): give a prediction.json")
+    check_schema(record, str(path))
     return record
 
 
@@ -76,7 +80,8 @@ def _count(n: int, one: str, many: str) -> str:
 
 
 def describe_layout(layout: Mapping[str, Any]) -> str:
-    """The layout in one line, from its JSON (``Layout.to_json``), as the predictor prints it: its
+    """The layout in one line, from its JSON (``Layout.to_json``: its fields, ``gpus`` and
+    ``microbatches``), as the predictor prints it: its
     ``Layout.describe`` calls this (the results side imports no predictor, the predictor may import it)."""
     flag = lambda key: str(bool(layout.get(key))).lower()  # noqa: E731
     split = "".join(
@@ -108,30 +113,30 @@ def describe_layout(layout: Mapping[str, Any]) -> str:
 
 def _step_table(record: Mapping[str, Any]) -> str:
     """The step's parts: compute of the slowest stage, bubble, DP reduction, optimizer, total."""
-    step, layout = record["step"], record["layout"]
+    step, derived = record["step"], record["derived"]
     slow = record["stages"][int(step["slowest_stage"])]
-    compute = int(layout["microbatches"]) * (slow["forward_s"] + slow["backward_s"])
-    total = float(step["total_s"])
-    slow_kinds = _kinds([i["source"] for i in slow["items"]])
+    compute = int(derived["microbatches"]) * (slow["forward"] + slow["backward"])
+    total = float(derived["step_s"])
+    slow_kinds = _kinds(_item_sources(slow))
     parts = [
         ("pipeline compute", compute, slow_kinds, f"m x (t_f + t_b) of stage {step['slowest_stage']}"),
         (
             "pipeline bubble and exchanges",
-            step["pipeline_s"] - compute,
+            step["pipeline"] - compute,
             "modelled",
             f"{step['formula']}, less the compute",
         ),
         (
             "DP gradient reduction",
-            step["dp_reduction"]["value"],
-            step["dp_reduction"]["source"]["kind"],
-            step["dp_reduction"]["source"]["detail"],
+            step["dp_reduction"],
+            step["dp_source"]["kind"],
+            step["dp_source"]["detail"],
         ),
         (
             "optimizer step",
-            step["optimizer"]["value"],
-            step["optimizer"]["source"]["kind"],
-            step["optimizer"]["source"]["detail"],
+            step["optimizer"],
+            step["optimizer_source"]["kind"],
+            step["optimizer_source"]["detail"],
         ),
     ]
     body = [
@@ -140,17 +145,23 @@ def _step_table(record: Mapping[str, Any]) -> str:
         for name, s, kind, detail in parts
     ]
     body.append(
-        f"<tr>{cell('step')}{cell(_t(total), total, 'n')}{cell('100%')}{cell('')}{cell(step['overlap'])}</tr>"
+        f"<tr>{cell('step')}{cell(_t(total), total, 'n')}{cell('100%')}{cell('')}"
+        f"{cell(step['statement'])}</tr>"
     )
     return table(["part", "time", "share", "source", "how"], body)
 
 
+def _item_sources(stage: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The sources of a stage's items, each ``(name, phase, OpTime, count)``."""
+    return [time["source"] for _, _, time, _ in stage["items"]]
+
+
 def _stage_table(record: Mapping[str, Any]) -> str:
     body = [
-        f"<tr>{cell(st['stage'])}{cell(st['layers'], cls='n')}"
-        f"{cell(_t(st['forward_s']), st['forward_s'], 'n')}"
-        f"{cell(_t(st['backward_s']), st['backward_s'], 'n')}{cell(st['dominant_op'])}"
-        f"{cell(_kinds([i['source'] for i in st['items']]))}</tr>"
+        f"<tr>{cell(st['index'])}{cell(st['layers'], cls='n')}"
+        f"{cell(_t(st['forward']), st['forward'], 'n')}"
+        f"{cell(_t(st['backward']), st['backward'], 'n')}{cell(st['dominant'])}"
+        f"{cell(_kinds(_item_sources(st)))}</tr>"
         for st in record["stages"]
     ]
     return table(["stage", "layers", "forward/mb", "backward/mb", "dominant op", "sources"], body)
@@ -158,26 +169,23 @@ def _stage_table(record: Mapping[str, Any]) -> str:
 
 def _memory_table(record: Mapping[str, Any]) -> str:
     body = []
-    for m in record["memory"]:
+    for m, total in zip(record["memory"], record["derived"]["memory_total_bytes"], strict=True):
         terms = "".join(
             cell(f"{human_bytes(m[t]['value'])} [{m[t]['source']['kind']}]", m[t]["value"], "n")
-            if m.get(t)
-            else cell("-")  # a prediction made before the Adam step was a term
             for t in (*MEMORY_TERMS, STEP_TERM, "korthikanti_activations")
         )
-        body.append(
-            f"<tr>{cell(m['stage'])}{terms}{cell(human_bytes(m['total_bytes']), m['total_bytes'], 'n')}</tr>"
-        )
+        body.append(f"<tr>{cell(m['stage'])}{terms}{cell(human_bytes(total), total, 'n')}</tr>")
     report = record.get("megatron_report")
     if report:  # one line for what Megatron-LM's own report says of the first stage
         said = " ".join(
             f"{name.replace('_', ' ')} {human_bytes(report[name]['value'])}"
             for name in ("activations", "weights_and_optimizer")
         )
+        total = record["derived"]["megatron_report_total_bytes"]
         body.append(
             f"<tr>{cell('0: Megatron-LM report')}"
             f'<td colspan="{len(MEMORY_TERMS) + 2}">{escape(said)}</td>'
-            f"{cell(human_bytes(report['total_bytes']), report['total_bytes'], 'n')}</tr>"
+            f"{cell(human_bytes(total), total, 'n')}</tr>"
         )
     return table(["stage", *MEMORY_TERMS, "Adam step", "Korthikanti", "total/GPU"], body)
 
@@ -195,7 +203,7 @@ def _validation_table(v: Mapping[str, Any]) -> str:
             for name, p in validation_phases({"validation": v}).items()
             if p["measured"] > 0
         ),
-        # where inside the forward-backward (autotuner.predict.in_step): each hooked op per visit
+        # where inside the forward-backward (autotuner.validate.in_step): each hooked op per visit
         *(
             (
                 f"in the step, stage {i['stage']}: {i['what']} ({i['how']})",
@@ -224,10 +232,10 @@ def _validation_table(v: Mapping[str, Any]) -> str:
 
 def _sources(record: Mapping[str, Any]) -> str:
     lines = [
-        f"stage {st['stage']} {i['name']}.{i['phase']} x{i['count']}: {_t(i['seconds'])} "
-        f"[{i['source']['kind']}] {i['source']['detail']}"
+        f"stage {st['index']} {name}.{phase} x{count}: {_t(time['seconds'])} "
+        f"[{time['source']['kind']}] {time['source']['detail']}"
         for st in record["stages"]
-        for i in st["items"]
+        for name, phase, time, count in st["items"]
     ]
     exchange = record["step"].get("exchange")
     if exchange:
@@ -239,7 +247,6 @@ def _sources(record: Mapping[str, Any]) -> str:
         lines += [
             f"stage {m['stage']} {t}: [{m[t]['source']['kind']}] {m[t]['source']['detail']}"
             for t in (*MEMORY_TERMS, STEP_TERM)
-            if m.get(t)
         ]
     return (
         f"<details><summary>Every figure's source</summary><pre>{escape(chr(10).join(lines))}</pre></details>"
@@ -258,8 +265,8 @@ def _figure(name: str, title: str, figure: Figure | None, caption: str, source: 
 def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | None = None) -> str:
     from autotuner.report.page import CSS  # the run report's look
 
-    layout, step = record["layout"], record["step"]
-    case = record.get("model", {}).get("case") or "model"
+    layout, step, derived = record["layout"], record["step"], record["derived"]
+    case = record["model"]["case"] or "model"
     title = f"prediction: {case}, tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']}"
     sched = schedule(record)
     timeline_caption = (
@@ -275,20 +282,13 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         )
         + " and starts when its rank is free and its input has arrived; an exchange with a neighbour stage "
         "costs "
-        # a prediction.json without exchange_overlapped (an older file): interleaved means overlapped
-        + (
-            "the receiving box (overlapped with compute)"
-            if step.get("exchange_overlapped", sched.interleaved)
-            else "both ends"
-        )
-        + (f" {_t(step['exchange']['seconds'])} (pp_p2p)" if step.get("exchange") else "")
+        + ("the receiving box (overlapped with compute)" if step["exchange_overlapped"] else "both ends")
+        + (f" {_t(step['exchange']['seconds'])} (pp_p2p)" if step["exchange"] else "")
         + ". White gaps are the bubble: a stage waiting for its neighbour, and the exchanges. The pipeline "
         f"ends at {_t(sched.end)} ({step['formula']})."
     )
-    stage_sources = [i["source"] for st in record["stages"] for i in st["items"]]
-    memory_sources = [
-        m[t]["source"] for m in record["memory"] for t in (*MEMORY_TERMS, STEP_TERM) if m.get(t)
-    ]
+    stage_sources = [source for st in record["stages"] for source in _item_sources(st)]
+    memory_sources = [m[t]["source"] for m in record["memory"] for t in (*MEMORY_TERMS, STEP_TERM)]
     memory_caption = (
         "Each bar stacks one stage's GPU at its peak: weights, gradients (fp32 main grads), optimizer "
         "states, the activations of the micro-batches the stage holds under 1F1B, the logits on the "
@@ -304,12 +304,13 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         )
     )
     validation = record.get("validation")
-    mfu = record.get("mfu")
+    mfu = record["mfu"]
+    counted = {**layout, "gpus": derived["gpus"], "microbatches": derived["microbatches"]}
     summary = (
-        f"<p>{escape(describe_layout(layout))}</p>"
-        f"<p>Step {escape(_t(step['total_s']))} (upper bound: nothing overlaps), "
+        f"<p>{escape(describe_layout(counted))}</p>"
+        f"<p>Step {escape(_t(derived['step_s']))} (upper bound: nothing overlaps), "
         f"{record['tokens_per_s_per_gpu']['value']:.4g} tokens/s per GPU, "
-        + (f"MFU {mfu['value']:.1%}" if mfu else escape(record.get("mfu_note", "no MFU")))
+        + (f"MFU {mfu['value']:.1%}" if mfu else escape(record["mfu_note"] or "no MFU"))
         + "</p>"
     )
     parts = [
@@ -343,7 +344,7 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
             validation_figure(record),
             "Predicted step time and peak memory of the fullest GPU beside the real steps' (median, IQR bar)."
             if validation
-            else "No validation record: python -m autotuner.predict ... validate=true runs the "
+            else "No validation record: python -m autotuner.validate runs the "
             "real steps of this layout and adds one.",
             "predicted: this prediction; measured: the real training steps" if validation else "none",
         ),
@@ -355,9 +356,9 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         parts.append(
             "<h2>Not measured at this point: to measure</h2><pre>" + escape("\n".join(commands)) + "</pre>"
         )
-    if record.get("warnings"):
+    if derived["warnings"]:
         parts.append(
-            "<ul>" + "".join(f'<li class="warn">{escape(w)}</li>' for w in record["warnings"]) + "</ul>"
+            "<ul>" + "".join(f'<li class="warn">{escape(w)}</li>' for w in derived["warnings"]) + "</ul>"
         )
     parts += [_sources(record), "</body></html>"]
     return "\n".join(parts) + "\n"
@@ -389,7 +390,7 @@ def _measured_timeline_section(record: Mapping[str, Any]) -> str:
     )
     caption = (
         "The real step beside the schedule above: each box one op's visit as module hooks timed it inside "
-        "the step (autotuner.predict.in_step), in the step whose forward-backward was the median. White "
+        "the step (autotuner.validate.in_step), in the step whose forward-backward was the median. White "
         "between the boxes is outside every op: on a pipeline the waits for the neighbour stage and the "
         "transfers, under tensor parallelism the collectives outside the layers, and everywhere the "
         f"schedule's own work. Between the ops: {between}.{handovers}{replayed}"

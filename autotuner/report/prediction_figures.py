@@ -12,10 +12,10 @@ simulation replaces (Narayanan et al. 2021, section 2.2: every stage paced at th
 optimizer states, activations, logits, in flight) stacked to its total; beside each, Korthikanti et
 al.'s closed-form activation estimate from the same base, and the GPU's memory as a line when given.
 
-**Validation** (``validation_bars``): the ``validation`` record (``validate=true``) as predicted and
+**Validation** (``validation_bars``): the ``validation`` record (``autotuner-validate``) as predicted and
 measured bars for step time (with the measured IQR) and peak memory, and between them each phase of
 the step (``validation_phases``: forward-backward, gradient reduction, optimizer), where the error
-comes from; its table adds each op inside the step (autotuner.predict.in_step) beside its prediction.
+comes from; its table adds each op inside the step (autotuner.validate.in_step) beside its prediction.
 Below them the measured step op by op (``measured_timeline_figure``): each rank's op visits in the median
 step, on the schedule's time axis, with what lies between them.
 """
@@ -32,7 +32,6 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import EngFormatter, FuncFormatter, MultipleLocator
 
-from autotuner.errors import UserError
 from autotuner.report.style import new_figure
 from autotuner.results.units import BINARY_UNITS, human_bytes
 
@@ -40,6 +39,7 @@ MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "i
 # Adam's step allocates its own after the forward-backward's terms are freed (autotuner.predict.memory):
 # a bar beside those, on the resident states (the first three terms).
 STEP_TERM = "optimizer_step"
+BOX_KEY = ("stage", "phase", "microbatch", "chunk")  # a schedule box's key (autotuner.predict.schedule)
 TERM_COLOURS = {
     "weights": "#1f77b4",
     "gradients": "#ff7f0e",
@@ -71,14 +71,12 @@ class Schedule:
 def schedule(record: Mapping[str, Any]) -> Schedule:
     """The boxes of the prediction's pipeline schedule (module docstring)."""
     layout, step = record["layout"], record["step"]
-    placed = step.get("schedule")
-    if not placed:
-        raise UserError(
-            "this prediction.json has no schedule (an older autotuner wrote it): run python -m "
-            "autotuner.predict again for the page"
-        )
-    boxes = [dict(zip(placed["columns"], row, strict=True)) for row in placed["boxes"]]
-    return Schedule(boxes, float(step["pipeline_s"]), int(layout["vpp"]) > 1)
+    placed = step["schedule"]  # its placement order: (key, input, ...) per box, and each box's start and end
+    boxes = [
+        dict(zip(BOX_KEY, key, strict=True), start_s=start, end_s=end)
+        for (key, *_), start, end in zip(placed["placed"], placed["starts"], placed["ends"], strict=True)
+    ]
+    return Schedule(boxes, float(step["pipeline"]), int(layout["vpp"]) > 1)
 
 
 def timeline_figure(record: Mapping[str, Any]) -> Figure:
@@ -106,7 +104,7 @@ def timeline_figure(record: Mapping[str, Any]) -> Figure:
     ax.axvline(sched.pipeline_s, color="black", linestyle="--", linewidth=1)
     ax.set_xlim(0, max(sched.end, sched.pipeline_s) * 1.01 or 1.0)
     ax.set_ylim(-0.6, p - 0.4)
-    layers = {int(st["stage"]): st["layers"] for st in record.get("stages", [])}  # an uneven split shows
+    layers = {int(st["index"]): st["layers"] for st in record["stages"]}  # an uneven split shows
     ax.set_yticks(
         range(p),
         [
@@ -120,7 +118,7 @@ def timeline_figure(record: Mapping[str, Any]) -> Figure:
     ax.set_title(
         f"{'interleaved ' if sched.interleaved else ''}1F1B, p={p}"
         + (f" v={record['layout']['vpp']}" if sched.interleaved else "")
-        + f" m={record['layout']['microbatches']}: bubble and exchanges {bubble:.1%} of the slowest stage's"
+        + f" m={record['derived']['microbatches']}: bubble and exchanges {bubble:.1%} of the slowest stage's"
         + " compute",
         fontsize=10,
     )
@@ -154,13 +152,9 @@ def _phase_legend(ax: Any, third: Patch) -> None:
 class StageStack:
     stage: int
     terms: list[tuple[str, float]]  # MEMORY_TERMS, bottom to top
-    total: float  # the prediction's total_bytes
+    total: float  # the prediction's total (derived.memory_total_bytes)
     korthikanti: float
-    optimizer_step: float  # 0 in a prediction made before the term was
-
-
-def _value(stage: Mapping[str, Any], term: str) -> float:
-    return float((stage.get(term) or {}).get("value", 0.0))
+    optimizer_step: float
 
 
 def memory_stack(record: Mapping[str, Any]) -> list[StageStack]:
@@ -168,11 +162,11 @@ def memory_stack(record: Mapping[str, Any]) -> list[StageStack]:
         StageStack(
             int(m["stage"]),
             [(t, float(m[t]["value"])) for t in MEMORY_TERMS],
-            float(m["total_bytes"]),
+            float(total),
             float(m["korthikanti_activations"]["value"]),
-            _value(m, STEP_TERM),
+            float(m[STEP_TERM]["value"]),
         )
-        for m in record["memory"]
+        for m, total in zip(record["memory"], record["derived"]["memory_total_bytes"], strict=True)
     ]
 
 
@@ -325,7 +319,7 @@ def validation_figure(record: Mapping[str, Any]) -> Figure | None:
         ax.set_title(f"{what}: error {100 * error:+.1f}%", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.88, wspace=0.35)
-    figure.suptitle("Predicted against measured steps (validate=true)")
+    figure.suptitle("Predicted against measured steps (autotuner-validate)")
     return figure
 
 
@@ -359,7 +353,7 @@ def measured_timeline_figure(record: Mapping[str, Any]) -> Figure | None:
         start = r.get("start_s", 0.0)  # the rank's own start: ranks leave the barrier apart
         for x in (start, start + r["forward_backward_s"]):  # its forward-backward
             ax.plot([x, x], [y - 0.45, y + 0.45], color="black", linewidth=1)
-    pipeline = float(record["step"]["pipeline_s"])
+    pipeline = float(record["step"]["pipeline"])
     ax.axvline(pipeline, color="black", linestyle="--", linewidth=1)
     ax.set_xlim(0, max(pipeline, *(r.get("start_s", 0.0) + r["forward_backward_s"] for r in ranks)) * 1.01)
     ax.set_ylim(-0.6, n - 0.4)

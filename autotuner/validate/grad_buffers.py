@@ -1,4 +1,4 @@
-"""The gradients and the optimizer's parameters of the real steps (autotuner.predict.steps), kept as
+"""The gradients and the optimizer's parameters of the real steps (autotuner.validate.steps), kept as
 Megatron's DDP and its optimizers keep them.
 
 Flat buffers: each gradient is a view of one flat buffer (a bucket of Megatron's DDP), the dense

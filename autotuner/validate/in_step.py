@@ -1,39 +1,17 @@
 """The ops' times inside the real training step, by module hooks: where a step-time error sits.
 
-The predictor sums op rows, each timed alone; autotuner.predict.steps runs the whole step. When the two
-disagree, the step's own per-op times say which op or which cost between ops is missing. ``ModuleClock``
-hooks each model chunk of a rank (Megatron's GPTModel) while its training steps run:
-
-* a module's forward: from its forward pre-hook to its forward hook;
-* its backward: from the moment the gradient of its output arrives (a tensor hook on the output) to the
-  moment the gradient of its input is complete (a tensor hook on the input: autograd calls it once, after
-  every use of the input inside the module, the residual branch too, has added its part). What the
-  module's backward does to its parameters in between is inside: the weight gradients and, in a step,
-  their accumulation into the kept fp32 gradients (Megatron's DDP hook), which an op row does not hold;
-* the stage's forward per micro-batch: the chunk's forward, the loss included on the last stage.
-
-Each timed step's visits are kept too, as a timeline (:data:`Visit`: the key, the layer's number, start
-and end from the rank's mark at the step's start), so that the gaps between a rank's ops (waits for
-another rank, transfers, the schedule's own work) show beside the ops: the validation keeps one step's
-(autotuner.predict.steps) and the prediction page draws it. The ranks' timelines go on one time axis by
-the wall clock read at each rank's start mark (one clock for the processes of a machine; across
-machines as close as their clocks are kept): the ranks leave the barrier before a step up to
-milliseconds apart on this project's VM, and a timeline from each rank's own start put a stage's first
-forward before the forward of the stage that feeds it. Cut into the pipeline schedule's boxes
-(:func:`measured_boxes`), a step's timelines give the hand-overs a stage waited for (:func:`handovers`)
-and can be replayed through the predictor's schedule (:func:`replay`), which tests that model alone.
-
-The modules: the embedding (its input, token ids, has no gradient to mark its backward's end: that ends when
-its table's gradient has been accumulated, a parameter hook), every decoder layer (``transformer_layer``),
-the final norm, and the output layer with the loss after it, as the op row ``output_layer`` times them (its
-forward ends when GPTModel's ``compute_language_model_loss`` returns, its backward starts when the per-token
-loss's gradient arrives).
-A mark is ``time.perf_counter`` on a CPU and a recorded CUDA event on a GPU, so a GPU's span is device
-time between the two points of its stream, read after the step's synchronize; the host cost of a hook is
-a few microseconds, below the noise of the millisecond ops it times.
-
-Only a step without activation recompute is timed: a recomputed forward fires the forward hooks a second
-time inside the backward. A step with it records nothing (the validation says so).
+The predictor sums op rows, each timed alone; autotuner.validate.steps runs the whole step. Where the two
+disagree, the step's own per-op times say which op, or which cost between ops, is missing.
+``ModuleClock`` hooks the embedding, every decoder layer, the final norm and the output layer with its
+loss (as the op rows time them) of each model chunk: a forward from its pre-hook to its hook, a backward
+from its output's gradient arriving to its input's gradient being complete (the embedding's, whose input
+has none, to its table's gradient being accumulated), so the weight gradients' accumulation of a step is
+inside. A mark is ``time.perf_counter`` on a CPU and a recorded CUDA event on a GPU (device time, read
+after the step's synchronize). Each timed step's visits are kept as a timeline (:data:`Visit`), the ranks'
+on one axis by the wall clock at each rank's start mark (ranks leave the barrier apart), so the gaps
+between ops show; cut into the schedule's boxes (:func:`measured_boxes`) they give the hand-overs a stage
+waited for (:func:`handovers`) and replay through the predictor's schedule (:func:`replay`). A step with
+activation recompute records nothing: a recomputed forward would fire the forward hooks again.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A step's time is the slowest rank's (the step ends when the last stage finishes)
 is the median over the timed steps of that maximum, with its interquartile range; the data-parallel
 reduction and the optimizer step are read on the rank the others waited for (``_on_critical_rank``);
 the peak memory is the largest over the ranks. What is measured and how:
-autotuner.predict.steps.
+autotuner.validate.steps.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from autotuner.predict.in_step import Visit
 from autotuner.predict.layout import Layout
+from autotuner.validate.in_step import Visit
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,13 @@ class RankSteps:
     resident_bytes: int  # parameters, gradients, optimizer states when the metered step began
     step_peak_bytes: int  # the peak above that during the metered step
     # the ops' seconds per visit inside the timed steps, their fenced mean
-    # (autotuner.predict.in_step.IN_STEP_KEYS, those this rank has); empty with activation recompute
+    # (autotuner.validate.in_step.IN_STEP_KEYS, those this rank has); empty with activation recompute
     in_step_s: dict[str, float] = field(default_factory=dict)
-    # one timed step's op visits (autotuner.predict.in_step.Visit), the step StepMeasurement.timeline_step
+    # one timed step's op visits (autotuner.validate.in_step.Visit), the step StepMeasurement.timeline_step
     # names, the same on every rank; empty with activation recompute
     timeline: tuple[Visit, ...] = ()
     # when this rank's timeline starts, from the earliest rank's start (the wall clock at each rank's
-    # start mark: autotuner.predict.in_step); its visits are counted from that earliest start
+    # start mark: autotuner.validate.in_step); its visits are counted from that earliest start
     timeline_start_s: float = 0.0
     optimizer_tensors: int = 0  # the tensors this rank's Adam steps (0: a measurement from before it)
 
@@ -124,7 +124,7 @@ class StepMeasurement:
 
     def in_step(self, stage: int) -> dict[str, float]:
         """The ops' seconds per visit (fenced means) inside the timed steps on stage ``stage``: per
-        op, its slowest rank's (autotuner.predict.in_step); empty where nothing was timed."""
+        op, its slowest rank's (autotuner.validate.in_step); empty where nothing was timed."""
         found: dict[str, float] = {}
         for r in self.ranks:
             if r.pp_rank == stage:

@@ -1,64 +1,23 @@
-"""Real training steps, timed and metered: the measured side of ``autotuner.predict ... validate=true``.
+"""Real training steps, timed and metered: the measured side of ``autotuner-validate``.
 
 A prediction is only as good as its error on the thing it predicts, so this module runs that thing: the
-whole Megatron-Core ``GPTModel`` (embedding, the layers, final norm, output layer and loss) trained for a
-few steps in a given :class:`~autotuner.predict.layout.Layout`, and reports how long a step took and how
-much memory it held.
+whole Megatron-Core ``GPTModel`` trained for a few steps in a given :class:`~autotuner.predict.layout.Layout`,
+as Megatron's ``train_step`` runs one: its forward-backward schedule (no pipelining, 1F1B, or
+interleaved), the gradients reduced as ``finalize_model_grads`` does (all-reduce, or reduce-scatter with
+the distributed optimizer), ``torch.optim.Adam``, the gradients zeroed in their flat buffers, and with the
+distributed optimizer the parameters all-gathered. autotuner.validate.stage_trainer builds and runs each
+phase; this module times and meters them.
 
-What one step is (as Megatron's ``train_step`` does it, less what a layout here cannot have)::
-
-    forward_backward_func = megatron.core.pipeline_parallel.get_forward_backward_func()
-    forward_backward_func(...)        # this data-parallel rank's micro-batches: forward, loss, backward;
-                                      # PP=1: Megatron's no-pipelining schedule (gradients accumulate),
-                                      # PP>1: its 1F1B schedule, activations sent between stages (gloo here);
-                                      # vpp>1: its interleaved schedule over vpp model chunks per rank
-    reduce the gradients              # what Megatron's finalize_model_grads does, timed on its own:
-                                      # sequence-parallel ones over TP; with dp > 1 the dense buffer over
-                                      # the data-parallel group and the expert buffer over the expert-data-
-                                      # parallel group (tp*dp/ep ranks), one all-reduce each, after the
-                                      # backward (Megatron's DDP default: overlap_grad_reduce=False);
-                                      # with the distributed optimizer a reduce-scatter each instead
-    optimizer.step()                  # torch.optim.Adam over this rank's parameters (fp32 masters of a
-                                      # bf16/fp16 model's, copied back after), timed on its own
-    zero the gradients                # kept allocated in flat buffers, as Megatron's DDP keeps them; Megatron
-                                      # zeroes them at the next step's start, the same work, timed here
-                                      # with the optimizer, where the prediction counts it
-    all-gather the parameters         # distributed optimizer only: each rank stepped its shard; timed
-                                      # with the reductions (the data-parallel communication)
-
-Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU). ``warmup``
-steps first (the first allocates Adam's states; the gradient buffers exist from the start), then one
-metered step (below), then ``repeats`` timed steps. Every rank times every step; under torchrun the
-ranks meet at a barrier before each step, so a step's time is the slowest rank's (the step ends when the
-last stage finishes), and the reported step time is the median over the timed steps of that maximum,
-with its interquartile range.
-
-Peak memory: the memory in use when the metered step begins, counted by storage (parameters, their
-gradients, the optimizer's states: :func:`autotuner.measure.memory.weight_bytes`), plus the peak above
-that during the step from :func:`autotuner.measure.memory.peak_and_held_bytes` (on CPU the running sum
-of the allocator events ``torch.profiler`` records with ``profile_memory=True``; on a GPU the caching
-allocator's ``max_memory_allocated``): the forward-backward's peak, or what it left in use plus the
-optimizer step's peak, whichever is higher. The data-parallel collectives between them (the gradients'
-all-reduce or reduce-scatter, the distributed optimizer's all-gather) are not metered: NCCL does them in
-place in Megatron's buffers, which the prediction counts, while gloo, their CPU stand-in, copies a whole
-buffer into a temporary whose free the profiler can miss (memory module docstring; a DP=2
-distributed-optimizer step read 42.1 MB above its resident memory in 2 of 6 identical runs, 21.7 MB in
-the others). Collectives inside the forward-backward (TP, EP) stay in it. Process RSS is not used: it
-counts the allocator's caches and Python. The metered step is not timed (the profiler slows it). The
-peak of a run is the largest over its ranks.
-
-Inside the timed steps each op's time per visit is taken too, by module hooks (autotuner.predict.in_step:
-the layers, the final norm and output layer forward and backward, the embedding's and the stage's
-forward; each rank's fenced means, ``in_step_s``), for the validation to set beside the op rows it predicted
-from. Not with activation recompute.
-
-The model, its data, its gradients and optimizer, and each phase of a step are built and run by
-autotuner.predict.stage_trainer (``StageTrainer``; how a pipeline stage gets the single-process model's
-weights, how data parallelism splits the batch); this module times and meters them.
-
-Under torchrun (TP x PP x DP processes) call :func:`measure_steps` on every rank, or run
-``python -m autotuner.predict.steps`` (:func:`steps_command` builds that command, :func:`run_steps`
-runs it and reads the result): tp * pp * dp processes.
+Timing: ``time.perf_counter`` around each phase (after ``torch.cuda.synchronize`` on a GPU); ``warmup``
+steps, one metered step (not timed: the profiler slows it), then ``repeats`` timed steps. The ranks meet at
+a barrier before each step, a step's time is the slowest rank's, and the reported step time the median
+over the timed steps, with its IQR. Peak memory: what is resident when the metered step starts (by
+storage: :func:`autotuner.measure.memory.weight_bytes`) plus the allocator's peak above it during the
+step (:func:`autotuner.measure.memory.peak_and_held_bytes`), the largest over the ranks; the data-parallel
+collectives are not metered (NCCL works in place in Megatron's buffers; gloo's temporaries the profiler
+can miss), and process RSS is not used (it counts the allocator's caches). Inside the timed steps the ops
+are timed per visit too (autotuner.validate.in_step). Under torchrun call :func:`measure_steps` on every
+rank, or run ``python -m autotuner.validate.steps`` (:func:`steps_command`, :func:`run_steps`).
 """
 
 from __future__ import annotations
@@ -78,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError, say_error
-from autotuner.predict.in_step import IN_STEP_KEYS, Visit
 from autotuner.predict.layout import Layout
-from autotuner.predict.stage_trainer import OPTIMIZER, StageTrainer, flush_inside_layers
-from autotuner.predict.step_measurement import RankSteps, StepMeasurement
 from autotuner.results.atomic import atomic_write_text, check_writable
+from autotuner.validate.in_step import IN_STEP_KEYS, Visit
+from autotuner.validate.stage_trainer import OPTIMIZER, StageTrainer, flush_inside_layers
+from autotuner.validate.step_measurement import RankSteps, StepMeasurement
 
 
 def steps_command(
@@ -99,7 +58,7 @@ def steps_command(
     one."""
     args = [
         "-m",
-        "autotuner.predict.steps",
+        "autotuner.validate.steps",
         f"out={out}",
         f"case={case}",
         f"repeats={repeats}",
@@ -135,7 +94,7 @@ def measure_steps(
     """Train the case's whole model in ``layout`` for ``warmup`` + 1 + ``repeats`` steps and measure them
     (module docstring). Under torchrun every rank calls this and gets the same result (all ranks' data).
     ``overrides``: the project's config overrides (``hf.``, ``tf.``, ``device=``, ``seed=``...);
-    ``flush_in_layers``: autotuner.predict.stage_trainer.flush_inside_layers (the calibration's
+    ``flush_in_layers``: autotuner.validate.stage_trainer.flush_inside_layers (the calibration's
     flushed host work)."""
     import torch
     import torch.distributed as dist
@@ -305,7 +264,7 @@ def _gather_timelines(
     ranks: tuple[RankSteps, ...], mine: tuple[Visit, ...], wall: float
 ) -> tuple[RankSteps, ...]:
     """Every rank's timeline on every rank, on one time axis: the wall clock at each rank's start mark
-    (``wall``) minus the earliest rank's shifts its visits (autotuner.predict.in_step). One float64
+    (``wall``) minus the earliest rank's shifts its visits (autotuner.validate.in_step). One float64
     all-gather: a first row with the wall clock, then each visit as four numbers (its key's index in
     IN_STEP_KEYS, the layer, start, end), padded with NaN to the longest rank's."""
     import torch
@@ -523,7 +482,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], Layout, list[str]]:
 
 
 USAGE = (
-    "usage: python -m autotuner.predict.steps layout.seq_len=N out=FILE.json [case=tiny] [layout.tp=N] "
+    "usage: python -m autotuner.validate.steps layout.seq_len=N out=FILE.json [case=tiny] [layout.tp=N] "
     "[layout.pp=N] [layout.vpp=N] [layout.dp=N] [layout.ep=N] [layout.micro_batch_size=N] "
     "[layout.global_batch_size=N] [layout.dtype=fp32|bf16] [repeats=5] [warmup=2] [lr=1e-3] [the "
     "profiler's config overrides: device=cpu hf.<field>=V tf.<field>=V ...] (under torchrun with "

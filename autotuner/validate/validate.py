@@ -1,7 +1,7 @@
-"""``validate=true``: a prediction against the real training steps it predicts.
+"""``autotuner-validate``: a prediction against the real training steps it predicts.
 
 The predictor (autotuner.predict.prediction) turns op rows into a step time and a peak memory per GPU;
-autotuner.predict.steps runs the real thing, the case's whole GPTModel (embedding, every layer, output
+autotuner.validate.steps runs the real thing, the case's whole GPTModel (embedding, every layer, output
 layer and loss) trained for a few steps in the layout, with Megatron-Core's own schedule (no-pipelining
 at PP=1, 1F1B at PP>1) and torch's Adam, timed and metered. Both sides are of the same model: the steps
 get the hf./tf. overrides the profiled run was made with (its ``.hydra/overrides.yaml``), so a run of a
@@ -32,7 +32,7 @@ from autotuner.errors import UserError
 from autotuner.predict.layout import Layout
 
 if TYPE_CHECKING:
-    from autotuner.predict.in_step import Visit
+    from autotuner.validate.in_step import Visit
 
 # Overrides the steps take from the layout, not from the profiled run (they set the parallel layout).
 _LAYOUT_OWNED = (
@@ -67,7 +67,7 @@ def model_overrides(run_dir: Path, num_layers: int | None = None) -> list[str]:
 
 @dataclass(frozen=True)
 class RankTimeline:
-    """One rank's op visits in one measured step (autotuner.predict.in_step.Visit, from the earliest
+    """One rank's op visits in one measured step (autotuner.validate.in_step.Visit, from the earliest
     rank's start) and that step's forward-backward on the rank, which began ``start_s`` after the
     earliest rank's: what is not inside an op is between them (waits for other ranks, transfers, the
     schedule's own work)."""
@@ -82,7 +82,7 @@ class RankTimeline:
 
     @property
     def between_ops_s(self) -> float:
-        from autotuner.predict.in_step import inside_ops_s
+        from autotuner.validate.in_step import inside_ops_s
 
         return self.forward_backward_s - inside_ops_s(self.visits)
 
@@ -114,15 +114,15 @@ class Validation:
     # medians of their own, so they need not add up to the step's median
     phases: tuple[tuple[str, float, float], ...] = ()
     # (stage, what, predicted s, measured s, how): the ops per visit against their times inside the
-    # measured step (autotuner.predict.in_step), where the error sits inside the forward-backward
+    # measured step (autotuner.validate.in_step), where the error sits inside the forward-backward
     in_step: tuple[tuple[int, str, float, float, str], ...] = ()
     # each rank's op visits in the measured step whose forward-backward was the median
     timeline: tuple[RankTimeline, ...] = ()
-    # a pipeline's hand-overs that a stage waited for, in that step (autotuner.predict.in_step.
+    # a pipeline's hand-overs that a stage waited for, in that step (autotuner.validate.in_step.
     # handovers: "forward" | "backward", seconds), and the predicted transfer per hand-over (pp_p2p)
     handovers: tuple[tuple[str, float], ...] = ()
     predicted_transfer_s: float | None = None
-    # that step replayed by the predictor's schedule (autotuner.predict.in_step.replay: the measured
+    # that step replayed by the predictor's schedule (autotuner.validate.in_step.replay: the measured
     # forwards and backwards, the median hand-over per exchange) and the span it replays, first op to last
     replayed_s: float | None = None
     measured_span_s: float | None = None
@@ -171,11 +171,11 @@ class Validation:
 def validate(
     prediction: Any, case: str, overrides: list[str], repeats: int = 5, steps_out: Path | None = None
 ) -> Validation:
-    """Run the steps of ``prediction``'s layout (autotuner.predict.steps.run_steps, fresh processes) and
+    """Run the steps of ``prediction``'s layout (autotuner.validate.steps.run_steps, fresh processes) and
     compare. ``overrides``: the profiled run's model overrides (:func:`model_overrides`). ``steps_out``:
     where the measured steps are kept (and, when they fail, the workers' output beside it); None keeps
     them nowhere."""
-    from autotuner.predict.steps import run_steps
+    from autotuner.validate.steps import run_steps
 
     layout = prediction.layout
     overlaps = [
@@ -183,8 +183,8 @@ def validate(
     ]
     if layout.cp > 1 or overlaps:
         raise UserError(
-            f"validate=true runs the layout's steps without context parallelism or Megatron's overlaps "
-            f"(cp={layout.cp}{''.join(f', {f}' for f in overlaps)}): predict without validate=true, or with "
+            f"autotuner-validate runs the layout's steps without context parallelism or Megatron's overlaps "
+            f"(cp={layout.cp}{''.join(f', {f}' for f in overlaps)}): use autotuner-predict, or validate with "
             "cp=1 and the overlaps off"
         )
     if steps_out is not None:
@@ -237,9 +237,9 @@ def validate(
 def pipeline_handovers(
     timeline: Sequence[RankTimeline], layout: Layout, layers: int
 ) -> list[tuple[str, float]]:
-    """The hand-overs a stage waited for (autotuner.predict.in_step.handovers) along each pipeline of
+    """The hand-overs a stage waited for (autotuner.validate.in_step.handovers) along each pipeline of
     ranks with the same tp and dp rank (``layers`` in the model); none off a pipeline."""
-    from autotuner.predict.in_step import handovers
+    from autotuner.validate.in_step import handovers
 
     if layout.pp == 1:
         return []
@@ -261,12 +261,12 @@ def pipeline_replay(
     handed: Sequence[tuple[str, float]],
     device_type: str,
 ) -> tuple[float, float] | None:
-    """The pipeline of tp and dp rank 0 replayed (autotuner.predict.in_step.replay; ``layers`` in the
+    """The pipeline of tp and dp rank 0 replayed (autotuner.validate.in_step.replay; ``layers`` in the
     model) with the median of the hand-overs measured, its exchanges charged as the predictor charges
     them on ``device_type``, and its span measured from the first op's start to the last op's end; None
     off a pipeline or without hand-overs."""
-    from autotuner.predict.in_step import replay
     from autotuner.predict.schedule import overlaps_exchanges
+    from autotuner.validate.in_step import replay
 
     ranks = sorted((r for r in timeline if r.tp_rank == r.dp_rank == 0), key=lambda r: r.pp_rank)
     if layout.pp == 1 or not handed or len(ranks) != layout.pp:
@@ -412,7 +412,7 @@ def _in_step_header(result: Validation) -> list[str]:
     if result.in_step:
         return [
             "    inside the steps, per visit: the fenced mean of the visits beside the rows' "
-            "(module hooks: autotuner.predict.in_step)"
+            "(module hooks: autotuner.validate.in_step)"
         ]
     if result.layout.recompute != "none":
         return ["    inside the steps: not timed (a recomputed forward would fire the module hooks twice)"]

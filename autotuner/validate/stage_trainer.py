@@ -1,7 +1,7 @@
 """One rank's share of a layout's real training steps, built as Megatron-Core builds it: the whole
 ``GPTModel`` of a case placed on this rank (its pipeline stage, its model chunks), the fixed batch, the
 gradient buffers and the optimizer, and each phase of a step as a method (:class:`StageTrainer`).
-autotuner.predict.steps times them (the measured side of ``autotuner.predict ... validate=true``);
+autotuner.validate.steps times them (the measured side of ``autotuner-validate``);
 ``benchmarks.row_in_step`` times the model's layers between them.
 
 Data parallelism: the global batch is ``dp`` times a rank's micro-batches; data-parallel rank r takes the
@@ -11,7 +11,7 @@ parallelism (``ep``): Megatron's MoE layer with its experts split over ``ep`` ra
 are marked ``allreduce=False``), the tokens exchanged by its dispatcher.
 
 The optimizer is ``torch.optim.Adam`` over gradients and parameters kept as Megatron's DDP, its mixed
-precision and its distributed optimizer keep them (autotuner.predict.grad_buffers).
+precision and its distributed optimizer keep them (autotuner.validate.grad_buffers).
 
 Weights: seeded as every run of the project is (autotuner.model.runtime.seed_everything with the
 config's ``seed``), built by autotuner.model.build.build_model. A pipeline stage holds exactly the
@@ -34,15 +34,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.predict.grad_buffers import (
+from autotuner.predict.layout import Layout
+from autotuner.validate.grad_buffers import (
     gather_params,
     grad_buffers,
     master_params,
     reduce_grads,
     sequence_parallel_grads,
 )
-from autotuner.predict.in_step import ModuleClock
-from autotuner.predict.layout import Layout
+from autotuner.validate.in_step import ModuleClock
 
 OPTIMIZER = "torch.optim.Adam"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -179,9 +179,9 @@ def _forward_step(data: Iterator[dict[str, Any]], model: Any) -> tuple[Any, Call
 class StageTrainer:
     """One rank's share of the layout's real training steps: the case's model built and placed as
     Megatron places it (its stage, its chunks), the fixed batch, the flat gradient buffers, the optimizer,
-    and each phase of a step as a method, in the order a step calls them (autotuner.predict.steps):
+    and each phase of a step as a method, in the order a step calls them (autotuner.validate.steps):
     :meth:`forward_backward`, :meth:`reduce`, :meth:`optimizer_step`, then with the distributed optimizer
-    :meth:`gather_params`. autotuner.predict.steps.measure_steps times them; ``benchmarks.row_in_step``
+    :meth:`gather_params`. autotuner.validate.steps.measure_steps times them; ``benchmarks.row_in_step``
     times the model's layers between them. Under torchrun every rank builds its own."""
 
     def __init__(
@@ -224,7 +224,7 @@ class StageTrainer:
         if parallel_state.get_pipeline_model_parallel_world_size() != layout.pp:
             raise UserError(
                 "Megatron's parallel state in this process was set up for another layout: "
-                f"measure pp={layout.pp} in a fresh process (python -m autotuner.predict.steps)"
+                f"measure pp={layout.pp} in a fresh process (python -m autotuner.validate.steps)"
             )
         self.chunks = chunks = _stage_model(spec, layout, device)
         # every chunk's parameters, for the gradients and the optimizer
@@ -309,7 +309,7 @@ class StageTrainer:
 
 def flush_inside_layers(chunks: list[Any], device: Any) -> None:
     """Evict the last-level cache inside every layer's forward and backward (hooks on its MLP, so inside
-    the span autotuner.predict.in_step times as the layer's): what runs between the ops, the host work,
+    the span autotuner.validate.in_step times as the layer's): what runs between the ops, the host work,
     then finds the caches as a model whose ops sweep more than the cache leaves them. The calibration's
     flushed host work (autotuner.calibrate.host_work) is timed so; the flushes add to the layers' times,
     which that calibration does not read."""
