@@ -404,6 +404,8 @@ def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     qk_head_dim + qk_pos_emb_head_dim wide and v heads v_head_dim."""
     from megatron.core.transformer.enums import AttnMaskType
 
+    from autotuner.model.sdpa_attention import attention_backend
+
     module = ctx.layer.self_attention.core_attention
     mask = ctx.causal_mask(point)
     q_shape, k_shape, v_shape = _qkv_shapes(ctx, point)
@@ -414,7 +416,8 @@ def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
             q, k, v, mask, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=None
         )
 
-    return OpCall(call, inputs, module)
+    backend = attention_backend(module, lambda: call(*inputs))
+    return OpCall(call, inputs, module, row_fields={"attention_backend": backend})
 
 
 @register_op("linear_proj", where="self_attention.linear_proj")

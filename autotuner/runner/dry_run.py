@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotuner.measure.flops import flop_counter
 from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
@@ -151,8 +152,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception) -> PhaseCost:
-    from torch.utils.flop_counter import FlopCounterMode
-
     base = {"op": op.name, "phase": phase, "point": point.label}
     if isinstance(call, Exception):  # the op could not be built (not in this layer spec, ...)
         return PhaseCost(
@@ -166,7 +165,7 @@ def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Except
         counted = _MetaPhase(phase, call, 0)
         if counted.prepare is not None:
             counted.prepare()
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:
             counted.run()
         flops = int(counter.get_total_flops())
     except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
