@@ -1,0 +1,134 @@
+"""attention=sdpa: torch's scaled_dot_product_attention in Megatron's core_attention slot, against
+Megatron-Core's own DotProductAttention, and as the tool measures it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tests.conftest import FAST
+
+
+def _pair(config, layer_number):
+    """Megatron's local DotProductAttention and the sdpa one, built alike from ``config``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from autotuner.model.sdpa_attention import sdpa_attention
+
+    args = (config, layer_number, AttnMaskType.causal, "self")
+    return DotProductAttention(*args), sdpa_attention(DotProductAttention)(*args)
+
+
+@pytest.mark.parametrize(
+    ("groups", "layer_scaling"),
+    [(4, False), (2, False), (1, True)],
+    ids=["mha", "gqa", "mqa_query_key_layer_scaling"],
+)
+def test_sdpa_equals_megatrons_dot_product_attention(tiny_session, tiny_spec, groups, layer_scaling):
+    """Outputs and the gradients of q, k and v equal in fp32, causal, with k and v of fewer heads (GQA,
+    which the local one repeats and sdpa does not) and with query-key layer scaling at layer 3 (the
+    local attention divides its scale by 3 and its softmax multiplies by 3 again)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = dataclasses.replace(
+        tiny_spec.tf_config,
+        num_query_groups=groups,
+        apply_query_key_layer_scaling=layer_scaling,
+        attention_dropout=0.0,
+    )
+    local, sdpa = _pair(config, layer_number=3)
+    assert sdpa.softmax_scale == pytest.approx(16**-0.5)
+    s, b, heads, d = 48, 2, config.num_attention_heads, config.kv_channels
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, b, n, d, generator=gen) for n in (heads, groups, groups)]
+    grad = torch.randn(s, b, heads * d, generator=gen)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True: masked
+    results = []
+    for module in (local, sdpa):
+        q, k, v = (t.clone().requires_grad_() for t in tensors)
+        out = module(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
+        out.backward(grad)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for got, want, name in zip(results[1], results[0], ("output", "dq", "dk", "dv"), strict=True):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_backend_is_the_operator_that_ran(tiny_session, tiny_spec):
+    """The probe names the kernel the dispatcher called: the one torch's own selection picks for these
+    inputs, and math where sdpa_kernel allows math only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from autotuner.model.sdpa_attention import sdpa_backend
+
+    _, sdpa = _pair(dataclasses.replace(tiny_spec.tf_config, attention_dropout=0.0), 1)
+    q, k, v = (torch.randn(32, 2, n, 16, requires_grad=True) for n in (4, 2, 2))
+    call = lambda: sdpa(q, k, v, None)  # noqa: E731
+    chosen = torch._fused_sdp_choice(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, scale=sdpa.softmax_scale, enable_gqa=True
+    )
+    names = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn"}
+    assert sdpa_backend(call) == names.get(SDPBackend(chosen).name, SDPBackend(chosen).name.lower())
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert sdpa_backend(call) == "math"
+
+
+def _rows(run_dir):
+    return {r["phase"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def core_attention_rows(tmp_path_factory):
+    """core_attention measured by get_data at s256_b1 with attention=local and attention=sdpa."""
+    from autotuner.main import run
+
+    rows = {}
+    for attention in ("local", "sdpa"):
+        run_dir = tmp_path_factory.mktemp(attention)
+        argv = ["case=tiny", "launcher=get_data", f"hydra.run.dir={run_dir}", "ops=[core_attention]"]
+        shapes = ["shapes.seq_len=[256]", "shapes.micro_batch_size=[1]", "report=false"]
+        assert run([*argv, f"attention={attention}", *shapes, *FAST]) == 0
+        rows[attention] = _rows(run_dir)
+        record = json.loads((run_dir / "environment.json").read_text())
+        assert record["attention"] == attention
+    return rows
+
+
+def test_sdpa_saves_no_scores_and_counts_the_attention_flops(core_attention_rows):
+    """The tool's own activation bytes: the local attention's hold the b x heads x s x s probabilities
+    (fp32), sdpa's hold none (its inputs, output and one log-sum-exp per query row). Forward FLOPs are
+    the same two matrix products; sdpa's backward recomputes the scores (five products, four locally)."""
+    local, sdpa = core_attention_rows["local"], core_attention_rows["sdpa"]
+    assert {r["attention_backend"] for r in local.values()} == {"local"}
+    assert {r["attention_backend"] for r in sdpa.values()} == {"flash"}  # torch's CPU flash kernel
+    b, heads, s, d = 1, 4, 256, 16
+    scores = b * heads * s * s * 4
+    assert local["forward"]["activation_bytes"] - sdpa["forward"]["activation_bytes"] >= scores
+    assert sdpa["forward"]["activation_bytes"] < scores / 4
+    product = 2 * b * heads * s * s * d  # one [s, d] x [d, s] product per head
+    assert local["forward"]["flops"] == sdpa["forward"]["flops"] == 2 * product
+    assert local["backward"]["flops"] == 4 * product
+    assert sdpa["backward"]["flops"] == 5 * product
+
+
+def test_auto_is_local_on_a_cpu(tiny_spec):
+    assert tiny_spec.attention == "local"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["attention=sdpa", "tf.window_size=[16,0]"], "attention=sdpa: window_size=(16, 0) (sliding-window"),
+        (["attention=sdpa", "tf.attention_softcap=50.0"], "attention=sdpa: attention_softcap=50.0"),
+        (["attention=te"], "attention=te needs Transformer-Engine's layer spec"),
+        (["attention=flash"], "attention='flash' is not one of auto, local, sdpa, te"),
+    ],
+)
+def test_what_sdpa_cannot_express_is_refused_in_one_line(overrides, message, capsys, tmp_path):
+    from autotuner.main import run
+
+    assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autotuner: error:") and message in err[0], err
