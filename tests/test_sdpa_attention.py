@@ -56,6 +56,39 @@ def test_sdpa_equals_megatrons_dot_product_attention(tiny_session, tiny_spec, gr
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_sdpa_equals_the_local_mla_attention(tiny_session):
+    """Multi-Latent Attention's core attention (q and k 24 wide, v 16; a softmax scale passed in,
+    as MLA passes its own): sdpa equals the local one in fp32, forward and gradients, and on a CPU runs torch's math path
+    (its CPU flash kernel takes one head width for q, k and v)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from autotuner.config import compose_config
+    from autotuner.model.build import _local_mla_core_attention
+    from autotuner.model.sdpa_attention import sdpa_attention, sdpa_backend
+    from autotuner.runner.spec import resolve_spec
+
+    config = dataclasses.replace(
+        resolve_spec(compose_config(["case=tiny_mla", "device=cpu"])).tf_config, attention_dropout=0.0
+    )
+    local_class = _local_mla_core_attention()
+    kw = {"softmax_scale": 0.3, "k_channels": 24, "v_channels": 16}
+    args = (config, 1, AttnMaskType.causal, "self")
+    local, sdpa = local_class(*args, **kw), sdpa_attention(local_class)(*args, **kw)
+    s, b = 32, 2
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(s, b, 4, d, generator=gen) for d in (24, 24, 16)]
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    results = []
+    for module in (local, sdpa):
+        q, k, v = (t.clone().requires_grad_() for t in tensors)
+        out = module(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for got, want in zip(*reversed(results), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sdpa_backend(lambda: sdpa(*tensors, None)) == "math"
+
+
 def test_the_backend_is_the_operator_that_ran(tiny_session, tiny_spec):
     """The probe names the kernel the dispatcher called: the one torch's own selection picks for these
     inputs, and math where sdpa_kernel allows math only."""
