@@ -57,9 +57,9 @@ def test_sdpa_equals_megatrons_dot_product_attention(tiny_session, tiny_spec, gr
 
 
 def test_sdpa_equals_the_local_mla_attention(tiny_session):
-    """Multi-Latent Attention's core attention (q and k 24 wide, v 16; a softmax scale passed in,
-    as MLA passes its own): sdpa equals the local one in fp32, forward and gradients, and on a CPU runs torch's math path
-    (its CPU flash kernel takes one head width for q, k and v)."""
+    """Multi-Latent Attention's core attention (q and k 24 wide, v 16; a softmax scale passed in, as
+    MLA passes its own): sdpa equals the local one in fp32, forward and gradients, and on a CPU runs
+    torch's math path (its CPU flash kernel takes one head width for q, k and v)."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from autotuner.config import compose_config
