@@ -108,42 +108,63 @@ def test_the_backend_is_the_operator_that_ran(tiny_session, tiny_spec):
         assert sdpa_backend(call) == "math"
 
 
-def _rows(run_dir):
-    return {r["phase"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+def _measure(run_dir, *settings):
+    """get_data's core_attention rows at s256_b1 by phase, and the run's environment.json."""
+    from autotuner.main import run
+
+    argv = ["case=tiny", "launcher=get_data", f"hydra.run.dir={run_dir}", "ops=[core_attention]"]
+    shapes = ["shapes.seq_len=[256]", "shapes.micro_batch_size=[1]", "report=false"]
+    assert run([*argv, *shapes, *settings, *FAST]) == 0
+    rows = {r["phase"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+    return rows, json.loads((run_dir / "environment.json").read_text())
+
+
+B, HEADS, S, D = 1, 4, 256, 16  # the tiny case's attention at s256_b1
+PRODUCT = 2 * B * HEADS * S * S * D  # the FLOPs of one [s, d] x [d, s] product per head
+
+
+def _check_no_scores_and_flops(local, sdpa, element_bytes):
+    """sdpa's forward saved none of the b x heads x s x s probabilities the local one saved; its FLOPs
+    are the local's forward (two products) and a fused kernel's backward (five, the scores recomputed)."""
+    scores = B * HEADS * S * S * element_bytes
+    assert local["forward"]["activation_bytes"] - sdpa["forward"]["activation_bytes"] >= scores
+    assert sdpa["forward"]["activation_bytes"] < scores / 2
+    assert local["forward"]["flops"] == sdpa["forward"]["flops"] == 2 * PRODUCT
+    assert local["backward"]["flops"] == 4 * PRODUCT
+    assert sdpa["backward"]["flops"] == 5 * PRODUCT
 
 
 @pytest.fixture(scope="module")
 def core_attention_rows(tmp_path_factory):
-    """core_attention measured by get_data at s256_b1 with attention=local and attention=sdpa."""
-    from autotuner.main import run
-
+    """core_attention measured by get_data with attention=local and attention=sdpa (here: a CPU)."""
     rows = {}
     for attention in ("local", "sdpa"):
-        run_dir = tmp_path_factory.mktemp(attention)
-        argv = ["case=tiny", "launcher=get_data", f"hydra.run.dir={run_dir}", "ops=[core_attention]"]
-        shapes = ["shapes.seq_len=[256]", "shapes.micro_batch_size=[1]", "report=false"]
-        assert run([*argv, f"attention={attention}", *shapes, *FAST]) == 0
-        rows[attention] = _rows(run_dir)
-        record = json.loads((run_dir / "environment.json").read_text())
+        rows[attention], record = _measure(tmp_path_factory.mktemp(attention), f"attention={attention}")
         assert record["attention"] == attention
     return rows
 
 
 def test_sdpa_saves_no_scores_and_counts_the_attention_flops(core_attention_rows):
-    """The tool's own activation bytes: the local attention's hold the b x heads x s x s probabilities
-    (fp32), sdpa's hold none (its inputs, output and one log-sum-exp per query row). Forward FLOPs are
-    the same two matrix products; sdpa's backward recomputes the scores (five products, four locally)."""
+    """The tool's own activation bytes and FLOPs on a CPU, fp32: the local attention's saved bytes hold
+    the probabilities, sdpa's (its inputs, output and one log-sum-exp per query row) do not."""
     local, sdpa = core_attention_rows["local"], core_attention_rows["sdpa"]
     assert {r["attention_backend"] for r in local.values()} == {"local"}
     assert {r["attention_backend"] for r in sdpa.values()} == {"flash"}  # torch's CPU flash kernel
-    b, heads, s, d = 1, 4, 256, 16
-    scores = b * heads * s * s * 4
-    assert local["forward"]["activation_bytes"] - sdpa["forward"]["activation_bytes"] >= scores
-    assert sdpa["forward"]["activation_bytes"] < scores / 4
-    product = 2 * b * heads * s * s * d  # one [s, d] x [d, s] product per head
-    assert local["forward"]["flops"] == sdpa["forward"]["flops"] == 2 * product
-    assert local["backward"]["flops"] == 4 * product
-    assert sdpa["backward"]["flops"] == 5 * product
+    _check_no_scores_and_flops(local, sdpa, element_bytes=4)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_without_te_sdpa_is_the_default_and_runs_a_fused_kernel(tmp_path):
+    """On CUDA in bf16: attention=auto builds sdpa where Transformer-Engine does not import, sdpa runs
+    one of torch's fused kernels, and the figures hold as on the CPU."""
+    from autotuner.model.build import transformer_engine_available
+
+    auto, record = _measure(tmp_path / "auto", "device=cuda")
+    assert record["attention"] == ("te" if transformer_engine_available() else "sdpa")
+    local, _ = _measure(tmp_path / "local", "device=cuda", "attention=local")
+    sdpa, _ = _measure(tmp_path / "sdpa", "device=cuda", "attention=sdpa")
+    assert {r["attention_backend"] for r in sdpa.values()} <= {"flash", "efficient", "cudnn"}
+    _check_no_scores_and_flops(local, sdpa, element_bytes=2)
 
 
 def test_auto_is_local_on_a_cpu(tiny_spec):
