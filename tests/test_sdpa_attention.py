@@ -186,3 +186,13 @@ def test_what_sdpa_cannot_express_is_refused_in_one_line(overrides, message, cap
     assert run(["case=tiny", f"hydra.run.dir={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autotuner: error:") and message in err[0], err
+
+
+def test_a_mask_that_is_not_causal_is_refused_at_construction(tiny_session, tiny_spec):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from autotuner.model.sdpa_attention import sdpa_attention
+
+    with pytest.raises(ValueError, match="attention=sdpa: attn_mask_type=padding"):
+        sdpa_attention(DotProductAttention)(tiny_spec.tf_config, 1, AttnMaskType.padding, "self")

@@ -114,16 +114,11 @@ class _SdpaForward:
         self, config: Any, layer_number: int, attn_mask_type: Any, *args: Any, **kwargs: Any
     ) -> None:
         from megatron.core.transformer.enums import AttnMaskType
-        from megatron.core.transformer.utils import is_layer_window_attention
 
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)  # type: ignore[call-arg]
         refusal = sdpa_refusal(config)
         if refusal is None and attn_mask_type != AttnMaskType.causal:
             refusal = f"attn_mask_type={attn_mask_type.name}: sdpa here computes causal attention only"
-        if refusal is None and is_layer_window_attention(
-            config.window_size, config.window_attn_skip_freq, layer_number
-        ):
-            refusal = f"layer {layer_number} has a sliding window"
         if refusal is not None:
             raise ValueError(f"attention=sdpa: {refusal}")
         if config.apply_query_key_layer_scaling:  # the scores' scale, not the one before the softmax's coeff
