@@ -196,3 +196,13 @@ def test_a_mask_that_is_not_causal_is_refused_at_construction(tiny_session, tiny
 
     with pytest.raises(ValueError, match="attention=sdpa: attn_mask_type=padding"):
         sdpa_attention(DotProductAttention)(tiny_spec.tf_config, 1, AttnMaskType.padding, "self")
+
+
+def test_the_dry_run_says_it_previews_the_local_attention(capsys, tmp_path):
+    from autotuner.main import run
+
+    argv = ["case=tiny", "dry_run=true", "ops=[core_attention]", f"hydra.run.dir={tmp_path}"]
+    assert run([*argv, "attention=sdpa"]) == 0
+    assert "core_attention is previewed as the local attention, the run builds attention=sdpa" in (
+        capsys.readouterr().out
+    )

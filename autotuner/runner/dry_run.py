@@ -231,7 +231,17 @@ def preview(spec: RunSpec) -> Preview:
         parts=_describe_parts(parts) if model is not None else "none: no op of the model",
         costs=costs,
         routing=_describe_routing(spec.routing, routing) if moe else None,
-        notes=tuple(spec.notes),
+        notes=(*spec.notes, *_attention_note(spec)),
+    )
+
+
+def _attention_note(spec: RunSpec) -> tuple[str, ...]:
+    """The preview costs Megatron's local attention on meta tensors, whatever ``attention`` builds."""
+    if spec.attention == "local" or not any(op.name == "core_attention" for op in spec.ops):
+        return ()
+    return (
+        f"core_attention is previewed as the local attention, the run builds attention={spec.attention}: "
+        "a fused kernel's backward recomputes the scores, five matrix products where the preview counts four",
     )
 
 
