@@ -206,3 +206,15 @@ def test_the_dry_run_says_it_previews_the_local_attention(capsys, tmp_path):
     assert "core_attention is previewed as the local attention, the run builds attention=sdpa" in (
         capsys.readouterr().out
     )
+
+
+def test_the_ops_holding_the_attention_say_which_ran(tiny_session):
+    """self_attention, transformer_layer and transformer_block state the attention_backend their core
+    attention ran, as core_attention does (here the CPU's default, the local attention)."""
+    from autotuner.op_mapping import resolve_ops
+    from autotuner.ops_test.base import ShapePoint
+
+    _, ctx = tiny_session
+    point = ShapePoint(32, 2)
+    for op in resolve_ops(["core_attention", "self_attention", "transformer_layer", "transformer_block"]):
+        assert op.build(ctx, point).row_fields == {"attention_backend": "local"}, op.name

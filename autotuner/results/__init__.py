@@ -246,7 +246,8 @@ class Row:
         optional=True,
     )
     attention_backend: str | None = _column(
-        "core_attention: what computed it: local (Megatron-Core's DotProductAttention: the s x s scores "
+        "core_attention and the ops holding it (self_attention, transformer_layer, transformer_block): what "
+        "computed the attention: local (Megatron-Core's DotProductAttention: the s x s scores "
         "materialised, mask and softmax apart), te (Transformer-Engine's DotProductAttention, whose own "
         "choice is not recorded), or with attention=sdpa the backend of torch's "
         "scaled_dot_product_attention that ran, read from the aten operator it called: flash (on a CPU "
