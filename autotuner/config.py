@@ -205,6 +205,9 @@ class AutotunerConfig:
     ops: list[str] = field(default_factory=lambda: ["all"])
     device: str = "auto"
     dtype: str = "auto"
+    # core attention in the layer spec (autotuner.model.sdpa_attention): auto (Transformer-Engine's where
+    # its spec is used, sdpa on a GPU without it, local on a CPU), local, sdpa or te
+    attention: str = "auto"
     seed: int = 1234
     transformer_block_layers: int = 2
     timing: TimingConfig = field(default_factory=TimingConfig)

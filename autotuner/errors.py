@@ -87,7 +87,7 @@ class OneLineParser(argparse.ArgumentParser):
     input (argparse's own error prints the whole usage first)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        say_error(self.prog, f"{message} (see --help)")
         raise SystemExit(2)
 
 

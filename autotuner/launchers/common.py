@@ -231,6 +231,7 @@ def fingerprint(cfg: DictConfig, spec: Any) -> dict[str, Any]:
         device=spec.device.type,
         device_name=device_name(spec.device),
         transformer_engine_spec=spec.use_transformer_engine,
+        attention_built=spec.attention,
         world_size=spec.world,
     )
     for package in _VERSIONED:
@@ -463,6 +464,7 @@ def start_writer(
         "points": [p.label for p in spec.points],
         "ops": [op.name for op in spec.ops],
         "transformer_engine_spec": spec.use_transformer_engine,
+        "attention": spec.attention,  # the core attention built (attention=auto resolved)
         "routing": {"mode": spec.routing.mode, "zipf_s": spec.routing.zipf_s},  # moe.*: MoE ops' input
         "transformer_config": {
             k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))

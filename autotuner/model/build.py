@@ -33,6 +33,7 @@ from autotuner.model.layer_parts import (
     softcapped_attention,
 )
 from autotuner.model.runtime import DTYPES
+from autotuner.model.sdpa_attention import sdpa_attention
 
 
 def transformer_engine_available() -> bool:
@@ -346,10 +347,14 @@ def layer_spec(
     use_transformer_engine: bool,
     parts: ModelParts | None = None,
     moe: bool | None = None,
+    attention: str | None = None,
 ) -> Any:
     """The layer spec training uses: Transformer-Engine's on a GPU where it imports, else the local one;
-    an MoE layer's (``moe``; default: whether the model has experts) or a dense one's; with the family's
-    pieces the config asks for (autotuner.model.layer_parts); without the halves ``parts`` leaves out."""
+    an MoE layer's (``moe``; default: whether the model has experts) or a dense one's; with the core
+    attention ``attention`` names (autotuner.model.sdpa_attention: local, sdpa, or te on TE's spec; None:
+    the spec's own) and
+    the family's pieces the config asks for (autotuner.model.layer_parts); without the halves ``parts``
+    leaves out."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -371,8 +376,15 @@ def layer_spec(
             multi_latent_attention=mla,
             normalization=tf_config.normalization,
         )
-    if mla and not use_transformer_engine:
-        spec = _replace_in(spec, "self_attention", core_attention=_local_mla_core_attention())
+    attention = attention or ("te" if use_transformer_engine else "local")
+    if attention == "te" and not use_transformer_engine:
+        raise ValueError("attention=te needs Transformer-Engine's layer spec")
+    if attention != "te":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        local = _local_mla_core_attention() if mla else DotProductAttention
+        core = sdpa_attention(local) if attention == "sdpa" else local
+        spec = _replace_in(spec, "self_attention", core_attention=core)
     spec = _family_pieces(spec, tf_config)
     left_out: dict[str, Any] = {}
     if parts is not None and not parts.attention:
@@ -455,12 +467,14 @@ def build_model(
     parts: ModelParts,
     device: torch.device,
     use_transformer_engine: bool,
+    attention: str | None = None,
 ) -> Any:
-    """Build the GPTModel with only the requested parts, on ``device``, as training builds it; the ops'
-    ranges are added by autotuner.op_mapping.instrument_gpt (the model part knows nothing of ops)."""
+    """Build the GPTModel with only the requested parts, on ``device``, as training builds it, with the
+    core attention ``attention`` (:func:`layer_spec`); the ops' ranges are added by
+    autotuner.op_mapping.instrument_gpt (the model part knows nothing of ops)."""
     from megatron.core.models.gpt import GPTModel
 
-    config, spec = _decoder(tf_config, parts, use_transformer_engine)
+    config, spec = _decoder(tf_config, parts, use_transformer_engine, attention)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -495,7 +509,9 @@ def build_model(
     return model
 
 
-def _decoder(tf_config: Any, parts: ModelParts, use_transformer_engine: bool) -> tuple[Any, Any]:
+def _decoder(
+    tf_config: Any, parts: ModelParts, use_transformer_engine: bool, attention: str | None
+) -> tuple[Any, Any]:
     """The config and the layer (or block) spec of a model of ``parts.num_layers`` layers.
 
     A model whose layers are all alike gets one layer spec; one that mixes dense and MoE layers
@@ -512,7 +528,10 @@ def _decoder(tf_config: Any, parts: ModelParts, use_transformer_engine: bool) ->
     if isinstance(tf_config.window_attn_skip_freq, list):
         replace["window_attn_skip_freq"] = tf_config.window_attn_skip_freq[: parts.num_layers]
     config = dataclasses.replace(tf_config, **replace)
-    specs = {moe: layer_spec(config, use_transformer_engine, parts, moe=moe) for moe in set(pattern)}
+    specs = {
+        moe: layer_spec(config, use_transformer_engine, parts, moe=moe, attention=attention)
+        for moe in set(pattern)
+    }
     zero_centered = config.layernorm_zero_centered_gamma and not use_transformer_engine
     if len(specs) == 1 and not zero_centered:  # one spec: Megatron builds the stage's layers from it
         return config, specs[pattern[0]]

@@ -264,7 +264,10 @@ def self_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     attention = ctx.layer.self_attention
     mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
     return OpCall(
-        lambda h: attention(h, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), attention
+        lambda h: attention(h, attention_mask=mask, rotary_pos_emb=rotary),
+        (ctx.hidden(point),),
+        attention,
+        row_fields=attention_fields(ctx, point),
     )
 
 
@@ -404,6 +407,8 @@ def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
     qk_head_dim + qk_pos_emb_head_dim wide and v heads v_head_dim."""
     from megatron.core.transformer.enums import AttnMaskType
 
+    from autotuner.model.sdpa_attention import attention_backend
+
     module = ctx.layer.self_attention.core_attention
     mask = ctx.causal_mask(point)
     q_shape, k_shape, v_shape = _qkv_shapes(ctx, point)
@@ -414,7 +419,14 @@ def core_attention(ctx: OpContext, point: ShapePoint) -> OpCall:
             q, k, v, mask, attn_mask_type=AttnMaskType.causal, attention_bias=None, packed_seq_params=None
         )
 
-    return OpCall(call, inputs, module)
+    backend = attention_backend(module, lambda: call(*inputs))
+    return OpCall(call, inputs, module, row_fields={"attention_backend": backend})
+
+
+def attention_fields(ctx: OpContext, point: ShapePoint) -> dict[str, Any]:
+    """The ``attention_backend`` of an op that runs the layer's core attention at ``point`` (the
+    attention, the layer, the block, whose layers' attentions are alike): what core_attention ran there."""
+    return dict(core_attention(ctx, point).row_fields or {})
 
 
 @register_op("linear_proj", where="self_attention.linear_proj")

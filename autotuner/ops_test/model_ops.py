@@ -38,21 +38,31 @@ def embedding(ctx: OpContext, point: ShapePoint) -> OpCall:
 def transformer_block(ctx: OpContext, point: ShapePoint) -> OpCall:
     """A TransformerBlock of ``transformer_block_layers`` layers plus the final norm (as in the last
     pipeline stage)."""
+    from autotuner.ops_test.layer_ops import attention_fields  # registered after the ops here
+
     block = ctx.model.decoder
     mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
     return OpCall(
         lambda x: block(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary),
         (ctx.hidden(point),),
         block,
+        row_fields=attention_fields(ctx, point),
     )
 
 
 @register_op("transformer_layer", aliases=("TransformerLayer",), needs=LAYER, where="")
 def transformer_layer(ctx: OpContext, point: ShapePoint) -> OpCall:
     """One whole TransformerLayer: attention block and MLP block with their residuals."""
+    from autotuner.ops_test.layer_ops import attention_fields  # registered after the ops here
+
     layer = ctx.layer
     mask, rotary = ctx.causal_mask(point), ctx.rotary(point)
-    return OpCall(lambda x: layer(x, attention_mask=mask, rotary_pos_emb=rotary), (ctx.hidden(point),), layer)
+    return OpCall(
+        lambda x: layer(x, attention_mask=mask, rotary_pos_emb=rotary),
+        (ctx.hidden(point),),
+        layer,
+        row_fields=attention_fields(ctx, point),
+    )
 
 
 @register_op("final_layernorm", needs=HEAD, where="decoder.final_layernorm")

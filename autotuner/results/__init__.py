@@ -245,6 +245,18 @@ class Row:
         label="calls per step",
         optional=True,
     )
+    attention_backend: str | None = _column(
+        "core_attention and the ops holding it (self_attention, transformer_layer, transformer_block): what "
+        "computed the attention: local (Megatron-Core's DotProductAttention: the s x s scores "
+        "materialised, mask and softmax apart), te (Transformer-Engine's DotProductAttention, whose own "
+        "choice is not recorded), or with attention=sdpa the backend of torch's "
+        "scaled_dot_product_attention that ran, read from the aten operator it called: flash (on a CPU "
+        "torch's CPU flash kernel), efficient, cudnn, overrideable, or math where it called none of them "
+        "(autotuner.model.sdpa_attention)",
+        label="attention backend",
+        optional=True,
+        call=True,
+    )
     # The MoE ops' columns: what the op states about its call (OpCall.row_fields; autotuner.model.routing).
     routing: str | None = _column(
         "MoE ops: where the router output came from (moe.routing): learned (the model's seeded router), "

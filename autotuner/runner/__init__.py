@@ -42,6 +42,8 @@ class RunSpec:
     seed: int
     block_layers: int
     use_transformer_engine: bool = False
+    # the core attention built (autotuner.model.sdpa_attention.resolve: local, sdpa or te)
+    attention: str = "local"
     threads: int = 0
     phases: tuple[str, ...] = PHASES
     notes: list[str] = field(default_factory=list)

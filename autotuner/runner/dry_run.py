@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autotuner.errors import one_line
+from autotuner.measure.flops import flop_counter
 from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
 from autotuner.notices import Notices
@@ -148,8 +149,6 @@ def model_parameters(spec: RunSpec) -> tuple[int, int]:
 
 
 def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception) -> PhaseCost:
-    from torch.utils.flop_counter import FlopCounterMode
-
     base = {"op": op.name, "phase": phase, "point": point.label}
     if isinstance(call, Exception):  # the op could not be built (not in this layer spec, ...)
         return PhaseCost(
@@ -163,7 +162,7 @@ def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Except
         counted = _MetaPhase(phase, call, 0)
         if counted.prepare is not None:
             counted.prepare()
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:
             counted.run()
         flops = int(counter.get_total_flops())
     except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
@@ -229,7 +228,17 @@ def preview(spec: RunSpec) -> Preview:
         parts=_describe_parts(parts) if model is not None else "none: no op of the model",
         costs=costs,
         routing=_describe_routing(spec.routing, routing) if moe else None,
-        notes=tuple(spec.notes),
+        notes=(*spec.notes, *_attention_note(spec)),
+    )
+
+
+def _attention_note(spec: RunSpec) -> tuple[str, ...]:
+    """The preview costs Megatron's local attention on meta tensors, whatever ``attention`` builds."""
+    if spec.attention == "local" or not any(op.name == "core_attention" for op in spec.ops):
+        return ()
+    return (
+        f"core_attention is previewed as the local attention, the run builds attention={spec.attention}: "
+        "a fused kernel's backward recomputes the scores, five matrix products where the preview counts four",
     )
 
 

@@ -32,6 +32,7 @@ from autotuner.model.runtime import (
     resolve_device,
     resolve_dtype,
 )
+from autotuner.model.sdpa_attention import resolve as resolve_attention
 from autotuner.ops_test.base import BLOCK, OpCall, OpContext, OpTest, ShapePoint
 from autotuner.runner import RunSpec
 from autotuner.runner.shapes import generate_points, merge
@@ -191,6 +192,9 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             "use shorter sequences or raise hf.max_position_embeddings"
         )
     use_te = device.type == "cuda" and model_lib.transformer_engine_available()
+    attention, chose = resolve_attention(str(cfg.attention), device, use_te, tf_config)
+    if chose is not None:
+        notes.append(chose)
     spec = RunSpec(
         case=cfg.case,
         model_args=args,
@@ -202,6 +206,7 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         seed=int(cfg.seed),
         block_layers=block_layers,
         use_transformer_engine=use_te,
+        attention=attention,
         threads=int(timing.threads),
         notes=notes,
         rank=rank,
@@ -318,7 +323,12 @@ class _PartsPerOp:
         error = None
         try:
             model = build_model(
-                spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine
+                spec.model_args,
+                spec.tf_config,
+                parts,
+                spec.device,
+                spec.use_transformer_engine,
+                spec.attention,
             )
             instrument_gpt(model)
         except Exception as exc:  # noqa: BLE001 - this op's rows record it; the plan goes on
@@ -370,7 +380,9 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
     )
     too_large = None
     try:
-        model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
+        model = build_model(
+            spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine, spec.attention
+        )
         instrument_gpt(model)
         return model, _context(spec, model)
     except Exception as exc:

@@ -100,7 +100,7 @@ def _stage_model(spec: Any, layout: Layout, device: Any) -> list[Any]:
     args, config = spec.model_args, spec.tf_config
     whole = ModelParts(num_layers=config.num_layers, pre_process=True, post_process=True)
     seed_everything(spec.seed, device)
-    model = build_model(args, config, whole, device, spec.use_transformer_engine)
+    model = build_model(args, config, whole, device, spec.use_transformer_engine, spec.attention)
     if layout.pp == 1:
         return [model]
     vpp = layout.vpp if layout.vpp > 1 else None
@@ -127,7 +127,7 @@ def _stage_model(spec: Any, layout: Layout, device: Any) -> list[Any]:
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
         )
-        part = build_model(args, stage_config, stage, device, spec.use_transformer_engine)
+        part = build_model(args, stage_config, stage, device, spec.use_transformer_engine, spec.attention)
         offset = get_transformer_layer_offset(stage_config, vp_stage=vp_stage)
         with torch.no_grad():
             for name, param in part.named_parameters():
