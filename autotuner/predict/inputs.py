@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from autotuner.errors import UserError
 
@@ -285,6 +285,16 @@ def _fits(row: Mapping[str, Any], cold: bool | None, processes: int | None) -> t
     )
 
 
+class PointKey(NamedTuple):
+    """What the predictor looks a measured row up by: an op's phase at a shape point and TP size."""
+
+    op: str
+    phase: str
+    seq_len: int
+    micro_batch_size: int
+    tensor_parallel: int
+
+
 class Measurements:
     """The usable rows of one or more runs, indexed by (op, phase, seq_len, micro_batch_size, tp), in one
     dtype. Under torchrun the ``rank="max"`` row stands for an op whose ranks waited for each other inside it
@@ -341,7 +351,7 @@ class Measurements:
             if ep is not None and row.get("op") in EP_COMPOSITE_OPS | EP_LEAF_OPS:
                 if row_expert_parallel(row) != ep:
                     continue  # measured at another expert-parallel size: not this op's time here
-            key = (
+            key = PointKey(
                 str(row["op"]),
                 str(row["phase"]),
                 int(row["seq_len"]),
@@ -372,17 +382,15 @@ class Measurements:
             repeats[key] = [*held, dict(row)]
             self.seen_ops.add(key[0])
             self.devices.add(str(row.get("device")))
-        self.index: dict[tuple[str, str, int, int, int], dict[str, Any]] = {
-            key: repeated(rows) for key, rows in repeats.items()
-        }
+        self.index: dict[PointKey, dict[str, Any]] = {key: repeated(rows) for key, rows in repeats.items()}
 
     def exact(self, op: str, phase: str, s: int, b: int, tp: int) -> dict[str, Any] | None:
-        return self.index.get((op, phase, s, b, tp))
+        return self.index.get(PointKey(op, phase, s, b, tp))
 
     def nearest(self, op: str, phase: str, s: int, b: int, tp: int) -> dict[str, Any] | None:
         """The measured point closest to (s, b) at ``tp``: smallest |log s'/s| + |log b'/b|, ties to the
         larger point (a larger GEMM is nearer its sustained efficiency)."""
-        found = [r for (o, p, _, _, t), r in self.index.items() if (o, p, t) == (op, phase, tp)]
+        found = [r for k, r in self.index.items() if (k.op, k.phase, k.tensor_parallel) == (op, phase, tp)]
         if not found:
             return None
 
@@ -396,8 +404,8 @@ class Measurements:
         """The highest FLOP/s any GEMM row reached (a stand-in for the peak without a calibration)."""
         rates = [
             r["flops"] / (r["median_us"] * 1e-6)
-            for (op, *_), r in self.index.items()
-            if op in GEMM_OPS and r.get("flops") and r["median_us"] > 0
+            for key, r in self.index.items()
+            if key.op in GEMM_OPS and r.get("flops") and r["median_us"] > 0
         ]
         return max(rates) if rates else None
 

@@ -212,7 +212,9 @@ def _op_memory(meas: Measurements, layout: Layout, op: str, saved: float | None 
     underestimate there), else None."""
     s, b, tp = layout.seq_len, layout.micro_batch_size, layout.tp
     rows: dict[str, Mapping[str, Any]] = {}
-    measured = sorted({key[4] for key in meas.index if key[0] == op and tp % key[4] == 0}, reverse=True)
+    measured = sorted(
+        {k.tensor_parallel for k in meas.index if k.op == op and tp % k.tensor_parallel == 0}, reverse=True
+    )
     for basis in dict.fromkeys((tp, *measured)):
         rows = {}
         for phase in PHASES:

@@ -32,7 +32,14 @@ from autotuner.notices import Notices
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
 from autotuner.predict.cluster import Cluster
-from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu, row_expert_parallel
+from autotuner.predict.inputs import (
+    Measurements,
+    Missing,
+    ModelShape,
+    PointKey,
+    measured_on_cpu,
+    row_expert_parallel,
+)
 from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
 from autotuner.predict.memory import (
@@ -372,11 +379,13 @@ def deepest_that_fits(runs: Runs, layout: Layout, model: ModelShape, gpu_memory_
     return best
 
 
-def _at_point(rows: list[tuple[tuple, dict[str, Any]]], layout: Layout) -> list[tuple[tuple, dict[str, Any]]]:
+def _at_point(
+    rows: list[tuple[PointKey, dict[str, Any]]], layout: Layout
+) -> list[tuple[PointKey, dict[str, Any]]]:
     """The (index key, row) pairs at the layout's point where it has some, else all of them (the neighbours
     it scales from)."""
     point = (layout.seq_len, layout.micro_batch_size)
-    return [(key, r) for key, r in rows if key[2:4] == point] or rows
+    return [(key, r) for key, r in rows if (key.seq_len, key.micro_batch_size) == point] or rows
 
 
 def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
@@ -490,11 +499,11 @@ def _forward_order_note(warm: TimeModel | None, layout: Layout) -> list[str]:
     if warm is None:
         return []
     forwards = [
-        (key, r) for key, r in warm.meas.index.items() if key[1] == "forward" and r.get("device") == "cpu"
+        (key, r) for key, r in warm.meas.index.items() if key.phase == "forward" and r.get("device") == "cpu"
     ]
     back_to_back = sorted(
         {
-            key[0]
+            key.op
             for key, r in _at_point(forwards, layout)
             if not r.get("cache_flush") and not r.get("forward_after_backward")
         }
@@ -514,8 +523,8 @@ def timed_after_backward(warm: Measurements) -> frozenset[str]:
     ending with its own, runs as those rows ran (autotuner.predict.caches.warm_visits)."""
     forwards: dict[str, list[bool]] = {}
     for key, r in warm.index.items():
-        if key[1] == "forward":
-            forwards.setdefault(key[0], []).append(
+        if key.phase == "forward":
+            forwards.setdefault(key.op, []).append(
                 not r.get("cache_flush") and bool(r.get("forward_after_backward"))
             )
     return frozenset(op for op, after in forwards.items() if all(after))
@@ -787,7 +796,7 @@ def _rows_note(runs: Runs, meas: Measurements, used: set[str]) -> str:
     """Which rows the times stand on, in one line."""
     if not runs.dirs:
         return "none: every op's time is modelled from the calibration"
-    taken = {f"{op}.{phase}" for op, phase, *_ in meas.index} & used
+    taken = {f"{key.op}.{key.phase}" for key in meas.index} & used
     device = (runs.env.get("environment") or {}).get("device_name")
     where = ", ".join(sorted(meas.profiled_on)) + (f", {device}" if device else "")
     return (
