@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from autotuner import nsys_read
+from autotuner.launchers.nsys_protocol import parse_marker
 from autotuner.launchers.nsys_report import attribute_kernels, read_nvtx_ranges
 from autotuner.launchers.nsys_rows import read_sqlite, report_rows
-from autotuner.launchers.nsys_worker import parse_marker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "nsys-h200"

@@ -32,9 +32,9 @@ from autotuner.launchers import nsys_command as nsys_lookup
 from autotuner.launchers import nsys_process
 from autotuner.launchers.nsys_command import nsys_command
 from autotuner.launchers.nsys_process import NsysRun
+from autotuner.launchers.nsys_protocol import marker_name
 from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_ranges
 from autotuner.launchers.nsys_rows import Outcome, build_rows, measured_ranges, read_sqlite
-from autotuner.launchers.nsys_worker import marker_name
 from autotuner.main import run
 from autotuner.op_mapping import LAYER_SUB_OPS
 from autotuner.ops.naming import format_range, parse_range

@@ -510,7 +510,7 @@ WINDOWED = textwrap.dedent(
 
     import nvtx
 
-    from autotuner.launchers.nsys_worker import marker_name
+    from autotuner.launchers.nsys_protocol import marker_name
     from autotuner.ops.naming import format_range
 
     POINT = "s32_b2"

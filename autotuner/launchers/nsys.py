@@ -68,8 +68,8 @@ from autotuner.launchers.nsys_process import (
     profile,
     wait_turn,
 )
+from autotuner.launchers.nsys_protocol import worker_dir as worker_dir_of
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
-from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
 from autotuner.runner.plan import plan
 
 REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
