@@ -57,6 +57,14 @@ def test_tiny_run_has_every_op_phase_and_point(tiny_run: Path):
 
 
 @pytest.mark.slow
+def test_a_finished_run_leaves_no_empty_log_and_no_lock(tiny_run: Path):
+    # the lock is the kernel's and ends with the run; its file and a log nothing was written to are clutter
+    left = sorted(p.name for p in tiny_run.iterdir() if p.name.endswith(".lock"))
+    log = tiny_run / "main.log"
+    assert left == [] and (not log.exists() or log.stat().st_size > 0), (left, log.exists())
+
+
+@pytest.mark.slow
 def test_run_directory_records_how_to_reproduce(tiny_run: Path):
     record = json.loads((tiny_run / "environment.json").read_text())
     env = record["environment"]

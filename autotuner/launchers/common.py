@@ -78,7 +78,8 @@ def claim_run_dir(run_dir: Path) -> None:
     A lock is ``fcntl.flock`` on a hidden file per results stem (``.results.lock``; under torchrun each
     rank locks ``.results.rank<N>.lock`` and rank 0 also ``.results.lock``, the merged files it writes),
     held as long as this process lives: the kernel drops it when the process ends, killed or not, so a
-    crashed run never leaves a stale lock to clean up. A second run into the directory, which would
+    crashed run never leaves a live lock (at most its file, which the next claim takes; a run that ends
+    in-process removes it, :func:`release_run_dirs`). A second run into the directory, which would
     interleave its rows with the first one's and each rewrite the other's files, is refused instead.
     A lock counts only while its file is still the one at the path: a refused run removes the lock files
     it made (:func:`release_run_dirs`), and one that locked the removed file tries again.
@@ -156,11 +157,12 @@ def _holder_pid(fd: int) -> str:
 
 
 def release_run_dirs(refused: bool = False) -> None:
-    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process). A ``refused``
-    run also removes the lock files it made, so that it leaves the directory as it found it; it still
-    holds each one while removing it."""
+    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process) and remove its
+    file, so that a finished run leaves no lock behind. A ``refused`` run removes only the lock files it
+    made, so that it leaves the directory as it found it. Each file is removed while still held: a run
+    that opened it meanwhile finds it gone and locks the path's new file (:func:`claim_run_dir`)."""
     for path, fd in _HELD.items():
-        if refused and path in _CREATED:
+        if not refused or path in _CREATED:
             path.unlink(missing_ok=True)
         os.close(fd)
     _HELD.clear()
