@@ -141,6 +141,7 @@ from typing import Any
 
 import torch
 
+from autotuner.cli import setting
 from autotuner.measure.stats import fenced_mean
 
 PRECISION_RULES = ("ci", "iqr")
@@ -411,16 +412,22 @@ class SamplingPolicy:
     ``min_block_s``.
     """
 
-    warmup: int = 3
-    min_samples: int = 5
-    max_samples: int = 1000
-    budget_s: float = 1.0
-    target_rel_ci: float = 0.02
-    check_every: int = 5
-    min_block_s: float = 0.0002
-    precision_rule: str = "ci"
-    target_rel_iqr: float = 0.05
-    min_time_s: float = 0.0
+    warmup: int = setting(3, "untimed calls before the first sample", "N")
+    min_samples: int = setting(5, "the fewest samples a row keeps", "N")
+    max_samples: int = setting(1000, "sampling stops after this many samples", "N")
+    budget_s: float = setting(1.0, "sampling stops after this many seconds of it", "S")
+    target_rel_ci: float = setting(
+        0.02, "precision_rule=ci: stop once the median's 95% CI is narrower than this share of it", "X"
+    )
+    check_every: int = setting(5, "samples between two checks of the stop rules", "N")
+    min_block_s: float = setting(0.0002, "a forward sample is a block of back-to-back calls this long", "S")
+    precision_rule: str = setting("ci", "ci or iqr: which rule stops sampling on precision", "RULE")
+    target_rel_iqr: float = setting(
+        0.05, "precision_rule=iqr: stop once the IQR is under this share of the median", "X"
+    )
+    min_time_s: float = setting(
+        0.0, "the samples span at least this many seconds (the budget is then at least that)", "S"
+    )
 
 
 # A sample at least this long is followed by a stopping check of its own: the check (sorting at most
