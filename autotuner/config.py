@@ -186,13 +186,17 @@ class TorchProfilerLauncherConfig(LauncherConfig):
     active: int = setting(5, "steps recorded: the rows' statistics are over these (at least 1)", "N")
     record_shapes: bool = setting(True, "the detailed session records the operators' input shapes", "BOOL")
     profile_memory: bool = setting(True, "the detailed session records allocations", "BOOL")
-    with_stack: bool = setting(True, "the detailed session records Python stacks (the stack files)", "BOOL")
+    with_stack: bool = setting(
+        False,
+        "the detailed session records Python stacks, for the stack files (as large as the traces)",
+        "BOOL",
+    )
     with_flops: bool = setting(
         True, "the detailed session estimates FLOPs of matmuls and convolutions", "BOOL"
     )
     memory_snapshot: bool = setting(False, "GPU: a CUDA allocator snapshot per op and point", "BOOL")
     compress_over_bytes: int = setting(
-        20_000_000, "traces larger than this are written gzip-compressed, .json.gz (0: always)", "BYTES"
+        0, "traces larger than this are written gzip-compressed, .json.gz (0: every trace)", "BYTES"
     )
     output_dir: str = setting("profiles", "the traces' folder, relative to the run directory", "DIR")
     lean_timing: bool = setting(

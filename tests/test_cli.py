@@ -639,3 +639,27 @@ def _leaf_keys(cls: type, prefix: str) -> list[str]:
         elif default != "???" and field.name != "name":  # the launcher group's choice, and its name
             keys.append(f"{prefix}{field.name}")
     return keys
+
+
+@pytest.mark.slow
+def test_on_the_default_timing_a_row_warns_only_where_its_median_is_uncertain(tmp_path, capsys):
+    """get_data at its default timing settings: a warning marks a median whose confidence interval is over
+    10% of it (or cannot be given), or a drift over 25%, never a mere spread of the samples; the summary
+    names each kind once with what to do."""
+    ops = "ops=[rope,self_attn_bda,linear_fc2,final_layernorm]"
+    assert run(["case=tiny", ops, "progress=false", "report=false", f"hydra.run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    rows = load_rows(tmp_path / "results.jsonl")
+    for row in rows:
+        for warning in filter(None, row["warnings"].split(";")):
+            kind = warning.split("(")[0]
+            assert kind in ("imprecise", "few_samples", "drift"), row
+            if kind == "imprecise":
+                assert row["rel_ci"] > 0.10, row
+            if kind == "few_samples":
+                assert row["rel_ci"] is None and row["samples"] < 6, row
+        if row["rel_ci"] is not None and row["rel_ci"] <= 0.10:
+            assert "imprecise" not in row["warnings"] and "few_samples" not in row["warnings"], row
+    kinds = {w.split("(")[0] for row in rows for w in filter(None, row["warnings"].split(";"))}
+    for kind in kinds:
+        assert sum(line.startswith(f"  {kind}: ") for line in out.splitlines()) == 1, out
