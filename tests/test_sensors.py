@@ -245,10 +245,10 @@ def test_get_data_rows_record_the_span_timing_min_time_s_asks_for(tmp_path, caps
     assert len(errors) == 1 and "fix timing.*" in errors[0]
 
 
-def test_samples_under_a_millisecond_are_checked_every_check_every():
-    """Short samples are checked in blocks of check_every: at 5 samples the CI cannot exist yet, at 10
+def test_samples_under_a_millisecond_are_checked_in_blocks():
+    """Short samples are checked in blocks of CHECK_EVERY (5): at 5 samples the CI cannot exist yet, at 10
     it holds."""
-    policy = SamplingPolicy(warmup=0, min_samples=5, budget_s=10, target_rel_ci=0.05, check_every=5)
+    policy = SamplingPolicy(warmup=0, min_samples=5, budget_s=10, target_rel_ci=0.05)
     measurement, _ = _scripted([MS // 2] * 100, policy)
     assert measurement.stop_reason == "precision" and measurement.samples == 10
 

@@ -238,7 +238,7 @@ class DeviceTimer:
 
     def time_ns(self, run: Callable[[], Any], calls: int = 1) -> int:
         """Total time of ``calls`` back-to-back calls of ``run``. The last call's result is freed after the
-        end mark, not inside the window (module docstring: "Freeing what a call returns")."""
+        end mark, not inside the window (docs/measurement.md: "Freeing what a call returns")."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if self.hide_launch:
@@ -283,15 +283,15 @@ SPIN_CEILING_NS = 20_000_000
 
 @dataclass
 class SamplingPolicy:
-    """How to sample (see the module docstring for what each guards against).
+    """How to sample (docs/measurement.md says when to change each setting).
 
-    After ``warmup`` calls, samples come in blocks of ``check_every`` until the precision rule holds
+    After ``warmup`` calls, samples come in blocks of :data:`CHECK_EVERY` until the precision rule holds
     (``precision_rule="ci"``: the median's 95% confidence interval is narrower than ``target_rel_ci`` of it;
     ``"iqr"``: the IQR is under ``target_rel_iqr`` of the median), or ``budget_s`` seconds of sampling have
     passed, or ``max_samples`` were taken; never fewer than ``min_samples``, and neither on precision nor on
-    ``max_samples`` before ``min_time_s`` seconds of sampling (the budget is then at least that: the module
-    docstring, "A second is one draw of the machine"). A forward sample is a block of calls lasting at least
-    ``min_block_s``.
+    ``max_samples`` before ``min_time_s`` seconds of sampling (the budget is then at least that:
+    docs/measurement.md, "A second is one draw of the machine"). A forward sample is a block of calls
+    lasting at least ``min_block_s``.
     """
 
     warmup: int = setting(3, "untimed calls before the first sample", "N")
@@ -301,7 +301,6 @@ class SamplingPolicy:
     target_rel_ci: float = setting(
         0.02, "precision_rule=ci: stop once the median's 95% CI is narrower than this share of it", "X"
     )
-    check_every: int = setting(5, "samples between two checks of the stop rules", "N")
     min_block_s: float = setting(0.0002, "a forward sample is a block of back-to-back calls this long", "S")
     precision_rule: str = setting("ci", "ci or iqr: which rule stops sampling on precision", "RULE")
     target_rel_iqr: float = setting(
@@ -312,9 +311,11 @@ class SamplingPolicy:
     )
 
 
-# A sample at least this long is followed by a stopping check of its own: the check (sorting at most
-# max_samples numbers) costs microseconds, so waiting for a block of check_every samples would only
-# lengthen long ops' measurements.
+# Short samples are checked for a stop in blocks of CHECK_EVERY: each check sorts the samples (and under
+# torchrun is an all-reduce), which would otherwise cost a short op more than it runs. A sample at least
+# CHECK_EACH_SAMPLE_NS long is followed by a check of its own: the check costs microseconds, so waiting
+# for a block would only lengthen long ops' measurements.
+CHECK_EVERY = 5
 CHECK_EACH_SAMPLE_NS = 1_000_000
 
 
@@ -382,7 +383,7 @@ def sample(
             if check_each is None:
                 check_each = agree.max(block_ns)[0] >= CHECK_EACH_SAMPLE_NS
         n = measurement.samples
-        if not (check_each or n % policy.check_every == 0 or n == policy.max_samples):
+        if not (check_each or n % CHECK_EVERY == 0 or n == policy.max_samples):
             continue
         if n >= policy.min_samples:
             local_s = (timer.clock_ns() - started) * 1e-9

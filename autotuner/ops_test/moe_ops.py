@@ -77,7 +77,7 @@ _GROUPED: dict[type, type] = {}
 
 def _grouped_class(cls: type) -> type:
     """The subclass of a Megatron dispatcher class whose dispatch and combine each run whole, as one op
-    (see the module docstring); cached, one per class."""
+    (docs/model_families.md, "The MoE ops"); cached, one per class."""
     if getattr(cls, "autotuner_base", None) is not None:
         return cls
     if cls not in _GROUPED:
@@ -164,7 +164,8 @@ def _map_device(router: Any) -> torch.device:
 
 
 def _forced_forward(router: Any, routing: Routing, seed: int) -> Any:
-    """The router's forward, then its output replaced by the forced map (see the module docstring)."""
+    """The router's forward, then its output replaced by the forced map (docs/model_families.md, "The
+    MoE ops")."""
     from autotuner.model.routing import forced_probs
     from autotuner.ops.instrument import call_op
 

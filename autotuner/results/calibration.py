@@ -127,9 +127,9 @@ class _Preset(BaseModel):
 
 
 class CalibrationFile(BaseModel):
-    """The schema of a calibration file (module docstring). Strict: JSON types as autotuner.calibrate writes
-    them, nothing coerced. An optional figure, where present, must hold a number (null is not a figure);
-    other keys are kept as written and not read."""
+    """The schema of a calibration file (docs/measurement.md, "The calibration file"). Strict: JSON types
+    as autotuner.calibrate writes them, nothing coerced. An optional figure, where present, must hold a
+    number (null is not a figure); other keys are kept as written and not read."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
