@@ -11,16 +11,19 @@ holding ``=``, a command to run after it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
 import math
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from autotuner.errors import UserError, say_error
@@ -30,8 +33,42 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def setting(default: Any, meaning: str, metavar: str = "") -> Any:
-    """A settings dataclass field: its default, its meaning for ``--help`` (``metavar`` names its value)."""
-    return dataclasses.field(default=default, metadata={"meaning": meaning, "metavar": metavar})
+    """A settings dataclass field: its default, its meaning for ``--help`` (``metavar`` names its value).
+    A list or dict default is copied for each instance; a dataclass (a group of settings) is made."""
+    metadata = {"meaning": meaning, "metavar": metavar}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=metadata)
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def settings_help(settings: type, prefix: str = "") -> list[str]:
+    """Each setting of the dataclass ``settings`` (its groups' too, as ``group.key``): two lines, the
+    setting, then its meaning and default, wrapped to 110 columns."""
+    lines = []
+    for f in dataclasses.fields(settings):
+        value = _default(f)
+        if value == "???":  # OmegaConf's MISSING: a config group's choice (launcher=...), listed apart
+            continue
+        if dataclasses.is_dataclass(value):
+            lines += settings_help(type(value), f"{prefix}{f.name}.")
+            continue
+        meaning, metavar = f.metadata.get("meaning", ""), f.metadata.get("metavar") or "VALUE"
+        default = "" if "(default" in meaning or "required" in meaning else f" (default {_shown(value)})"
+        if isinstance(value, dict):  # a setting per key (hf.FIELD=VALUE): the default is in its meaning
+            lines.append(f"  {prefix}{f.name}.{metavar}=VALUE")
+            default = "" if "(default" in meaning else " (default: none set)"
+        else:
+            lines.append(f"  {prefix}{f.name}={metavar}")
+        lines += textwrap.wrap(f"{meaning}{default}", 110, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return lines
 
 
 @dataclass(frozen=True)
@@ -54,22 +91,31 @@ class Command:
         paths = f"{self.paths}{more}" if self.paths else ""
         paths = f"[{paths}] " if paths and self.least == 0 else f"{paths} " if paths else ""
         trailing = f" -- {self.trailing}" if self.trailing else ""
-        return f"usage: {self.name} {paths}[KEY=VALUE ...]{trailing}   (or: python -m {self.module})"
+        return f"usage: {invoked_as(self.name, self.module)} {paths}[KEY=VALUE ...]{trailing}"
 
     def help(self) -> str:
         """The command's help: usage, what it does, every setting with its meaning and default."""
-        lines = [self.usage(), "", self.summary, "", "settings (KEY=VALUE, as Hydra overrides are written):"]
-        for f in dataclasses.fields(self.settings):
-            meaning, metavar = f.metadata.get("meaning", ""), f.metadata.get("metavar") or "VALUE"
-            default = "" if f.default is None else f" (default {_shown(f.default)})"
-            lines.append(f"  {f.name}={metavar}")
-            lines.append(f"      {meaning}{default}")
+        lines = [self.usage(), "", *textwrap.wrap(self.summary, 110), ""]
+        lines.append("settings (KEY=VALUE, as Hydra overrides are written):")
+        lines += settings_help(self.settings)
         if self.epilog:
             lines += ["", self.epilog]
         return "\n".join(lines)
 
 
+def invoked_as(name: str, module: str) -> str:
+    """How the user started this command: ``python -m MODULE`` where Python ran that module's file as
+    ``sys.argv[0]``, else the console script ``name`` (its script, or a caller in this process)."""
+    parts = module.removesuffix(".__main__").split(".")
+    path = Path(sys.argv[0])
+    ran = [*path.parent.parts, path.stem] if path.suffix == ".py" else []
+    ran = ran[:-1] if ran[-1:] == ["__main__"] else ran
+    return f"python -m {'.'.join(parts)}" if ran[-len(parts) :] == parts else name
+
+
 def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):

@@ -9,7 +9,8 @@ or in ``case_dir`` (see autotuner.model.cases), loaded and validated by us.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+import textwrap
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -17,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from autotuner import shipped_folder
+from autotuner.cli import setting, settings_help
 from autotuner.errors import UserError
 from autotuner.measure.timer import SamplingPolicy
 
@@ -25,105 +27,108 @@ CONFIG_DIR = shipped_folder("configs")  # the repository's configs/, carried by 
 
 @dataclass
 class Pow2Dim:
-    min_power: int | None = None
-    max_power: int | None = None
+    min_power: int | None = setting(None, "with generator=pow2: the smallest size is 2**min_power", "N")
+    max_power: int | None = setting(None, "with generator=pow2: the largest size is 2**max_power", "N")
 
 
 @dataclass
 class Pow2Shapes:
-    seq_len: Pow2Dim = field(default_factory=Pow2Dim)
-    micro_batch_size: Pow2Dim = field(default_factory=Pow2Dim)
+    seq_len: Pow2Dim = setting(Pow2Dim, "")
+    micro_batch_size: Pow2Dim = setting(Pow2Dim, "")
 
 
 @dataclass
 class SweepDim:
-    values: list[int] | None = None
-    start: int | None = None
-    stop: int | None = None
-    step: int | None = None
-    multiple_of: int | None = None
+    values: list[int] | None = setting(None, "with generator=sweep: these sizes, else start..stop", "[N,...]")
+    start: int | None = setting(None, "with generator=sweep: the first size", "N")
+    stop: int | None = setting(None, "with generator=sweep: the last size (included)", "N")
+    step: int | None = setting(None, "with generator=sweep: the step from one size to the next", "N")
+    multiple_of: int | None = setting(None, "with generator=sweep: keep only multiples of N", "N")
 
 
 @dataclass
 class SweepShapes:
-    seq_len: SweepDim = field(default_factory=SweepDim)
-    micro_batch_size: SweepDim = field(default_factory=SweepDim)
+    seq_len: SweepDim = setting(SweepDim, "")
+    micro_batch_size: SweepDim = setting(SweepDim, "")
 
 
 @dataclass
 class FuzzDim:
-    min: int | None = None
-    max: int | None = None
-    multiple_of: int | None = None
+    min: int | None = setting(None, "with generator=fuzz: the smallest size drawn", "N")
+    max: int | None = setting(None, "with generator=fuzz: the largest size drawn", "N")
+    multiple_of: int | None = setting(None, "with generator=fuzz: draw multiples of N only", "N")
 
 
 @dataclass
 class FuzzShapes:
-    n: int | None = None
-    seed: int | None = None
-    seq_len: FuzzDim = field(default_factory=FuzzDim)
-    micro_batch_size: FuzzDim = field(default_factory=FuzzDim)
+    n: int | None = setting(None, "with generator=fuzz: how many shape points to draw", "N")
+    seed: int | None = setting(None, "with generator=fuzz: the draw's seed (default: the run's seed)", "N")
+    seq_len: FuzzDim = setting(FuzzDim, "")
+    micro_batch_size: FuzzDim = setting(FuzzDim, "")
+
+
+_CASE = " (default: the case's own)"
 
 
 @dataclass
 class ShapesConfig:
     """The shape sweep (autotuner.runner.shapes). Every key left unset (None) takes the case's value; the
-    case's ``shapes:`` block has the same keys. ``generator``: explicit (default), pow2, sweep or fuzz."""
+    case's ``shapes:`` block has the same keys."""
 
-    generator: str | None = None
-    seq_len: list[int] | None = None
-    micro_batch_size: list[int] | None = None
-    pow2: Pow2Shapes = field(default_factory=Pow2Shapes)
-    sweep: SweepShapes = field(default_factory=SweepShapes)
-    fuzz: FuzzShapes = field(default_factory=FuzzShapes)
+    generator: str | None = setting(None, f"explicit (the lists below), pow2, sweep or fuzz{_CASE}", "NAME")
+    seq_len: list[int] | None = setting(
+        None, f"sequence lengths, each a shape point with each batch{_CASE}", "[S,...]"
+    )
+    micro_batch_size: list[int] | None = setting(None, f"micro-batch sizes{_CASE}", "[B,...]")
+    pow2: Pow2Shapes = setting(Pow2Shapes, "")
+    sweep: SweepShapes = setting(SweepShapes, "")
+    fuzz: FuzzShapes = setting(FuzzShapes, "")
 
 
 @dataclass
 class TimingConfig(SamplingPolicy):
-    """Sampling of the get_data launcher: the sampler's policy (autotuner.measure.timer.SamplingPolicy,
-    whose docstring and module explain each field and guard) plus the guards around it.
+    """Sampling of the get_data launcher: the sampler's policy (autotuner.measure.timer.SamplingPolicy)
+    plus the guards around it. docs/measurement.md says when to change each."""
 
-    ``flush_cache`` evicts the last-level cache before every sample; otherwise ``rotate_inputs`` cycles
-    copies of inputs that fit in it. ``idle_before_ms`` pauses (sleeps, the device idle) that long before
-    every sample, which is then one call: the op as it runs after a wait (a pipeline stage's first op after
-    its neighbour's hand-over; autotuner.measure.timer); 0, the default, pauses never.
-    ``forward_after_backward`` runs the op's backward, untimed, after every forward sample, so that each
-    sample follows one, as each forward of an op in a training step follows its previous micro-batch's
-    backward (autotuner.measure.timer); the rows record it. False, the default, times forwards back to
-    back, as torch.utils.benchmark does.
-    ``held_activations_mib`` keeps earlier calls' forward graphs (their outputs and saved activations) alive
-    while each sample runs, at least that many MiB of them (whole graphs, at most 256), as a step holds its
-    micro-batches' activations until their backward: each forward writes, and each backward reads, memory
-    as far from the cache as the step's are (autotuner.measure.timer, "Activations a step holds"); a forward
-    sample then follows the backward of the oldest held graph. The rows record the bytes held
-    (``held_activation_bytes``); the predictor takes rows timed without where it has them. 0, the
-    default: each sample finds only its own.
-    ``threads``: torch intra-op threads (0 keeps torch's default); the rows record the number used.
-    ``cuda_graph`` (CUDA only) times phases whose eager call is shorter than ``cuda_graph_below_us`` as
-    CUDA-graph replays, without host launch overhead (autotuner.measure.graphs); the rows say which were.
-    ``hide_launch`` (CUDA only) queues a spin kernel before each sample so the sample's kernels are queued
-    before its start event runs (autotuner.measure.timer); the rows record it in ``launch_hidden``.
-    """
-
-    hide_launch: bool = True
-    flush_cache: bool = False
-    idle_before_ms: float = 0.0
-    forward_after_backward: bool = False
-    held_activations_mib: float = 0.0
-    rotate_inputs: bool = True
-    threads: int = 0
-    cuda_graph: bool = False
-    cuda_graph_below_us: float = 200.0
+    hide_launch: bool = setting(
+        True,
+        "CUDA: queue a spin kernel before each sample so the host's launch delay stays out of it",
+        "BOOL",
+    )
+    flush_cache: bool = setting(
+        False, "evict the last-level cache before every sample (the op as it runs after others)", "BOOL"
+    )
+    idle_before_ms: float = setting(
+        0.0, "pause this long before every sample, device idle (the op after a wait; 0: never)", "MS"
+    )
+    forward_after_backward: bool = setting(
+        False, "run the op's backward, untimed, after every forward sample, as in a training step", "BOOL"
+    )
+    held_activations_mib: float = setting(
+        0.0, "keep at least this many MiB of earlier calls' forward graphs alive while sampling", "MIB"
+    )
+    rotate_inputs: bool = setting(
+        True, "cycle copies of inputs that fit in the cache, so no call reads the last one's from it", "BOOL"
+    )
+    threads: int = setting(0, "torch intra-op threads (0: torch's default)", "N")
+    cuda_graph: bool = setting(
+        False, "CUDA: time phases shorter than cuda_graph_below_us as CUDA-graph replays", "BOOL"
+    )
+    cuda_graph_below_us: float = setting(
+        200.0, "with cuda_graph: the eager time below which a phase is replayed", "US"
+    )
 
 
 @dataclass
 class MoeConfig:
-    """Mixture-of-Experts settings (autotuner.model.routing). ``routing``: where the router output of the
-    MoE ops comes from: learned (the model's seeded router), uniform, balanced or zipf (forced);
-    ``zipf_s``: the zipf mode's exponent (expert i drawn with weight 1 / (i + 1) ** zipf_s, above 0)."""
+    """Mixture-of-Experts settings (autotuner.model.routing)."""
 
-    routing: str = "learned"
-    zipf_s: float = 1.2
+    routing: str = setting(
+        "learned", "where the MoE ops' router output comes from: learned, uniform, balanced or zipf", "MODE"
+    )
+    zipf_s: float = setting(
+        1.2, "routing=zipf: expert i drawn with weight 1 / (i + 1) ** zipf_s (above 0)", "S"
+    )
 
 
 @dataclass
@@ -133,62 +138,70 @@ class LauncherConfig:
 
 @dataclass
 class GetDataLauncherConfig(LauncherConfig):
+    """Our own timers and memory sensors (sampling: the ``timing`` settings)."""
+
     name: str = "get_data"
 
 
 @dataclass
 class NsysLauncherConfig(LauncherConfig):
-    """``nsys profile`` around our worker (see autotuner.launchers.nsys).
-
-    ``nsys_bin``: a path, or a name; the default ``nsys`` is looked for on the PATH, then in the project's
-    ``.tools``, then in the CUDA and Nsight Systems folders, newest first (autotuner.launchers.nsys).
-    ``trace``: the APIs nsys traces (``-t``); None takes the device's default (CUDA: cuda, nvtx, osrt,
-    cublas, cudnn; CPU: nvtx, osrt), and it must hold nvtx.
-    ``extra_args``: more ``nsys profile`` switches, each one list item (``--sample=process-tree``); one that
-    names a switch the launcher sets by default replaces that default. ``warmup``/``iterations``: per
-    phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).
-    ``sub_op_ranges``: give the sub-ops of the op being measured their ranges too (nested in its range
-    on the timeline, at a small cost inside its time); false marks the measured op alone.
-    ``start_timeout_s``: how long nsys may take to start the worker (its Python, torch imported) before it
-    is killed and the run refused in one line: an nsys that never starts its program would wait for ever.
-    """
+    """``nsys profile`` around our worker, NVTX ranges from the instrumented ops (launchers/nsys.py)."""
 
     name: str = "nsys"
-    nsys_bin: str = "nsys"
-    trace: list[str] | None = None
-    extra_args: list[str] = field(default_factory=list)
-    warmup: int = 2
-    iterations: int = 5
-    sub_op_ranges: bool = True
-    start_timeout_s: float = 300.0
+    nsys_bin: str = setting(
+        "nsys",
+        "the nsys to run; nsys is looked for on the PATH, in .tools, then the CUDA and Nsight Systems "
+        "folders, newest first; any other name or path is used alone",
+        "PATH",
+    )
+    trace: list[str] | None = setting(
+        None,
+        "the APIs nsys traces (-t), holding nvtx (default per device: CUDA cuda,nvtx,osrt,cublas,cudnn; "
+        "CPU nvtx,osrt)",
+        "[API,...]",
+    )
+    extra_args: list[str] = setting(
+        [], "more nsys profile switches, one per item; one naming a default switch replaces it", "[ARG,...]"
+    )
+    warmup: int = setting(2, "unmeasured iterations per phase", "N")
+    iterations: int = setting(5, "measured iterations per phase: one NVTX range, one sample each", "N")
+    sub_op_ranges: bool = setting(
+        True,
+        "ranges for the measured op's sub-ops too (nested on the timeline, a small cost in its time)",
+        "BOOL",
+    )
+    start_timeout_s: float = setting(
+        300.0, "seconds nsys may take to start the worker before it is killed and the run refused", "S"
+    )
 
 
 @dataclass
 class TorchProfilerLauncherConfig(LauncherConfig):
-    """``torch.profiler`` around the same plan (autotuner.launchers.torch_profiler).
-
-    Per (op, shape point), sessions of ``wait + warmup + active`` training-like steps (forward then
-    backward); only the ``active`` steps are recorded and give the row's statistics (``active`` >= 1).
-    ``record_shapes``/``profile_memory``/``with_stack``/``with_flops`` set what the detailed session
-    records for the trace, stacks and tables. ``lean_timing``: take the row's times from a separate
-    session that records only the ranges and operators (true), or from the detailed one, its recording
-    overhead included (false). ``memory_snapshot`` (GPU only): a CUDA allocator snapshot per op and point.
-    ``output_dir`` (relative to the run directory) receives ``<point>/<op>/`` folders; traces over
-    ``compress_over_bytes`` are written as ``.json.gz``.
-    """
+    """``torch.profiler`` around the same plan (autotuner.launchers.torch_profiler): per (op, shape point),
+    sessions of ``wait + warmup + active`` training-like steps (forward then backward)."""
 
     name: str = "torch_profiler"
-    wait: int = 0
-    warmup: int = 2
-    active: int = 5
-    record_shapes: bool = True
-    profile_memory: bool = True
-    with_stack: bool = True
-    with_flops: bool = True
-    memory_snapshot: bool = False
-    compress_over_bytes: int = 20_000_000
-    output_dir: str = "profiles"
-    lean_timing: bool = True
+    wait: int = setting(0, "steps run unrecorded before the warm-up", "N")
+    warmup: int = setting(2, "steps recorded and discarded (the profiler's start-up cost lands here)", "N")
+    active: int = setting(5, "steps recorded: the rows' statistics are over these (at least 1)", "N")
+    record_shapes: bool = setting(True, "the detailed session records the operators' input shapes", "BOOL")
+    profile_memory: bool = setting(True, "the detailed session records allocations", "BOOL")
+    with_stack: bool = setting(
+        False,
+        "the detailed session records Python stacks, for the stack files (as large as the traces)",
+        "BOOL",
+    )
+    with_flops: bool = setting(
+        True, "the detailed session estimates FLOPs of matmuls and convolutions", "BOOL"
+    )
+    memory_snapshot: bool = setting(False, "GPU: a CUDA allocator snapshot per op and point", "BOOL")
+    compress_over_bytes: int = setting(
+        0, "traces larger than this are written gzip-compressed, .json.gz (0: every trace)", "BYTES"
+    )
+    output_dir: str = setting("profiles", "the traces' folder, relative to the run directory", "DIR")
+    lean_timing: bool = setting(
+        True, "take the rows' times from a separate session recording only ranges and operators", "BOOL"
+    )
 
 
 @dataclass
@@ -197,40 +210,78 @@ class AutotunerConfig:
     (``hf.hidden_size=128``, ``tf.apply_rope_fusion=true``); both are checked against the real field names."""
 
     launcher: Any = MISSING
-    case: str = "tiny"
-    case_dir: str | None = None
-    hf: dict[str, Any] = field(default_factory=dict)
-    tf: dict[str, Any] = field(default_factory=dict)
-    shapes: ShapesConfig = field(default_factory=ShapesConfig)
-    ops: list[str] = field(default_factory=lambda: ["all"])
-    device: str = "auto"
-    dtype: str = "auto"
-    # core attention in the layer spec (autotuner.model.sdpa_attention): auto (Transformer-Engine's where
-    # its spec is used, sdpa on a GPU without it, local on a CPU), local, sdpa or te
-    attention: str = "auto"
-    seed: int = 1234
-    transformer_block_layers: int = 2
-    timing: TimingConfig = field(default_factory=TimingConfig)
-    moe: MoeConfig = field(default_factory=MoeConfig)
-    resume: bool = False
-    # resume=true into a run another autotuner version or environment measured (environment.json): false
-    # refuses in one line; true measures the rest, each new row naming its environment (measured_by)
-    resume_across_versions: bool = False
-    calibration: str | None = None
-    progress: bool = True
-    report: bool = True  # write report.html and its figures into the run directory (autotuner.report)
-    capture: str | None = None  # a python -m autotuner.capture file: profile its calls (capture/replay.py)
-    dry_run: bool = (
-        False  # print the plan, parameter counts, FLOPs, bytes and memory; run nothing (runner/dry_run.py)
+    case: str = setting("tiny", "the model: a YAML file in cases/ or case_dir", "NAME")
+    case_dir: str | None = setting(None, "a folder of your own case files, searched before cases/", "DIR")
+    hf: dict[str, Any] = setting(
+        {}, "a field of the case's HuggingFace config, set before the mapping", "FIELD"
     )
+    tf: dict[str, Any] = setting({}, "a TransformerConfig field, set after the mapping", "FIELD")
+    shapes: ShapesConfig = setting(ShapesConfig, "")
+    ops: list[str] = setting(
+        ["all"],
+        "ops to run, names or aliases (all: every op of the model; functional: the device ops)",
+        "[OP,...]",
+    )
+    device: str = setting("auto", "auto, cpu or cuda (auto: cuda where there is a GPU)", "DEVICE")
+    dtype: str = setting("auto", "auto, fp32, bf16 or fp16 (auto: bf16 on a GPU, fp32 on a CPU)", "DTYPE")
+    attention: str = setting(
+        "auto",
+        "core attention: auto (Transformer-Engine's where its spec is used, sdpa on a GPU without it, "
+        "local on a CPU), local, sdpa or te",
+        "KIND",
+    )
+    seed: int = setting(1234, "seeds weights and inputs: the same seed gives the same inputs everywhere", "N")
+    transformer_block_layers: int = setting(2, "layers in the transformer_block op", "N")
+    timing: TimingConfig = setting(TimingConfig, "")
+    moe: MoeConfig = setting(MoeConfig, "")
+    resume: bool = setting(
+        False,
+        "with hydra.run.dir=<an earlier run>: measure only what that run lacks, with its settings",
+        "BOOL",
+    )
+    resume_across_versions: bool = setting(
+        False,
+        "resume a run another autotuner version or environment measured (each new row names it)",
+        "BOOL",
+    )
+    calibration: str | None = setting(
+        None,
+        "the device calibration rows are judged against (default runs/calibration/<device>.json)",
+        "FILE",
+    )
+    progress: bool = setting(True, "a progress bar while measuring", "BOOL")
+    report: bool = setting(True, "write report.html and its figures into the run directory", "BOOL")
+    capture: str | None = setting(
+        None, "profile the calls an autotuner-capture file holds instead of the case's shapes", "FILE"
+    )
+    dry_run: bool = setting(
+        False, "print the plan, parameter counts, FLOPs, bytes and memory; run nothing", "BOOL"
+    )
+
+
+LAUNCHER_SCHEMAS = {
+    "get_data": GetDataLauncherConfig,
+    "nsys": NsysLauncherConfig,
+    "torch_profiler": TorchProfilerLauncherConfig,
+}
+
+
+def settings_listing() -> str:
+    """Every setting of ``autotuner`` with its meaning and default, the launchers' under their own
+    heading (the ``--help`` text)."""
+    lines = settings_help(AutotunerConfig)
+    for name, schema in LAUNCHER_SCHEMAS.items():
+        summary = " ".join((schema.__doc__ or "").replace("``", "").split())
+        lines += ["", *textwrap.wrap(f"launcher={name}: {summary}", 110, subsequent_indent="  ")]
+        lines += settings_help(schema, "launcher.")[2:]  # launcher.name is the group's choice itself
+    return "\n".join(lines)
 
 
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="autotuner_schema", node=AutotunerConfig)
-    cs.store(group="launcher", name="get_data_schema", node=GetDataLauncherConfig)
-    cs.store(group="launcher", name="nsys_schema", node=NsysLauncherConfig)
-    cs.store(group="launcher", name="torch_profiler_schema", node=TorchProfilerLauncherConfig)
+    for name, schema in LAUNCHER_SCHEMAS.items():
+        cs.store(group="launcher", name=f"{name}_schema", node=schema)
 
 
 def open_dict_overrides(argv: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
+from autotuner.cli import invoked_as
+from autotuner.config import (
+    CONFIG_DIR,
+    LAUNCHER_SCHEMAS,
+    compose_config,
+    open_dict_overrides,
+    register_configs,
+    settings_listing,
+    short_error,
+)
 from autotuner.errors import OneLineParser, UserError, say_error
 from autotuner.results import RunFileNotWritten
 from autotuner.results.atomic import check_writable
@@ -137,10 +147,21 @@ def _register_resolvers() -> None:
     def ops() -> str:
         from autotuner.op_mapping import ordered_tests
 
-        return "\n  ".join(f"{t.name:18} {t.description}" for t in ordered_tests())
+        return "\n  ".join(
+            "\n".join(textwrap.wrap(f"{t.name:18} {t.description}", 108, subsequent_indent=" " * 21))
+            for t in ordered_tests()
+        )
 
-    OmegaConf.register_new_resolver("autotuner_cases", lambda: ", ".join(available_cases()), replace=True)
+    def cases() -> str:
+        return "\n  ".join(textwrap.wrap(", ".join(available_cases()), 108))
+
+    OmegaConf.register_new_resolver("autotuner_cases", cases, replace=True)
     OmegaConf.register_new_resolver("autotuner_ops", ops, replace=True)
+    OmegaConf.register_new_resolver("autotuner_settings", settings_listing, replace=True)
+    OmegaConf.register_new_resolver("autotuner_launchers", lambda: ", ".join(LAUNCHER_SCHEMAS), replace=True)
+    OmegaConf.register_new_resolver(
+        "autotuner_prog", lambda: invoked_as("autotuner", "autotuner.main"), replace=True
+    )
 
 
 def _expand_sweeps(overrides: list[str]) -> list[list[str]]:

@@ -121,8 +121,8 @@ def read_rows(sqlite_path: Path, shown: Path) -> tuple[list[dict[str, Any]], lis
     """The rows of an SQLite export, and the ``measure`` windows left out as not this tool's
     (:func:`foreign`: each named once, with why); UserError (naming ``shown``) when it is not a report or
     has no window of ours."""
+    from autotuner.launchers.nsys_protocol import marker_name
     from autotuner.launchers.nsys_rows import read_sqlite, report_rows
-    from autotuner.launchers.nsys_worker import marker_name
 
     try:
         data = read_sqlite(sqlite_path)

@@ -57,6 +57,14 @@ def test_tiny_run_has_every_op_phase_and_point(tiny_run: Path):
 
 
 @pytest.mark.slow
+def test_a_finished_run_leaves_no_empty_log_and_no_lock(tiny_run: Path):
+    # the lock is the kernel's and ends with the run; its file and a log nothing was written to are clutter
+    left = sorted(p.name for p in tiny_run.iterdir() if p.name.endswith(".lock"))
+    log = tiny_run / "main.log"
+    assert left == [] and (not log.exists() or log.stat().st_size > 0), (left, log.exists())
+
+
+@pytest.mark.slow
 def test_run_directory_records_how_to_reproduce(tiny_run: Path):
     record = json.loads((tiny_run / "environment.json").read_text())
     env = record["environment"]
@@ -211,7 +219,7 @@ def test_bad_input_from_a_real_process():
 def test_help_lists_cases_and_ops(capsys):
     assert run(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("llama7b", "llama70b", "mistral7b", "tiny", "core_attention", "mlp_bda", "launcher:"):
+    for name in ("llama7b", "llama70b", "mistral7b", "tiny", "core_attention", "mlp_bda", "launcher="):
         assert name in out
 
 
@@ -553,35 +561,105 @@ def test_every_tools_help_lists_each_setting_with_its_meaning(module, capsys):
         parse(command, ["--help"])
     out = capsys.readouterr().out
     assert ended.value.code == 0 and out.startswith(f"usage: {command.name} ")
+    words = " ".join(out.split())  # a long meaning is wrapped
     for field in dataclasses.fields(command.settings):
-        assert f"  {field.name}=" in out and field.metadata["meaning"] in out, field.name
+        assert f"  {field.name}=" in out and " ".join(field.metadata["meaning"].split()) in words, field.name
 
 
-def test_the_grammar_reads_values_as_hydra_does_and_refuses_slips_in_one_line():
-    from dataclasses import dataclass
+def _console_scripts() -> dict[str, str]:
+    import tomllib
 
-    from autotuner.cli import Command, UsageError, parse, setting
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
-    @dataclass(frozen=True)
-    class Settings:
-        labels: list[str] | None = setting(None, "names")
-        digits: int = setting(3, "figures")
-        scale: float = setting(1.0, "a factor")
-        name: str | None = setting(None, "text")
 
-    command = Command("tool", "tool", "a tool", "PATH", Settings)
-    paths, got, rest = parse(
-        command, ["a", "labels=[x,y]", "digits=4", "scale=2", "name=1.5", "b", "--", "c=1"]
-    )
-    assert paths == ["a", "b"] and rest == ["c=1"]
-    assert got == Settings(labels=["x", "y"], digits=4, scale=2.0, name="1.5")
-    for argv, words in (
-        (["a", "digitz=4"], "unknown setting 'digitz' (did you mean digits?)"),
-        (["a", "digits=four"], "digits='four' is not an integer"),
-        (["a", "labels=x,y"], "a sweep in Hydra's grammar: write a list as labels=[x,y]"),
-        (["a", "scale=nan"], "scale=nan is not a finite number"),
-        (["a", "--digits", "4"], "--digits: settings are written key=value (digits=...)"),
-        ([], "give PATH"),
-    ):
-        with pytest.raises(UsageError, match=re.escape(words)):
-            parse(command, argv)
+@pytest.mark.slow
+def test_each_console_commands_help_names_it_and_says_every_setting_with_its_meaning_and_default():
+    """Each console script's --help, run as the user runs it: the usage names the command as typed (not
+    ``python -m``), every setting is listed with a meaning and a default (or says it is required), the
+    ops' descriptions are whole sentences, and only launchers are listed as launchers."""
+    import importlib
+    import sysconfig
+
+    from autotuner.config import LAUNCHER_SCHEMAS, AutotunerConfig
+
+    scripts = Path(sysconfig.get_path("scripts"))
+    started = {
+        name: subprocess.Popen(
+            [str(scripts / name), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for name in _console_scripts()
+    }
+    helps = {}
+    for name, proc in started.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and not err.strip(), (name, err.decode()[-2000:])
+        helps[name] = out.decode()
+    for name, target in _console_scripts().items():
+        text = helps[name]
+        assert "python -m" not in text, (name, [line for line in text.splitlines() if "python -m" in line])
+        assert re.search(rf"^usage: {re.escape(name)} ", text, re.IGNORECASE | re.MULTILINE), (
+            name,
+            text[:300],
+        )
+        settings = (
+            importlib.import_module(target.partition(":")[0]).COMMAND.settings
+            if name != "autotuner"
+            else None
+        )
+        launchers = [("launcher.", schema) for schema in LAUNCHER_SCHEMAS.values()]
+        classes = [("", settings)] if settings else [("", AutotunerConfig), *launchers]
+        entries = re.split(r"\n  (?=\S+=)", text)  # "  key=VALUE" then its wrapped meaning
+        listed = {entry.split("=", 1)[0]: " ".join(entry.split()) for entry in entries[1:]}
+        for prefix, cls in classes:
+            for key in _leaf_keys(cls, prefix):
+                said = listed.get(key, "")
+                assert "(default" in said or "required" in said, (name, key, said)
+                assert len(said.split()) > 3, (name, key, said)  # a meaning, not only a default
+    ops = helps["autotuner"].split("Ops (")[1].split("\n\n")[0].split("\n")[1:]
+    descriptions = " ".join(" ".join(ops).split())
+    for entry in re.split(r" (?=[a-z0-9_]+ {2,}[A-Z])", descriptions):
+        assert entry.rstrip().endswith((".", ")")), entry  # not cut mid-sentence
+    launchers = helps["autotuner"].split("Launchers (")[1].split("\n")[0]
+    assert "schema" not in launchers and all(name in launchers for name in LAUNCHER_SCHEMAS), launchers
+
+
+def _leaf_keys(cls: type, prefix: str) -> list[str]:
+    """The ``key`` of each setting of ``cls`` as --help writes it (``timing.warmup``, ``hf.FIELD``)."""
+    import dataclasses
+
+    keys = []
+    for field in dataclasses.fields(cls):
+        default = (
+            field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        )
+        if dataclasses.is_dataclass(default):
+            keys += _leaf_keys(type(default), f"{prefix}{field.name}.")
+        elif isinstance(default, dict):
+            keys.append(f"{prefix}{field.name}.{field.metadata['metavar']}")
+        elif default != "???" and field.name != "name":  # the launcher group's choice, and its name
+            keys.append(f"{prefix}{field.name}")
+    return keys
+
+
+@pytest.mark.slow
+def test_on_the_default_timing_a_row_warns_only_where_its_median_is_uncertain(tmp_path, capsys):
+    """get_data at its default timing settings: a warning marks a median whose confidence interval is over
+    10% of it (or cannot be given), or a drift over 25%, never a mere spread of the samples; the summary
+    names each kind once with what to do."""
+    ops = "ops=[rope,self_attn_bda,linear_fc2,final_layernorm]"
+    assert run(["case=tiny", ops, "progress=false", "report=false", f"hydra.run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    rows = load_rows(tmp_path / "results.jsonl")
+    for row in rows:
+        for warning in filter(None, row["warnings"].split(";")):
+            kind = warning.split("(")[0]
+            assert kind in ("imprecise", "few_samples", "drift"), row
+            if kind == "imprecise":
+                assert row["rel_ci"] > 0.10, row
+            if kind == "few_samples":
+                assert row["rel_ci"] is None and row["samples"] < 6, row
+        if row["rel_ci"] is not None and row["rel_ci"] <= 0.10:
+            assert "imprecise" not in row["warnings"] and "few_samples" not in row["warnings"], row
+    kinds = {w.split("(")[0] for row in rows for w in filter(None, row["warnings"].split(";"))}
+    for kind in kinds:
+        assert sum(line.startswith(f"  {kind}: ") for line in out.splitlines()) == 1, out

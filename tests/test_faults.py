@@ -830,8 +830,8 @@ def test_commands_that_measure_first_refuse_an_output_they_could_not_write_befor
     _one_line(proc, 2, "budget_s=1e+09 must be above 0 and at most 3600")
     from autotuner.validate.steps import parse_args
 
-    proc = _tool("autotuner.validate.steps", "--help")  # usage, not "'--help' is not key=value"
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m autotuner.validate.steps")
+    proc = _tool("autotuner.validate.steps_main", "--help")  # usage, not "'--help' is not key=value"
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m autotuner.validate.steps_main")
 
     (tmp_path / "a-file").write_text("")
     for argv, words in (

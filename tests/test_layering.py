@@ -1,7 +1,8 @@
 """The import layering of autotuner/, read from the source with ``ast`` (nothing is imported).
 
-* Nothing below the entry points imports one: an entry point is a command line (``python -m ...``), and
-  library code that imports it depends on a CLI's arguments, exit codes and side effects.
+* No module imports an entry point: an entry point is a command line (a console script, a ``python -m``
+  target, a module with an ``if __name__ == "__main__":`` block), and code that imports it depends on a
+  CLI's arguments, exit codes and side effects. What two sides share lives in a module below both.
 * The results side (autotuner/results, autotuner/report) imports nothing of Megatron or torch.nn, also
   through what it imports: a report or a comparison is made on a machine without the model stack.
 * Each part imports only the parts below it (:data:`PARTS`, docs/extending.md's "The package's parts"): a
@@ -19,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 SOURCE = Path(__file__).resolve().parents[1]
 
-# The command lines; they may import anything, nothing else may import them.
-ENTRY_POINTS = {
+# The command lines users type; each is a console script too (pyproject.toml). :func:`entry_points`
+# finds the rest (the processes the tool starts with ``python -m``) and checks these are among them.
+COMMANDS = {
     "autotuner.main",
     "autotuner.calibrate",
     "autotuner.compare",
@@ -46,7 +49,7 @@ RESULTS_SIDE = ("autotuner.results", "autotuner.report")
 # reads results rows and calibrations and counts parameters from the model config, and never imports the
 # validation: the model is the same whether or not anything checks it.
 PARTS = (
-    ("entry", tuple(sorted(ENTRY_POINTS))),
+    ("entry", tuple(sorted(COMMANDS))),
     ("validate", ("autotuner.validate",)),
     ("predict", ("autotuner.predict",)),
     ("launchers", ("autotuner.launchers", "autotuner.config")),
@@ -121,14 +124,58 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def entry_point_imports(root: Path, entry_points: set[str]) -> list[str]:
-    """``module:line imports entry`` for each import of an entry point by a module that is not one."""
+def _is_main_guard(test: ast.expr) -> bool:
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
+def _module_flag_targets(tree: ast.AST) -> Iterator[str]:
+    """The ``X`` of each ``"-m", "X"`` pair in a list or tuple of the source (a command it starts)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = node.elts
+            for flag, target in zip(items, items[1:], strict=False):
+                if (
+                    isinstance(flag, ast.Constant)
+                    and flag.value == "-m"
+                    and isinstance(target, ast.Constant)
+                    and isinstance(target.value, str)
+                ):
+                    yield target.value
+
+
+def console_scripts(root: Path) -> set[str]:
+    """The modules of pyproject.toml's ``[project.scripts]``."""
+    scripts = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {}).get("scripts", {})
+    return {target.partition(":")[0] for target in scripts.values()}
+
+
+def entry_points(root: Path) -> set[str]:
+    """Every module that is a command line: one with an ``if __name__ == "__main__":`` block, a console
+    script, a package's ``__main__``, or a ``python -m`` target named in the source."""
+    known = modules(root)
+    found = {name for name in known if name.endswith(".__main__")}
+    found |= console_scripts(root) if (root / "pyproject.toml").exists() else set()
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if any(isinstance(node, ast.If) and _is_main_guard(node.test) for node in tree.body):
+            found.add(name)
+        for target in _module_flag_targets(tree):
+            found |= {target, f"{target}.__main__"} & set(known)
+    return found
+
+
+def entry_point_imports(root: Path, entries: set[str]) -> list[str]:
+    """``module:line imports entry`` for each import of an entry point by any module, an entry point too
+    (one command reusing another's code shares a module below both instead)."""
     found = []
     for name, path in modules(root).items():
-        if name in entry_points:
-            continue
         for imp in imports_of(path, root):
-            if imp.name in entry_points:
+            if imp.name in entries and imp.name != name:
                 found.append(f"{name}:{imp.line} imports {imp.name}")
     return found
 
@@ -157,7 +204,7 @@ def model_stack_imports(root: Path) -> list[str]:
 
 
 def part_of(name: str) -> str | None:
-    if _within(name, RESULTS_SIDE) and name not in ENTRY_POINTS:
+    if _within(name, RESULTS_SIDE) and name not in COMMANDS:
         return "results"
     for part, prefixes in PARTS:
         if name in prefixes if part in ("entry", "base") else _within(name, prefixes):
@@ -206,9 +253,10 @@ def test_each_part_imports_only_the_parts_below_it() -> None:
     assert upward_imports(SOURCE) == []
 
 
-def test_nothing_below_the_entry_points_imports_them() -> None:
-    assert ENTRY_POINTS <= set(modules(SOURCE)), "an entry point was renamed: update ENTRY_POINTS"
-    assert entry_point_imports(SOURCE, ENTRY_POINTS) == []
+def test_no_module_imports_an_entry_point() -> None:
+    entries = entry_points(SOURCE)
+    assert COMMANDS <= entries, "a command was renamed: update COMMANDS"
+    assert entry_point_imports(SOURCE, entries) == []
 
 
 def test_the_results_side_imports_nothing_of_megatron_or_torch_nn() -> None:
@@ -240,6 +288,13 @@ def bad_tree(tmp_path: Path) -> Path:
             "results/__init__.py": "from . import rows\n",
             "results/rows.py": "from autotuner import model\n",
             "report/__init__.py": "from autotuner.lazy import build\n",
+            "cli.py": "def main():\n    pass\n",
+            "guarded.py": 'if __name__ == "__main__":\n    pass\n',
+            "starter.py": 'def command():\n    return ["python", "-m", "autotuner.worker", "x"]\n',
+            "worker.py": "import autotuner.shared\n",
+            "tool/__init__.py": "",
+            "tool/__main__.py": "",
+            "shared.py": "from autotuner.guarded import x\n",
         },
     )
 
@@ -272,6 +327,18 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
         "autotuner.predict.timing:2 imports autotuner.validate.steps",
         "autotuner.predict.timing:2 imports autotuner.validate.steps.run_steps",
     ]
+
+
+def test_entry_points_are_found_by_guard_script_and_module_flag(bad_tree: Path) -> None:
+    tree = bad_tree
+    (tree / "pyproject.toml").write_text('[project.scripts]\nat = "autotuner.cli:main"\n')
+    assert entry_points(tree) == {
+        "autotuner.cli",
+        "autotuner.guarded",
+        "autotuner.worker",
+        "autotuner.tool.__main__",
+    }
+    assert entry_point_imports(tree, entry_points(tree)) == ["autotuner.shared:1 imports autotuner.guarded"]
 
 
 def test_the_checks_find_what_they_look_for(bad_tree: Path) -> None:

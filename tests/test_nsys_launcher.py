@@ -32,9 +32,9 @@ from autotuner.launchers import nsys_command as nsys_lookup
 from autotuner.launchers import nsys_process
 from autotuner.launchers.nsys_command import nsys_command
 from autotuner.launchers.nsys_process import NsysRun
+from autotuner.launchers.nsys_protocol import marker_name
 from autotuner.launchers.nsys_report import NvtxRange, OpenRange, read_nvtx_ranges
 from autotuner.launchers.nsys_rows import Outcome, build_rows, measured_ranges, read_sqlite
-from autotuner.launchers.nsys_worker import marker_name
 from autotuner.main import run
 from autotuner.op_mapping import LAYER_SUB_OPS
 from autotuner.ops.naming import format_range, parse_range
@@ -945,10 +945,11 @@ def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
 
     assert backward["status"] == "ok" and backward["samples"] == 1 and backward["host_median_us"] == 0.2
     assert (backward["kernel_time_us"], backward["kernel_count"]) == (0, 0)  # a GPU report, no kernels here
-    # The statistics are a Measurement's, as get_data's: its warnings (one sample is few), then nsys's own.
-    assert backward["median_us"] == 0 and backward["warnings"] == "few_samples(1);no_kernels"
+    # The statistics are a Measurement's, as get_data's (a fixed count is not a row's warning), then
+    # nsys's own warnings.
+    assert backward["median_us"] == 0 and backward["warnings"] == "no_kernels"
     assert forward["rel_ci"] is None  # a CI needs 6 samples
-    assert forward["warnings"] == "few_samples(2);ranges_lost(2/3)"  # the report lost one range
+    assert forward["warnings"] == "ranges_lost(2/3)"  # the report lost one range
     assert forward["stop_reason"] == "nsys" and forward["precision_rule"] is None
 
 

@@ -308,7 +308,7 @@ def test_flushing_inside_the_layers_trains_the_same_with_each_flush_inside_a_lay
     assert min(layers) > 0.5 * fastest
     command = steps_command("tiny", CPU, Layout(**BATCH), 2, 1, "out.json", flush_in_layers=True)
     assert "flush_in_layers=true" in command
-    own, _, _ = parse_args(command[command.index("autotuner.validate.steps") + 1 :])
+    own, _, _ = parse_args(command[command.index("autotuner.validate.steps_main") + 1 :])
     assert own["flush_in_layers"] is True
     own, layout, _ = parse_args(["out=o.json", "layout.seq_len=16"])
     assert own["flush_in_layers"] is False
@@ -373,7 +373,7 @@ def test_layouts_the_steps_cannot_measure_are_refused_in_one_line(tmp_path, caps
             measure_steps("tiny", CPU, Layout(**split, **BATCH))
         assert "\n" not in str(info.value)
     # the command line's words: a flag that is not true or false is refused, not taken as true
-    from autotuner.validate.steps import main
+    from autotuner.validate.steps_main import main
 
     out = tmp_path / "steps.json"
     with pytest.raises(SystemExit) as exited:

@@ -57,12 +57,43 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "launcher.warmup=1",
             f"launcher.active={ACTIVE}",
             f"launcher.compress_over_bytes={COMPRESS_OVER}",
+            "launcher.with_stack=true",  # the stack files are tested too
             f"hydra.run.dir={run_dir}",
             "progress=false",
         ]
     )
     assert code == 0
     return run_dir
+
+
+@pytest.mark.slow
+def test_the_defaults_write_under_50_mb_for_the_tiny_case_and_warn_on_no_row(tmp_path: Path, capsys) -> None:
+    """At the default settings the whole tiny plan writes at most 50 MB: its largest op (transformer_block,
+    the model's layers) at the case's own points, times every (op, point) of the plan, stays under it.
+    Traces are gzipped (Perfetto, TensorBoard and HTA read them so) and no row warns: the fixed count of
+    samples is one note naming the setting."""
+    assert (
+        run(
+            [
+                "case=tiny",
+                "launcher=torch_profiler",
+                "ops=[transformer_block]",
+                "progress=false",
+                "report=false",
+                f"hydra.run.dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    folders = [p for p in (tmp_path / "profiles").glob("*/transformer_block") if p.is_dir()]
+    largest = max(sum(f.stat().st_size for f in folder.iterdir()) for folder in folders)
+    plan = len(dense_model_ops()) * len(folders)  # every op of the tiny case at each of its points
+    assert largest * plan <= 50e6, f"{largest * plan / 1e6:.0f} MB"
+    assert all(_trace_file(folder).name.endswith(".json.gz") for folder in folders)
+    _load_trace(_trace_file(folders[0]))  # a gzipped trace as Perfetto and HTA read it
+    assert [r["warnings"] for r in _rows(tmp_path)] == [""] * 2 * len(folders)
+    assert "! rows with warnings" not in out and "launcher.active" in out
 
 
 @pytest.fixture(scope="module")

@@ -139,3 +139,32 @@ def test_run_summary_formats_each_kind_of_number_by_the_units_module():
     # a failed row's measurements read "-" whatever it holds; its status carries the error
     assert failed.split()[3:] == ["-"] * 8 + ["failed:", "boom"]
     assert len(rule) >= len(header.rstrip())
+
+
+def test_the_summary_lists_each_kind_of_warning_once_with_what_to_do():
+    from autotuner.results.table import WARNING_FIXES
+
+    rows = [
+        {
+            "op": op,
+            "phase": "forward",
+            "point": "s8_b1",
+            "status": "ok",
+            "median_us": 5.0,
+            "rel_ci": 0.3,
+            "precision_rule": "ci",
+            "warnings": "imprecise(ci=30%)",
+        }
+        for op in ("mlp", "rope", "linear_qkv")
+    ]
+    rows.append({**rows[0], "op": "mlp_bda", "warnings": "imprecise(ci=12%);drift(+40%)"})
+    rows.append(
+        {**rows[0], "op": "embedding", "warnings": "", "rel_ci": None, "precision_rule": None, "samples": 5}
+    )
+    text = render(rows)
+    said = [line for line in text.splitlines() if line.startswith("  imprecise:")]
+    assert len(said) == 1 and said[0].startswith("  imprecise: 4 row(s) (mlp.forward, rope.forward")
+    assert WARNING_FIXES["imprecise"] in said[0] and "timing.budget_s" in said[0]
+    assert sum(line.startswith("  drift: 1 row(s) (mlp_bda.forward)") for line in text.splitlines()) == 1
+    # the profiler row of a fixed count: one note naming the setting, not a warning of its own
+    assert "note: 1 row(s) of a profiler's fixed count" in text and "launcher.active" in text

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotuner.capture import _child
+from autotuner.capture.command import cannot_open, parse_steps
 from autotuner.cli import Command, entry, parse, setting
 from autotuner.errors import UserError, say_error
 from autotuner.results.atomic import check_writable
@@ -124,7 +124,7 @@ def run(argv: list[str]) -> int:
     try:
         if args.out is None:
             raise UserError("give out=FILE, the capture file to write")
-        steps = _child.parse_steps(args.steps)
+        steps = parse_steps(args.steps)
     except (UserError, ValueError) as exc:
         say_error(COMMAND.name, exc)
         return 2
@@ -140,7 +140,7 @@ def run(argv: list[str]) -> int:
         argv_child = child_command(list(command), options)
         script = argv_child[argv_child.index("--") + 1]
         # Only a script is checked here: a module is looked up by the child's interpreter, on its path.
-        reason = None if script == "-m" else _child.cannot_open(script)
+        reason = None if script == "-m" else cannot_open(script)
         if reason:
             raise UserError(f"{reason}: give the path of the training script")
     except UserError as exc:

@@ -27,36 +27,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-
-def parse_steps(text: str | None) -> tuple[int, int] | None:
-    """``START:STOP`` (optimizer steps; ``:STOP`` starts at 0) or None."""
-    if not text:
-        return None
-    start, sep, stop = text.partition(":")
-    try:
-        window = (int(start or 0), int(stop)) if sep else None
-    except ValueError:
-        window = None
-    if window is None or not 0 <= window[0] < window[1]:
-        raise ValueError(f"steps wants START:STOP with 0 <= START < STOP, got {text!r}")
-    return window
+from autotuner.capture.command import cannot_open, parse_steps
 
 
 def names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
-
-
-def cannot_open(script: str) -> str | None:
-    """Why Python could not open ``script`` (one line, Python's words), or None. A folder runs its
-    ``__main__.py``, as Python runs it (runpy, in the capture); one without is refused here."""
-    if os.path.isdir(script):
-        has_main = os.path.isfile(os.path.join(script, "__main__.py"))
-        return None if has_main else f"can't find '__main__' module in {script!r}"
-    try:
-        with open(script, "rb"):
-            return None
-    except OSError as exc:
-        return f"can't open file {script!r}: {exc.strerror or exc}"
 
 
 def unstartable(target: list[str]) -> tuple[str, int] | None:

@@ -1,47 +1,7 @@
 """The capture file: versioned JSON, written atomically, validated on load.
 
-A capture is one JSON object (never pickle: a capture can be read, diffed and shared safely)::
-
-    {
-      "format": "autotuner-capture",          # always this string
-      "version": 1,                           # bumped whenever a field changes meaning
-      "created": "2026-01-31T12:00:00+00:00", # when the file was written (UTC)
-      "command": ["train.py", "--lr", "1e-3"],# the program's sys.argv when the file was written
-      "environment": {...},                   # versions, device, threads (model.runtime.environment)
-      "settings": {"steps": [1, 3] | null, "functions": [...], "methods": [...],
-                   "torch_compile": "ran eagerly ..."},  # only when a torch.compile'd model ran
-      "steps": {"seen": 3, "captured": 2},    # optimizer steps the program made / made inside the window
-      "status": "complete",                   # complete | exit | exception | interrupted | signal
-      "error": null,                          # one line when status is not complete
-      "calls": [CALL, ...]
-    }
-
-Each CALL is one distinct signature of one callee at one module path, with how often it was called::
-
-    {
-      "kind": "module" | "function" | "method",
-      "callee": "torch.nn.functional.linear",        # modules: the class, e.g. transformers...LlamaRMSNorm
-      "base": "torch.nn.modules.linear.Linear",      # modules: nearest torch.nn/megatron.core class (not
-                                                     # nn.Module itself) in the class's MRO, or null
-      "path": "model.layers.0.self_attn.q_proj",     # module path ("" = the outermost module called)
-      "args": [VALUE, ...], "kwargs": {"name": VALUE},
-      "attrs": {"in_features": 64, ...},             # modules: constructor-relevant attributes
-      "training": true,                              # modules: module.training at the call
-      "grad_enabled": true,                          # torch.is_grad_enabled() at the call
-      "count": 2
-    }
-
-A VALUE is one of:
-``{"tensor": {"shape", "dtype", "device", "stride", "contiguous", "requires_grad", "parameter"}}``;
-``{"value": scalar}`` (null, bool, int, finite float, str); ``{"float": "inf"|"-inf"|"nan"}``;
-``{"tuple": [VALUE...]}``, ``{"list": [VALUE...]}``, ``{"dict": {key: VALUE}}``; ``{"dtype": "float32"}``;
-``{"device": "cuda:0"}``; or ``{"object": "module.Class"}`` (anything else: only its type is kept; a
-sequence longer than 64 items becomes ``{"object": "tuple", "length": n}``).
-
-Method calls list ``self`` as their first argument. Function and method calls are recorded at the
-outermost level only: a wrapped function called by another wrapped function is part of the outer call.
-A module that the outermost module does not hold (say one global instance that every layer calls) is named
-after its caller at each call, ``<caller path>.~<Class>``, and its children ``<caller path>.~<Class>.<name>``.
+A capture is one JSON object (never pickle: a capture can be read, diffed and shared safely), its
+fields in docs/extending.md, "The capture file".
 """
 
 from __future__ import annotations

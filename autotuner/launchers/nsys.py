@@ -13,40 +13,7 @@ The parent (this module, inside ``python -m autotuner.main``) does not build a m
 
 The options nsys gets, and where nsys is looked for: autotuner.launchers.nsys_command.
 
-Columns: :func:`autotuner.launchers.nsys_rows.range_columns` says which time leads. In short: on a CPU
-the statistics are of the op's own NVTX ranges in its measured iterations; on a GPU they are of each
-iteration's GPU time, the summed durations of its kernels, memsets and copies (the kernels' part alone
-is ``kernel_time_us``), and the ranges' median
-(the host's time to issue the op) is ``host_median_us``. The statistics are a
-:class:`autotuner.measure.timer.Measurement` of those times, as get_data's, with its ``rel_ci`` and
-``warnings``. ``samples`` is how many ranges were found (``launcher.iterations`` when nothing was lost).
-``weight_bytes`` comes from the worker. ``activation_bytes``, ``peak_bytes``, ``flops`` and ``tflops``
-are left empty: measuring them takes extra runs of each op, which would appear on the timeline among the
-measured ones; use launcher=get_data for them.
-
-Faults:
-
-* which nsys: the path and version go into ``environment.json`` (``nsys_path``, ``nsys_version``) and
-  the first line on stderr. None found: :class:`autotuner.errors.UserError` (one line, exit 2) naming
-  where it looked and how to install it.
-* nsys exits non-zero: the tail of its output on stderr and a non-zero exit code; whatever report it
-  saved is still read.
-* the worker dies (a crash, the OOM killer, a kill): nsys still saves the report, and passes the exit
-  status through (128 + signal after a kill). Rows the worker completed are read from the report; the
-  op it was running is ``failed`` with "the profiled process died while measuring it", every op after it
-  ``failed`` with "... died before measuring it".
-* SIGTERM or SIGINT (``kill``, Ctrl-C, a batch system ending the job): passed on to nsys and the worker,
-  which run in sessions of their own (:class:`autotuner.launchers.nsys_process.StopSignals`). The worker
-  unwinds and exits, nsys saves its report (given STOP_GRACE_S; then it and the worker are killed, said
-  in one line), the rows are read and written as for a worker that died, and the exit code is 128 + the
-  signal's number (143, 130) after one line saying so and where the results are. No process of the run
-  outlives it.
-* nsys itself dies (killed, crashed): the worker, which nothing records any more, is ended at once, and
-  any agent nsys left (autotuner.launchers.nsys_process.StopSignals.reap); the rows are ``failed``
-  naming how nsys ended, unless it saved a report.
-* an op fails in the worker (an exception, OOM): its row is ``failed`` with the error, and the plan goes on.
-* a completed op with no range in the report: ``failed``, naming the likely cause (the nvtx package's
-  version; see autotuner.ops.annotate).
+The columns it writes and how each fault ends: docs/launchers.md, "nsys: columns and faults".
 """
 
 from __future__ import annotations
@@ -68,8 +35,8 @@ from autotuner.launchers.nsys_process import (
     profile,
     wait_turn,
 )
+from autotuner.launchers.nsys_protocol import worker_dir as worker_dir_of
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
-from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
 from autotuner.runner.plan import plan
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.launchers.nsys_command import INSTALL_HINT
-from autotuner.launchers.nsys_worker import LAUNCHER_ENV, STARTED_FILE, process_identity, worker_dir
+from autotuner.launchers.nsys_protocol import LAUNCHER_ENV, STARTED_FILE, process_identity, worker_dir
 
 LAUNCH_ATTEMPTS = 3  # see lost_launch_race
 AGENT_GRACE_S = 5.0  # how long nsys's agent may take to end by itself after nsys has (see end_agent)

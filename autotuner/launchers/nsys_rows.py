@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotuner.launchers.nsys_process import NsysRun, describe_exit
+from autotuner.launchers.nsys_protocol import MEASURING_FILE, parse_marker
 from autotuner.launchers.nsys_report import (
     TOP_KERNELS,
     KernelStats,
@@ -29,7 +30,6 @@ from autotuner.launchers.nsys_report import (
     read_nvtx_ranges,
     read_open_ranges,
 )
-from autotuner.launchers.nsys_worker import MEASURING_FILE, parse_marker
 from autotuner.measure.metrics import Observed, fill, register_metric
 from autotuner.measure.timer import Measurement
 from autotuner.results import CALL_COLUMNS, load_rows

@@ -4,41 +4,17 @@ Started by autotuner.launchers.nsys as ``python -m autotuner.launchers.nsys_work
 where ``<config>`` is the config the parent validated (Hydra's ``<run_dir>/.hydra/config.yaml``). The
 worker resolves it with the same :func:`autotuner.runner.spec.resolve_spec`, builds the same model and runs
 the same :class:`autotuner.runner.Runner` with :class:`NsysObserver`. It measures nothing itself: the times
-come from the report, read by the parent. What it writes, under ``<run_dir>/worker/``:
-
-* ``results.jsonl``/``results.csv``: one row per (op, phase, point) as the runner finishes it, with the
-  status (ok, failed with the error, skipped). After a crash these rows say which ops completed.
-* ``measuring.txt``: the (op, phase, point) whose iterations are running, rewritten before each one;
-  after a crash it names the op the process died in.
-* ``started``: the worker's pid, written first thing (the parent passes stop signals to it).
+come from the report, read by the parent. The files it writes and the ranges it pushes are in
+autotuner.launchers.nsys_protocol and docs/launchers.md ("Reading an Nsight Systems report").
 
 A SIGTERM or SIGINT unwinds the worker (see :func:`_stop_on_signals`): the rows written so far stay, the
 op being run gets no row, and the exit code is 128 + the signal's number, which nsys passes on. A worker
 whose launcher is gone (killed outright) stops itself (see :func:`_watch_launcher`).
-
-Per phase, :meth:`NsysObserver.observe` runs::
-
-    for i in range(warmup):      ranges "<op>.<phase> [<point>] #w<i>"
-        run iteration i
-    cudaProfilerStart()          (CUDA only; see autotuner.launchers.nsys_command for the capture range)
-    push "measure <op>.<phase> [<point>]"
-    for i in range(iterations):  ranges "<op>.<phase> [<point>] #<i>"
-        run iteration i; synchronize the device
-    pop; cudaProfilerStop()
-
-An iteration of the backward phase is ``prepare()`` (a fresh forward, whose forward ranges are emitted
-too: they are that iteration's forward) then ``run()`` (the backward alone). So a forward range of an op
-appears in both of its phases, and, nested, inside every op that contains it (a ``linear_qkv`` range
-inside each ``self_attention``, ``transformer_layer`` and ``transformer_block`` iteration), all with the
-same name. The ``measure`` range says which ranges a row is made of: those of its op and phase inside
-its window (see :func:`autotuner.launchers.nsys_rows.measured_ranges`). Its name does not parse as one of
-ours (:func:`autotuner.ops.naming.parse_range` gives None), so no statistic ever counts it.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import threading
@@ -48,48 +24,19 @@ from typing import Any
 import torch
 
 from autotuner.errors import say_error
+from autotuner.launchers.nsys_protocol import (
+    LAUNCHER_ENV,
+    MEASURING_FILE,
+    STARTED_FILE,
+    marker_name,
+    process_identity,
+    worker_dir,
+)
 from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
 from autotuner.termination import check_stop, forget_stop, raise_stop, stopping_when_gone
-
-WORKER_DIR = "worker"
-LAUNCHER_ENV = "AUTOTUNER_NSYS_LAUNCHER"  # "<pid> <start time>" of the launcher (nsys_process.worker_env)
-
-
-def process_identity(pid: int) -> str | None:
-    """``"<pid> <start time>"`` of a live process (the start in clock ticks since boot, field 22 of
-    /proc/<pid>/stat: a pid reused by another process has another), None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-    return f"{pid} {fields[19]}" if len(fields) > 19 and fields[0] != "Z" else None
-
-
-def worker_dir(run_dir: Path, rank: int, world: int) -> Path:
-    """Where rank ``rank``'s worker records its rows: ``worker``, or ``worker.rank<N>`` for each rank of a
-    job of several processes (``world``)."""
-    return Path(run_dir) / (f"{WORKER_DIR}.rank{rank}" if world > 1 else WORKER_DIR)
-
-
-MEASURING_FILE = "measuring.txt"
-STARTED_FILE = "started"
-
-_MARKER_RE = re.compile(r"^measure (?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) \[(?P<point>[^\]]+)\]$")
-
-
-def marker_name(op: str, phase: str, point: str) -> str:
-    """The name of the range around a phase's measured iterations."""
-    return f"measure {op}.{phase} [{point}]"
-
-
-def parse_marker(name: str) -> tuple[str, str, str] | None:
-    """(op, phase, point) of a :func:`marker_name`; None for any other range."""
-    match = _MARKER_RE.match(name)
-    return None if match is None else (match["op"], match["phase"], match["point"])
 
 
 class NsysObserver:

@@ -11,46 +11,10 @@ forward then its backward, under ``record_function`` ranges named as the NVTX ra
         prof.step()
 
 and leaves a trace, stacks and operator tables per (op, point) (autotuner.launchers.profiler_files), plus
-the usual results rows. Measurement gotchas, and how this launcher settles them:
+the usual results rows.
 
-* Which time. A row's times are the op's *own* range per active step: ``<op>.<phase> [<point>] #i`` with
-  the op's name, not a parent's or a sub-op's (a transformer_layer step also holds linear_qkv ranges with
-  the same point and iteration), and never a warm-up range (``#w``). The statistics are over the active
-  steps only; ``samples`` is ``active``. Use ``launcher.active`` of 10 or more for a stable median.
-* Recording overhead. ``with_stack`` records every Python call, ``profile_memory`` every allocation,
-  ``record_shapes`` every operator's inputs; on CPU that made small, Python-heavy ops (mlp, a whole layer
-  at s128_b4 of case=tiny) 2-2.5x slower than get_data measures them. As get_data runs each sensor in
-  its own pass, the times therefore come from a first, lean session (same schedule, operators only)
-  and the files from a second, detailed one. The lean session also marks the measured op alone: each
-  marked sub-op costs its parent a push/pop and two autograd nodes (autotuner.ops.instrument), which
-  put mlp's forward (s128_b4, one thread) at 1.7x of get_data instead of 1.1-1.3x; the detailed
-  session marks them all, so a layer's trace shows its sub-ops. ``lean_timing=false``: one session,
-  times from the detailed one (on CPU, 2-2.5x for small Python-heavy ops).
-* Host vs device time. On CPU the range's duration is the op's time. On a GPU the host range only
-  brackets kernel *launches*; the time taken is the GPU's busy time inside the range's GPU-side span
-  (kineto's ``gpu_user_annotation``: first kernel start to last kernel end of the kernels launched
-  inside it), the summed durations of the kernels, memsets and copies there, as nsys's GPU time; each
-  step ends with a synchronisation so steps never overlap on the device. Not the span: the profiler's
-  cost on the host can leave the GPU idle inside it (:func:`range_times_ns`).
-* Backward is timed on its own, from the range pushed when autograd reaches the op's outputs to the one
-  popped when its input gradients exist (autotuner.ops.instrument), not as (forward+backward)-forward.
-  Unlike get_data's timer around the whole ``backward()`` call, the range leaves out autograd's
-  start-up and the storing of the input gradients in ``.grad``: about 10% of core_attention's backward
-  at s128_b4 on CPU, so there the profiler can read lower than get_data.
-* Both phases per session. The runner asks for the forward row first; the sessions measure both and
-  the backward measurement is kept for the backward row that follows (on resume, with the forward row
-  already done, they run for the backward row instead). Sessions that fail fail both rows.
-* Memory and FLOPs columns come from the same sensors as get_data (autotuner.measure), run outside the
-  profiler, so the columns mean the same in both launchers; only the times come from the profiler.
-  ``peak_bytes`` is filled on a GPU only (see ``_sensors``).
-
-Opening the files: drop a ``.pt.trace.json[.gz]`` on https://ui.perfetto.dev (or chrome://tracing), or
-run ``tensorboard --logdir <run_dir>/profiles`` with the ``torch-tb-profiler`` plugin (each
-``<point>/<op>`` folder is a run); ``hta.trace_analysis.TraceAnalysis(trace_dir=<point>/<op> folder)``
-loads one as rank 0. Look for the ``ProfilerStep#N`` bands, the op's forward and backward ranges in each,
-the ``aten::`` operators nested under them (and, on a GPU, the kernels linked to them), and gaps between
-ranges (Python overhead, synchronisation). The stacks feed flamegraph.pl or speedscope; the memory
-snapshot opens at https://pytorch.org/memory_viz.
+How it settles each measurement pitfall, and how to open its files: docs/launchers.md, "torch_profiler:
+the pitfalls it settles".
 """
 
 from __future__ import annotations

@@ -1,125 +1,5 @@
 """Timing one phase of one op: device-correct timers, adaptive sampling, plain-data results.
 
-Gotchas this guards against (and records in the row, so a reader knows they were guarded):
-
-* Asynchronous devices. On CUDA, ``time.perf_counter`` around a call measures how long the host took to
-  *launch* the kernels, not how long they ran. We record CUDA events on the stream before and after the
-  call and read the elapsed time after synchronising, so host launch time is never reported as op time.
-  On CPU the op runs synchronously and ``perf_counter_ns`` brackets it.
-* Work that belongs to the next sample. Each sample may have an untimed ``prepare`` step (the backward
-  phase runs its forward there; the timed call is the backward alone); we synchronise after ``prepare``
-  so none of its queued kernels leak into the timed window.
-* Timer overhead on short ops. An event pair plus a synchronisation costs single to low double digit
-  microseconds on a GPU, ``perf_counter_ns`` well under one on a CPU. Where there is no ``prepare`` (the
-  forward phase) a sample is a block of back-to-back calls sized so that the block lasts at least
-  ``min_block_s``, and the sample is the block's time divided by its calls.
-* Warm caches. With ``flush_cache`` each sample starts after a write over a buffer twice the size of the
-  last-level cache (GPU L2, CPU LLC; autotuner.measure.cache) in the untimed step, so no sample reads the
-  previous sample's data from cache; blocks are then one call. Without it, small inputs are rotated
-  instead (autotuner.runner.Phase): each call reads a different copy.
-* The host's launch delay. After the untimed step's synchronisation the GPU is idle, so a sample's start
-  event runs at once and the GPU then waits for the host to launch the first kernel: for a backward, the
-  autograd engine's start and its hand-over to the device thread, hundreds of microseconds that no kernel
-  occupies and that a training step hides behind earlier work. With ``hide_launch`` (CUDA, the default
-  there) a spin kernel is queued before the start event, lasting 1.5 times the host's launch time of the
-  previous sample; the host queues the sample's kernels while the GPU spins, and the span between the
-  events is the GPU running them. It also keeps the GPU busy, so its clocks do not drop between samples.
-  On an H100 (Llama-2-7B layer, bf16, s2048_b1) it took get_data from 2 to 8 of 10 rows within 10% of
-  nsys's GPU time (linear_qkv backward 735 -> 510 us against 505). As the launches are hidden, an op the
-  host issues more slowly than the GPU runs it also reads its GPU time: the host's time per call is kept
-  (``host_median_us``), and a row where it exceeds the GPU time is flagged ``launch_bound``; in a step
-  such an op costs the host's time unless the host is running ahead.
-* Back to back is not how every op runs. Samples follow each other at once, so they time an op whose
-  core (or GPU) has just run it; a pipeline stage calls an op after waiting for its neighbour.
-  ``timing.idle_before_ms`` (autotuner.launchers.get_data.IdlePause) puts a pause, untimed, before every
-  sample, and the rows record it (on this project's CPU VM the tiny case's layer forward, one thread,
-  took 3.0-3.3 ms after 2 ms asleep against 2.1-2.8 back to back and 3.3 with the caches flushed). The
-  predictor leaves such rows out of a step's back-to-back ops (autotuner.predict.inputs.Measurements):
-  inside real pipeline steps the visits after a wait did not run as after a sleep (``python -m
-  benchmarks.predict_accuracy --layouts pp2`` prints the stages' visits beside their rows).
-* A forward follows its backward. Back to back, each forward sample finds what the op's previous forward
-  left: its code and data in the core's caches, the blocks it freed ready for the same allocations. In
-  a training step every forward of an op follows the op's backward of the previous micro-batch, which
-  touched its weights' gradients and freed its saved activations in between.
-  ``timing.forward_after_backward`` runs that backward, untimed, after every forward sample
-  (autotuner.runner.Phase.training_order), so each sample is one call after one; the rows record it
-  (``forward_after_backward``), the predictor prefers such rows and its profiling plan asks for them in
-  its warm runs (autotuner.predict). On this project's CPU VM (one thread, the steps' own
-  layers alternated with the steps in one process: ``python -m benchmarks.row_in_step``) the tiny
-  layer's forward back to back read 0.84 of its time inside the steps and 0.96 after its backward; the
-  llama-shaped layer's 0.96 and 1.09: back to back is a lower bound of a step's forward, after the
-  backward near it or above. Off by default: the back-to-back forward is the op's own time, as
-  torch.utils.benchmark times it.
-* Activations a step holds. A training step keeps every micro-batch's saved activations until its
-  backward, so each forward writes them into memory the allocator hands out afresh and each backward reads
-  them back after everything the stage ran between; once that is more than the shared cache holds, the
-  memory is no longer cached. A sample after its own backward writes into the blocks that backward has
-  just freed, still in the cache. ``timing.held_activations_mib`` holds earlier calls' graphs, at least
-  that many MiB of what the forward saves (autotuner.runner.Phase.training_order,
-  autotuner.launchers.get_data.graphs_to_hold): a forward sample follows the backward of the oldest held
-  graph and writes where that graph's activations lay, a backward sample runs the oldest graph's backward;
-  the rows record the bytes held (``held_activation_bytes``). On a 2-core Intel VM (one
-  thread, 20 rounds, the rows alternated with the steps in one process: ``python -m
-  benchmarks.row_in_step``, two runs an hour apart) the llama-shaped layer's rows read 0.984 and 0.962
-  (forward after its backward) and 0.942 and 0.923 (backward) of its time inside the steps by default,
-  0.999 and 0.976, 0.991 and 0.959 held (52 and 24 MiB); but the steps predicted from held rows profiled in
-  their own processes read no nearer in the same rounds of ``python -m benchmarks.predict_accuracy``, and
-  the predictor takes the rows without. Off (0) by default.
-* Freeing what a call returns. A forward's output holds its autograd graph and every activation saved
-  for the backward; a bare ``run()`` drops it at once, inside the timed window, so the graph's teardown
-  and the frees of its tensors were timed as the forward. In training they live until the backward,
-  which frees them (as the backward phase's samples do, inside their window). So
-  :meth:`DeviceTimer.time_ns` keeps a sample's result until after its end mark; a backward returns its
-  spent outputs, whose graph nodes go with them, as a step drops them after the layer's backward. On
-  this project's CPU VM (one thread; ``python -m benchmarks.row_in_step`` times both ways side by side,
-  in one process with the steps) a forward freed inside its window read 1.7-6.7% longer for the
-  llama-shaped layer (median 2.5% over seven runs) and 1-11% for tiny's (3%); a backward's spent graph,
-  under 1%. In a block of calls only the last call's result is kept: keeping all of them made every
-  call write memory no call had just freed (and, where glibc had given the heap's top back to the
-  system, fault its pages in again), and short ops read 1-19% slower for it; the
-  block's other calls free theirs as they return, as before.
-* The system's page faults. Memory the C library gave back to the system faults its pages in again when
-  written, so whether a sample pays faults depends on what the process freed before it: every process
-  that times on a CPU keeps its freed memory (autotuner.model.host_heap, which names what it cost).
-* A sum of calls is not a sum of medians. The median is the op's own time, robust to the machine's
-  stalls; but a training step adds up dozens of visits, and the typical value of a sum of skewed times is
-  near the sum of their means. Where the times skew (a CPU; ranks that wait for each other in their
-  collectives), medians added up fall short of the step: on this project's CPU VM the tiny case's TP=2
-  rows of the layer and the output layer read mean over median 1.05-1.16, and the same ops' visits
-  inside its real TP=2 steps 1.04-1.42, alike (in one process both 0.98-1.04). The mean alone carries a
-  rare stall a typical step does not contain, so each row also keeps its fenced mean, the mean inside
-  Tukey's outer fences (autotuner.measure.stats), which autotuner.predict adds up.
-* A second is one draw of the machine. Samples taken within a second share that second's speed, so on a
-  machine whose speed moves from second to second (a VM whose host cores and caches other tenants share) a row
-  sampled for a second is one draw of it, however many samples it holds, and its confidence interval, computed
-  as if the samples were independent, says how well it knows that second, not the machine. On a
-  2-core AMD VM a GEMM whose weight sits in the shared cache (``python -m benchmarks.machine_noise``, its
-  windows: ``l3_gemm``, 120 s) had medians over 1-second windows of 0.86-1.12 of its median (10th-90th
-  percentile), over 10-second ones 0.89-1.06, over 30-second ones 0.90-1.04; one whose weight a core keeps
-  (scratch, an hour earlier) 0.95-1.14 over 1 s and 0.98-1.02 over 10 s. The llama-shaped layer's and
-  output layer's rows moved between six profiles by 0.12 of their mean (relative standard deviation, the
-  four rows' mean) sampled for the default second, by 0.085 with their samples spanning 5 s.
-  ``min_time_s`` makes a row's samples span at least that long (no stop on precision or ``max_samples``
-  before it, and a budget of at least it), as ``torch.utils.benchmark``'s ``min_run_time`` does; each row
-  records the seconds its samples spanned (``sampled_s``). Off by default: a row then costs what it did.
-* Cold starts. Warm-up calls (lazy initialisation, first-call allocations, the allocator growing its pool)
-  run before any sample is kept.
-
-Sampling is adaptive (:func:`sample`): after warm-up, samples come in blocks of ``check_every`` (one by one
-once a sample lasts over a millisecond) until the median is precise enough ("precision"), or the time budget
-runs out ("budget"), or ``max_samples`` were taken ("max_samples"), but neither precision nor ``max_samples``
-stops it before ``min_time_s`` of sampling, and the budget is at least that; at least ``min_samples`` are
-always taken. "Precise enough" is one of two rules (``precision_rule``):
-
-* ``ci`` (the default): the 95% confidence interval of the median is narrower than ``target_rel_ci`` of
-  the median. The interval is distribution-free (order statistics), so a skewed or bimodal distribution of
-  times does not fool it; it needs at least 6 samples.
-* ``iqr``: the interquartile range is under ``target_rel_iqr`` of the median, from at least 4 samples:
-  the rule of ``torch.utils.benchmark``'s ``adaptive_autorange``. It can stop after 4 samples, but it
-  bounds the spread of the times, not the uncertainty of their median: the spread is the op's and the
-  machine's and does not shrink with more samples, so an op that spreads wider than the target stops only
-  when a few samples happen to agree, or at the budget. The CI narrows as samples come in.
-
 Several ranks (tensor or expert parallelism under torchrun) call the op together: its collectives pair
 one rank's n-th call with every other rank's n-th call. So every decision that changes how often a rank
 calls the op is taken by the group, never by one rank (:class:`RankAgreement`): the calls per sample
@@ -128,6 +8,10 @@ sample over a millisecond), and the stop (one small all-reduce per check: stop o
 every rank's rule holds, on budget when the slowest rank's budget is spent). All ranks therefore take
 the same samples and give the same ``stop_reason``. A rank that decided alone would leave the loop
 while its peers still wait in the op's collectives: a deadlock.
+
+Each timing pitfall is guarded where it is named below; why each guard, and the measurements behind
+it, are in docs/measurement.md ("What the timer guards against, and why"); the sampling and its stop
+rules (:func:`sample`) in docs/measurement.md ("Sampling and the stop rules").
 """
 
 from __future__ import annotations
@@ -141,14 +25,16 @@ from typing import Any
 
 import torch
 
+from autotuner.cli import setting
 from autotuner.measure.stats import fenced_mean
 
 PRECISION_RULES = ("ci", "iqr")
 
-# Warning thresholds (documented in docs/measurement.md's table of warnings).
-NOISY_IQR_FRACTION = 0.10
-DRIFT_FRACTION = 0.10
-FEW_SAMPLES = 10
+# Warning thresholds (documented in docs/measurement.md's table of warnings). A row warns where its
+# median cannot be trusted to about 5% either way, not where its samples merely spread: the spread is in
+# its columns (iqr_us, rel_ci, stop_reason).
+IMPRECISE_CI = 0.10  # the median's 95% CI wider than this share of it
+DRIFT_FRACTION = 0.25  # the last third's median this far from the first third's: the machine changed
 
 
 def median_ci(sorted_times: list[float], z: float = 1.96) -> tuple[float, float] | None:
@@ -249,17 +135,14 @@ class Measurement:
     def warnings(self) -> list[str]:
         """Reasons to distrust this measurement (empty when none)."""
         found = []
-        if self.samples < FEW_SAMPLES:
+        rel_ci = self.rel_ci
+        if rel_ci is None and self.target is not None:  # a fixed count (the profilers') is the user's choice
             found.append(f"few_samples({self.samples})")
-        if self.median_ns > 0 and self.iqr_ns / self.median_ns > NOISY_IQR_FRACTION:
-            found.append(f"noisy(iqr={self.iqr_ns / self.median_ns:.0%})")
+        elif rel_ci is not None and rel_ci > IMPRECISE_CI:
+            found.append(f"imprecise(ci={rel_ci:.0%})")
         drift = self.drift
         if drift is not None and abs(drift) > DRIFT_FRACTION:
             found.append(f"drift({drift:+.0%})")
-        precision, target = self.precision, self.target
-        reached = precision is not None and target is not None and precision <= target
-        if target is not None and self.stop_reason != "precision" and not reached:
-            found.append(f"{self.precision_rule}_target_missed")
         host = self.host_median_ns
         if host is not None and self.median_ns > 0 and host > self.median_ns:
             found.append(f"launch_bound(host={host / self.median_ns:.2g}x)")
@@ -355,7 +238,7 @@ class DeviceTimer:
 
     def time_ns(self, run: Callable[[], Any], calls: int = 1) -> int:
         """Total time of ``calls`` back-to-back calls of ``run``. The last call's result is freed after the
-        end mark, not inside the window (module docstring: "Freeing what a call returns")."""
+        end mark, not inside the window (docs/measurement.md: "Freeing what a call returns")."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if self.hide_launch:
@@ -400,32 +283,39 @@ SPIN_CEILING_NS = 20_000_000
 
 @dataclass
 class SamplingPolicy:
-    """How to sample (see the module docstring for what each guards against).
+    """How to sample (docs/measurement.md says when to change each setting).
 
-    After ``warmup`` calls, samples come in blocks of ``check_every`` until the precision rule holds
+    After ``warmup`` calls, samples come in blocks of :data:`CHECK_EVERY` until the precision rule holds
     (``precision_rule="ci"``: the median's 95% confidence interval is narrower than ``target_rel_ci`` of it;
     ``"iqr"``: the IQR is under ``target_rel_iqr`` of the median), or ``budget_s`` seconds of sampling have
     passed, or ``max_samples`` were taken; never fewer than ``min_samples``, and neither on precision nor on
-    ``max_samples`` before ``min_time_s`` seconds of sampling (the budget is then at least that: the module
-    docstring, "A second is one draw of the machine"). A forward sample is a block of calls lasting at least
-    ``min_block_s``.
+    ``max_samples`` before ``min_time_s`` seconds of sampling (the budget is then at least that:
+    docs/measurement.md, "A second is one draw of the machine"). A forward sample is a block of calls
+    lasting at least ``min_block_s``.
     """
 
-    warmup: int = 3
-    min_samples: int = 5
-    max_samples: int = 1000
-    budget_s: float = 1.0
-    target_rel_ci: float = 0.02
-    check_every: int = 5
-    min_block_s: float = 0.0002
-    precision_rule: str = "ci"
-    target_rel_iqr: float = 0.05
-    min_time_s: float = 0.0
+    warmup: int = setting(3, "untimed calls before the first sample", "N")
+    min_samples: int = setting(5, "the fewest samples a row keeps", "N")
+    max_samples: int = setting(1000, "sampling stops after this many samples", "N")
+    budget_s: float = setting(1.0, "sampling stops after this many seconds of it", "S")
+    target_rel_ci: float = setting(
+        0.02, "precision_rule=ci: stop once the median's 95% CI is narrower than this share of it", "X"
+    )
+    min_block_s: float = setting(0.0002, "a forward sample is a block of back-to-back calls this long", "S")
+    precision_rule: str = setting("ci", "ci or iqr: which rule stops sampling on precision", "RULE")
+    target_rel_iqr: float = setting(
+        0.05, "precision_rule=iqr: stop once the IQR is under this share of the median", "X"
+    )
+    min_time_s: float = setting(
+        0.0, "the samples span at least this many seconds (the budget is then at least that)", "S"
+    )
 
 
-# A sample at least this long is followed by a stopping check of its own: the check (sorting at most
-# max_samples numbers) costs microseconds, so waiting for a block of check_every samples would only
-# lengthen long ops' measurements.
+# Short samples are checked for a stop in blocks of CHECK_EVERY: each check sorts the samples (and under
+# torchrun is an all-reduce), which would otherwise cost a short op more than it runs. A sample at least
+# CHECK_EACH_SAMPLE_NS long is followed by a check of its own: the check costs microseconds, so waiting
+# for a block would only lengthen long ops' measurements.
+CHECK_EVERY = 5
 CHECK_EACH_SAMPLE_NS = 1_000_000
 
 
@@ -493,7 +383,7 @@ def sample(
             if check_each is None:
                 check_each = agree.max(block_ns)[0] >= CHECK_EACH_SAMPLE_NS
         n = measurement.samples
-        if not (check_each or n % policy.check_every == 0 or n == policy.max_samples):
+        if not (check_each or n % CHECK_EVERY == 0 or n == policy.max_samples):
             continue
         if n >= policy.min_samples:
             local_s = (timer.clock_ns() - started) * 1e-9

@@ -5,70 +5,7 @@ code it replaces and says why; nothing else in the project patches Megatron. ``a
 them once and points them at the run's device, so a CPU run on a GPU machine (``device=cpu``) keeps its
 tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
 
-1. ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` on first use. The
-   bridge leaves it on the device it was made on (the CPU when the model was built for the CPU).
-2. ``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffer on ``torch.cuda.current_device()``:
-   the bridge makes that the run's device.
-   For both, ``torch.cuda.current_device`` answers "cpu" for the duration of that one call only, rather
-   than being replaced process-wide.
-3. The model-parallel RNG tracker: ``get_cuda_rng_tracker().fork()`` (used around attention dropout)
-   raises without a CUDA RNG state. For a CPU run the inference tracker (whose fork is a no-op) is
-   installed; dropout then draws from the CPU generator, which ``torch.manual_seed`` seeds. A CUDA run
-   re-creates the real tracker (autotuner.model.runtime.seed_everything).
-4. ``Router.gating`` (Mixture-of-Experts) moves the router's weight to ``torch.cuda.current_device()``,
-   then calls ``router_gating_linear``, whose autograd function names Transformer-Engine's GEMM and
-   raises NameError without it. For a weight on the CPU the bridge computes what that function computes,
-   the logits ``input @ weight.T (+ bias)`` in the router's dtype, with ``F.linear`` (autograd gives the
-   same gradients). A CUDA weight takes Megatron's own path where ``moe_utils`` has that GEMM's name
-   (Transformer-Engine imported, or a Megatron that binds it to None without); on 0.16.1 without
-   Transformer-Engine it has not, and a GPU run needs the bridge too (seen on an H200: every MoE op
-   failed with ``NameError: te_general_gemm``).
-5. Multi-Latent Attention builds its own ``RotaryEmbedding``/``YarnRotaryEmbedding`` without
-   ``use_cpu_initialization``, so their constructors make ``inv_freq`` on ``torch.cuda.current_device()``,
-   and the YaRN one moves its tables there on every forward: the bridge makes both the run's device (the
-   constructors) and the tables' device (the forward).
-6. ``multi_latent_attention.HAVE_TE`` is True whenever Megatron's Transformer-Engine extension module
-   imports, which it does without Transformer-Engine, with a ``MagicMock`` standing in for ``TELinear``;
-   MLA's constructor then calls ``isinstance(linear_proj, <the mock>)`` (TypeError). Where ``TELinear``
-   is not a class the bridge sets ``HAVE_TE`` False, what it means there (a GPU machine without TE
-   needs it too).
-8. The collectives of sequence parallelism and of the all-gather MoE dispatcher (tensor_parallel.mappings'
-   ``_gather_along_first_dim``, ``_gather_along_last_dim``, ``_reduce_scatter_along_first_dim``, and
-   the sequence-parallel backward of ``LinearWithGradAccumulationAndAsyncCommunication``) allocate their
-   outputs on ``torch.cuda.current_device()``: the bridge makes that the run's device, as in 2. (gloo
-   runs these collectives on the CPU from torch 2.x: autotuner.model.runtime probes for them.)
-9. ``WrappedTorchNorm`` (the local spec's norm where Apex is absent, as on every CPU) refuses
-   ``sequence_parallel`` because it cannot tag its weights for the gradient all-reduce sequence
-   parallelism adds; the computation on a rank's sequence slice is the same. The bridge builds it with
-   sequence parallelism hidden from it and tags its parameters ``sequence_parallel`` as Megatron's
-   fused and Transformer-Engine norms do.
-7. ``get_default_causal_mask`` builds its mask on "cuda" when the attention mask is None: not bridged,
-   because our op inputs always pass an explicit boolean causal mask (True = masked). Its sliding-window
-   sibling, ``get_sliding_window_causal_mask`` (the local attention's mask wherever ``window_size`` is
-   set, whatever mask is passed), builds on "cuda" too: the bridge builds the same mask on the run's
-   device.
-10. The pipeline schedules (``pipeline_parallel.schedules``: ``forward_backward_no_pipelining``,
-    ``forward_backward_pipelining_without_interleaving`` and ``..._with_interleaving``) count the step's
-    tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``. For the duration of a schedule call
-    the name ``torch`` in that module is a stand-in whose ``zeros`` puts a "cuda" tensor on the run's
-    device (everything else is torch's own), so only the schedules' own allocations move; the model
-    code they call, in other modules, sees the real torch. (autotuner.validate.steps runs these
-    schedules for its measured training steps.)
-11. The pipeline's point-to-point exchange (``P2PCommunicator._communicate`` and
-    ``_communicate_shapes``) allocates its receive buffers on ``torch.cuda.current_device()`` and calls
-    ``torch.cuda.synchronize()`` after a batched ``batch_isend_irecv``: for the call, the current device
-    is the run's (as in 2.) and synchronize does nothing, since a CPU run has no stream to wait for
-    (the gloo requests are already waited for by then).
-12. Activation recompute (``tensor_parallel.random``'s ``CheckpointFunction`` and
-    ``CheckpointWithoutOutput``, used by ``recompute_granularity`` full and selective) saves the RNG
-    states before the forward and restores them for its re-run, through ``_get_all_rng_states`` and
-    ``_set_all_rng_states``, which read and write the CUDA generator's state (an AssertionError in a
-    CPU-only torch). For a CPU run the bridge saves and restores the CPU generator and the tracker's
-    states, the ones a CPU forward draws from, and leaves the CUDA generator out; a CUDA run takes
-    Megatron's own functions.
-13. The router's expert bias (``moe_router_enable_expert_bias``, DeepSeek-V3's aux-loss-free balancing)
-    and its token counts are buffers ``TopKRouter.__init__`` makes on ``torch.cuda.current_device()``:
-    the bridge makes that the run's device, as in 2.
+Each bridge, what it replaces and why: docs/model_families.md, "Megatron on a CPU".
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def register_op(
             needs=frozenset((needs,) if isinstance(needs, str) else needs),
             requires=requires,
             phases=phases,
-            description=(build.__doc__ or "").strip().splitlines()[0] if build.__doc__ else "",
+            description=" ".join((build.__doc__ or "").strip().split("\n\n")[0].replace("``", "").split()),
             where=where,
             kind=kind,
             half=half,

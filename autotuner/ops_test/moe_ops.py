@@ -18,26 +18,8 @@ covers, in the model as alone:
   unpermute), ``token_combine`` (the reduce-scatter or all-to-all) and ``combine_postprocess`` (the
   all-to-all dispatcher's unpermute, the reshape to ``[s, b, h]``).
 
-So dispatch is permutation plus communication, combine un-permutation plus communication, whichever
-dispatcher splits them how. Inside the model the MoE layer calls the six steps from four of its own
-methods, so no one function holds each group: the instrumentation (:func:`instrument_dispatcher`) swaps
-each MoE layer's dispatcher for a subclass that runs each group whole, as one range, where its first
-step is called (``dispatch_preprocess`` and ``combine_preprocess`` hand their inputs on, the later steps
-hand on what the group made). The same functions, :func:`dispatch_steps` and :func:`combine_steps`, are
-the ops' measured calls, so an op alone and its range inside ``moe_layer`` cover the same work.
-
-Routing is an input (autotuner.model.routing, ``moe.routing``). Every MoE op's inputs come from one
-routing of the op's seeded hidden states: ``learned``, the model's own seeded router run once without
-gradient; ``uniform``/``balanced``/``zipf``, a forced map. A forced map reaches ``moe_layer`` (and every
-layer that calls an MoE layer) through its router: :func:`force_routing` makes each MoE layer's router run
-as it does, its cost included, then hand on the forced map and probabilities (``1/topk`` on the chosen
-experts, carrying the router's gradient, so its backward runs too), inside the router's own range. The
-forced map of a call is drawn from the run's seed and the call's token count: the ops and the layer see
-the same one. Every MoE op's builder installs it on the model (as the dry run does when it builds one);
-a session that runs ``transformer_layer`` or ``transformer_block`` before any MoE op installs it when it
-opens, or those route as ``learned``. Every MoE op's row (not ``shared_experts``') records the routing and
-the tokens per local expert (autotuner.model.routing.ExpertLoad), the experts' implementation and the
-dispatcher.
+How the dispatcher's steps are grouped and how routing reaches the ops: docs/model_families.md, "The MoE
+ops".
 """
 
 from __future__ import annotations
@@ -95,7 +77,7 @@ _GROUPED: dict[type, type] = {}
 
 def _grouped_class(cls: type) -> type:
     """The subclass of a Megatron dispatcher class whose dispatch and combine each run whole, as one op
-    (see the module docstring); cached, one per class."""
+    (docs/model_families.md, "The MoE ops"); cached, one per class."""
     if getattr(cls, "autotuner_base", None) is not None:
         return cls
     if cls not in _GROUPED:
@@ -182,7 +164,8 @@ def _map_device(router: Any) -> torch.device:
 
 
 def _forced_forward(router: Any, routing: Routing, seed: int) -> Any:
-    """The router's forward, then its output replaced by the forced map (see the module docstring)."""
+    """The router's forward, then its output replaced by the forced map (docs/model_families.md, "The
+    MoE ops")."""
     from autotuner.model.routing import forced_probs
     from autotuner.ops.instrument import call_op
 

@@ -37,6 +37,8 @@ from autotuner.predict.inputs import (
 from autotuner.predict.layout import Layout, Source, worst_kind
 from autotuner.predict.links import collective_seconds
 
+NOISY_IQR_FRACTION = 0.10  # a row's IQR over this share of its median: its mean moves between profiles
+
 ATTENTION_OPS = frozenset({"core_attention"})
 # What Megatron keeps whole on every TP rank unless sequence parallelism splits the sequence.
 REPLICATED_WITHOUT_SP = frozenset(
@@ -206,11 +208,16 @@ class TimeModel:
             self.other_cache_rows.add(f"{row['op']}.{row['phase']}")
 
     def _note_noise(self, row: Mapping[str, Any]) -> None:
-        """A row the timer warned ``noisy`` (its IQR over autotuner.measure.timer.NOISY_IQR_FRACTION of its
-        median): its mean moves between profiles more than its samples show. And repeats (rows of several
-        runs: autotuner.predict.inputs.repeated) that lie further apart than REPEATS_APART: the machine's
-        speed moved between the runs."""
+        """A noisy row (its IQR over NOISY_IQR_FRACTION of its median, or a ``noisy`` warning of rows
+        written before): its mean moves between profiles more than its samples show. And repeats (rows of
+        several runs: autotuner.predict.inputs.repeated) that lie further apart than REPEATS_APART: the
+        machine's speed moved between the runs."""
         said = next((w for w in str(row.get("warnings") or "").split(";") if w.startswith("noisy(")), None)
+        median, iqr = row.get("median_us"), row.get("iqr_us")
+        if said is None and isinstance(median, (int, float)) and isinstance(iqr, (int, float)) and median > 0:
+            said = (
+                f"noisy(iqr={iqr / median:.0%})" if iqr / median > NOISY_IQR_FRACTION else None
+            )  # its columns
         if said is not None:
             self.noisy_rows[f"{row['op']}.{row['phase']}"] = said[len("noisy(") : -1]
         repeats = [us for _, us in row.get("repeats_us") or ()]

@@ -49,7 +49,7 @@ def _warnings(row: dict[str, Any]) -> str:
     value = row.get("warnings")
     if not value:
         return ""
-    # get_data joins them with ";" (few_samples(3);noisy(iqr=13%)); a space lets the cell wrap.
+    # get_data joins them with ";" (few_samples(3);drift(+30%)); a space lets the cell wrap.
     items = value if isinstance(value, (list, tuple)) else str(value).split(";")
     return "; ".join(str(item).strip() for item in items if str(item).strip())
 

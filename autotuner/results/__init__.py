@@ -147,8 +147,9 @@ class Row:
         True,
     )
     warnings: str | None = _column(
-        "``;``-separated reasons to distrust the row: few_samples(n), noisy(iqr=..), drift(+..%), "
-        "ci_target_missed / iqr_target_missed, cuda_graph_failed(..), cuda_graph_off(..), no_kernels (nsys "
+        "``;``-separated reasons to distrust the row, each with what to do in the run's summary: "
+        "few_samples(n), imprecise(ci=..%), drift(+..%), launch_bound(host=..x), cuda_graph_failed(..), "
+        "cuda_graph_off(..), no_kernels (nsys "
         "on a GPU: no kernel launched inside the ranges), ranges_lost(found/run) (nsys: the report holds "
         "fewer of the op's ranges than the worker ran, as when a stop signal ends the collection)"
     )

@@ -7,40 +7,8 @@ read it with :func:`load`, so a file one accepts the others accept too; it is ch
 :class:`CalibrationFile` (pydantic, strict), and a wrong type is one line naming the field. Where a file is
 named, so may be a shipped preset (``h100``, ``h200``: ``presets/``, calibrations measured on those GPUs,
 each with a ``preset`` block saying where, when and from what record: docs/predict_presets.md). The file
-is plain JSON::
 
-    {"peak_flops": {"fp32": <FLOP/s>, "bf16": ..., ...},   the matrix-product ceiling per dtype
-     "memory_bandwidth": <bytes/s>,                          the copy ceiling
-     "zeroing_bandwidth": <bytes/s>,                         optional: bytes zeroed per second (a
-                                                             training step zeroes its gradients)
-     "h2d_pinned": <bytes/s>, ...,                           on a GPU, the host-transfer ceilings
-     "adam_seconds_per_parameter": <s>,                      optional: torch's Adam step per fp32
-     "adam_parameters": <count>,                             parameter, and the count timed
-     "adam_seconds_per_tensor": <s>,                         optional: its cost per tensor (>= 0)
-     "grad_accumulation_seconds_per_parameter": {"bf16": <s>, ...},  optional: a gradient of that
-                                                             dtype added into an fp32 one, per parameter
-     "warm_cache_bytes": <bytes>,                            optional: the GPU's L2, a CPU core's own
-     "shared_cache_bytes": <bytes>,                          optional: the last-level cache (CPU: the
-                                                             L3 a core keeps data in, as measured)
-     "shared_cache_bytes_reported": <bytes>,                 optional: the size the device reports
-     "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
-     "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
-     "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate collectives=true)
-     "send_recv_bandwidth": {...},                           and the point-to-point exchange's
-     "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...},
-                                                             the timed sizes behind them
-     "adam_seconds_per_parameter_together": {"gloo:2": <s>},  optional, CPU processes: the Adam step
-                                                             per parameter with every rank at it
-     "host_work_seconds_per_microbatch": {"forward": <s>, "forward_per_layer": <s>, "backward": <s>,
-                                          "backward_per_layer": <s>}}  optional, CPU: a training step's
-                                                             time outside its ops per micro-batch, a
-                                                             stage's part and a part per layer
-
-The link entries are optional (a file written before them, or on one process, is still a calibration);
-where present they are checked like the ceilings. Other keys (``device_type``, ``environment``, ...) are
-kept as written. Bus bandwidth is nccl-tests' figure: the data a rank
-sends over its link per second, whatever the world size, so it is comparable across sizes of group
-(autotuner.predict.links turns it back into a collective's time).
+The file's keys: docs/measurement.md, "The calibration file".
 
 Importing this module imports neither torch nor a model (the report reads calibrations without them).
 """
@@ -159,9 +127,9 @@ class _Preset(BaseModel):
 
 
 class CalibrationFile(BaseModel):
-    """The schema of a calibration file (module docstring). Strict: JSON types as autotuner.calibrate writes
-    them, nothing coerced. An optional figure, where present, must hold a number (null is not a figure);
-    other keys are kept as written and not read."""
+    """The schema of a calibration file (docs/measurement.md, "The calibration file"). Strict: JSON types
+    as autotuner.calibrate writes them, nothing coerced. An optional figure, where present, must hold a
+    number (null is not a figure); other keys are kept as written and not read."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 

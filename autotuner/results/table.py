@@ -95,6 +95,54 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             "median_us, iqr_us; the kernels alone: kernel_time_us); host median: the op's NVTX range on the "
             "CPU (host_median_us)"
         )
-    if any(row.get("warnings") for row in rows):
-        out.append("! this row has warnings: reasons to distrust it (the warnings column of results.csv)")
+    out += warnings_summary(rows)
     return "\n".join(out)
+
+
+# What each kind of warning says, and what to do about it (docs/measurement.md, "Warnings").
+WARNING_FIXES = {
+    "few_samples": "too few samples for a confidence interval (under 6): raise timing.budget_s",
+    "imprecise": "the median's 95% confidence interval is over 10% of it: raise timing.budget_s or "
+    "timing.min_time_s, or quiet the machine (no other jobs; timing.threads=1)",
+    "drift": "the samples' median moved over 25% during the measurement (clocks, another job): measure "
+    "those ops again (ops=[...])",
+    "launch_bound": "the host took longer to issue the op than the GPU to run it: read host_median_us, or "
+    "replay it as a CUDA graph (timing.cuda_graph=true)",
+    "cuda_graph_failed": "timed eagerly although timing.cuda_graph asked for a replay",
+    "cuda_graph_off": "timed eagerly after an earlier capture failed: run the op alone with ops=[...]",
+    "cuda_graph_empty": "the replayed phase launches no kernel: nothing to do",
+    "no_kernels": "no kernel ran inside the op's ranges: check that the op ran on the GPU",
+    "ranges_lost": "the report holds fewer of the op's ranges than were run: run it again",
+}
+
+
+def warnings_summary(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The rows' warnings grouped by kind, each kind once: how many rows, what it means, what to do."""
+    kinds: dict[str, list[str]] = {}
+    for row in rows:
+        for warning in filter(None, str(row.get("warnings") or "").split(";")):
+            kinds.setdefault(warning.split("(")[0], []).append(f"{row.get('op')}.{row.get('phase')}")
+    fixed = [  # no precision target, and too few samples for a CI: a profiler's fixed count
+        r
+        for r in rows
+        if r.get("status") == "ok" and isinstance(r.get("samples"), int) and r["samples"] < 6
+        if not r.get("precision_rule")
+    ]
+    count = (
+        [
+            f"note: {len(fixed)} row(s) of a profiler's fixed count of samples, too few for a confidence "
+            "interval (under 6): raise launcher.iterations (nsys) or launcher.active (torch_profiler)"
+        ]
+        if fixed
+        else []
+    )
+    if not kinds:
+        return count
+    lines = [*count, "! rows with warnings (the warnings column of results.csv):"]
+    for kind, where in kinds.items():
+        shown = ", ".join(dict.fromkeys(where))
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        lines.append(
+            f"  {kind}: {len(where)} row(s) ({shown}): {WARNING_FIXES.get(kind, 'see docs/measurement.md')}"
+        )
+    return lines

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.cli import Command, UsageError, entry, parse, setting
-from autotuner.predict.__main__ import CheckFailed, PredictSettings, run
+from autotuner.predict.command import CheckFailed, PredictSettings, run
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.prediction import Prediction
 from autotuner.termination import (

@@ -224,7 +224,7 @@ class StageTrainer:
         if parallel_state.get_pipeline_model_parallel_world_size() != layout.pp:
             raise UserError(
                 "Megatron's parallel state in this process was set up for another layout: "
-                f"measure pp={layout.pp} in a fresh process (python -m autotuner.validate.steps)"
+                f"measure pp={layout.pp} in a fresh process (python -m autotuner.validate.steps_main)"
             )
         self.chunks = chunks = _stage_model(spec, layout, device)
         # every chunk's parameters, for the gradients and the optimizer
