@@ -127,6 +127,16 @@ class MoeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Without torchrun, a layout of TP or EP above 1 runs as one of its ranks in this process
+    (autotuner.model.emulation, docs/parallel_emulation.md). ``rank``: which one, 0 <= rank < the
+    layout's world size; None: the busiest (under EP the rank whose experts get the most tokens under
+    ``moe.routing``; TP ranks are alike, so 0)."""
+
+    rank: int | None = None
+
+
+@dataclass
 class LauncherConfig:
     name: str = MISSING
 
@@ -209,6 +219,7 @@ class AutotunerConfig:
     transformer_block_layers: int = 2
     timing: TimingConfig = field(default_factory=TimingConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: bool = False
     # resume=true into a run another autotuner version or environment measured (environment.json): false
     # refuses in one line; true measures the rest, each new row naming its environment (measured_by)

@@ -470,6 +470,8 @@ def start_writer(
         "model_args": {k: v for k, v in vars(spec.model_args).items()},
         "notes": spec.notes,
         "world_size": world,
+        # without torchrun, the layout this process stood for one rank of (autotuner.model.emulation)
+        "emulated_rank": spec.emulation.to_json() if getattr(spec, "emulation", None) else None,
         "fingerprint": fingerprint(cfg, spec),
     }
     named = earlier.get("environments") if writer.rows else None
