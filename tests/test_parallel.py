@@ -358,3 +358,19 @@ def test_ranks_whose_torchrun_is_killed_outright_stop_and_the_run_resumes(tmp_pa
     rows = load_rows(tmp_path / "results.rank0.jsonl")
     assert len(rows) == 12 and rows[: len(done[0])] == done[0]
     assert len([r for r in load_rows(tmp_path / "results.jsonl") if r["rank"] == "max"]) == 12
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_an_emulated_tp2_rank_equals_rank_0_of_the_torchrun_job(tp_run, tmp_path):
+    """The same command without torchrun emulates rank 0 of TP=2 in one process: its rows hold exactly
+    the FLOPs, weights and saved activations of the real rank 0, op by op."""
+    assert run([*TP_ARGS, f"hydra.run.dir={tmp_path}", *SMALL]) == 0
+    emulated = {(r["op"], r["phase"]): r for r in load_rows(tmp_path / "results.jsonl")}
+    real = [r for r in load_rows(tp_run / "results.jsonl") if r["rank"] == 0]
+    assert len(real) == len(emulated) == 4
+    for row in real:
+        twin = emulated[(row["op"], row["phase"])]
+        assert twin["rank"] == 0 and twin["emulated_layout"] == "tp=2 ep=1 etp=2 sp=false world=2"
+        for column in ("flops", "weight_bytes", "activation_bytes"):
+            assert twin[column] == row[column] is not None, (row["op"], row["phase"], column)
