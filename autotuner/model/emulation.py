@@ -109,7 +109,9 @@ class EmulatedGroup(torch.distributed.ProcessGroup):
 
     def _record(self, kind: str, nbytes: int) -> Any:
         if _log is not None:
-            _log.append({"kind": kind, "bytes": int(nbytes), "group": _names.get(id(self), f"size{self._size}")})
+            _log.append(
+                {"kind": kind, "bytes": int(nbytes), "group": _names.get(id(self), f"size{self._size}")}
+            )
         return _done()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -121,7 +123,9 @@ class EmulatedGroup(torch.distributed.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self._record("all_reduce", _nbytes(tensors))
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         with torch.no_grad():
             for out, inp in zip(outputs, inputs, strict=True):
                 for part in out:
@@ -135,7 +139,9 @@ class EmulatedGroup(torch.distributed.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
         with torch.no_grad():
             for out, parts in zip(outputs, inputs, strict=True):
                 out.copy_(parts[self._rank])

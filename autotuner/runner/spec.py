@@ -21,8 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 from autotuner.errors import UserError
 from autotuner.measure.timer import PRECISION_RULES
 from autotuner.model import cases
-from autotuner.model.hf_to_megatron import map_hf_config
 from autotuner.model.emulation import Emulation, check_rank
+from autotuner.model.hf_to_megatron import map_hf_config
 from autotuner.model.host_heap import keep_freed_memory
 from autotuner.model.routing import Routing
 from autotuner.model.runtime import (
@@ -237,12 +237,12 @@ def _emulation(cfg: DictConfig, tf_config: Any, world: int) -> Emulation | None:
                 "torchrun): drop parallel.rank"
             )
         return None
-    for name in ("pipeline_model_parallel_size", "context_parallel_size"):
+    for name, kind in (("pipeline_model_parallel_size", "pipeline"), ("context_parallel_size", "context")):
         size = getattr(tf_config, name, 1) or 1
         if size != 1:
             raise UserError(
-                f"tf.{name}={size}: an emulated rank holds no {name.split('_model')[0].split('_parallel')[0]} "
-                f"parallelism: set tf.{name}=1 (autotuner.predict models it)"
+                f"tf.{name}={size}: an emulated rank holds no {kind} parallelism: set tf.{name}=1 "
+                "(autotuner.predict models it)"
             )
     emulation = Emulation(tp, ep, etp, bool(tf_config.sequence_parallel))
     if wanted is None:
@@ -269,7 +269,10 @@ def busiest_expert_rank(spec: RunSpec) -> Emulation:
     try:
         seed_everything(spec.seed, spec.device)
         parts = model_parts(
-            spec.ops, spec.block_layers, spec.model_args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
+            spec.ops,
+            spec.block_layers,
+            spec.model_args.tie_word_embeddings,
+            moe_layer_pattern(spec.tf_config),
         )
         model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
         context = _context(spec, model)
@@ -278,7 +281,9 @@ def busiest_expert_rank(spec: RunSpec) -> Emulation:
         load = [0] * layout.world
         with torch.no_grad():
             for point in spec.points:
-                full = context.randn((point.seq_len, point.micro_batch_size, spec.tf_config.hidden_size), "hidden")
+                full = context.randn(
+                    (point.seq_len, point.micro_batch_size, spec.tf_config.hidden_size), "hidden"
+                )
                 part = point.seq_len // layout.tp if layout.sequence_parallel else point.seq_len
                 for rank in range(layout.world):
                     start = layout.tp_rank(rank) * part if layout.sequence_parallel else 0
