@@ -91,7 +91,17 @@ def check_rank(rank: Any, world: int, layout: str) -> int:
 # --- the backend -----------------------------------------------------------------------------------
 
 _log: list[dict[str, Any]] | None = None  # the collectives of the open recording (None: not recording)
-_names: dict[int, str] = {}  # id(process group) -> Megatron's name of it, filled by start()
+# id(process group), and its ranks, -> Megatron's name of it: filled by start(), then by _name_of
+_names: dict[Any, str] = {}
+
+
+def _name_of(group: EmulatedGroup) -> str:
+    """Megatron's name of ``group``: its own where :func:`start` named it, else that of the named group
+    over the same ranks (the aux loss's TP x CP group at CP 1 holds the TP group's ranks), else its ranks."""
+    if id(group) not in _names:
+        ranks = tuple(torch.distributed.get_process_group_ranks(group))
+        _names[id(group)] = _names.get(ranks, f"ranks{list(ranks)}")
+    return _names[id(group)]
 
 
 def _nbytes(tensors: Any) -> int:
@@ -109,9 +119,7 @@ class EmulatedGroup(torch.distributed.ProcessGroup):
 
     def _record(self, kind: str, nbytes: int) -> Any:
         if _log is not None:
-            _log.append(
-                {"kind": kind, "bytes": int(nbytes), "group": _names.get(id(self), f"size{self._size}")}
-            )
+            _log.append({"kind": kind, "bytes": int(nbytes), "group": _name_of(self)})
         return _done()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -210,8 +218,8 @@ def recording() -> Iterator[list[dict[str, Any]]]:
 # --- starting and stopping -------------------------------------------------------------------------
 
 
-def _group_names(emulation: Emulation) -> dict[int, str]:
-    """id(group) -> the name autotuner.predict.collectives gives it, for Megatron's groups."""
+def _group_names(emulation: Emulation) -> dict[Any, str]:
+    """id(group), and its ranks, -> the name autotuner.predict.collectives gives it, for Megatron's groups."""
     from megatron.core import parallel_state as ps
 
     getters = [
@@ -233,6 +241,7 @@ def _group_names(emulation: Emulation) -> dict[int, str]:
             continue
         if group is not None:
             names.setdefault(id(group), name)
+            names.setdefault(tuple(torch.distributed.get_process_group_ranks(group)), name)
     return names
 
 
