@@ -296,6 +296,8 @@ def busiest_expert_rank(spec: RunSpec) -> Emulation:
         ) from exc
     finally:
         emulated.stop()
+        model = context = router = None
+        _free_memory(spec.device)  # the run builds its own model, as another process may (nsys's worker)
     busiest = max(range(layout.world), key=lambda r: (load[r], -r))
     spec.notes.append(
         f"parallel.rank defaults to the busiest rank, {busiest}: token assignments to each rank's experts "
