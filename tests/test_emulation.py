@@ -152,3 +152,16 @@ def test_an_emulated_expert_rank_equals_that_rank_of_a_real_torchrun_job(tmp_pat
             twin = emulated[(row["op"], row["phase"])]
             for column in (*EXACT, "tokens_per_expert"):
                 assert twin[column] == row[column], (row["op"], row["phase"], column, rank)
+
+
+def test_the_collectives_column_reads_back_from_either_file_and_refuses_anything_else():
+    from autotuner.results import RowsFileError, _csv_value, check_row
+
+    listed = [{"kind": "all_reduce", "bytes": 4096, "group": "tp"}]
+    row = {"op": "linear_proj", "phase": "forward", "point": "s16_b1"}
+    assert check_row({**row, "collectives": listed}, "here")["collectives"] == listed
+    assert check_row({**row, "collectives": _csv_value(listed)}, "here")["collectives"] == listed
+    assert check_row({**row, "collectives": "[]"}, "here")["collectives"] == []
+    for bad in ([{"kind": "all_reduce", "bytes": -1, "group": "tp"}], "4096", [4096], "[{"):
+        with pytest.raises(RowsFileError, match="column 'collectives'"):
+            check_row({**row, "collectives": bad}, "here")
