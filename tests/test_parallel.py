@@ -189,11 +189,8 @@ def test_a_failing_rank_fails_the_job_with_its_error_not_a_hang(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["tf.tensor_model_parallel_size=2"], "launch with torchrun --nproc-per-node=2"),
+        # (without torchrun a TP=2 job runs one emulated rank: tests/test_emulation.py)
         (["tf.tensor_model_parallel_size=3"], "does not divide"),
-        # gloo runs sequence parallelism's collectives in this torch (runtime probes it): only the
-        # one-process job is refused (tests/test_moe_parallel.py runs it under torchrun)
-        (["tf.sequence_parallel=true", "tf.tensor_model_parallel_size=2"], "--nproc-per-node=2"),
     ],
 )
 def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, message, capsys, tmp_path):
