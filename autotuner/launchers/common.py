@@ -401,7 +401,7 @@ def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
     lacking = incomplete(writer.rows)
     if not lacking:
         return
-    planned = {(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
+    planned = {(spec.case, op.name, phase, point.label, spec.row_rank) for point, op, phase in plan(spec)}
     again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if row_key(r) in planned]
     said = (
         [f"{len(again)} measured again ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''})"]
