@@ -165,3 +165,12 @@ def test_the_collectives_column_reads_back_from_either_file_and_refuses_anything
     for bad in ([{"kind": "all_reduce", "bytes": -1, "group": "tp"}], "4096", [4096], "[{"):
         with pytest.raises(RowsFileError, match="column 'collectives'"):
             check_row({**row, "collectives": bad}, "here")
+
+
+def test_a_dry_run_of_an_emulated_layout_previews_the_ranks_shards(capsys):
+    def fc1_parameters(*overrides: str) -> int:
+        assert run(["case=tiny", "ops=[linear_fc1]", "dry_run=true", *SMALL[:2], *overrides]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("linear_fc1"))
+        return int(line.split()[3])
+
+    assert fc1_parameters("tf.tensor_model_parallel_size=2") * 2 == fc1_parameters()

@@ -213,7 +213,13 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         emulation=emulation,
     )
     if emulation is not None and cfg.parallel.rank is None and emulation.ep > 1:
-        spec.emulation = busiest_expert_rank(spec)
+        if cfg.dry_run:  # a preview allocates no weight, and finding the busiest rank routes real ones
+            spec.notes.append(
+                "dry_run previews rank 0 of the expert-parallel layout: a run defaults to the busiest rank "
+                "(give parallel.rank=N to preview another)"
+            )
+        else:
+            spec.emulation = busiest_expert_rank(spec)
     if emulation is not None:
         spec.notes.append(
             f"emulated: rank {spec.emulation.rank} of {spec.emulation.describe()} in this one process; its "
