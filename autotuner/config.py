@@ -132,6 +132,18 @@ class MoeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Without torchrun, a layout of TP or EP above 1 runs as one of its ranks in this process
+    (autotuner.model.emulation, docs/parallel_emulation.md). ``rank``: which one, 0 <= rank < the
+    layout's world size; None: the busiest (under EP the rank whose experts get the most tokens under
+    ``moe.routing``; TP ranks are alike, so 0)."""
+
+    rank: int | None = setting(
+        None, "without torchrun, the rank of a TP/EP layout to run (default: the busiest)", "N"
+    )
+
+
+@dataclass
 class LauncherConfig:
     name: str = MISSING
 
@@ -234,6 +246,7 @@ class AutotunerConfig:
     transformer_block_layers: int = setting(2, "layers in the transformer_block op", "N")
     timing: TimingConfig = setting(TimingConfig, "")
     moe: MoeConfig = setting(MoeConfig, "")
+    parallel: ParallelConfig = setting(ParallelConfig, "")
     resume: bool = setting(
         False,
         "with hydra.run.dir=<an earlier run>: measure only what that run lacks, with its settings",

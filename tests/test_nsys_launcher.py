@@ -925,6 +925,8 @@ def test_kernel_columns_from_a_gpu_report(tmp_path: Path) -> None:
         tf_config=SimpleNamespace(tensor_model_parallel_size=1),
         call_counts={},
         rank=0,
+        row_rank=0,
+        emulation=None,
     )
     worker = {
         ("linear_qkv", ph, POINT): {"status": "ok", "weight_bytes": 64, "stop_reason": "nsys"}

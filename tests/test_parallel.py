@@ -189,11 +189,8 @@ def test_a_failing_rank_fails_the_job_with_its_error_not_a_hang(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["tf.tensor_model_parallel_size=2"], "launch with torchrun --nproc-per-node=2"),
+        # (without torchrun a TP=2 job runs one emulated rank: tests/test_emulation.py)
         (["tf.tensor_model_parallel_size=3"], "does not divide"),
-        # gloo runs sequence parallelism's collectives in this torch (runtime probes it): only the
-        # one-process job is refused (tests/test_moe_parallel.py runs it under torchrun)
-        (["tf.sequence_parallel=true", "tf.tensor_model_parallel_size=2"], "--nproc-per-node=2"),
     ],
 )
 def test_parallel_settings_this_job_cannot_run_are_refused_up_front(overrides, message, capsys, tmp_path):
@@ -358,3 +355,21 @@ def test_ranks_whose_torchrun_is_killed_outright_stop_and_the_run_resumes(tmp_pa
     rows = load_rows(tmp_path / "results.rank0.jsonl")
     assert len(rows) == 12 and rows[: len(done[0])] == done[0]
     assert len([r for r in load_rows(tmp_path / "results.jsonl") if r["rank"] == "max"]) == 12
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_an_emulated_tp2_rank_equals_rank_0_of_the_torchrun_job(tp_run, tmp_path):
+    """The same command without torchrun emulates rank 0 of TP=2 in one process: its rows hold exactly
+    the FLOPs, weights and saved activations of the real rank 0, op by op."""
+    assert run([*TP_ARGS, f"hydra.run.dir={tmp_path}", *SMALL]) == 0
+    emulated = {(r["op"], r["phase"]): r for r in load_rows(tmp_path / "results.jsonl")}
+    real = [r for r in load_rows(tp_run / "results.jsonl") if r["rank"] == 0]
+    assert len(real) == len(emulated) == 4
+    for row in real:
+        twin = emulated[(row["op"], row["phase"])]
+        assert twin["rank"] == 0 and twin["emulated_layout"] == "tp=2 ep=1 etp=2 sp=false world=2"
+        measured = ("flops", "weight_bytes", "activation_bytes")[: 3 if row["phase"] == "forward" else 2]
+        for column in measured:  # activations: what a forward saves
+            assert twin[column] == row[column] is not None, (row["op"], row["phase"], column)
+        assert twin["activation_bytes"] == row["activation_bytes"]

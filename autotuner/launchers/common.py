@@ -409,7 +409,9 @@ def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
     lacking = incomplete(writer.rows)
     if not lacking:
         return
-    planned = {RowKey(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
+    planned = {
+        RowKey(spec.case, op.name, phase, point.label, spec.row_rank) for point, op, phase in plan(spec)
+    }
     again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if RowKey.of(r) in planned]
     said = (
         [f"{len(again)} measured again ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''})"]
@@ -474,6 +476,8 @@ def start_writer(
         "model_args": {k: v for k, v in vars(spec.model_args).items()},
         "notes": spec.notes,
         "world_size": world,
+        # without torchrun, the layout this process stood for one rank of (autotuner.model.emulation)
+        "emulated_rank": spec.emulation.to_json() if getattr(spec, "emulation", None) else None,
         "fingerprint": fingerprint(cfg, spec),
     }
     named = earlier.get("environments") if writer.rows else None

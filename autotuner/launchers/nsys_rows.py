@@ -234,7 +234,15 @@ def build_rows(
 
 # The worker's columns of a measured row: the sensors' (autotuner.measure.metrics, run in the worker) and
 # its settings; the times come from the report.
-_WORKER_COLUMNS = ("weight_bytes", "activation_bytes", "peak_bytes", "flops", "stop_reason", "num_threads")
+_WORKER_COLUMNS = (
+    "weight_bytes",
+    "activation_bytes",
+    "peak_bytes",
+    "flops",
+    "stop_reason",
+    "num_threads",
+    "collectives",  # an emulated rank's (autotuner.model.emulation), recorded in the worker
+)
 
 _NO_RANGE = (
     "no measured NVTX range {op}.{phase} [{point}] in the report "

@@ -101,9 +101,10 @@ def _layer_count(layer: torch.nn.Module) -> LayerCount:
 
 
 @contextlib.contextmanager
-def meta_session() -> Iterator[None]:
+def meta_session(emulation: Any = None) -> Iterator[None]:
     """What building and running Megatron's modules on meta tensors needs, undone afterwards: its
-    parallel state (a one-process group, as a CPU run has), the no-op RNG tracker, and a scratch buffer
+    parallel state (a one-process group, as a CPU run has; with ``emulation``, an
+    autotuner.model.emulation.Emulation, that rank of its layout), the no-op RNG tracker, and a scratch buffer
     (core attention's) that hands out meta tensors. The buffer is a fresh one, put back afterwards: the
     cached one would keep the meta tensors, and a later real run in this process would be handed them.
     So is the MoE auxiliary loss's backward scale, which Megatron makes on the first backward through a
@@ -121,7 +122,12 @@ def meta_session() -> Iterator[None]:
             return torch.empty(tuple(tensor_shape), dtype=dtype, device=META)
 
     cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
-    init_parallel(torch.device("cpu"))
+    if emulation is not None:
+        from autotuner.model import emulation as emulated
+
+        emulated.start(emulation)
+    else:
+        init_parallel(torch.device("cpu"))
     saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     parallel_state._GLOBAL_MEMORY_BUFFER = MetaBuffer()

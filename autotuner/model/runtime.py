@@ -89,6 +89,10 @@ def init_parallel(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from autotuner.model import emulation
+
+    if dist.is_initialized() and dist.get_backend() == emulation.BACKEND:
+        emulation.stop()  # an emulated rank's session before this one's (a sweep's earlier job)
     if not dist.is_initialized():
         # Where CUDA exists, CPU tensors' collectives go to gloo and CUDA tensors' to NCCL, so a CPU run on
         # a GPU machine (and a CPU run after a CUDA one in the same process) finds a backend for its tensors.

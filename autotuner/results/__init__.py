@@ -97,6 +97,12 @@ class Row:
         "figure (the slowest rank's statistics)"
     )
     tensor_parallel: int | None = _number("the tensor-parallel size")
+    emulated_layout: str | None = _column(
+        "without torchrun, the layout the row's rank (``rank``) was emulated in, one process standing for "
+        "it: ``tp= ep= etp= sp= world=`` (docs/parallel_emulation.md); empty: a real process",
+        label="emulated layout",
+        optional=True,
+    )
     status: str | None = _column("``ok``; ``failed`` (see error); ``skipped`` (error: the reason)")
     error: str | None = _column("a failed row's one-line error, a skipped row's reason")
     samples: int | None = _number("number of timed samples behind the statistics", label="n")
@@ -306,6 +312,13 @@ class Row:
     )
     expert_parallel: int | None = _number(
         "MoE ops: the expert-parallel size", label="EP", optional=True, call=True
+    )
+    collectives: list[dict[str, Any]] | None = _column(
+        "an emulated rank's rows: the collectives the phase issued and did not run, in order, each "
+        "``{kind, bytes, group}`` (all_reduce, all_gather, reduce_scatter, all_to_all; the full buffer in "
+        "bytes; Megatron's group: tp, ep, ...), recorded from the process group; modelled, priced by "
+        "autotuner.predict from the cluster model (results.jsonl: a list; results.csv: its JSON)",
+        optional=True,
     )
 
 
@@ -529,6 +542,8 @@ def _csv_value(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, list):
+        if any(isinstance(v, dict) for v in value):  # the collectives: a list of objects, as JSON
+            return json.dumps(value)
         return ";".join(str(v) for v in value)
     return value
 
@@ -572,6 +587,9 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
     for column, value in row.items():
         if column in COUNTS and value is not None:
             checked[column] = _counts(value, column, where)
+            continue
+        if column == "collectives" and value is not None:
+            checked[column] = _collectives(value, where)
             continue
         if not (column in NUMERIC or column.endswith(NUMERIC_SUFFIXES)) or value is None:
             continue
@@ -617,6 +635,33 @@ def _counts(value: Any, column: str, where: str) -> list[int] | None:
     raise RowsFileError(
         f"{where}: column {column!r} is {_kind(value)}, {json.dumps(value)[:40]}; expected a list of whole "
         f"numbers (or them joined by ';'): {_FIX}"
+    )
+
+
+def _collectives(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """The ``collectives`` column as a list of ``{kind, bytes, group}`` objects: a JSON list as written,
+    or its JSON text (results.csv's); empty text is None."""
+    items: Any = value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            items = json.loads(value)
+        except ValueError:
+            items = None
+    if isinstance(items, list) and all(
+        isinstance(v, dict)
+        and isinstance(v.get("kind"), str)
+        and isinstance(v.get("group"), str)
+        and isinstance(v.get("bytes"), int)
+        and not isinstance(v.get("bytes"), bool)
+        and v["bytes"] >= 0
+        for v in items
+    ):
+        return [dict(v) for v in items]
+    raise RowsFileError(
+        f"{where}: column 'collectives' is {_kind(value)}, {json.dumps(value)[:40]}; expected a list of "
+        f'{{"kind": str, "bytes": whole number >= 0, "group": str}} objects: {_FIX}'
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from autotuner.errors import one_line
+from autotuner.model.emulation import Emulation
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.routing import Routing
 from autotuner.ops.naming import PHASES
@@ -60,6 +61,14 @@ class RunSpec:
     call_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     # How the MoE ops make their router output (moe.routing, moe.zipf_s; autotuner.model.routing).
     routing: Routing = field(default_factory=Routing)
+    # The layout this one process is a rank of, without torchrun (autotuner.model.emulation); None: the
+    # process is itself (one of torchrun's ranks, or a layout of one rank).
+    emulation: Emulation | None = None
+
+    @property
+    def row_rank(self) -> int:
+        """The rank the rows are of: the emulated one, else this process's."""
+        return self.emulation.rank if self.emulation is not None else self.rank
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -327,7 +336,7 @@ class Runner:
         """Run every (point, op, phase) not already done; return the rows written in this run."""
         planned = plan(self.spec)
         done = [
-            self.writer.done(RowKey(self.spec.case, op.name, phase, point.label, self.rank))
+            self.writer.done(RowKey(self.spec.case, op.name, phase, point.label, self.spec.row_rank))
             for point, op, phase in planned
         ]
         if self.world > 1:
@@ -397,6 +406,8 @@ class Runner:
         assert call is not None
         try:
             metrics = self.observer.observe(op, point, Phase(phase_name, call, self.spec.seed))
+            if self.spec.emulation is not None:
+                metrics["collectives"] = _collectives(Phase(phase_name, call, self.spec.seed))
             return {"status": "ok", **metrics}
         except Exception as exc:  # noqa: BLE001 - an op that fails (OOM, an exception) is recorded; the plan goes on
             if self.spec.device.type == "cuda":
@@ -405,6 +416,19 @@ class Runner:
                 print(f"\n{op.name}.{phase_name} {point.label} failed:", file=sys.stderr)
                 traceback.print_exc(limit=3)
             return {"status": "failed", "error": one_line(exc)}
+
+
+def _collectives(phase: Phase) -> list[dict[str, Any]]:
+    """The collectives an emulated rank's phase issues, from one untimed call of it (its ``prepare`` not
+    recorded): each ``{kind, bytes, group}`` (autotuner.model.emulation)."""
+    from autotuner.model.emulation import recording
+
+    if phase.prepare is not None:
+        phase.prepare()
+    with recording() as issued:
+        phase.run()
+    phase.clear_grads()
+    return issued
 
 
 def _progress(total: int, done: int, enabled: bool) -> tqdm:

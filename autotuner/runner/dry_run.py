@@ -184,7 +184,7 @@ def preview(spec: RunSpec) -> Preview:
 
     args = spec.model_args
     total, active = model_parameters(spec)
-    with meta_session():
+    with meta_session(spec.emulation):
         parts = model_parts(
             spec.ops, spec.block_layers, args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
         )

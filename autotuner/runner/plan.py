@@ -32,6 +32,7 @@ IDENTITY_COLUMNS = (
     "launcher",
     "rank",
     "tensor_parallel",
+    "emulated_layout",
     "call_count",
 )
 
@@ -56,8 +57,9 @@ def row_identity(spec: RunSpec, op: OpTest, point: ShapePoint, phase: str, launc
         "dtype": spec.dtype,
         "device": spec.device.type,
         "launcher": launcher,
-        "rank": spec.rank,
+        "rank": spec.row_rank,
         "tensor_parallel": spec.tf_config.tensor_model_parallel_size,
+        "emulated_layout": spec.emulation.describe() if spec.emulation is not None else None,
         "call_count": spec.call_counts.get((op.name, point.label)),
     }
 

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from autotuner.errors import UserError
 from autotuner.measure.timer import PRECISION_RULES
 from autotuner.model import cases
+from autotuner.model.emulation import Emulation, check_rank
 from autotuner.model.hf_to_megatron import map_hf_config
 from autotuner.model.host_heap import keep_freed_memory
 from autotuner.model.routing import Routing
@@ -175,12 +176,14 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             f"transformer_block_layers={cfg.transformer_block_layers}: the model has no more"
         )
     rank, world = process_rank()  # once per run: below, the spec carries them
-    if tp < 1 or world % tp:
+    emulation = _emulation(cfg, tf_config, world)
+    ranks = emulation.world if emulation is not None else world
+    if tp < 1 or ranks % tp:
         raise UserError(
             f"tensor_model_parallel_size={tp} needs a multiple of {tp} processes, this job has {world}: "
             f"launch with torchrun --nproc-per-node={tp}"
         )
-    check_expert_parallel(world, tf_config.expert_model_parallel_size, tf_config.expert_tensor_parallel_size)
+    check_expert_parallel(ranks, tf_config.expert_model_parallel_size, tf_config.expert_tensor_parallel_size)
     _check_case_shapes(case, cfg.shapes)
     shapes = merge(case.shapes, OmegaConf.to_container(cfg.shapes, resolve=True))
     points = generate_points(shapes, sequence_multiple=tp if tf_config.sequence_parallel else 1)
@@ -211,8 +214,106 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
         rank=rank,
         world=world,
         routing=routing,
+        emulation=emulation,
     )
+    if emulation is not None and cfg.parallel.rank is None and emulation.ep > 1:
+        if cfg.dry_run:  # a preview allocates no weight, and finding the busiest rank routes real ones
+            spec.notes.append(
+                "dry_run previews rank 0 of the expert-parallel layout: a run defaults to the busiest rank "
+                "(give parallel.rank=N to preview another)"
+            )
+        else:
+            spec.emulation = busiest_expert_rank(spec)
+    if emulation is not None:
+        spec.notes.append(
+            f"emulated: rank {spec.emulation.rank} of {spec.emulation.describe()} in this one process; its "
+            "collectives are recorded, not run (docs/parallel_emulation.md)"
+        )
     return _fed(spec, cfg)
+
+
+def _emulation(cfg: DictConfig, tf_config: Any, world: int) -> Emulation | None:
+    """The layout this process emulates one rank of: without torchrun, where TP or EP x ETP is above 1
+    (None otherwise); ``parallel.rank`` checked against it (the default rank, None for EP, is settled by
+    :func:`busiest_expert_rank`). UserError (one line) for ``parallel.rank`` without such a layout, a rank
+    outside it, and what an emulated rank cannot be (pipeline stages, context parallelism)."""
+    wanted = cfg.parallel.rank
+    tp, ep = tf_config.tensor_model_parallel_size, tf_config.expert_model_parallel_size
+    etp = tf_config.expert_tensor_parallel_size or tp
+    if world > 1 or max(tp, ep * etp) == 1:
+        if wanted is not None:
+            raise UserError(
+                f"parallel.rank={wanted} picks the rank of an emulated layout (TP or EP above 1, without "
+                "torchrun): drop parallel.rank"
+            )
+        return None
+    for name, kind in (("pipeline_model_parallel_size", "pipeline"), ("context_parallel_size", "context")):
+        size = getattr(tf_config, name, 1) or 1
+        if size != 1:
+            raise UserError(
+                f"tf.{name}={size}: an emulated rank holds no {kind} parallelism: set tf.{name}=1 "
+                "(autotuner.predict models it)"
+            )
+    emulation = Emulation(tp, ep, etp, bool(tf_config.sequence_parallel))
+    if wanted is None:
+        return emulation  # rank 0; under EP the busiest, settled once the spec exists
+    return dataclasses.replace(emulation, rank=check_rank(wanted, emulation.world, emulation.describe()))
+
+
+def busiest_expert_rank(spec: RunSpec) -> Emulation:
+    """``spec.emulation`` at its busiest rank: the one whose local experts get the most token assignments
+    over the spec's shape points, each routed as the MoE ops route it (the profiled layer's router, the
+    run's ``moe.routing`` forced on it, on the seeded hidden states of that rank's sequence slice); the
+    lowest such rank on a tie. Every rank's peers hold its data (autotuner.model.emulation), so a rank's
+    tokens are its own routing's, times the group size. Found on a model built as rank 0, then stopped."""
+    from autotuner.model import cpu_bridges
+    from autotuner.model import emulation as emulated
+    from autotuner.model.build import build_model, moe_layer_pattern
+    from autotuner.model.runtime import seed_everything
+    from autotuner.op_mapping import model_parts
+
+    assert spec.emulation is not None
+    layout = spec.emulation
+    cpu_bridges.apply(spec.device)
+    emulated.start(layout)
+    try:
+        seed_everything(spec.seed, spec.device)
+        parts = model_parts(
+            spec.ops,
+            spec.block_layers,
+            spec.model_args.tie_word_embeddings,
+            moe_layer_pattern(spec.tf_config),
+        )
+        model = build_model(spec.model_args, spec.tf_config, parts, spec.device, spec.use_transformer_engine)
+        context = _context(spec, model)
+        router = context.layer.mlp.router
+        experts = spec.tf_config.num_moe_experts
+        load = [0] * layout.world
+        with torch.no_grad():
+            for point in spec.points:
+                full = context.randn(
+                    (point.seq_len, point.micro_batch_size, spec.tf_config.hidden_size), "hidden"
+                )
+                part = point.seq_len // layout.tp if layout.sequence_parallel else point.seq_len
+                for rank in range(layout.world):
+                    start = layout.tp_rank(rank) * part if layout.sequence_parallel else 0
+                    routing_map = router(full[start : start + part])[1]
+                    mine = layout.local_experts(experts, rank)
+                    load[rank] += int(routing_map[:, mine.start : mine.stop].sum())
+    except Exception as exc:
+        raise UserError(
+            f"cannot find the busiest rank of {layout.describe()} ({_first_line(exc)}): give parallel.rank=N"
+        ) from exc
+    finally:
+        emulated.stop()
+        model = context = router = None
+        _free_memory(spec.device)  # the run builds its own model, as another process may (nsys's worker)
+    busiest = max(range(layout.world), key=lambda r: (load[r], -r))
+    spec.notes.append(
+        f"parallel.rank defaults to the busiest rank, {busiest}: token assignments to each rank's experts "
+        f"over the shape points {load} (moe.routing={spec.routing.mode})"
+    )
+    return dataclasses.replace(layout, rank=busiest)
 
 
 def _parallel_overrides(
@@ -365,12 +466,17 @@ def open_session(spec: RunSpec) -> tuple[Any, OpContext]:
         return spec.session(spec)
     cpu_bridges.apply(spec.device)
     tf = spec.tf_config
-    init_parallel(
-        spec.device,
-        tf.tensor_model_parallel_size,
-        tf.expert_model_parallel_size,
-        tf.expert_tensor_parallel_size,
-    )
+    if spec.emulation is not None:
+        from autotuner.model import emulation
+
+        emulation.start(spec.emulation)
+    else:
+        init_parallel(
+            spec.device,
+            tf.tensor_model_parallel_size,
+            tf.expert_model_parallel_size,
+            tf.expert_tensor_parallel_size,
+        )
     seed_everything(spec.seed, spec.device)
     if not needs_model(spec.ops):  # only the functional ops: nothing to build
         return torch.nn.Module(), _context(spec, None)
