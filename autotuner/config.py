@@ -211,6 +211,9 @@ class AutotunerConfig:
     progress: bool = True
     report: bool = True  # write report.html and its figures into the run directory (autotuner.report)
     capture: str | None = None  # a python -m autotuner.capture file: profile its calls (capture/replay.py)
+    # run the rows whose estimated peak memory is over what the process can hold (the fit check refuses
+    # them: autotuner.runner.fit, docs/memory_and_fit.md)
+    run_unfit: bool = False
     dry_run: bool = (
         False  # print the plan, parameter counts, FLOPs, bytes and memory; run nothing (runner/dry_run.py)
     )

@@ -435,7 +435,7 @@ def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, caps
     of what the forward saves to hold at least that much (at most MAX_HELD_GRAPHS), and the rows say how many
     bytes; each forward sample followed a held graph's backward; by default nothing is held; a negative
     amount is refused."""
-    from autotuner.launchers.get_data import MAX_HELD_GRAPHS
+    from autotuner.measure.memory import MAX_HELD_GRAPHS
 
     overrides = ["ops=[activation]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", *FAST]
     rows = {}

@@ -151,7 +151,19 @@ def release_run_dirs(refused: bool = False) -> None:
 # Config keys that never change a measurement, so a resumed run may change them (that is how a run is
 # extended): which ops and shapes, what is shown, resume itself. hf, tf, device and dtype are compared
 # resolved (the model config Megatron builds; cuda and bf16 rather than auto), case_dir as the case.
-_RESUMABLE_KEYS = {"ops", "shapes", "progress", "report", "resume", "case_dir", "hf", "tf", "device", "dtype"}
+_RESUMABLE_KEYS = {
+    "ops",
+    "shapes",
+    "progress",
+    "report",
+    "resume",
+    "case_dir",
+    "hf",
+    "tf",
+    "device",
+    "dtype",
+    "run_unfit",
+}
 _VERSIONED = ("torch", "megatron-core", "transformers", "transformer-engine")
 
 
@@ -380,5 +392,10 @@ def finish(writer: ResultsWriter, spec: Any) -> int:
         rows = [r for r in writer.rows if r.get("case") == spec.case]
     print(render(rows))
     failed = [r for r in rows if r.get("status") == "failed"]
-    print(f"\n{len(rows)} rows ({len(failed)} failed) in {writer.run_dir}/results.csv and results.jsonl")
+    refused = [r for r in rows if r.get("status") == "refused"]
+    why = ""
+    if refused:  # the fit check's (autotuner.runner.fit): over the memory the process could hold
+        ops = ", ".join(dict.fromkeys(f"{r['op']} {r['point']}" for r in refused))
+        why = f", {len(refused)} refused: estimated over the memory limit ({ops}; run_unfit=true runs them)"
+    print(f"\n{len(rows)} rows ({len(failed)} failed{why}) in {writer.run_dir}/results.csv and results.jsonl")
     return 1 if failed else 0

@@ -34,7 +34,10 @@ Faults:
 * the worker dies (a crash, the OOM killer, a kill): nsys still saves the report, and passes the exit
   status through (128 + signal after a kill). Rows the worker completed are read from the report; the
   op it was running is ``failed`` with "the profiled process died while measuring it", every op after it
-  ``failed`` with "... died before measuring it".
+  ``failed`` with "... died before measuring it". Killed by the kernel's OOM killer (a SIGKILL while the
+  kernel's count of OOM kills rose: autotuner.measure.limits.oom_kills), the op's row says "out of
+  memory (estimated X GiB, limit Y GiB)" from the worker's fit check (``worker/fit.json``), the same op
+  at points as large is ``skipped`` with that reason, and the other rows after it name it.
 * SIGTERM or SIGINT (``kill``, Ctrl-C, a batch system ending the job): passed on to nsys and the worker,
   which run in sessions of their own (:class:`autotuner.launchers.nsys_process.StopSignals`). The worker
   unwinds and exits, nsys saves its report (given STOP_GRACE_S; then it and the worker are killed, said
@@ -51,7 +54,9 @@ Faults:
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,7 +74,10 @@ from autotuner.launchers.nsys_process import (
     wait_turn,
 )
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
+from autotuner.launchers.nsys_worker import FIT_FILE
 from autotuner.launchers.nsys_worker import worker_dir as worker_dir_of
+from autotuner.measure.limits import MemoryLimit, oom_kills
+from autotuner.runner.fit import FitCheck
 from autotuner.runner.plan import plan
 
 REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
@@ -146,13 +154,15 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     with StopSignals(worker_dir, TORCHRUN_STOP_GRACE_S if world > 1 else None) as stop:
         wait_turn(run_dir, rank, world, stop)
         report = report_base.with_suffix(".nsys-rep")
+        kills = oom_kills()
         result = profile(cmd, log_path, worker_dir, report, stop, worker_port=worker_port)
+        oom = _out_of_memory(result.returncode, kills, worker_dir)
         if stop.killed:
             print(
                 f"autotuner: {stop.killed}: killed nsys and the worker (its report may be lost)",
                 file=sys.stderr,
             )
-        outcome = Outcome(result, *read_worker(worker_dir), read_report(nsys, report_base, result))
+        outcome = Outcome(result, *read_worker(worker_dir), read_report(nsys, report_base, result), oom)
 
         # The plan the worker's Runner ran, so the rows come in the order and number it ran them.
         writer.extend(build_rows(spec, plan(spec), outcome))
@@ -173,5 +183,19 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     if outcome.report.still_open:
         print(f"autotuner: ranges left open: {'; '.join(outcome.report.still_open[-3:])}", file=sys.stderr)
     how = describe_exit(result.returncode)
+    if oom is not None:
+        how = f"the kernel's out-of-memory killer ending the profiled process ({how})"
     print(f"autotuner: nsys profile ended with {how}; its last lines:\n{result.tail}", file=sys.stderr)
     return code or 1
+
+
+def _out_of_memory(returncode: int, kills_before: int, worker_dir: Path) -> FitCheck | None:
+    """The worker's fit check (its estimates and limit) where the kernel's OOM killer ended it: a SIGKILL
+    (nsys passes 128 + 9 on) while the kernel's count of OOM kills rose (autotuner.measure.limits); None
+    otherwise. A check the worker did not leave reads as no estimate, the limit unknown (0)."""
+    if returncode not in (-signal.SIGKILL, 128 + signal.SIGKILL) or oom_kills() <= kills_before:
+        return None
+    try:
+        return FitCheck.from_json(json.loads((worker_dir / FIT_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return FitCheck(MemoryLimit(0, "unknown: the worker left no fit check"))

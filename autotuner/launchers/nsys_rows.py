@@ -36,6 +36,7 @@ from autotuner.runner.plan import named_identity, row_identity
 
 if TYPE_CHECKING:
     from autotuner.ops_test.base import OpTest, ShapePoint
+    from autotuner.runner.fit import FitCheck
 
 Key = tuple[str, str, str]  # (op, phase, point)
 
@@ -147,12 +148,15 @@ class ReportData:
 
 @dataclass
 class Outcome:
-    """What the parent knows after nsys returned: how it ended, what the worker got to, the report."""
+    """What the parent knows after nsys returned: how it ended, what the worker got to, the report;
+    ``out_of_memory``: the worker's fit check (autotuner.runner.fit) where the kernel's OOM killer ended
+    it (autotuner.launchers.nsys), else None."""
 
     nsys: NsysRun
     worker_rows: dict[Key, dict[str, Any]]
     in_flight: Key | None  # the phase the worker was running when it stopped
     report: ReportData
+    out_of_memory: FitCheck | None = None
 
 
 def read_sqlite(sqlite_path: Path) -> ReportData:
@@ -199,8 +203,11 @@ def read_report(nsys: str, report_base: Path, result: NsysRun) -> ReportData:
 def build_rows(
     spec: Any, plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
 ) -> list[dict[str, Any]]:
-    """One row per planned (point, op, phase), in plan order: the worker's status, the report's times."""
-    rows = []
+    """One row per planned (point, op, phase), in plan order: the worker's status, the report's times.
+    After the OOM killer ended the worker, the op it was measuring at a point of as many tokens or more
+    is ``skipped`` with that reason (it would be killed again)."""
+    plan, rows = list(plan), []
+    killed = _killed_for_memory(plan, outcome)
     for point, op, phase in plan:
         key = (op.name, phase, point.label)
         worker = outcome.worker_rows.get(key)
@@ -209,10 +216,14 @@ def build_rows(
             worker is not None
         ):  # what the op stated about its call (OpCall.row_fields), as the worker wrote it
             row.update({k: worker[k] for k in CALL_COLUMNS if worker.get(k) is not None})
-        if worker is None:
+        if worker is None and outcome.out_of_memory is not None:
+            row.update(outcome.out_of_memory.columns((point.label, op.name, phase)))
+        if worker is None and killed is not None and key != outcome.in_flight and killed.covers(op, point):
+            row.update(status="skipped", error=killed.reason)
+        elif worker is None:
             row.update(status="failed", error=_missing_reason(key, outcome))
         elif worker.get("status") != "ok":
-            row.update({k: worker.get(k) for k in ("status", "error", "num_threads")})
+            row.update({k: worker.get(k) for k in ("status", "error", "num_threads", *_FIT_COLUMNS)})
         else:
             row.update({k: worker.get(k) for k in _WORKER_COLUMNS})
             found = outcome.report.measured.get(key, [])
@@ -231,9 +242,49 @@ def build_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class _KilledForMemory:
+    """The op and point the OOM killer ended the worker in, and what its rows say."""
+
+    op: str
+    tokens: int  # seq_len x micro_batch_size of its point
+    reason: str
+
+    def covers(self, op: OpTest, point: ShapePoint) -> bool:
+        """The same op at a point of as many tokens or more: it would be killed again."""
+        return op.name == self.op and point.seq_len * point.micro_batch_size >= self.tokens
+
+
+def _killed_for_memory(
+    plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
+) -> _KilledForMemory | None:
+    fit = outcome.out_of_memory
+    if fit is None or outcome.in_flight is None:
+        return None
+    name, phase, label = outcome.in_flight
+    for point, op, _ in plan:
+        if op.name == name and point.label == label:
+            oom = fit.out_of_memory((label, name, phase))
+            return _KilledForMemory(
+                name,
+                point.seq_len * point.micro_batch_size,
+                f"{oom} at {label}: a point as large would be killed too",
+            )
+    return None
+
+
 # The worker's columns of a measured row: the sensors' (autotuner.measure.metrics, run in the worker) and
 # its settings; the times come from the report.
-_WORKER_COLUMNS = ("weight_bytes", "activation_bytes", "peak_bytes", "flops", "stop_reason", "num_threads")
+_FIT_COLUMNS = ("estimated_peak_bytes", "memory_limit_bytes")  # the worker's fit check (autotuner.runner.fit)
+_WORKER_COLUMNS = (
+    "weight_bytes",
+    "activation_bytes",
+    "peak_bytes",
+    "flops",
+    "stop_reason",
+    "num_threads",
+    *_FIT_COLUMNS,
+)
 
 _NO_RANGE = (
     "no measured NVTX range {op}.{phase} [{point}] in the report "
@@ -245,6 +296,13 @@ def _missing_reason(key: Key, outcome: Outcome) -> str:
     if outcome.nsys.returncode == 0:
         return "the worker finished without measuring it"
     how = describe_exit(outcome.nsys.returncode)
+    fit = outcome.out_of_memory
+    if fit is not None and outcome.in_flight is not None:  # the kernel killed it for memory
+        op, phase, point = outcome.in_flight
+        oom = fit.out_of_memory((point, op, phase))
+        if key == outcome.in_flight:
+            return oom
+        return f"the profiled process died before measuring it: {oom} in {op}.{phase} {point}"
     if outcome.in_flight is None and not outcome.worker_rows and outcome.report.error:
         last = outcome.nsys.tail.splitlines()[-1] if outcome.nsys.tail else ""
         return f"nsys profile failed ({how}) before the profiled process measured it: {last}"

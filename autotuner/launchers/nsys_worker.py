@@ -11,6 +11,8 @@ come from the report, read by the parent. What it writes, under ``<run_dir>/work
 * ``measuring.txt``: the (op, phase, point) whose iterations are running, rewritten before each one;
   after a crash it names the op the process died in.
 * ``started``: the worker's pid, written first thing (the parent passes stop signals to it).
+* ``fit.json``: its fit check (autotuner.runner.fit), before the model is built: each row's estimated
+  peak and the limit, which the parent names should the kernel kill the worker for memory.
 
 A SIGTERM or SIGINT unwinds the worker (see :func:`_stop_on_signals`): the rows written so far stay, the
 op being run gets no row, and the exit code is 128 + the signal's number, which nsys passes on. A worker
@@ -37,6 +39,7 @@ ours (:func:`autotuner.ops.naming.parse_range` gives None), so no statistic ever
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -51,6 +54,7 @@ from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
+from autotuner.runner.eta import Rates
 from autotuner.termination import check_stop, forget_stop, raise_stop
 
 WORKER_DIR = "worker"
@@ -78,6 +82,7 @@ def worker_dir(run_dir: Path, rank: int, world: int) -> Path:
 
 MEASURING_FILE = "measuring.txt"
 STARTED_FILE = "started"
+FIT_FILE = "fit.json"  # the worker's fit check: each row's estimated peak and the limit
 
 _MARKER_RE = re.compile(r"^measure (?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) \[(?P<point>[^\]]+)\]$")
 
@@ -150,6 +155,14 @@ class NsysObserver:
         leave_out = ("peak_bytes",) if self.device.type != "cuda" else ()
         return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=leave_out)
 
+    def expected_seconds(self, phase: str, forward_s: float, backward_s: float, rates: Rates) -> float:
+        """The row's expected seconds from one call's (autotuner.runner.eta): ``warmup + iterations``
+        iterations (a backward's each its forward and itself), then the sensors' runs (activations of a
+        forward, FLOPs; peak bytes on a GPU)."""
+        once = forward_s if phase == "forward" else forward_s + backward_s
+        sensors = (forward_s if phase == "forward" else 0.0) + once * (2 if self.device.type == "cuda" else 1)
+        return (self.warmup + self.iterations) * once + sensors
+
     def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
         check_stop()  # a stop signal that a finalizer of the last iteration swallowed
         # Set before prepare(): the backward ranges are named when the forward builds the graph.
@@ -191,6 +204,7 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     from autotuner.results import ResultsWriter
     from autotuner.results.atomic import atomic_write_text
     from autotuner.runner import Runner
+    from autotuner.runner.fit import check_fit
     from autotuner.runner.spec import open_session, resolve_spec
 
     # From the environment: the started file comes first, before there is a spec (the parent passes the
@@ -202,7 +216,10 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     cfg = _load_config(config_path)
     spec = resolve_spec(cfg)
     writer = ResultsWriter(out)  # a fresh record each run: the parent reads it to know what completed
-    model, context = open_session(spec)
+    fit = check_fit(cfg, spec)  # before the model is built: its runtime term is this process now
+    # for the parent, should the kernel kill this process for memory (autotuner.launchers.nsys)
+    atomic_write_text(out / FIT_FILE, json.dumps(fit.to_json()) + "\n")
+    model, context = open_session(spec) if fit.builds or spec.world > 1 else (torch.nn.Module(), None)
     observer = NsysObserver(
         spec.device,
         int(cfg.launcher.warmup),
@@ -211,7 +228,7 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
         sub_op_ranges=bool(cfg.launcher.sub_op_ranges),
         model_parameters=list(model.parameters()),
     )
-    Runner(spec, observer, writer, progress=bool(cfg.progress)).run(context)
+    Runner(spec, observer, writer, progress=bool(cfg.progress), fit=fit).run(context)
     return 0
 
 

@@ -56,7 +56,7 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   memory is no longer cached. A sample after its own backward writes into the blocks that backward has
   just freed, still in the cache. ``timing.held_activations_mib`` holds earlier calls' graphs, at least
   that many MiB of what the forward saves (autotuner.runner.Phase.training_order,
-  autotuner.launchers.get_data.graphs_to_hold): a forward sample follows the backward of the oldest held
+  autotuner.measure.memory.graphs_to_hold): a forward sample follows the backward of the oldest held
   graph and writes where that graph's activations lay, a backward sample runs the oldest graph's backward;
   the rows record the bytes held (``held_activation_bytes``). On this project's Intel VM (session 47, one
   thread, 20 rounds, the rows alternated with the steps in one process: ``python -m

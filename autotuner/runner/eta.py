@@ -1,0 +1,146 @@
+"""How long the plan will take, said before its first row, and the progress line's time left.
+
+A call of a phase is estimated from what the dry run counts for it on meta tensors (autotuner.runner.dry_run:
+its FLOPs, its bytes moved, the aten operations it dispatches) and this machine's rates, measured at the
+start in well under a second (:func:`measure_rates`): a GEMM's FLOP rate in the run's dtype, a copy's bytes
+per second, the host's time per aten operation of a small module's forward and backward and the spread of
+those times (how many samples a precision target takes), and the time of one memory-sensor session (a
+profiler session on a CPU: about a tenth of a second here, the largest cost of a short row). A call takes
+the longer of its FLOPs at the GEMM's rate and its bytes at the copy's, plus
+its operations' host time. How many calls a row makes is the observer's rule (``expected_seconds`` of
+each launcher's observer: get_data's sampling policy, nsys's and torch_profiler's fixed counts).
+
+While the plan runs, the time left is the estimate of the rows left, scaled by how the rows so far compared
+with their estimate (:class:`Forecast`), so one wrong rate corrects itself after a few rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rates:
+    """This machine's rates (see :func:`measure_rates`)."""
+
+    flop_per_s: float
+    byte_per_s: float
+    operation_s: float  # the host's time per aten operation, module and autograd overhead included
+    session_s: float  # one memory-sensor session around a trivial call
+    first_session_s: float  # the first one in a process (the profiler's start-up), paid once
+    relative_iqr: float  # the spread of a short op's times here now (IQR over median): how noisy samples are
+
+    def samples_for(self, target_rel_ci: float) -> float:
+        """How many samples the median's 95% CI needs to be narrower than ``target_rel_ci`` of it, at this
+        machine's spread: about ``2 x 1.96 x 1.2533 x (IQR / 1.349) / sqrt(n)`` of the median (the
+        median's standard error of a normal spread, whose sigma is IQR / 1.349), so
+        ``n = (3.64 x relative IQR / target)^2``."""
+        return (3.64 * self.relative_iqr / max(target_rel_ci, 1e-9)) ** 2
+
+    def call_seconds(self, flops: float, bytes_moved: float, operations: int) -> float:
+        """One call: the longer of its FLOPs and its bytes at the measured rates, plus its host time."""
+        return max(flops / self.flop_per_s, bytes_moved / self.byte_per_s) + operations * self.operation_s
+
+
+def _best_seconds(run: Callable[[], Any], device: torch.device, repeats: int, calls: int = 1) -> float:
+    """The fastest of ``repeats`` blocks of ``calls`` calls, per call: the machine's rate, not a moment
+    when another process held the cores."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure_rates(device: torch.device, dtype: torch.dtype) -> Rates:
+    """Measure :class:`Rates` on ``device`` (about 0.3 s on a CPU; the first memory-sensor session of a
+    process costs more, and is measured as it is)."""
+    from autotuner.measure.memory import peak_bytes
+
+    n = 2048 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    gemm = _best_seconds(lambda: a @ a, device, 5)
+    size = (256 if device.type == "cuda" else 128) * 2**20  # beyond the caches: from memory
+    src = torch.empty(size // 4, device=device)
+    dst = torch.empty_like(src)
+    copy = _best_seconds(lambda: dst.copy_(src), device, 5)
+    module = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.GELU()).to(device)
+    x = torch.randn(1, 8, device=device, requires_grad=True)
+    host = _best_seconds(lambda: module(x).sum().backward(), device, 5, calls=20)
+    times = []  # the spread of a short op's samples, as the rows' samples are taken: one after another
+    for _ in range(400):
+        start = time.perf_counter()
+        module(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    first = time.perf_counter()
+    peak_bytes(lambda: None, device)
+    first_s = time.perf_counter() - first
+    session = _best_seconds(lambda: peak_bytes(lambda: None, device), device, 3)
+    return Rates(
+        flop_per_s=2 * n**3 / gemm,
+        byte_per_s=2 * size / copy,
+        operation_s=host / MODULE_OPERATIONS,
+        session_s=session,
+        first_session_s=first_s,
+        relative_iqr=(q3 - q1) / median,
+    )
+
+
+# The aten operations of measure_rates's module's forward and backward (LayerNorm, Linear, GELU, the sum
+# and its backward), counted with autotuner.runner.memory_estimate.LiveStorages.
+MODULE_OPERATIONS = 22
+
+
+class Forecast:
+    """The plan's estimated seconds per row, and the time left while it runs: the estimate of the rows
+    left, times the ratio of the seconds taken to the seconds estimated for the rows done (1 before the
+    first)."""
+
+    def __init__(self, seconds: dict[Any, float], overhead_s: float = 0.0) -> None:
+        self.seconds = seconds
+        self.overhead_s = overhead_s  # once, before the first row
+        self.started = time.monotonic()
+        self.done_estimate = 0.0
+        self.left_estimate = sum(seconds.values()) + overhead_s
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values()) + self.overhead_s
+
+    def finished(self, key: Any) -> None:
+        spent = self.seconds.get(key, 0.0) + (self.overhead_s if self.done_estimate == 0.0 else 0.0)
+        self.done_estimate += spent
+        self.left_estimate = max(0.0, self.left_estimate - spent)
+
+    def left_s(self) -> float:
+        taken = time.monotonic() - self.started
+        ratio = taken / self.done_estimate if self.done_estimate > 0 else 1.0
+        return self.left_estimate * ratio
+
+
+def human_seconds(seconds: float) -> str:
+    """``42 s``, ``3 min 12 s``, ``2 h 21 min``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, rest = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {rest} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
