@@ -205,7 +205,7 @@ def build_rows(
 ) -> list[dict[str, Any]]:
     """One row per planned (point, op, phase), in plan order: the worker's status, the report's times.
     After the OOM killer ended the worker, the op it was measuring at a point of as many tokens or more
-    is ``skipped`` with that reason (it would be killed again)."""
+    is ``skipped`` with that reason (it would be killed again: :meth:`_KilledForMemory.covers`)."""
     plan, rows = list(plan), []
     killed = _killed_for_memory(plan, outcome)
     for point, op, phase in plan:
@@ -218,8 +218,17 @@ def build_rows(
             row.update({k: worker[k] for k in CALL_COLUMNS if worker.get(k) is not None})
         if worker is None and outcome.out_of_memory is not None:
             row.update(outcome.out_of_memory.columns((point.label, op.name, phase)))
-        if worker is None and killed is not None and key != outcome.in_flight and killed.covers(op, point):
+        if worker is None and killed is not None and key == killed.key:
+            row.update(status="failed", error=killed.out_of_memory)
+        elif worker is None and killed is not None and killed.covers(op, point, phase):
             row.update(status="skipped", error=killed.reason)
+        elif worker is None and killed is not None:
+            op_, phase_, point_ = killed.key
+            row.update(
+                status="failed",
+                error=f"the profiled process died before measuring it: {killed.out_of_memory} in "
+                f"{op_}.{phase_} {point_}",
+            )
         elif worker is None:
             row.update(status="failed", error=_missing_reason(key, outcome))
         elif worker.get("status") != "ok":
@@ -246,30 +255,36 @@ def build_rows(
 class _KilledForMemory:
     """The op and point the OOM killer ended the worker in, and what its rows say."""
 
-    op: str
+    key: Key  # the (op, phase, point) it died in
     tokens: int  # seq_len x micro_batch_size of its point
-    reason: str
+    reason: str  # what the same op at as large a point says
+    out_of_memory: str  # what its own row says
 
-    def covers(self, op: OpTest, point: ShapePoint) -> bool:
-        """The same op at a point of as many tokens or more: it would be killed again."""
-        return op.name == self.op and point.seq_len * point.micro_batch_size >= self.tokens
+    def covers(self, op: OpTest, point: ShapePoint, phase: str) -> bool:
+        """The same op at a point of as many tokens or more, in the same phase (or any, where a forward
+        died: a backward holds what its forward does and more): it would be killed again."""
+        larger = point.seq_len * point.micro_batch_size >= self.tokens
+        return op.name == self.key[0] and larger and self.key[1] in (phase, "forward")
 
 
 def _killed_for_memory(
-    plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
+    plan: list[tuple[ShapePoint, OpTest, str]], outcome: Outcome
 ) -> _KilledForMemory | None:
+    """Where the OOM killer ended the worker: the phase it was measuring, or, where that one's row was
+    written (the kill came before the next phase named itself), the first planned phase after it with no
+    row."""
     fit = outcome.out_of_memory
     if fit is None or outcome.in_flight is None:
         return None
-    name, phase, label = outcome.in_flight
-    for point, op, _ in plan:
-        if op.name == name and point.label == label:
-            oom = fit.out_of_memory((label, name, phase))
-            return _KilledForMemory(
-                name,
-                point.seq_len * point.micro_batch_size,
-                f"{oom} at {label}: a point as large would be killed too",
-            )
+    keys = [(op.name, phase, point.label) for point, op, phase in plan]
+    if outcome.in_flight not in keys:
+        return None
+    start = keys.index(outcome.in_flight)
+    for (point, op, phase), key in list(zip(plan, keys, strict=True))[start:]:
+        if key not in outcome.worker_rows:
+            oom = fit.out_of_memory((point.label, op.name, phase))
+            reason = f"{oom} at {point.label}: a point as large would be killed too"
+            return _KilledForMemory(key, point.seq_len * point.micro_batch_size, reason, oom)
     return None
 
 
@@ -296,13 +311,6 @@ def _missing_reason(key: Key, outcome: Outcome) -> str:
     if outcome.nsys.returncode == 0:
         return "the worker finished without measuring it"
     how = describe_exit(outcome.nsys.returncode)
-    fit = outcome.out_of_memory
-    if fit is not None and outcome.in_flight is not None:  # the kernel killed it for memory
-        op, phase, point = outcome.in_flight
-        oom = fit.out_of_memory((point, op, phase))
-        if key == outcome.in_flight:
-            return oom
-        return f"the profiled process died before measuring it: {oom} in {op}.{phase} {point}"
     if outcome.in_flight is None and not outcome.worker_rows and outcome.report.error:
         last = outcome.nsys.tail.splitlines()[-1] if outcome.nsys.tail else ""
         return f"nsys profile failed ({how}) before the profiled process measured it: {last}"

@@ -430,7 +430,7 @@ class Runner:
                 continue
             times = {ph: call_s(point, op, ph) for ph in op.phases}
             seconds[key] = expected(phase, times.get("forward", 0.0), times.get("backward", 0.0), rates)
-        forecast = Forecast(seconds, overhead_s=rates.first_session_s)
+        forecast = Forecast(seconds)  # the profiler's start-up was paid by measure_rates
         if self.rank == 0:
             print(
                 f"autotuner: {len(todo)} rows, estimated {human_seconds(forecast.total_s)} (their FLOPs, "
@@ -507,5 +507,5 @@ def _progress(total: int, done: int, enabled: bool) -> tqdm:
         disable=not enabled,
         # tqdm's own time left assumes rows of equal length (a layer's backward takes a thousand times a
         # norm's): the plan's estimate replaces it (autotuner.runner.eta)
-        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {postfix}]",
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",  # ", " precedes a postfix
     )

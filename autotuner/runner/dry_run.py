@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,11 +89,16 @@ class Preview:
     estimates: list[MemoryEstimate | None] = dataclasses.field(default_factory=list)
     build_peak: int = 0  # the process's peak while it builds the model parts
 
-    def point_peaks(self) -> dict[str, tuple[PhaseCost, MemoryEstimate]]:
-        """Per point, its largest row's estimate: the peak of a process that measures that point."""
+    def point_peaks(
+        self, refused: Container[tuple[str, str, str]] = ()
+    ) -> dict[str, tuple[PhaseCost, MemoryEstimate]]:
+        """Per point, its largest row's estimate, the ``refused`` (point, op, phase) left out: the peak of
+        a process that measures that point."""
         found: dict[str, tuple[PhaseCost, MemoryEstimate]] = {}
         for cost, guess in zip(self.costs, self.estimates, strict=True):
-            if guess is not None and (cost.point not in found or guess.total > found[cost.point][1].total):
+            if guess is None or (cost.point, cost.op, cost.phase) in refused:
+                continue
+            if cost.point not in found or guess.total > found[cost.point][1].total:
                 found[cost.point] = (cost, guess)
         return found
 
@@ -192,7 +197,7 @@ def preview_routing(routing: Routing) -> Routing:
 
 
 @contextlib.contextmanager
-def _meta_session() -> Iterator[None]:
+def _meta_session() -> Iterator[Any]:
     """What Megatron's forward needs on meta tensors, undone afterwards: its parallel state (a one-process
     group, as a CPU run has), the no-op RNG tracker, and a scratch buffer (core attention's) that hands out
     meta tensors. The buffer is a fresh one, put back afterwards: the cached one would keep the meta
@@ -208,16 +213,38 @@ def _meta_session() -> Iterator[None]:
     from autotuner.model.runtime import init_parallel
 
     class MetaBuffer(mcore_utils.GlobalMemoryBuffer):
+        """As Megatron's: one buffer per (name, dtype), the largest asked for, kept for the process (the
+        attention scores' input); made outside any dispatch mode, so a phase's tracker sees it as a run
+        sees it, made before (autotuner.runner.memory_estimate: the ``score_buffer`` term)."""
+
         def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, *args: Any, **kw: Any) -> Any:
-            return torch.empty(tuple(tensor_shape), dtype=dtype, device=META)
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            numel = int(torch.Size(tensor_shape).numel())
+            self.asked[(name, dtype)] = max(self.asked.get((name, dtype), 0), numel * dtype.itemsize)
+            held = self.buffer.get((name, dtype))
+            if held is None or held.numel() < numel:
+                with _disable_current_modes():
+                    self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=META)
+            return self.buffer[(name, dtype)][:numel].view(*tensor_shape)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: dict[tuple[str, torch.dtype], int] = {}  # since the last take_asked
+
+        def take_asked(self) -> int:
+            """The bytes asked for since the last call: the buffer a phase needs."""
+            asked, self.asked = sum(self.asked.values()), {}
+            return asked
 
     cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
     init_parallel(torch.device("cpu"))
     saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    parallel_state._GLOBAL_MEMORY_BUFFER = MetaBuffer()
+    buffer = MetaBuffer()
+    parallel_state._GLOBAL_MEMORY_BUFFER = buffer
     try:
-        yield
+        yield buffer
     finally:
         parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
@@ -257,7 +284,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _phase_cost(
-    op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception, mapped_from: int | None
+    op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception, mapped_from: int | None, buffer: Any
 ) -> PhaseCost:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -278,7 +305,9 @@ def _phase_cost(
             counted.run()
         flops = int(counter.get_total_flops())
         del counted
+        buffer.take_asked()
         memory = phase_peak(_MetaPhase(phase, call, 0), point.seq_len, gradient_buffers, mapped_from)
+        memory = dataclasses.replace(memory, buffer_bytes=buffer.take_asked())
     except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
         return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=_one_line(exc))
     return PhaseCost(**base, weight_bytes=weights, flops=flops, bytes_moved=moved, memory=memory)
@@ -301,7 +330,7 @@ def preview(
     args = spec.model_args
     workspace = workspace or Workspace.of_process(spec.device)
     total, active = model_parameters(spec) if totals else (0, 0)
-    with _meta_session():
+    with _meta_session() as buffer:
         parts = model_parts(
             spec.ops, spec.block_layers, args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
         )
@@ -323,7 +352,7 @@ def preview(
                         calls[key] = op.build(context, point)
                     except Exception as exc:  # noqa: BLE001 - as a run records it: this op's rows say why
                         calls[key] = exc
-                costs.append(_phase_cost(op, point, phase, calls[key], workspace.mapped_from))
+                costs.append(_phase_cost(op, point, phase, calls[key], workspace.mapped_from, buffer))
     parts_bytes = sum(p.numel() * p.element_size() for p in _unique_parameters(model))
     tensors = [*_unique_parameters(model), *(model.buffers() if model is not None else ())]
     resident = sum(t.numel() * t.element_size() for t in tensors)
@@ -405,8 +434,11 @@ def render(result: Preview, fit: FitCheck | None = None) -> str:
         "peak: the process's estimated peak memory while it measures the row (docs/memory_and_fit.md)",
         f"building the model: peak {human_bytes(result.build_peak)}",
     ]
-    for point, (cost, guess) in result.point_peaks().items():
+    refused = fit.refused if fit is not None else set()
+    for point, (cost, guess) in result.point_peaks(refused).items():
         title = f"{point}: peak {{total}} at {cost.op} {cost.phase}"
+        if any(key[0] == point for key in refused):
+            title += " (of the rows that fit)"
         lines += ["", *describe_estimate(guess, title, result.parts)]
     if fit is not None:
         verdict = fit.advice or f"every row fits in {human_bytes(fit.limit.bytes)} ({fit.limit.source})"

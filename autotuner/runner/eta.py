@@ -33,7 +33,6 @@ class Rates:
     byte_per_s: float
     operation_s: float  # the host's time per aten operation, module and autograd overhead included
     session_s: float  # one memory-sensor session around a trivial call
-    first_session_s: float  # the first one in a process (the profiler's start-up), paid once
     relative_iqr: float  # the spread of a short op's times here now (IQR over median): how noisy samples are
 
     def samples_for(self, target_rel_ci: float) -> float:
@@ -66,14 +65,15 @@ def _best_seconds(run: Callable[[], Any], device: torch.device, repeats: int, ca
 
 
 def measure_rates(device: torch.device, dtype: torch.dtype) -> Rates:
-    """Measure :class:`Rates` on ``device`` (about 0.3 s on a CPU; the first memory-sensor session of a
-    process costs more, and is measured as it is)."""
+    """Measure :class:`Rates` on ``device`` (about 0.3 s on a CPU, and the first memory-sensor session of
+    the process, which starts the profiler: 1-2 s)."""
     from autotuner.measure.memory import peak_bytes
 
     n = 2048 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device).to(dtype)
     gemm = _best_seconds(lambda: a @ a, device, 5)
-    size = (256 if device.type == "cuda" else 128) * 2**20  # beyond the caches: from memory
+    # a copy of 16 MiB on a CPU: larger ones would raise the resident set the fit check estimates
+    size = (256 if device.type == "cuda" else 16) * 2**20
     src = torch.empty(size // 4, device=device)
     dst = torch.empty_like(src)
     copy = _best_seconds(lambda: dst.copy_(src), device, 5)
@@ -88,16 +88,13 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> Rates:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     q1, median, q3 = statistics.quantiles(times, n=4)
-    first = time.perf_counter()
-    peak_bytes(lambda: None, device)
-    first_s = time.perf_counter() - first
+    peak_bytes(lambda: None, device)  # the first session of a process starts the profiler: paid here
     session = _best_seconds(lambda: peak_bytes(lambda: None, device), device, 3)
     return Rates(
         flop_per_s=2 * n**3 / gemm,
         byte_per_s=2 * size / copy,
         operation_s=host / MODULE_OPERATIONS,
         session_s=session,
-        first_session_s=first_s,
         relative_iqr=(q3 - q1) / median,
     )
 
@@ -112,19 +109,18 @@ class Forecast:
     left, times the ratio of the seconds taken to the seconds estimated for the rows done (1 before the
     first)."""
 
-    def __init__(self, seconds: dict[Any, float], overhead_s: float = 0.0) -> None:
+    def __init__(self, seconds: dict[Any, float]) -> None:
         self.seconds = seconds
-        self.overhead_s = overhead_s  # once, before the first row
         self.started = time.monotonic()
         self.done_estimate = 0.0
-        self.left_estimate = sum(seconds.values()) + overhead_s
+        self.left_estimate = sum(seconds.values())
 
     @property
     def total_s(self) -> float:
-        return sum(self.seconds.values()) + self.overhead_s
+        return sum(self.seconds.values())
 
     def finished(self, key: Any) -> None:
-        spent = self.seconds.get(key, 0.0) + (self.overhead_s if self.done_estimate == 0.0 else 0.0)
+        spent = self.seconds.get(key, 0.0)
         self.done_estimate += spent
         self.left_estimate = max(0.0, self.left_estimate - spent)
 

@@ -15,15 +15,20 @@ zeroed gradient buffers for the weights, then the backward from output gradients
 * optimizer: 0, op profiling runs no optimizer step (no Adam moments, no master weights);
 * workspace: the process's runtime, measured (its resident set before the model is built on a CPU: the
   interpreter, torch, Megatron; 0 on a GPU, whose ``max_memory_allocated`` counts tensors only), get_data's
-  rotated input copies, cache-flush buffer and held graphs (by the rules it uses), and the allocator.
+  rotated input copies, cache-flush buffer and held graphs (by the rules it uses), Megatron's buffer for
+  the attention scores (its global memory buffer: one ``[b * heads, s, s]`` tensor, kept once made), and
+  the allocator.
 
 The allocator, on a CPU. The C library serves blocks under its mmap threshold from its heap, which a
 run keeps (autotuner.model.host_heap: never trimmed), and maps larger ones anew, giving them back when
-freed. So the process's resident set at a moment is its heap at the highest demand the process has made
-of it so far, grown by :data:`HEAP_FRAGMENTATION`, plus the large blocks alive then: a row's peak depends
-on the rows before it in the plan (:func:`plan_estimates`). The ``allocator`` term is that resident set
-less the tensors alive at the phase's own peak. On a GPU it is 0: ``max_memory_allocated`` counts the
-caching allocator's blocks in use, each a tensor rounded to 512 bytes.
+freed, unless its heap has room for them: then they land there too. So the heap comes to hold the most
+the process has needed at once, and never shrinks. The estimate takes it so: a row's resident set is the
+heap (the highest demand of the rows before it in the plan, or this phase's own small blocks so far, the
+larger, grown by :data:`HEAP_FRAGMENTATION`) beside the large blocks alive, at the phase's worst moment;
+its demand then carries to the next rows (:func:`plan_estimates`). The ``allocator`` term is that
+resident set less the tensors alive at the phase's own peak: an upper estimate, 0.9-1.1 of the measured
+peaks (docs/memory_and_fit.md). On a GPU it is 0: ``max_memory_allocated`` counts the caching
+allocator's blocks in use, each a tensor rounded to 512 bytes.
 
 Not seen: memory a kernel allocates and frees inside itself (a CPU GEMM's packing buffers) and Python's
 objects for the graph; measured peaks show them small (docs/memory_and_fit.md).
@@ -41,8 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # The heap's size over the highest demand made of it: the free blocks between live ones that no later
-# request fits. Measured on this project's CPU VM: the llama-shaped layer's backward grew glibc's heap to
-# 1.14 of the demand (mallinfo2), the tiny case's plan to ... (docs/memory_and_fit.md).
+# request fits. Measured on this project's CPU VM (glibc's mallinfo2): a llama-shaped block's backward
+# (hidden 1024, s1024) grew the heap to 1.14 of its demand.
 HEAP_FRAGMENTATION = 0.15
 
 
@@ -132,6 +137,7 @@ class PhasePeak:
     input_bytes: int  # the op's inputs (in activations), which get_data's rotation copies
     input_grad_bytes: int  # their gradients (in gradients) when the phase is a backward
     operations: int
+    buffer_bytes: int = 0  # Megatron's buffer for the attention scores the phase asks for (kept once made)
     frontier: tuple[tuple[int, int], ...] = ()  # (heap demand so far, mapped bytes alive), the inputs' apart
 
     @property
@@ -240,11 +246,19 @@ class MemoryEstimate:
     rotated_inputs: int  # workspace: get_data's extra copies of the inputs (and of their gradients)
     flush_buffer: int  # workspace: get_data's cache-flush buffer (timing.flush_cache)
     held_graphs: int  # workspace: get_data's held forward graphs (timing.held_activations_mib)
+    score_buffer: int  # workspace: Megatron's buffer for the attention scores, kept once made
     allocator: int  # workspace: the heap kept at its highest demand so far, and its fragmentation
 
     @property
     def workspace(self) -> int:
-        return self.runtime + self.rotated_inputs + self.flush_buffer + self.held_graphs + self.allocator
+        return (
+            self.runtime
+            + self.rotated_inputs
+            + self.flush_buffer
+            + self.held_graphs
+            + self.score_buffer
+            + self.allocator
+        )
 
     @property
     def total(self) -> int:
@@ -316,13 +330,13 @@ class PlannedPhase:
 def plan_estimates(
     rows: Sequence[PlannedPhase], weights: int, workspace: Workspace, limit: int | None = None
 ) -> list[MemoryEstimate | None]:
-    """Each row's :class:`MemoryEstimate`, in plan order: the heap's demand carries from row to row
-    (module docstring), as in the one process that runs them; a row over ``limit`` is not run (the fit
-    check refuses it), so its demand does not carry."""
+    """Each row's :class:`MemoryEstimate`, in plan order: the heap's demand and Megatron's buffer for the
+    attention scores (kept once a row made it) carry from row to row, as in the one process that runs
+    them (module docstring); a row over ``limit`` is not run (the fit check refuses it): neither carries."""
     from autotuner.measure.cache import rotation_sets
     from autotuner.measure.memory import graphs_to_hold
 
-    heap, out = 0, []
+    heap, kept, out = 0, 0, []
     for row in rows:
         peak = row.peak
         if peak is None:
@@ -339,6 +353,7 @@ def plan_estimates(
             held = (graphs_to_hold(graph, workspace.held_activation_bytes) - 1) * graph
         fragmentation = HEAP_FRAGMENTATION if workspace.mapped_from is not None else 0.0
         resident, heap_after = peak.resident(heap, rotated + held, fragmentation)
+        buffer = max(kept, peak.buffer_bytes)
         guess = MemoryEstimate(
             weights=weights,
             gradients=peak.gradients,
@@ -350,10 +365,11 @@ def plan_estimates(
             rotated_inputs=rotated,
             flush_buffer=workspace.flush_buffer,
             held_graphs=held,
+            score_buffer=buffer,
             allocator=max(0, resident - peak.total - rotated - held),
         )
         if limit is None or guess.total <= limit:
-            heap = heap_after
+            heap, kept = heap_after, buffer
         out.append(guess)
     return out
 
@@ -375,6 +391,7 @@ def describe_estimate(guess: MemoryEstimate, title: str, parts: str) -> list[str
         "rotated inputs": guess.rotated_inputs,
         "cache flush": guess.flush_buffer,
         "held graphs": guess.held_graphs,
+        "score buffer": guess.score_buffer,
         "allocator": guess.allocator,
     }
     shown = ", ".join(f"{name} {human_bytes(size)}" for name, size in workspace.items() if size)
