@@ -29,9 +29,9 @@ from autotuner.measure.memory import graphs_to_hold, saved_bytes
 from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import graph_rng_generators
-from autotuner.ops_test.base import OpCall, OpTest, ShapePoint
+from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase, TrainingOrder
-from autotuner.runner.eta import Rates
+from autotuner.runner.eta import Rates, fill_seconds
 
 
 def _first_line(exc: BaseException) -> str:
@@ -138,17 +138,10 @@ class GetDataObserver:
         return policy.warmup * once + sampling + sensors + self.sensor_seconds(phase)
 
     def sensor_seconds(self, phase: str) -> float:
-        """What the sensors of a row cost beside the op's own calls (a profiler session on a CPU, a garbage
-        collection, the FLOP counter, the row's columns), measured once per phase on a trivial op."""
+        """What the sensors of a row cost beside the op's own calls (autotuner.runner.eta.fill_seconds),
+        measured once per phase."""
         if phase not in self._sensor_s:
-            torch.manual_seed(0)
-            linear = torch.nn.Linear(8, 8).to(self.device)
-            call = OpCall(linear, (torch.randn(1, 8, device=self.device, requires_grad=True),), linear)
-            seen = Observed(self.name, phase=Phase(phase, call, 0), device=self.device, dtype=self.dtype)
-            fill({}, seen)  # the first pays one-off costs (the profiler's start-up: the plan's overhead)
-            start = time.perf_counter()
-            fill({}, seen)
-            self._sensor_s[phase] = time.perf_counter() - start
+            self._sensor_s[phase] = fill_seconds(self.name, self.device, phase)
         return self._sensor_s[phase]
 
     def flush_s(self, rates: Rates) -> float:

@@ -54,7 +54,7 @@ from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
-from autotuner.runner.eta import Rates
+from autotuner.runner.eta import Rates, fill_seconds
 from autotuner.termination import check_stop, forget_stop, raise_stop
 
 WORKER_DIR = "worker"
@@ -133,6 +133,8 @@ class NsysObserver:
         self.sub_op_ranges = sub_op_ranges
         self.annotator = annotator if annotator is not None else NvtxAnnotator()
         self.measuring_file = measuring_file
+        self._leave_out = ("peak_bytes",) if device.type != "cuda" else ()
+        self._sensor_s: dict[str, float] = {}  # see expected_seconds
 
     def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]:
         if self.measuring_file is not None:
@@ -152,8 +154,7 @@ class NsysObserver:
                 self._capture(start=False)
         fresh = Phase(phase.name, phase.call, phase.seed)  # its own outputs and gradients
         seen = Observed(self.name, phase=fresh, device=self.device, model_parameters=self.model_parameters)
-        leave_out = ("peak_bytes",) if self.device.type != "cuda" else ()
-        return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=leave_out)
+        return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=self._leave_out)
 
     def expected_seconds(self, phase: str, forward_s: float, backward_s: float, rates: Rates) -> float:
         """The row's expected seconds from one call's (autotuner.runner.eta): ``warmup + iterations``
@@ -161,7 +162,9 @@ class NsysObserver:
         forward, FLOPs; peak bytes on a GPU)."""
         once = forward_s if phase == "forward" else forward_s + backward_s
         sensors = (forward_s if phase == "forward" else 0.0) + once * (2 if self.device.type == "cuda" else 1)
-        return (self.warmup + self.iterations) * once + sensors
+        if phase not in self._sensor_s:  # their own cost, measured once (autotuner.runner.eta.fill_seconds)
+            self._sensor_s[phase] = fill_seconds(self.name, self.device, phase, self._leave_out)
+        return (self.warmup + self.iterations) * once + sensors + self._sensor_s[phase]
 
     def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
         check_stop()  # a stop signal that a finalizer of the last iteration swallowed

@@ -75,7 +75,7 @@ from autotuner.ops.annotate import RecordFunctionAnnotator, annotating, set_rang
 from autotuner.ops.naming import PHASES, parse_range
 from autotuner.ops_test.base import OpCall, OpTest, ShapePoint
 from autotuner.runner import Phase
-from autotuner.runner.eta import Rates
+from autotuner.runner.eta import Rates, fill_seconds
 
 # The detailed session's time over the op's own on a CPU (stacks, memory and shapes recorded: the module
 # docstring's 2-2.5x)
@@ -267,6 +267,8 @@ class TorchProfilerObserver:
         step = forward_s + (backward_s if self.with_backward else 0.0)
         once = forward_s if phase == "forward" else forward_s + backward_s
         sensors = (forward_s if phase == "forward" else 0.0) + once * (2 if self.cuda else 1)
+        leave_out = () if self.cuda else ("peak_bytes",)
+        sensors += fill_seconds(self.name, self.device, phase, leave_out)  # their own cost (a few ms)
         if phase != PHASES[0]:
             return sensors
         detailed = 1.0 if self.cuda else DETAILED_COST

@@ -431,11 +431,13 @@ class Runner:
             times = {ph: call_s(point, op, ph) for ph in op.phases}
             seconds[key] = expected(phase, times.get("forward", 0.0), times.get("backward", 0.0), rates)
         forecast = Forecast(seconds)  # the profiler's start-up was paid by measure_rates
+        running = sum(1 for key in seconds if self.fit is None or not self.fit.refuses(key))
         if self.rank == 0:
             print(
-                f"autotuner: {len(todo)} rows, estimated {human_seconds(forecast.total_s)} (their FLOPs, "
-                f"bytes and operations at this machine's rates: GEMM {rates.flop_per_s / 1e9:.0f} GFLOP/s, "
-                f"copy {rates.byte_per_s / 1e9:.1f} GB/s, {rates.operation_s * 1e6:.0f} us per operation)",
+                f"autotuner: {running} rows to run, estimated {human_seconds(forecast.total_s)} (their "
+                f"FLOPs, bytes and operations at this machine's rates: GEMM {rates.flop_per_s / 1e9:.0f} "
+                f"GFLOP/s, copy {rates.byte_per_s / 1e9:.1f} GB/s, {rates.operation_s * 1e6:.0f} us per "
+                "operation)",
                 file=sys.stderr,
             )
         return forecast

@@ -104,6 +104,26 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> Rates:
 MODULE_OPERATIONS = 22
 
 
+PRIOR_SHARE = 0.1  # Forecast.left_s
+
+
+def fill_seconds(launcher: str, device: torch.device, phase: str, leave_out: tuple[str, ...] = ()) -> float:
+    """What a row's sensors and computed columns cost beside the op's own calls (a profiler session on a
+    CPU, a garbage collection, the FLOP counter), measured on a trivial op: autotuner.measure.metrics.fill
+    for ``launcher``, once warmed up (the profiler's start-up is a one-off)."""
+    from autotuner.measure.metrics import Observed, fill
+    from autotuner.ops_test.base import OpCall
+    from autotuner.runner import Phase
+
+    linear = torch.nn.Linear(8, 8).to(device)
+    call = OpCall(linear, (torch.randn(1, 8, device=device, requires_grad=True),), linear)
+    seen = Observed(launcher, phase=Phase(phase, call, 0), device=device)
+    fill({}, seen, leave_out)
+    start = time.perf_counter()
+    fill({}, seen, leave_out)
+    return time.perf_counter() - start
+
+
 class Forecast:
     """The plan's estimated seconds per row, and the time left while it runs: the estimate of the rows
     left, times the ratio of the seconds taken to the seconds estimated for the rows done (1 before the
@@ -125,9 +145,12 @@ class Forecast:
         self.left_estimate = max(0.0, self.left_estimate - spent)
 
     def left_s(self) -> float:
+        """The rows left, at the pace of the rows done so far: the estimate's ratio of taken to estimated
+        seconds, weighed against the estimate itself as if PRIOR_SHARE of the plan had gone as estimated
+        (so rows estimated at nothing that take a second do not make the rest look endless)."""
         taken = time.monotonic() - self.started
-        ratio = taken / self.done_estimate if self.done_estimate > 0 else 1.0
-        return self.left_estimate * ratio
+        prior = max(PRIOR_SHARE * self.total_s, 1.0)
+        return self.left_estimate * (taken + prior) / (self.done_estimate + prior)
 
 
 def human_seconds(seconds: float) -> str:

@@ -99,7 +99,7 @@ class FitCheck:
 
 
 def _gib(size: float) -> str:
-    return f"{size / 2**30:.1f} GiB"
+    return f"{size / 2**30:.2f} GiB"
 
 
 def _keys(spec: RunSpec) -> list[Key]:

@@ -16,18 +16,19 @@ zeroed gradient buffers for the weights, then the backward from output gradients
 * workspace: the process's runtime, measured (its resident set before the model is built on a CPU: the
   interpreter, torch, Megatron; 0 on a GPU, whose ``max_memory_allocated`` counts tensors only), get_data's
   rotated input copies, cache-flush buffer and held graphs (by the rules it uses), Megatron's buffer for
-  the attention scores (its global memory buffer: one ``[b * heads, s, s]`` tensor, kept once made), and
-  the allocator.
+  the attention scores (its global memory buffer: one ``[b * heads, s, s]`` tensor, kept once made; on a
+  GPU only, as on a CPU no page of it is ever written, so none is resident), and the allocator.
 
 The allocator, on a CPU. The C library serves blocks under its mmap threshold from its heap, which a
 run keeps (autotuner.model.host_heap: never trimmed), and maps larger ones anew, giving them back when
-freed, unless its heap has room for them: then they land there too. So the heap comes to hold the most
-the process has needed at once, and never shrinks. The estimate takes it so: a row's resident set is the
-heap (the highest demand of the rows before it in the plan, or this phase's own small blocks so far, the
-larger, grown by :data:`HEAP_FRAGMENTATION`) beside the large blocks alive, at the phase's worst moment;
-its demand then carries to the next rows (:func:`plan_estimates`). The ``allocator`` term is that
-resident set less the tensors alive at the phase's own peak: an upper estimate, 0.9-1.1 of the measured
-peaks (docs/memory_and_fit.md). On a GPU it is 0: ``max_memory_allocated`` counts the caching
+freed. So the heap comes to hold the most the process's small blocks have needed at once, and never
+shrinks, while the large ones come and go. The estimate takes it so: a row's resident set is the heap
+(the highest demand of small blocks of the rows before it in the plan, or this phase's own so far, the
+larger, grown by :data:`HEAP_FRAGMENTATION`) beside the large blocks alive, at the phase's worst
+moment; its demand then carries to the next rows (:func:`plan_estimates`). Blocks up to twice the
+threshold count as small: a block of about the threshold's size lands in the heap's free space when it
+has some (seen: RoPE's 32 MiB tensors at s131072). The ``allocator`` term is that resident set less the
+tensors alive at the phase's own peak. On a GPU it is 0: ``max_memory_allocated`` counts the caching
 allocator's blocks in use, each a tensor rounded to 512 bytes.
 
 Not seen: memory a kernel allocates and frees inside itself (a CPU GEMM's packing buffers) and Python's
@@ -47,8 +48,9 @@ from torch.utils._pytree import tree_flatten
 
 # The heap's size over the highest demand made of it: the free blocks between live ones that no later
 # request fits. Measured on this project's CPU VM (glibc's mallinfo2): a llama-shaped block's backward
-# (hidden 1024, s1024) grew the heap to 1.14 of its demand.
-HEAP_FRAGMENTATION = 0.15
+# (hidden 1024, s1024) grew the heap to 1.14 of its demand, one of hidden 512 (blocks of 2-11 MiB) to
+# 1.8; 0.3 puts the estimates of docs/memory_and_fit.md within 0.8-1.3 of the measured peaks.
+HEAP_FRAGMENTATION = 0.3
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
@@ -155,8 +157,7 @@ class PhasePeak:
         for demand, mapped in self.frontier:
             heap = max(heap_before, demand + heap_extra)
             worst = max(worst, int(heap * (1 + fragmentation)) + mapped)
-        # the large blocks land in the heap too once it has room for them: it keeps the whole demand
-        return worst, max(heap_before, self.total + heap_extra)
+        return worst, max(heap_before, max(demand for demand, _ in self.frontier) + heap_extra)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -290,10 +291,11 @@ class Workspace:
 
         if device.type != "cpu":
             return cls(0)
-        # glibc with its heap kept (autotuner.model.host_heap) maps from its threshold; another C library
-        # is taken as one heap that keeps all it got
+        # glibc with its heap kept (autotuner.model.host_heap) maps from its threshold (blocks of about its
+        # size land in the heap too: module docstring); another C library is taken as one heap that keeps
+        # all it got
         glibc = platform.libc_ver()[0] == "glibc"
-        return cls(resident_bytes(), mapped_from=MMAP_THRESHOLD_CEILING if glibc else 2**62)
+        return cls(resident_bytes(), mapped_from=2 * MMAP_THRESHOLD_CEILING if glibc else 2**62)
 
     @classmethod
     def of(cls, cfg: Any, device: torch.device) -> Workspace:
@@ -353,7 +355,9 @@ def plan_estimates(
             held = (graphs_to_hold(graph, workspace.held_activation_bytes) - 1) * graph
         fragmentation = HEAP_FRAGMENTATION if workspace.mapped_from is not None else 0.0
         resident, heap_after = peak.resident(heap, rotated + held, fragmentation)
-        buffer = max(kept, peak.buffer_bytes)
+        # on a CPU never a resident page: Megatron makes it with torch.empty, and baddbmm with beta=0
+        # reads nothing of it; a GPU's allocator counts it
+        buffer = max(kept, peak.buffer_bytes) if workspace.mapped_from is None else 0
         guess = MemoryEstimate(
             weights=weights,
             gradients=peak.gradients,
