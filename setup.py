@@ -1,7 +1,9 @@
 """What pyproject.toml cannot say declaratively: the repository keeps ``cases/`` and ``configs/`` at its
 top level (the design card's layout), and the package carries them as ``autotuner.cases`` and
 ``autotuner.configs``. A wheel holds them under ``autotuner/``; an editable install maps those names
-back onto the checkout's folders. The code finds them through ``autotuner.shipped_folder``.
+back onto the checkout's folders. The code finds them through ``autotuner.shipped_folder``. The
+calibration presets (``autotuner/results/presets/*.json``) and the cluster presets
+(``autotuner/predict/clusters/*.json``) are package data of their modules.
 Everything else (metadata, dependencies, console commands) is in pyproject.toml."""
 
 from setuptools import find_packages, setup
@@ -13,5 +15,10 @@ setup(
     # so that an editable install's finder, and Hydra's pkg://, resolve it like any subpackage).
     packages=[*find_packages(include=["autotuner", "autotuner.*"]), *SHIPPED],
     package_dir=SHIPPED,
-    package_data={"autotuner.cases": ["*.yaml"], "autotuner.configs": ["*.yaml", "*/*.yaml"]},
+    package_data={
+        "autotuner.cases": ["*.yaml", "hf/*/config.json"],
+        "autotuner.configs": ["*.yaml", "*/*.yaml"],
+        "autotuner.results": ["presets/*.json"],
+        "autotuner.predict": ["clusters/*.json"],
+    },
 )

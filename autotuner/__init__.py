@@ -1,4 +1,4 @@
-"""AutoTuner: an operator-level profiler for Megatron-Core transformers (see README.md)."""
+"""AutoTuner: an operator-level profiler for Megatron-Core transformers (see README.md and docs/)."""
 
 from __future__ import annotations
 

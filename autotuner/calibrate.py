@@ -1,87 +1,17 @@
-"""Device calibration: the ceilings an op's achieved rate is judged against.
+"""Device calibration: the ceilings an op's achieved rate is judged against, and the rates the predictor
+needs that no op row holds (``autotuner-calibrate --help``; docs/measurement.md, docs/predict.md).
 
-``python -m autotuner.calibrate [--device auto|cpu|cuda] [--out FILE]`` measures, with the same sampler
-as the get_data launcher:
+``autotuner-calibrate [device=...] [out=FILE]`` measures, with the get_data sampler: matrix-product FLOP/s
+per dtype; copy and zeroing bandwidth over a buffer far past the last-level cache; the caches; on a GPU
+host-to-device and device-to-host bandwidth (pageable and pinned); torch's Adam step over fp32 parameters
+per parameter and per tensor; the gradient accumulation per micro-batch, per gradient dtype; on a CPU a
+training step's host work outside its ops and Adam's cost inside a step beyond its back-to-back rate (a
+CPU host's own terms, zero on a GPU). Under torchrun, ``collectives=true`` measures the collectives
+between the processes and merges them into the file; ``links=true`` measures a cluster's links level by
+level (autotuner.measure.links) and writes a cluster file that predict and tune take as ``cluster=FILE``.
 
-* matrix-product FLOP/s per dtype (square ``a @ b``; 2*n^3 FLOPs), the compute ceiling;
-* memory copy bandwidth (``dst.copy_(src)`` of a buffer far larger than the last-level cache; each copy
-  reads and writes the buffer, 2 x its bytes), the memory ceiling;
-* zeroing bandwidth: ``zero_()`` of the copy's destination (``zeroing_bandwidth``), the rate a training
-  step zeroes its gradients at. Not half a copy on a CPU, whose core reads a line before writing it: on
-  session 36's VM the llama-shaped model's steps zeroed their 21 MB of gradient buffers in 2.90 and 2.43
-  ms after their Adam step, which this rate gave as 2.82 and 2.77 and the copy bandwidth as 1.84 and 1.79
-  (``python -m benchmarks.adam_in_step``, two runs); tiny's 0.9 MB, which stay in the cache, 0.09 against
-  0.12 and 0.08;
-* on a GPU, host-to-device and device-to-host bandwidth from pageable and from pinned host memory;
-* the optimizer step: ``torch.optim.Adam.step`` (torch's default implementation for the device, the one
-  autotuner.predict.steps trains with) over fp32 parameters and gradients, in seconds per parameter
-  and per tensor (``adam_seconds_per_parameter``, with ``adam_parameters``, the count it was timed at;
-  ``adam_seconds_per_tensor``): two steps, one over a layer-shaped set of a few large tensors and one
-  over many small ones, solved for the two. Megatron keeps fp32 main parameters and gradients whatever
-  the model's dtype, so the fp32 rate is the one a step pays; autotuner.predict scales it by a stage's
-  parameters and its tensors. An Adam step makes several passes over its four fp32 tensors (on a CPU
-  what copying about 70 B per parameter takes, not the 28 B of one fused pass), so a bandwidth model
-  undercounts it there; and on a CPU torch's Adam loops over the tensors, a dozen small ops each (22 us
-  a tensor on this project's VM, two threads or one), which the tiny model's steps showed: 1.3-1.6 ms of
-  Adam against 0.5 predicted from the rate per parameter alone. Its temporaries, a tensor's size each,
-  are where a process's heap shows: on a CPU the calibration keeps freed memory, as the profiles and the
-  steps do (autotuner.model.host_heap; with glibc's defaults this set's step took 10,400 page faults and
-  4.1 ns per parameter on this project's VM, where the training steps' Adam took none). And the same
-  layers stepped with zero gradients, whose moments stay zero, for what such a parameter costs more
-  (``adam_seconds_per_zero_state_parameter``): an untied embedding's rows that no token of a step touches
-  are such parameters, 925,696 of the llama-shaped model's 5.26 M in the validation's steps, and on
-  session 35's VM a CPU Adam step took 2.4 ns a parameter more over them than over others (torch's
-  ``sqrt`` of zeros ran about ten times slower than of other values), 12% of that model's Adam
-  (``python -m benchmarks.adam_in_step``);
-* the gradient accumulation a training step makes per micro-batch: ``main_grad.add_(grad)``, a gradient
-  of each dtype added into an fp32 gradient of ``buffer_bytes`` (``grad_accumulation_seconds_per_parameter``,
-  per gradient dtype). An fp32 add runs near the copy rate, a bf16 gradient's does not: on an H200 it
-  took 3.7 ps per parameter (2.7 TB/s of its 10 B) against 2.8 for fp32 (4.3 TB/s of 12 B), the copy
-  4.1 TB/s, and a Llama-2-7B layer's backward inside a real step grew by that 0.75 ms (docs/gpu_checks.md).
-
-* on a CPU, a training step's time outside its ops per micro-batch (``host_work_seconds_per_microbatch``,
-  forward and backward: :func:`host_work`): Megatron-Core's schedule (the forward and backward steps, the
-  loss function, autograd's start) and GPTModel's own work (the rotary table, the block's), which no op
-  row holds, a stage's part and a part per layer (the block's own work around each). It is timed by the
-  hooks that time the ops inside the validated steps (autotuner.predict.in_step), on a minimal GPTModel
-  (hidden 32) at one and four layers, whose ops take microseconds: on this project's VM 0.14 ms a
-  micro-batch of it is the schedule alone (around a one-Linear model), and a tiny step (two layers)
-  spent about 0.8-1 ms a micro-batch outside its ops, the llama-shaped one (four) 1.4-1.5 ms. Timed
-  twice: as it runs, and with the last-level cache flushed inside every layer's forward and backward
-  (``host_work_seconds_per_microbatch_flushed``), as a model whose ops sweep more than that cache
-  leaves it: the interpreter's, the allocator's and autograd's data live in the L3 and come back from
-  memory. On this project's VM (session 28, one process) the minimal model at four layers took 0.18 ms
-  forward and 0.29 backward a micro-batch, 0.18 / 0.26 with a 2 MiB flush (the L2's size), 0.22 / 0.39
-  with 8 MiB, 0.40 / 0.74 with 32 MiB (the L3's); the llama-shaped model's own steps (four layers,
-  about 50 MB of weights, gradients and activations a micro-batch) 0.37 / 0.73, tiny's (two layers,
-  about 4 MB) 0.16 / 0.28. On a GPU the host queues kernels ahead of the device, so the predictor does
-  not add it there;
-* on a CPU, from the same steps, what an Adam step inside a training step takes beyond the back-to-back
-  rates above, once a step (``adam_seconds_per_step_in_training``: :func:`adam_in_step`). A step's Adam
-  follows its backward, which ran other code on other data; timed back to back, Adam's calls find their
-  own still in the caches. In one process on this project's VM (session 21, one thread, 30 rounds) tiny's
-  Adam took 1.245 ms inside its steps and 0.799 back to back (1.470 after a cache flush, 1.191 after 2 ms
-  asleep); the minimal model's optimizer phase took 0.75-0.81 ms at one layer (9 tensors, 17.5 K
-  parameters), where the rates give 0.23. The back-to-back sets cannot see it: it is paid once a step,
-  and their solve has no term for that.
-
-``torchrun --nproc-per-node=N -m autotuner.calibrate --collectives [--out FILE]`` measures the links
-between the N processes instead (gloo between CPU processes, NCCL between GPUs, one GPU per process): the
-bus bandwidth of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at a few sizes,
-the largest big enough to reach the plateau, and of the point-to-point exchange a pipeline stage makes
-(``send_recv``: each rank sends a buffer to the next and receives the previous one's into a buffer made
-for it, batched as Megatron's p2p communication does), and merges them into the calibration file (the
-ceilings already there are kept; without a file, rank 0 measures them first). See
-:func:`calibrate_collectives`. Between CPU processes it also times the Adam step on every rank at once
-(``adam_seconds_per_parameter_together``, per link): the processes of a CPU "layout" share one memory,
-and two 1-thread processes running Adam together each took 3.4-3.7 ns per parameter on this project's
-VM where one alone took 1.9 (GPUs each have their own memory: not timed there).
-
-The calls are the ``functional`` op group's (autotuner.ops_test.functional_ops), at sizes that reach the
-peak. The result is a JSON file, by default ``runs/calibration/<device>.json``, which get_data runs read (the
-``calibration`` config key, or that default file) to add each op's bound and the fraction of its ceiling
-it reaches. Calibrate once per machine; the file names the device and versions it was measured with.
-Where it is kept and how it is read back: autotuner.results.calibration.
+The file (default ``runs/calibration/<device>.json``, autotuner.results.calibration) names the device and
+versions it was measured with; get_data runs read it to give every row its bound and ceiling fraction.
 """
 
 from __future__ import annotations
@@ -92,13 +22,15 @@ import os
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse, setting
+from autotuner.errors import UserError
 from autotuner.measure.cache import last_level_cache_bytes, shared_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.host_heap import keep_freed_memory
@@ -119,6 +51,7 @@ from autotuner.results.calibration import (
     ADAM_TOGETHER,
     ADAM_ZERO_STATE,
     COLLECTIVES,
+    DEFAULT_DIR,
     GRAD_ACCUMULATION,
     HOST_WORK,
     HOST_WORK_FLUSHED,
@@ -417,7 +350,7 @@ def _collective_call(kind: str, nbytes: int, world: int, device: torch.device) -
             # a fresh receive buffer every call, as Megatron's p2p communication allocates one for every
             # exchange (``torch.empty(..., requires_grad=True)``): on a CPU, whose allocator keeps no
             # cache, that is memory to find and pages to fault in; one buffer reused call after call hid
-            # it (two gloo processes on this project's VM, medians of 130 exchanges, session 27: 64 KiB
+            # it (two gloo processes on a 2-core CPU VM, medians of 130 exchanges: 64 KiB
             # 0.13 ms reused, 0.16-0.17 fresh; 1 MiB 0.61-0.62 and 0.79-0.88). On a GPU the caching
             # allocator hands back a block it holds.
             received = torch.empty(full.shape, dtype=full.dtype, device=device, requires_grad=True)
@@ -491,12 +424,12 @@ def _init_links(device: torch.device) -> None:
 
 
 def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
-    """``--collectives``: every rank measures; rank 0 merges into ``out`` (measuring the ceilings first
+    """``collectives=true``: every rank measures; rank 0 merges into ``out`` (measuring the ceilings first
     when there is no file yet) and prints the bus bandwidths."""
     if int(os.environ.get("WORLD_SIZE", 1)) < 2:
         raise UserError(
-            "--collectives measures the links between processes: launch it with "
-            "torchrun --nproc-per-node=N -m autotuner.calibrate --collectives (N >= 2)"
+            "collectives=true measures the links between processes: launch it with "
+            "torchrun --nproc-per-node=N -m autotuner.calibrate collectives=true (N >= 2)"
         )
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -539,34 +472,140 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
     return 0
 
 
+def _main_links(
+    device: torch.device, out: Path, budget_s: float, ranks_per_node: int | None, base_given: str | None
+) -> int:
+    """``links=true``: every rank measures its node's and its local index's groups (autotuner.measure.links);
+    rank 0 fits them and writes the cluster file (autotuner.predict.cluster.measured_file)."""
+    import platform
+    from datetime import date
+
+    from autotuner.measure.links import LEVEL_KINDS, measure_links
+    from autotuner.predict.cluster import load as load_cluster
+    from autotuner.predict.cluster import measured_file
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world < 2:
+        raise UserError(
+            "links=true measures the links between processes: launch it with torchrun --nproc-per-node=N "
+            "[--nnodes=M] -m autotuner.calibrate links=true (N*M >= 2)"
+        )
+    per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise UserError(
+            f"ranks_per_node={per_node} does not divide the job's {world} ranks: give a divisor of {world}"
+        )
+    base = load_cluster(base_given) if base_given else None
+    nodes = world // per_node
+    if per_node == 1 and base is None:
+        raise UserError(
+            f"{per_node} rank a node measures no link inside a node: give cluster=PRESET (e.g. dgx_h100) "
+            "for it"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _init_links(device)
+    dist = torch.distributed
+    try:
+        kinds = LEVEL_KINDS
+        notes = []
+        if str(dist.get_backend()) == "gloo" and not gloo_has_sequence_parallel_collectives():
+            kinds = ("all_reduce", "all_to_all", "send_recv")
+            notes.append(
+                f"gloo in torch {torch.__version__} lacks all_gather_into_tensor/reduce_scatter_tensor"
+            )
+        policy = SamplingPolicy(warmup=3, min_samples=5, budget_s=budget_s, target_rel_ci=0.05)
+        measured = measure_links(device, per_node, COLLECTIVE_SIZES[device.type], policy, kinds)
+        if dist.get_rank() == 0:
+            where = {
+                "host": platform.node(),
+                "backend": str(dist.get_backend()),
+                "date": date.today().isoformat(),
+                "world": world,
+                "device": device_name(device),
+                "torch": torch.__version__,
+            }
+            try:
+                data = measured_file(measured, per_node, nodes, where, base)
+            except ValueError as exc:
+                raise UserError(f"{exc}") from None
+            atomic_write_text(out, json.dumps(data, indent=2) + "\n")
+            for level, fits in data["measured"].items():
+                for kind, fitted in fits.items():
+                    print(
+                        f"{level:10} {kind:15} over {fitted['ranks']:3} ranks: "
+                        f"{fitted['bus_bandwidth'] / 1e9:10.3f} GB/s bus bandwidth, "
+                        f"{fitted['latency'] * 1e6:8.1f} us latency (the fit within "
+                        f"{fitted['worst_error']:.0%} of every size)"
+                    )
+            for note in notes:
+                print(f"note: {note}")
+            print(f"written to {out}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+@dataclass(frozen=True)
+class CalibrateSettings:
+    device: str = setting("auto", "auto, cpu or cuda", "DEVICE")
+    out: str | None = setting(
+        None, "where to write the JSON (default runs/calibration/<device>.json)", "FILE"
+    )
+    collectives: bool = setting(
+        False, "under torchrun: measure the links' collectives and merge them into the file", "BOOL"
+    )
+    links: bool = setting(
+        False,
+        "under torchrun: measure the links inside each node and between nodes, write a cluster file",
+        "BOOL",
+    )
+    ranks_per_node: int | None = setting(
+        None, "with links: the ranks a node holds (default torchrun's LOCAL_WORLD_SIZE)", "N"
+    )
+    cluster: str | None = setting(
+        None, "with links: a preset or cluster file for the levels the job cannot measure", "NAME|FILE"
+    )
+    budget_s: float = setting(1.0, "sampling time per collective and size", "S")
+
+
+COMMAND = Command(
+    "autotuner-calibrate",
+    "autotuner.calibrate",
+    "Measure the device's ceilings (matmul FLOP/s, copy and zeroing bandwidth, caches, Adam, host links; "
+    "under torchrun the collectives or a cluster's links) for the roofline and the predictor.",
+    "",
+    CalibrateSettings,
+    least=0,
+    most=0,
+)
+
+
 @ending_quietly_on_a_closed_pipe
 @ending_in_one_line_on_ctrl_c("autotuner.calibrate")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m autotuner.calibrate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--out", help="where to write the JSON (default runs/calibration/<device>.json)")
-    parser.add_argument(
-        "--collectives",
-        action="store_true",
-        help="under torchrun: measure the links' collectives and merge them into the file",
-    )
-    parser.add_argument(
-        "--budget-s", type=float, default=1.0, help="sampling time per collective and size (default 1.0)"
-    )
-    args = parser.parse_args(argv)
+    _, args, _ = parse(COMMAND, argv)
     try:
         device = resolve_device(args.device)
         if not 0 < args.budget_s <= 3600:  # a collective's sizes each take it: an hour is past any need
             raise UserError(
-                f"--budget-s {args.budget_s} must be above 0 and at most 3600: give e.g. --budget-s 1"
+                f"budget_s={args.budget_s:g} must be above 0 and at most 3600: give e.g. budget_s=1"
             )
+        if args.links:
+            out = Path(args.out) if args.out else DEFAULT_DIR / "cluster.json"
+            check_writable(out, f"out={out}")
+            return _main_links(device, out, args.budget_s, args.ranks_per_node, args.cluster)
+        if args.ranks_per_node is not None or args.cluster is not None:
+            raise UserError("ranks_per_node and cluster go with links=true: add links=true, or drop them")
         out = Path(args.out) if args.out else default_path(device.type, device_name(device))
-        check_writable(out, f"--out {out}")  # before the minutes of measuring that it would lose
+        check_writable(out, f"out={out}")  # before the minutes of measuring that it would lose
         if args.collectives:
             return _main_collectives(device, out, args.budget_s)
     except UserError as exc:
-        print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return 2
     result = calibrate(device)
     if device.type == "cpu":

@@ -1,13 +1,14 @@
-"""Compare runs: ``python -m autotuner.compare RUN_DIR [RUN_DIR ...]``, and the OSS benchmark JSON export.
+"""Compare runs: ``autotuner-compare RUN_DIR [RUN_DIR ...] [labels=[a,b]] [digits=3] [oss_json=FILE]``, and
+the OSS benchmark JSON export.
 
 The table follows ``torch.utils.benchmark.Compare``: one table per op, a row per (phase, run) — runs are
-the "env" and group the rows — and a column per shape point. Times are trimmed to ``--digits``
+the "env" and group the rows — and a column per shape point. Times are trimmed to ``digits``
 significant figures in one unit per table. The first run is the baseline: every other run's cell carries
 its speed-up over the baseline (``1.25x`` = 1.25 times faster), marked ``~`` where the two medians are
 within noise of each other (their distance is under the mean of their IQRs), so a reader does not
 mistake noise for a change.
 
-``--oss-json FILE`` writes the rows in the PyTorch OSS benchmark database format (as TorchAO's CI does):
+``oss_json=FILE`` writes the rows in the PyTorch OSS benchmark database format (as TorchAO's CI does):
 one record per (op, phase, shape point, metric).
 """
 
@@ -16,10 +17,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse
+from autotuner.cli import setting as cli_setting
+from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_run_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
@@ -88,21 +92,29 @@ def differences(runs: Sequence[dict[str, Any]], labels: Sequence[str]) -> str | 
     return f"the runs differ in {'; '.join(found)}: each ratio compares that too" if found else None
 
 
+def _no_time(row: dict[str, Any]) -> str:
+    """What a table cell says for a row without a time: its status (failed, skipped, ...), ``no median``
+    for an ok row without one, ``no status`` for a row without one."""
+    status = row.get("status")
+    return "no median" if status == "ok" else str(status or "no status")
+
+
 def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 3) -> str:
     """The comparison tables, one per op, as text."""
-    index = {}
+    index, why = {}, {}
     for label, run in zip(labels, runs, strict=True):
         for row in run["rows"]:
+            key = (label, row["op"], row["phase"], row["point"])
             if row.get("status") == "ok" and row.get("median_us") is not None:
-                index[(label, row["op"], row["phase"], row["point"])] = row
+                index[key] = row
+            elif why.get(key) != "failed":  # a failed rank's row says more than another rank's
+                why[key] = _no_time(row)
     ops = list(dict.fromkeys(row["op"] for run in runs for row in run["rows"]))
     points = list(dict.fromkeys(row["point"] for run in runs for row in run["rows"]))
     blocks = []
     for op in ops:
         cells = [r["median_us"] for (_, o, _, _), r in index.items() if o == op]
-        if not cells:
-            continue
-        unit, scale = common_time_unit(cells, digits)
+        unit, scale = common_time_unit(cells, digits)  # us where the op has no time in any run
         header = [f"[ {op} ]  ({unit})", *points]
         lines = []
         for phase in PHASES:
@@ -111,7 +123,7 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
                 for point in points:
                     row = index.get((label, op, phase, point))
                     if row is None:
-                        line.append(MISSING)
+                        line.append(why.get((label, op, phase, point), MISSING))
                         continue
                     text = significant(row["median_us"] / scale, digits)
                     base = index.get((labels[0], op, phase, point))
@@ -125,7 +137,8 @@ def render(runs: Sequence[dict[str, Any]], labels: Sequence[str], digits: int = 
         blocks.append(text_table(header, lines, [False] + [True] * len(points), rule=False))
     legend = (
         f"baseline: {labels[0]}; (N.NNx) = speed-up over the baseline, ~ = within noise (IQR); "
-        "! = the sampler warned (see results.csv)"
+        f"! = the sampler warned (see results.csv); failed, skipped, ...: the row's status, no time (its "
+        f"error column says why); no median: ok but without one; {MISSING} = no row (not measured)"
     )
     return "\n\n".join([*blocks, legend])
 
@@ -176,36 +189,46 @@ def oss_records(run: dict[str, Any]) -> list[dict[str, Any]]:
     return records
 
 
+@dataclass(frozen=True)
+class CompareSettings:
+    labels: list[str] | None = cli_setting(
+        None, "names of the runs, one each, in order (default: their folders' names)", "[A,B]"
+    )
+    digits: int = cli_setting(3, "significant figures of the times, 1 to 15", "N")
+    oss_json: str | None = cli_setting(
+        None, "also write every run's rows in the OSS benchmark JSON format here", "FILE"
+    )
+
+
+COMMAND = Command(
+    "autotuner-compare",
+    "autotuner.compare",
+    "Compare runs in one table per op, the first run the baseline (a speed-up beside every other's time).",
+    "RUN_DIR",
+    CompareSettings,
+)
+
+
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m autotuner.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories (the first is the baseline)")
-    parser.add_argument("--labels", help="comma-separated names for the runs (default: their folder names)")
-    parser.add_argument(
-        "--digits",
-        type=int,
-        choices=range(1, 16),
-        default=3,
-        metavar="1-15",
-        help="significant figures (default 3)",
-    )
-    parser.add_argument(
-        "--oss-json", help="also write every run's rows in the OSS benchmark JSON format here"
-    )
-    args = parser.parse_args(argv)
+    paths, args, _ = parse(COMMAND, argv)
+    if not 1 <= args.digits <= 15:
+        print(f"{COMMAND.name}: error: digits={args.digits}: give 1 to 15", file=sys.stderr)
+        return 2
     try:
-        runs = [load_run(r) for r in args.runs]
-        labels = args.labels.split(",") if args.labels else default_labels(args.runs)
+        runs = [load_run(r) for r in paths]
+        labels = list(args.labels) if args.labels else default_labels(paths)
         if len(labels) != len(runs):
             raise UserError(
-                f"--labels names {len(labels)} runs but {len(runs)} were given: give one label per run"
+                f"labels names {len(labels)} runs but {len(runs)} were given: give one label per run"
             )
         if len(set(labels)) != len(labels):
-            raise UserError(f"--labels {args.labels} names two runs alike: give each run a label of its own")
+            raise UserError(f"labels={labels} names two runs alike: give each run a label of its own")
         if args.oss_json:
-            check_writable(args.oss_json, f"--oss-json {args.oss_json}", reads=args.runs)
+            check_writable(args.oss_json, f"oss_json={args.oss_json}", reads=paths)
     except UserError as exc:
-        print(f"autotuner.compare: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     if args.oss_json:  # written before the table is printed: kept if the reader stops reading (| head)
         records = [record for run in runs for record in oss_records(run)]
@@ -215,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             error = UserError(
                 f"cannot write {args.oss_json}: {exc.strerror or exc}: give a path you can write"
             )
-            print(f"autotuner.compare: error: {error}", file=sys.stderr)
+            print(f"{COMMAND.name}: error: {error}", file=sys.stderr)
             return error.exit_code
     differ = differences(runs, labels)
     if differ:

@@ -149,6 +149,8 @@ class NsysLauncherConfig(LauncherConfig):
     phase, unmeasured then measured iterations (each measured one is one NVTX range, one sample).
     ``sub_op_ranges``: give the sub-ops of the op being measured their ranges too (nested in its range
     on the timeline, at a small cost inside its time); false marks the measured op alone.
+    ``start_timeout_s``: how long nsys may take to start the worker (its Python, torch imported) before it
+    is killed and the run refused in one line: an nsys that never starts its program would wait for ever.
     """
 
     name: str = "nsys"
@@ -158,6 +160,7 @@ class NsysLauncherConfig(LauncherConfig):
     warmup: int = 2
     iterations: int = 5
     sub_op_ranges: bool = True
+    start_timeout_s: float = 300.0
 
 
 @dataclass
@@ -207,6 +210,9 @@ class AutotunerConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     resume: bool = False
+    # resume=true into a run another autotuner version or environment measured (environment.json): false
+    # refuses in one line; true measures the rest, each new row naming its environment (measured_by)
+    resume_across_versions: bool = False
     calibration: str | None = None
     progress: bool = True
     report: bool = True  # write report.html and its figures into the run directory (autotuner.report)
@@ -259,9 +265,10 @@ def _why(exc: BaseException) -> str:
     return said
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
+def compose_config(overrides: list[str], with_hydra: bool = False) -> DictConfig:
     """Compose the config for one job's overrides without running it (the command line's checks, tests,
-    benchmarks). Raises UserError for an unknown launcher or a bad override."""
+    benchmarks); ``with_hydra`` keeps Hydra's own node (where the run goes). Raises UserError for an
+    unknown launcher or a bad override."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException, MissingConfigException
@@ -272,7 +279,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
+            return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
     except MissingConfigException as exc:
         if any(o.split("=", 1)[0].lstrip("+") == "launcher" for o in overrides):
             raise UserError(

@@ -57,6 +57,10 @@ def schema_problem(error: Any) -> str:
         problem = f"must be {_WANTS[kind]}, not {type(given).__name__} {short_repr(given)}"
     elif kind == "greater_than_equal":
         problem = f"must be at least {ctx.get('ge')}, not {short_repr(given)}"
+    elif kind == "greater_than":
+        problem = f"must be above {ctx.get('gt')}, not {short_repr(given)}"
+    elif kind == "finite_number":
+        problem = f"must be a finite number, not {short_repr(given)}"
     elif kind == "literal_error":
         problem = f"must be one of {ctx.get('expected')}, not {short_repr(given)}"
     elif kind in ("too_short", "too_long"):

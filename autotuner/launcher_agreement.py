@@ -1,4 +1,4 @@
-"""Do launchers agree? ``python -m autotuner.launcher_agreement GET_DATA_RUN TORCH_PROFILER_RUN [NSYS_RUN]``
+"""Do launchers agree? ``autotuner-launcher-agreement GET_DATA_RUN TORCH_PROFILER_RUN [NSYS_RUN]``
 
 The three launchers time the same plan in three ways: get_data with its own timers (CUDA events on a
 GPU), torch_profiler from the op's profiler ranges (their GPU-side span on a GPU), nsys from the op's
@@ -28,7 +28,6 @@ or above the floor is within the tolerance, 1 otherwise, 2 for bad input (one li
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse, setting
+from autotuner.errors import UserError
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
@@ -285,73 +285,55 @@ def render(agreement: Agreement) -> str:
     return "\n".join([text, "", *legend, agreement.summary()])
 
 
-def _tolerance(text: str) -> float:
-    """``0.1`` or ``10%``."""
-    try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (0.1 or 10%)") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0 (0.1 or 10%)")
-    return value
-
-
-def _floor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of microseconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of microseconds >= 0")
-    return value
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Whole or not at all (autotuner.results.atomic): a reader never sees half a file."""
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
+@dataclass(frozen=True)
+class AgreementSettings:
+    tolerance: float = setting(
+        0.1, "the largest accepted |ratio - 1| of a row's time to the reference's", "X"
+    )
+    floor_us: float = setting(
+        100.0, "rows whose reference time is under this many microseconds are not judged", "US"
+    )
+    json: str | None = setting(None, "also write the table as JSON here", "OUT")
+
+
+COMMAND = Command(
+    "autotuner-launcher-agreement",
+    "autotuner.launcher_agreement",
+    "Compare the times of a get_data, a torch_profiler and (optionally) an nsys run of the same ops and "
+    "shape points, row by row, against nsys's GPU time (else torch_profiler's).",
+    "GET_DATA_RUN TORCH_PROFILER_RUN [NSYS_RUN]",
+    AgreementSettings,
+    least=2,
+    most=3,
+)
+
+
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="python -m autotuner.launcher_agreement",
-        description="Compare the times of a get_data, a torch_profiler and (optionally) an nsys run of the "
-        "same ops and shape points, row by row, against nsys's GPU time (else torch_profiler's).",
-    )
-    parser.add_argument("get_data", metavar="GET_DATA_RUN", help="run directory of launcher=get_data")
-    parser.add_argument(
-        "torch_profiler", metavar="TORCH_PROFILER_RUN", help="run directory of launcher=torch_profiler"
-    )
-    parser.add_argument(
-        "nsys", metavar="NSYS_RUN", nargs="?", help="run directory of launcher=nsys (optional)"
-    )
-    parser.add_argument(
-        "--tolerance",
-        type=_tolerance,
-        default=0.1,
-        help="largest accepted |ratio - 1|: 0.1 or 10%% (default 0.1)",
-    )
-    parser.add_argument(
-        "--floor-us",
-        type=_floor,
-        default=100.0,
-        help="rows whose reference is under this many us are not judged",
-    )
-    parser.add_argument("--json", type=Path, metavar="OUT", help="also write the table as JSON here")
-    args = parser.parse_args(argv)
+    paths, args, _ = parse(COMMAND, argv)
+    get_data, torch_profiler, nsys = (*paths, None)[:3]
+    for name, value in (("tolerance", args.tolerance), ("floor_us", args.floor_us)):
+        if not math.isfinite(value) or value < 0:
+            print(f"{COMMAND.name}: error: {name}={value}: give a finite number >= 0", file=sys.stderr)
+            return 2
     try:
-        runs = [load_run(args.get_data, "get_data"), load_run(args.torch_profiler, "torch_profiler")]
-        if args.nsys:
-            runs.append(load_run(args.nsys, "nsys"))
+        runs = [load_run(get_data, "get_data"), load_run(torch_profiler, "torch_profiler")]
+        if nsys:
+            runs.append(load_run(nsys, "nsys"))
         agreement = compare(runs, args.tolerance, args.floor_us)
         if args.json is not None:
-            inputs = [args.get_data, args.torch_profiler, *([args.nsys] if args.nsys else [])]
-            check_writable(args.json, f"--json {args.json}", reads=inputs)
+            check_writable(args.json, f"json={args.json}", reads=paths)
     except UserError as exc:
-        print(f"autotuner.launcher_agreement: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     if args.json is not None:  # before the table is printed: kept if the reader stops reading (| head)
-        _write_json(args.json, agreement.to_json())
+        _write_json(Path(args.json), agreement.to_json())
     print(render(agreement))
     return 0 if agreement.passed else 1
 

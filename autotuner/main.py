@@ -7,9 +7,11 @@ config field, an impossible shape) ends with one line on stderr and exit code 2 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import difflib
+import errno
 import io
 import itertools
 import os
@@ -19,70 +21,74 @@ import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
-from autotuner.errors import UserError
+from autotuner.errors import OneLineParser, UserError
+from autotuner.results import RunFileNotWritten
 from autotuner.results.atomic import check_writable
 from autotuner.termination import (
     end_on_a_closed_pipe,
     forget_stop,
     interrupting_on_sigint,
+    stopping_with_torchrun,
     unwinding_on_sigterm,
 )
 
-# Hydra's own flags: those that take a value, and those that print instead of running.
-_FLAGS_WITH_VALUE = {
-    "--cfg",
-    "-c",
-    "--package",
-    "-p",
-    "--config-path",
-    "-cp",
-    "--config-name",
-    "-cn",
-    "--config-dir",
-    "-cd",
-    "--experimental-rerun",
-    "--shell-completion",
-    "-sc",
-}
-_INFO_FLAGS = {
-    "--help",
-    "-h",
-    "--hydra-help",
-    "--info",
-    "--version",
-    "--cfg",
-    "-c",
-    "--shell-completion",
-    "-sc",
-}
+
+def _hydra_flags() -> argparse.ArgumentParser:
+    """Hydra 1.3's own command-line flags, as its ``hydra.main`` parses them (its ``--help`` lists them),
+    so the checks before a run read the command line as Hydra's run will, and an unknown flag
+    (``--dry-run`` for ``dry_run=true``) is refused before the run directory is claimed."""
+    parser = OneLineParser(prog="autotuner", add_help=False)
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r")):
+        parser.add_argument(*flags, action="store_true")
+    parser.add_argument("--multirun", "-m", action="store_true")
+    parser.add_argument("--shell-completion", "-sc", action="store_true")
+    parser.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
+    parser.add_argument("--package", "-p")
+    parser.add_argument("--config-path", "-cp")
+    parser.add_argument("--config-name", "-cn")
+    parser.add_argument("--config-dir", "-cd")
+    parser.add_argument("--experimental-rerun")
+    infos = ["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"]
+    parser.add_argument("--info", "-i", nargs="?", const="all", choices=infos)
+    parser.add_argument("overrides", nargs="*")
+    return parser
 
 
-def _check_flags(argv: list[str]) -> None:
-    """Hydra's own flags, parsed as Hydra's run will parse them, before the run directory is claimed: an
-    unknown one (``--dry-run`` for ``dry_run=true``) ended in Hydra's usage text after the lock file was
-    made, or went unnoticed by a dry run. The checks before a run compose the shipped primary config, so
-    another one (``--config-name``, ``--config-path``) would be checked as what it is not: a user's own
-    groups and options come in through ``--config-dir``. Raises UserError."""
-    try:
-        from hydra._internal.utils import get_args_parser  # the parser hydra.main uses (not public API)
-    except ImportError:  # another Hydra: its run reports what it does not know
-        return
+@dataclasses.dataclass(frozen=True)
+class CommandLine:
+    """The command line read once: the app's ``key=value`` overrides (``hf.``/``tf.`` ones opened, see
+    autotuner.config.open_dict_overrides), Hydra's own (``hydra.*``), the user's config folders as the one
+    ``hydra.searchpath`` override the compose API understands, whether it is a ``-m`` sweep, and whether
+    Hydra is only asked to print something (``--help``, ``--cfg``, ``--info``, ...: nothing is checked)."""
+
+    argv: list[str]
+    overrides: list[str]
+    hydra_overrides: list[str]
+    search_path: list[str]
+    multirun: bool
+    prints_only: bool
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Read the command line as Hydra's run will. The checks before a run compose the shipped primary
+    config, so another one (``--config-name``, ``--config-path``) would be checked as what it is not: a
+    user's own groups and options come in through ``--config-dir``. Raises UserError."""
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            args, unknown = get_args_parser().parse_known_args(argv)
-    except SystemExit as exc:
-        if exc.code == 0:  # --version, printed as Hydra's run prints it
-            raise
+            args, unknown = _hydra_flags().parse_known_args(argv)
+    except SystemExit:
         lines = said.getvalue().strip().splitlines() or ["a bad option"]
-        raise UserError(f"{lines[-1].split('error: ', 1)[-1]}: see python -m autotuner.main --help") from None
+        message = lines[-1].split("error: ", 1)[-1].removesuffix(" (see --help)")
+        raise UserError(f"{message}: see python -m autotuner.main --help") from None
     if unknown and "=" in unknown[0] and not unknown[0].startswith("-"):
         raise UserError(
             f"{unknown[0]}: the key=value settings go together, after Hydra's flags "
@@ -108,6 +114,21 @@ def _check_flags(argv: list[str]) -> None:
         raise UserError(f"--config-name {args.config_name}: the one primary config is 'config'; {own}")
     if args.config_path is not None and Path(os.path.abspath(args.config_path)) != CONFIG_DIR.resolve():
         raise UserError(f"--config-path {args.config_path}: the shipped configs cannot be replaced; {own}")
+    prints = args.help or args.hydra_help or args.version or args.cfg or args.info or args.shell_completion
+
+    def is_hydra(arg: str) -> bool:
+        key = arg.lstrip("+~").split("=", 1)[0]
+        return key.startswith(("hydra.", "hydra/")) or key == "hydra"
+
+    searched = [o for o in args.overrides if o.lstrip("+").split("=", 1)[0] == "hydra.searchpath"]
+    return CommandLine(
+        argv=list(argv),
+        overrides=[o for o in args.overrides if not is_hydra(o)],
+        hydra_overrides=[o for o in args.overrides if is_hydra(o) and o not in searched],
+        search_path=_search_path(args.config_dir, searched),
+        multirun=args.multirun,
+        prints_only=bool(prints),
+    )
 
 
 def _register_resolvers() -> None:
@@ -120,27 +141,6 @@ def _register_resolvers() -> None:
 
     OmegaConf.register_new_resolver("autotuner_cases", lambda: ", ".join(available_cases()), replace=True)
     OmegaConf.register_new_resolver("autotuner_ops", ops, replace=True)
-
-
-def _user_overrides(argv: list[str]) -> list[str] | None:
-    """The key=value overrides of the command line; None when Hydra is only asked to print something."""
-    overrides, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in _INFO_FLAGS or arg.split("=", 1)[0] in _INFO_FLAGS:
-            return None
-        if arg in _FLAGS_WITH_VALUE:
-            skip = True
-            continue
-        if arg.startswith("-"):
-            continue
-        key = arg.lstrip("+~").split("=", 1)[0]
-        if key.startswith(("hydra.", "hydra/")) or key == "hydra":
-            continue
-        overrides.append(arg)
-    return overrides
 
 
 def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
@@ -158,33 +158,58 @@ def _expand_sweeps(overrides: list[str]) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*choices)] or [[]]
 
 
-def preflight(argv: list[str]) -> None:
-    """Compose and validate every job the command line asks for. Raises UserError."""
+@dataclasses.dataclass
+class Job:
+    """One job of the command line (each combination of a ``-m`` sweep): its overrides, its config composed
+    once (``hydra``: Hydra's own node, for where the run goes), and its RunSpec resolved once, on first use
+    (autotuner.runner.spec.resolve_spec)."""
+
+    overrides: list[str]
+    cfg: DictConfig
+    hydra: DictConfig
+    _spec: Any = None
+    run: Any = None  # the RunDirectory held before Hydra's run, where its folder is known in advance
+
+    @property
+    def spec(self) -> Any:
+        if self._spec is None:
+            from autotuner.runner.spec import resolve_spec
+
+            self._spec = resolve_spec(self.cfg)
+        return self._spec
+
+
+def compose_jobs(line: CommandLine) -> list[Job]:
+    """Every job of the command line, composed. Raises UserError."""
     from hydra.errors import HydraException
 
-    from autotuner.launchers import check_settings as check_launcher_settings
-    from autotuner.results import calibration
-    from autotuner.runner.spec import resolve_spec
-
-    overrides = _user_overrides(argv)
-    if overrides is None:
-        return
-    import autotuner.capture.replay  # noqa: F401  (registers capture=<file> with autotuner.runner.spec)
-
     try:
-        jobs = _expand_sweeps(overrides)
+        combos = _expand_sweeps(line.overrides)
     except HydraException as exc:
         raise UserError(f"cannot parse the overrides: {short_error(exc)}") from exc
-    search = _search_path(argv)
-    resume = False
+    jobs = []
+    for combo in combos:
+        cfg = compose_config([*combo, *line.search_path, *line.hydra_overrides], with_hydra=True)
+        with open_dict(cfg):
+            hydra_node = cfg.pop("hydra")
+        jobs.append(Job(combo, cfg, hydra_node))
+    return jobs
+
+
+def preflight(line: CommandLine) -> list[Job]:
+    """Compose and validate every job the command line asks for; the jobs. Raises UserError."""
+    import autotuner.capture.replay  # noqa: F401  (registers capture=<file> with autotuner.runner.spec)
+    from autotuner.launchers import check_settings as check_launcher_settings
+    from autotuner.results import calibration
+
+    jobs = compose_jobs(line)
     for job in jobs:
-        cfg = compose_config([*job, *search])
-        _check_added_keys(cfg, job)
-        check_launcher_settings(cfg, resolve_spec(cfg))
-        if cfg.calibration:  # a file named on the command line: refused before Hydra makes the run folder
-            calibration.load(cfg.calibration)
-        resume = resume or bool(cfg.resume)
-    _check_output_dir(argv, [*jobs[0], *search], resume)
+        _check_added_keys(job.cfg, job.overrides)
+        check_launcher_settings(job.cfg, job.spec)
+        if job.cfg.calibration:  # a file named on the command line: refused before Hydra makes the run folder
+            calibration.load(job.cfg.calibration)
+    _check_output_dir(line, jobs[0], resume=any(job.cfg.resume for job in jobs))
+    return jobs
 
 
 def _check_added_keys(cfg: DictConfig, job: list[str]) -> None:
@@ -211,7 +236,7 @@ def _check_added_keys(cfg: DictConfig, job: list[str]) -> None:
             raise UserError(f"{key} is not a setting (the + adds a key nothing reads): {hint}")
 
 
-def _search_path(argv: list[str]) -> list[str]:
+def _search_path(config_dir: str | None, searched: list[str]) -> list[str]:
     """A user's own config folders as the one override the compose API understands: ``--config-dir DIR``
     (a flag only Hydra's command line reads) joined to any ``hydra.searchpath=[...]``, in the order Hydra's
     run searches them, after the shipped configs. So a launcher or config group option a user adds there
@@ -220,80 +245,46 @@ def _search_path(argv: list[str]) -> list[str]:
     from hydra.errors import HydraException
 
     paths: list[str] = []
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif not (flag == "--config-dir" and eq):
-            continue
-        folder = Path(os.path.abspath(value))  # as Hydra resolves it
+    if config_dir is not None:
+        folder = Path(os.path.abspath(config_dir))  # as Hydra resolves it
         if not folder.is_dir():
             raise UserError(
-                f"--config-dir {value} is not a folder: point it at a folder of config YAML files"
+                f"--config-dir {config_dir} is not a folder: point it at a folder of config YAML files"
             )
         paths.append(f"file://{folder}")
-    for arg in argv:
-        if arg.lstrip("+").split("=", 1)[0] == "hydra.searchpath":
-            try:
-                entries = OverridesParser.create().parse_override(arg).value()
-            except HydraException:
-                entries = None
-            if not isinstance(entries, list):
-                raise UserError(f"bad {arg}: give a list of folders, hydra.searchpath=[file:///abs/dir]")
-            paths += [str(p) for p in entries]
+    for arg in searched:
+        try:
+            entries = OverridesParser.create().parse_override(arg).value()
+        except HydraException:
+            entries = None
+        if not isinstance(entries, list):
+            raise UserError(f"bad {arg}: give a list of folders, hydra.searchpath=[file:///abs/dir]")
+        paths += [str(p) for p in entries]
     if not paths:
         return []
     quoted = ("'" + p.replace("'", "\\'") + "'" for p in paths)
     return [f"hydra.searchpath=[{','.join(quoted)}]"]
 
 
-def _hydra_overrides(argv: list[str]) -> list[str]:
-    """The ``hydra.*`` and ``hydra/...`` overrides of the command line (those _user_overrides leaves out)."""
-    found, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in _FLAGS_WITH_VALUE:
-            skip = True
-            continue
-        key = arg.lstrip("+~").split("=", 1)[0]
-        hydra_key = key.startswith(("hydra.", "hydra/")) or key == "hydra"
-        if not arg.startswith("-") and hydra_key and key != "hydra.searchpath":  # that one: _search_path
-            found.append(arg)
-    return found
-
-
-def _check_output_dir(argv: list[str], job: list[str], resume: bool) -> None:
+def _check_output_dir(line: CommandLine, job: Job, resume: bool) -> None:
     """The folder Hydra will write into (``hydra.run.dir``, or ``hydra.sweep.dir`` under ``-m``) must be a
     folder, or creatable: Hydra creates it after our checks and fails with a traceback. Nothing is created
     here. With ``resume=true`` it must name an earlier run: a folder named by the clock (``${now:}``, the
     default) is a new one, where a resume would find nothing and quietly measure everything again. Raises
     UserError."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
-    GlobalHydra.instance().clear()
+    group, leaf = ("sweep", "dir") if line.multirun else ("run", "dir")
+    key = f"hydra.{group}.{leaf}"
+    node = OmegaConf.select(job.hydra, group)
+    pattern = OmegaConf.to_container(node, resolve=False).get(leaf) if node is not None else None
+    anew = _named_anew(pattern) if resume and isinstance(pattern, str) else None
+    if anew is not None:
+        folder = pattern[: pattern.index(anew)]
+        OmegaConf.update(job.hydra, f"{group}.{leaf}", folder[: folder.rfind("/") + 1] or ".", force_add=True)
+        raise UserError(_no_run_to_resume(key, Path(str(OmegaConf.select(job.hydra, f"{group}.{leaf}")))))
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose(
-                config_name="config", overrides=[*job, *_hydra_overrides(argv)], return_hydra_config=True
-            )
-            group, leaf = key.rsplit(".", 1)
-            pattern = OmegaConf.to_container(OmegaConf.select(cfg, group), resolve=False).get(leaf)
-            anew = _named_anew(pattern) if resume and isinstance(pattern, str) else None
-            if anew is not None:
-                folder = pattern[: pattern.index(anew)]
-                OmegaConf.update(cfg, key, folder[: folder.rfind("/") + 1] or ".", force_add=True)
-                raise UserError(_no_run_to_resume(key, Path(str(OmegaConf.select(cfg, key)))))
-            value = OmegaConf.select(cfg, key)
-    except UserError:
-        raise
-    except Exception:  # noqa: BLE001 - an override only Hydra's own launch understands: Hydra reports it
+        value = OmegaConf.select(job.hydra, f"{group}.{leaf}")
+    except Exception:  # noqa: BLE001 - a value only Hydra's own launch resolves (its runtime): Hydra reports it
         return
-    finally:
-        GlobalHydra.instance().clear()
     if value is None:
         return
     if not str(value).strip():  # Hydra would write the run into the current folder, among its files
@@ -323,23 +314,41 @@ def _no_run_to_resume(key: str, parent: Path) -> str:
     return f"resume=true needs the folder of the run to resume: add {key}=<that folder>{newest}"
 
 
+_JOBS: list[Job] = []  # this command's jobs (main), whose specs Hydra's run of each job takes up
+
+
+def _job_of(cfg: DictConfig) -> Job:
+    """The job Hydra runs: the one preflight composed for the same config, or, for a job that started in
+    a process of its own (a sweep's job sent to SLURM), a new one."""
+    for job in _JOBS:
+        if job.cfg == cfg:
+            return job
+    _JOBS.append(Job([], cfg, OmegaConf.create()))
+    return _JOBS[-1]
+
+
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def _app(cfg: DictConfig) -> None:
     import autotuner.capture.replay  # noqa: F401  (registers capture=<file>; a sweep's job may start here)
     from autotuner.launchers import launch
+    from autotuner.launchers.common import RunDirectory
     from autotuner.model.host_heap import keep_freed_memory
-    from autotuner.runner.spec import resolve_spec
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    job = _job_of(cfg)
+    if job.run is None or job.run.path != run_dir.resolve():
+        job.run = RunDirectory(run_dir)
     try:
-        spec = resolve_spec(cfg)
+        spec = job.spec
         keep_freed_memory(spec.device)  # before the run's environment records it (autotuner.model.host_heap)
-        code = launch(cfg, spec, run_dir)
+        code = launch(cfg, spec, job.run)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except BrokenPipeError:  # the reader of the run's table stopped reading (| head): its rows are on disk
         end_on_a_closed_pipe(at_once=int(os.environ.get("WORLD_SIZE", 1)) > 1)
+    except RunFileNotWritten as exc:  # a full disk mid-run: what was measured is on disk, whole
+        _end_not_written(exc)
     except Exception:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             # The other ranks may be waiting for this one in a collective, and a normal exit can block
@@ -359,6 +368,30 @@ def _app(cfg: DictConfig) -> None:
         )
     elif code:
         raise SystemExit(code)
+
+
+# The exit status of a run that could not write its files (sysexits.h's EX_IOERR): neither bad input (2)
+# nor a finished run with failed ops (1).
+EXIT_NOT_WRITTEN = 74
+_FIX_NOT_WRITTEN = {
+    errno.ENOSPC: "free space there",
+    errno.EDQUOT: "free space there (the quota is full)",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+}
+
+
+def _end_not_written(exc: RunFileNotWritten) -> NoReturn:
+    """One line for a run file that could not be written (what, the rows kept, how to finish), then end
+    with :data:`EXIT_NOT_WRITTEN`; a rank of several leaves at once (its peers may wait in a collective)."""
+    fix = _FIX_NOT_WRITTEN.get(exc.errno or 0, "fix that")
+    command = _resume_command(_ORIGINAL_ARGV)
+    finish = f"{fix}, then finish the run with: {command}" if command else f"{fix}, then run it again"
+    if os.environ.get("RANK", "0") == "0" or int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        print(f"autotuner: error: {exc}: {finish}", file=sys.stderr)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stderr.flush()
+        os._exit(EXIT_NOT_WRITTEN)
+    raise SystemExit(EXIT_NOT_WRITTEN) from None
 
 
 def _report(run_dir: Path) -> None:
@@ -391,7 +424,10 @@ def _shared_run_dir(argv: list[str]) -> list[str]:
     return [*argv, f"hydra.run.dir=runs/${{case}}/${{launcher.name}}/job-{job}"]
 
 
-def _claim_run_dir(argv: list[str]) -> None:
+_ORIGINAL_ARGV: list[str] = []  # the command line as given (main), for the commands that finish a run
+
+
+def _claim_run_dir(line: CommandLine, jobs: list[Job]) -> None:
     """Lock the run directory and check a resume before Hydra writes its ``.hydra/`` files there.
 
     Hydra saves the composed config into the run directory before our task starts, and the nsys worker
@@ -402,65 +438,46 @@ def _claim_run_dir(argv: list[str]) -> None:
     :func:`autotuner.launchers.common.start_writer` run here first; start_writer repeats them for the
     other runs (each check is done once per process). Raises UserError.
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from autotuner.launchers.common import check_fresh, check_resume, claim_run_dir, release_run_dirs
-    from autotuner.model.runtime import process_rank
-    from autotuner.runner.spec import resolve_spec
+    from autotuner.launchers.common import RunDirectory
 
-    overrides = _user_overrides(argv)
-    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
-    if overrides is None or not given or "now:" in given[-1] or {"-m", "--multirun"} & set(argv):
+    given = [a.split("=", 1)[1] for a in line.hydra_overrides if a.lstrip("+").startswith("hydra.run.dir=")]
+    if not given or "now:" in given[-1] or line.multirun:
         return
-    GlobalHydra.instance().clear()
+    (job,) = jobs
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose(
-                config_name="config",
-                overrides=[*overrides, *_search_path(argv), f"hydra.run.dir={given[-1]}"],
-                return_hydra_config=True,
-            )
-        run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
-    except (HydraException, OmegaConfBaseException) as exc:
+        run_dir = Path(str(OmegaConf.select(job.hydra, "run.dir")))
+    except OmegaConfBaseException as exc:
         raise UserError(f"bad hydra.run.dir: {short_error(exc)}: give a folder path") from exc
-    finally:
-        GlobalHydra.instance().clear()
-    with open_dict(cfg):
-        del cfg["hydra"]
+    run = RunDirectory(run_dir).claim()
     try:
-        claim_run_dir(run_dir)
-        if cfg.resume and cfg.launcher.name != "nsys":  # nsys refuses resume=true itself
-            check_resume(cfg, resolve_spec(cfg), run_dir)
-        elif not cfg.resume:
-            check_fresh(run_dir, process_rank()[1])
+        if not (job.cfg.resume and job.cfg.launcher.name == "nsys"):  # nsys refuses resume=true itself
+            run.check(job.cfg, job.spec)
     except UserError:
-        release_run_dirs(refused=True)
+        run.release()
         raise
+    job.run = run
 
 
-def _dry_run(argv: list[str]) -> bool:
+def _dry_run(jobs: list[Job]) -> bool:
     """With ``dry_run=true``, print each job's preview (autotuner.runner.dry_run) and say so; nothing is
     measured and no run directory is made, so this runs before Hydra's run (which creates one). The
     launcher plays no part in it. Raises UserError."""
-    overrides = _user_overrides(argv)
-    if overrides is None:
+    if not any(job.cfg.dry_run for job in jobs):
         return False
-    jobs = [compose_config([*job, *_search_path(argv)]) for job in _expand_sweeps(overrides)]
-    if not any(cfg.dry_run for cfg in jobs):
-        return False
-    if not all(cfg.dry_run for cfg in jobs):  # else the jobs asked to measure would be previewed, silently
+    if not all(
+        job.cfg.dry_run for job in jobs
+    ):  # else the jobs asked to measure would be previewed, silently
         raise UserError(
             "a sweep of dry_run=true and dry_run=false jobs: a dry run measures nothing and makes no run "
             "directory; preview with dry_run=true and measure without it, as two commands"
         )
     from autotuner.runner.dry_run import dry_run
+    from autotuner.runner.memory_estimate import Workspace
 
-    for cfg in jobs:
-        print(dry_run(cfg))
+    for job in jobs:  # the workspace of the job's launcher: what its observer holds beside the model
+        print(dry_run(job.spec, Workspace.of(job.cfg, job.spec.device)))
     return True
 
 
@@ -490,9 +507,7 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
     """Around Hydra's run: on SIGTERM (what SLURM sends at the time limit or on preemption) say how to
     finish the run, unwind (files being written are cleaned up: autotuner.results.atomic) and end as the
     signal would have, exit status 143 (autotuner.termination); on Ctrl-C the same in one line, no
-    traceback, exit status 130; pass the user's umask on to processes that reset it (nsys); release the
-    run directory's locks when the run ends in-process."""
-    from autotuner.launchers.common import release_run_dirs
+    traceback, exit status 130; pass the user's umask on to processes that reset it (nsys)."""
     from autotuner.results.atomic import remember_user_umask
 
     def say_how_to_finish() -> bool:
@@ -519,29 +534,36 @@ def _guarded_run(original: list[str]) -> Iterator[None]:
             finish = f"; finish the run with: {resume_command[0]}" if resume_command[0] else ""
             print(f"autotuner: interrupted{finish}", file=sys.stderr)
         raise SystemExit(130) from None
-    finally:
-        release_run_dirs()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Validate the command line, then hand it to Hydra."""
+    """Read and check the command line, then hand it to Hydra."""
     original = list(sys.argv[1:] if argv is None else argv)
-    argv = open_dict_overrides(original)
+    stopping_with_torchrun()  # a rank orphaned by torchrun killed outright ends, not runs the plan out
     register_configs()
     _register_resolvers()
     try:
-        _check_flags(argv)
-        argv = _shared_run_dir(argv)
-        preflight(argv)
-        if _dry_run(argv):
+        argv = _shared_run_dir(open_dict_overrides(original))
+        line = parse_command_line(argv)
+        jobs = [] if line.prints_only else preflight(line)
+        if jobs and _dry_run(jobs):
             return
-        _claim_run_dir(argv)
+        if jobs:
+            _claim_run_dir(line, jobs)
     except UserError as exc:
         print(f"autotuner: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     sys.argv = [sys.argv[0], *argv]
-    with _guarded_run(original):
-        _app()
+    _ORIGINAL_ARGV[:] = original  # for the one line of a run that cannot write its files
+    _JOBS[:] = jobs
+    try:
+        with _guarded_run(original):
+            _app()
+    finally:
+        for job in _JOBS:  # a job Hydra ran in this process holds its folder until here (the report too)
+            if job.run is not None:
+                job.run.release()
+        _JOBS.clear()
 
 
 def run(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""``python -m autotuner.nsys_read REPORT [--out DIR] [--nsys-bin NSYS]``: the per-op table from a report.
+"""``autotuner-nsys-read REPORT [out=DIR] [nsys_bin=NSYS]``: the per-op table from a report.
 
 For a report of launcher=nsys read somewhere else than where it was made (a cluster node's report on a
 laptop), or one the launcher could not read (the node's nsys had no working exporter). Everything a row
@@ -11,9 +11,9 @@ NVTX range. What the report cannot tell (case, dtype, tensor_parallel) comes fro
 columns (weight_bytes, num_threads, call_count) stay empty.
 
 * ``REPORT.sqlite`` (nsys's SQLite export) is read as it is; ``REPORT.nsys-rep`` is first exported with
-  nsys (``--nsys-bin``, looked up as the launcher looks up ``launcher.nsys_bin``), and the export is kept
+  nsys (``nsys_bin``, looked up as the launcher looks up ``launcher.nsys_bin``), and the export is kept
   in DIR as ``<REPORT stem>.sqlite``.
-* DIR (``--out``, default the report's folder) gets ``results.csv`` and ``results.jsonl``. Left to its
+* DIR (``out``, default the report's folder) gets ``results.csv`` and ``results.jsonl``. Left to its
   default, it must not hold results already (the launcher's, with the worker's columns, are kept); named,
   it may hold results only when it is the report's own folder (replaced), never another run's.
 * Exit code 0 when every row is ok, 1 when one failed (a window left open or short of iterations), 2
@@ -23,38 +23,46 @@ columns (weight_bytes, num_threads, call_count) stay empty.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import re
 import shutil
 import sqlite3
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse, setting
+from autotuner.errors import UserError
+from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 REPORT_SUFFIXES = (".nsys-rep", ".sqlite")
 _RANK_RE = re.compile(r"-rank(\d+)$")  # report-rank<N>: one report per rank under torchrun
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = OneLineParser(
-        prog="python -m autotuner.nsys_read",
-        description="Build the per-op table (results.csv/.jsonl) from an nsys report of launcher=nsys.",
+@dataclass(frozen=True)
+class NsysReadSettings:
+    out: str | None = setting(
+        None,
+        "where to write results.csv/.jsonl (default: the report's folder, if it holds no results)",
+        "DIR",
     )
-    parser.add_argument("report", type=Path, metavar="REPORT", help="a .nsys-rep or its .sqlite export")
-    parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="where to write (default: the report's folder)"
+    nsys_bin: str | None = setting(
+        None, "the nsys that exports a .nsys-rep (default: launcher.nsys_bin's default search)", "NSYS"
     )
-    parser.add_argument(
-        "--nsys-bin",
-        metavar="NSYS",
-        help="the nsys that exports a .nsys-rep (default: launcher.nsys_bin's default)",
-    )
-    return parser.parse_args(argv)
+
+
+COMMAND = Command(
+    "autotuner-nsys-read",
+    "autotuner.nsys_read",
+    "Build the per-op table (results.csv/.jsonl) from an nsys report of launcher=nsys.",
+    "REPORT",
+    NsysReadSettings,
+    most=1,
+)
 
 
 def context_of(report: Path) -> dict[str, Any]:
@@ -64,12 +72,9 @@ def context_of(report: Path) -> dict[str, Any]:
     spec."""
     match = _RANK_RE.search(report.stem)
     context: dict[str, Any] = {"rank": int(match[1]) if match else 0}
-    try:
-        record = json.loads((report.parent / "environment.json").read_text())
-    except (OSError, ValueError):
+    record = _record_of(report)
+    if not record:
         return context  # a report copied on its own: those columns stay empty
-    if not isinstance(record, dict):
-        return context
     tf_config = record.get("transformer_config") or {}
     context.update(
         case=record.get("case"),
@@ -80,9 +85,43 @@ def context_of(report: Path) -> dict[str, Any]:
     return {k: v for k, v in context.items() if v is not None}
 
 
-def read_rows(sqlite_path: Path, shown: Path) -> list[dict[str, Any]]:
-    """The rows of an SQLite export; UserError (naming ``shown``) when it is not one or has none of ours."""
+def foreign(op: str, point: str, record: dict[str, Any]) -> str | None:
+    """Why a ``measure`` window of ``op`` at ``point`` is not one of this tool's, or None when it is: an op
+    this tool has (or the run's record lists: a captured call's) at a shape point ``s<seq>_b<mbs>`` (a
+    captured call's at its signature). Another program's ranges can share our names' form; as rows they
+    were ``ok`` rows of nothing, which the report could not draw."""
+    from autotuner.ops_test.places import op_tree
+    from autotuner.runner.plan import point_dims
+
+    listed = record.get("ops") if isinstance(record.get("ops"), list) else []
+    ours = set(op_tree().order)
+    if op not in ours and op not in listed:
+        return "no such op"
+    if op in ours and not all(d is not None and d > 0 for d in point_dims(point)):
+        return "not a shape point s<seq>_b<mbs>"
+    return None
+
+
+def _record_of(report: Path) -> dict[str, Any]:
+    """The environment.json of the run directory the report sits in, or {} for a report copied on its
+    own or a record that is not a JSON object (its columns then stay empty). Only a regular file is read:
+    a FIFO is one line (autotuner.results.reading), not an open that waits."""
+    path = report.parent / "environment.json"
+    if not os.path.lexists(path):
+        return {}
+    try:
+        record = json.loads(read_run_text(path))
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def read_rows(sqlite_path: Path, shown: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of an SQLite export, and the ``measure`` windows left out as not this tool's
+    (:func:`foreign`: each named once, with why); UserError (naming ``shown``) when it is not a report or
+    has no window of ours."""
     from autotuner.launchers.nsys_rows import read_sqlite, report_rows
+    from autotuner.launchers.nsys_worker import marker_name
 
     try:
         data = read_sqlite(sqlite_path)
@@ -90,12 +129,15 @@ def read_rows(sqlite_path: Path, shown: Path) -> list[dict[str, Any]]:
         raise UserError(
             f"{shown} is not an nsys report ({exc}): give a .nsys-rep or the .sqlite that nsys export wrote"
         ) from exc
+    context, record = context_of(shown), _record_of(shown)
+    left_out = {key: why for key in data.measured if (why := foreign(key[0], key[2], record))}
+    data.measured = {key: found for key, found in data.measured.items() if key not in left_out}
     if not data.measured:
         raise UserError(
-            f"{shown} holds no ranges of ours (no 'measure <op>.<phase> [<point>]' NVTX range): "
-            "give a report made by python -m autotuner.main launcher=nsys"
+            f"{shown} holds no ranges of ours (no 'measure <op>.<phase> [<point>]' NVTX range of this "
+            "tool's ops and points): give a report made by python -m autotuner.main launcher=nsys"
         )
-    return report_rows(data, context_of(shown))
+    return report_rows(data, context), [f"{marker_name(*key)} ({why})" for key, why in left_out.items()]
 
 
 def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
@@ -114,20 +156,20 @@ def _export(report: Path, nsys_bin: str | None, tmp: Path) -> Path:
 
 
 def _out_dir(report: Path, out: Path | None) -> Path:
-    """Where the rows go. Results already there are replaced only when asked for by name: ``--out`` the
+    """Where the rows go. Results already there are replaced only when asked for by name: ``out`` the
     report's own folder (its launcher's rows); another run's folder is refused, its measurements kept."""
     taken = [name for name in ("results.jsonl", "results.csv") if ((out or report.parent) / name).exists()]
     if out is not None:
         if taken and out.resolve() != report.parent.resolve():
             raise UserError(
-                f"--out {out} holds another run's {taken[0]}: give --out an empty or new folder (or the "
+                f"out={out} holds another run's {taken[0]}: give out= an empty or new folder (or the "
                 f"report's own, {report.parent}, to replace its rows)"
             )
         return out
     if taken:
         raise UserError(
-            f"{report.parent} already holds {taken[0]}: pass --out DIR for the rows read from the report "
-            f"(--out {report.parent} replaces them)"
+            f"{report.parent} already holds {taken[0]}: pass out=DIR for the rows read from the report "
+            f"(out={report.parent} replaces them)"
         )
     return report.parent
 
@@ -154,25 +196,33 @@ def read_report(
     out_dir = _out_dir(report, out)
     with tempfile.TemporaryDirectory(prefix="nsys_read-") as tmp:
         exported = _export(report, nsys_bin, Path(tmp)) if report.suffix == ".nsys-rep" else None
-        rows = read_rows(exported or report, report)
+        rows, left_out = read_rows(exported or report, report)
+        if left_out:  # counted and named once, never rows
+            shown = "; ".join(left_out[:5]) + (f"; and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+            print(
+                f"note: {len(left_out)} range(s) not of this tool's ops and points, left out: {shown}",
+                file=sys.stderr,
+            )
         try:
             ResultsWriter(out_dir).extend(rows)
             if exported is not None:
                 shutil.move(exported, out_dir / exported.name)  # read it again without nsys
         except OSError as exc:
             raise UserError(
-                f"cannot write to {out_dir}: {exc.strerror or exc}: give --out a writable folder"
+                f"cannot write to {out_dir}: {exc.strerror or exc}: give out= a writable folder"
             ) from exc
     return rows, out_dir
 
 
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    paths, args, _ = parse(COMMAND, argv)
     try:
-        rows, out_dir = read_report(args.report, args.out, args.nsys_bin)
+        out = Path(args.out) if args.out else None
+        rows, out_dir = read_report(Path(paths[0]), out, args.nsys_bin)
     except UserError as exc:
-        print(f"autotuner.nsys_read: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     from autotuner.results.table import render
 

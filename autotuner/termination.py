@@ -28,7 +28,69 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
+
+# How often a watch (:func:`stopping_when_gone`) looks, and how long after its SIGTERM it sends SIGKILL.
+WATCH_S = 1.0
+ORPHAN_GRACE_S = 10.0
+# A rank's grace: under WORLD_SIZE > 1 its SIGTERM ends it at once where Python runs; only one held in a
+# collective, where no handler runs, waits for the SIGKILL.
+RANK_ORPHAN_GRACE_S = 2.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def stopping_when_gone(alive: Callable[[], bool], name: str, grace_s: float = ORPHAN_GRACE_S) -> None:
+    """A daemon thread that looks each WATCH_S whether ``alive()``; once not, it sends this process
+    SIGTERM (its handler unwinds, or ends it at once), then SIGKILL ``grace_s`` later, for a main thread
+    held where no Python handler runs (inside a collective whose peer is gone)."""
+
+    def watch() -> None:
+        wait = threading.Event().wait
+        while alive():
+            wait(WATCH_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+_WATCHING_PARENT: list[int] = []
+
+
+def stopping_with_torchrun() -> None:
+    """Under torchrun, end this rank when torchrun is gone. Its agent is the ranks' parent and passes on a
+    SIGTERM, but killed outright (``kill -9``, the OOM killer) it passes nothing, and the ranks, orphaned,
+    ran the plan to its end. Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, kept by
+    the kernel) sends SIGTERM at once, and a watch of the parent's pid (:func:`stopping_when_gone`) backs
+    it up where prctl is missing, and sends SIGKILL to a rank held in a collective. What the rank wrote
+    is whole (atomic writes) and ``resume=true`` finishes the run. Only where the parent is torchrun
+    (``torch.distributed.run``): a death signal is the parent thread's, and torchrun's agent starts its
+    ranks from its main thread. Once per process."""
+    parent = os.getppid()
+    if _WATCHING_PARENT or "TORCHELASTIC_RUN_ID" not in os.environ or not _is_torchrun(parent):
+        return
+    _WATCHING_PARENT.append(parent)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    stopping_when_gone(lambda: os.getppid() == parent, "torchrun-watch", RANK_ORPHAN_GRACE_S)
+    if os.getppid() != parent:  # gone before the death signal was set: no signal will come for it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether process ``pid`` runs torchrun (``torchrun``, or ``python -m torch.distributed.run``)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"torch.distributed.run" in args or any(
+        Path(a.decode(errors="replace")).name == "torchrun" for a in args
+    )
 
 
 class Terminated(BaseException):

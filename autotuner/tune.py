@@ -1,42 +1,62 @@
-"""Rank the training layouts of a model on a number of GPUs by predicted step time.
+"""``autotuner-tune [RUN_DIR ...] case=NAME gpus=N gpu_memory_gb=M global_batch_size=G seq_len=S``: every
+layout Megatron-Core accepts on N GPUs, ranked by predicted step time (``--help`` lists every setting).
 
-    python -m autotuner.tune [RUN_DIR ...] case=llama7b gpus=16 gpu_memory_gb=80 global_batch_size=512 \\
-        seq_len=4096 [dtype=bf16] [top=5] [margin=0.1] [gpus_per_node=8] [calibration=FILE] [--explain N] \\
-        [--slurm DIR]
-
-Every layout Megatron-Core accepts (autotuner.predict.layouts: the divisibility of heads, experts and
-batch, the layers' split over the pipeline ranks, uneven ones near the even split included; with
-``gpus_per_node``, tensor parallelism kept inside a node) is predicted
-from the runs' measured ops (autotuner.predict.prediction); a layout whose largest stage would need more
-than ``gpu_memory_gb`` less the safety ``margin`` (a fraction, shown) is dropped; the rest are ranked by
-predicted step time, ties by memory. The top ``top`` are printed with time, MFU, tokens/s per GPU,
-memory, the op that decides the slowest stage and how much of the prediction is measured; ``--explain
-N`` prints the whole prediction of the N-th. Where the ranking rests on figures that were not measured,
-the profiling runs that would measure them (for the layouts shown) are printed as commands, and with
-``--slurm DIR`` written as SLURM array task files.
-
-Without run directories every figure is modelled from the case's sizes and the calibration (and says
-so): the profiling plan then lists everything to measure. Layouts with expert parallelism are ranked
-as the others (autotuner.predict.op_time: the expert ops at that ep, measured or derived from ep=1 rows).
+Every layout (autotuner.predict.layouts: the divisibility of heads, experts and batch, the layers' split
+over the pipeline ranks; with ``gpus_per_node`` or a cluster, tensor parallelism inside a node) is predicted
+from the runs' measured ops (autotuner.predict.prediction); a layout whose fullest GPU would need more than
+``gpu_memory_gb`` less ``margin`` is dropped; the rest are ranked by step time, ties by memory. Where the
+ranking rests on figures that were not measured, the profiling runs that would measure them are printed
+(``slurm=DIR``: as SLURM array task files). Without run directories every figure is modelled from the
+case's sizes and a calibration, and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse, setting, settings_of, split
+from autotuner.errors import UserError
 from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
 from autotuner.results.atomic import check_writable
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
-INT_KEYS = ("gpus", "global_batch_size", "seq_len", "top", "gpus_per_node")
-FLOAT_KEYS = ("gpu_memory_gb", "margin")
-STR_KEYS = ("case", "case_dir", "dtype", "calibration")
-KEYS = (*INT_KEYS, *FLOAT_KEYS, *STR_KEYS)
+
+@dataclass(frozen=True)
+class TuneSettings:
+    gpus: int | None = setting(None, "GPUs to lay the model out on; required", "N")
+    gpu_memory_gb: float | None = setting(
+        None, "each GPU's memory; a layout needing more (less margin) is dropped; required", "GB"
+    )
+    global_batch_size: int | None = setting(None, "sequences per step; required", "G")
+    seq_len: int | None = setting(None, "the training sequence length; required", "S")
+    case: str | None = setting(None, "the model, where no run directory is given (its sizes alone)", "NAME")
+    case_dir: str | None = setting(None, "a folder of your own cases", "DIR")
+    dtype: str | None = setting(None, "the compute dtype (default: the runs' dtype, else bf16)", "DTYPE")
+    top: int = setting(5, "layouts to print", "N")
+    margin: float = setting(MEMORY_MARGIN, "the share of gpu_memory_gb kept free", "X")
+    gpus_per_node: int | None = setting(None, "GPUs a node: tensor parallelism kept inside one", "N")
+    calibration: str | None = setting(None, "a calibration file or preset, h100 or h200", "NAME|FILE")
+    cluster: str | None = setting(None, "a cluster file or preset (dgx_h100, ...)", "NAME|FILE")
+    overlap: bool = setting(False, "rank with Megatron's overlaps on where they apply", "BOOL")
+    max_cp: int = setting(1, "try context parallelism up to this size", "N")
+    num_layers: int | None = setting(None, "rank the runs' model at this depth", "N")
+    explain: int | None = setting(None, "print the whole prediction of the N-th layout", "N")
+    slurm: str | None = setting(None, "write the profiling plan as SLURM array task files here", "DIR")
+
+
+COMMAND = Command(
+    "autotuner-tune",
+    "autotuner.tune",
+    "Rank every layout Megatron-Core accepts on N GPUs by predicted step time (docs/predict.md).",
+    "RUN_DIR",
+    TuneSettings,
+    least=0,
+)
 REQUIRED = ("gpus", "gpu_memory_gb", "global_batch_size", "seq_len")
 
 
@@ -50,31 +70,31 @@ class Ranked:
 
 
 def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Run directories and typed ``key=value`` settings; UserError (one line) for what is wrong."""
-    from autotuner.predict.settings import parse_settings as parse_key_values
-
-    kinds = {
-        **dict.fromkeys(INT_KEYS, int),
-        **dict.fromkeys(FLOAT_KEYS, float),
-        **dict.fromkeys(STR_KEYS, str),
-    }
-    dirs, settings = parse_key_values(items, kinds)
+    """Run directories and the settings given (their defaults where not), as a dict; UserError (one
+    line) for what is wrong."""
+    dirs, _, _ = split(items)
+    given = settings_of(TuneSettings, split(items)[1], COMMAND.name)
+    settings = {k: v for k, v in dataclasses.asdict(given).items() if v is not None}
     missing = [key for key in REQUIRED if key not in settings]
     if missing:
         raise UserError(f"{', '.join(missing)} required: e.g. gpus=16 gpu_memory_gb=80 global_batch_size=512")
     if not dirs and "case" not in settings:
         raise UserError("give run directories of the model, or case=<name> to rank from its sizes alone")
-    if settings["gpu_memory_gb"] <= 0 or not 0 <= settings.get("margin", MEMORY_MARGIN) < 1:
+    if settings["gpu_memory_gb"] <= 0 or not 0 <= settings["margin"] < 1:
         raise UserError(
             "gpu_memory_gb must be positive and margin in [0, 1): e.g. gpu_memory_gb=80 margin=0.1"
         )
-    if settings.get("top", 5) < 1:
+    if settings["top"] < 1:
         raise UserError("top must be at least 1: e.g. top=5")
     return dirs, settings
 
 
-def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], Any]:
-    """Predict every layout; (the ranked ones, fitting first by step time; the runs)."""
+def rank(
+    dirs: Sequence[str], settings: dict[str, Any], keep: Callable[[Any], bool] | None = None
+) -> tuple[list[Ranked], Any]:
+    """Predict every layout (those ``keep`` keeps, where given: a benchmark's stated layout); (the ranked
+    ones, fitting first by step time; the runs)."""
+    from autotuner.predict.cluster import load as load_cluster
     from autotuner.predict.inputs import ModelShape
     from autotuner.predict.layouts import ModelDims, enumerate_layouts
     from autotuner.predict.prediction import Runs, load_calibration_for, load_runs, predict
@@ -89,7 +109,20 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
         model = ModelShape.from_case(settings["case"], settings["case_dir"])
     else:
         model = ModelShape.from_environment(runs.env)
+    if settings.get("num_layers"):  # the runs' rows are per layer: they hold at any depth
+        if settings["num_layers"] < 1:
+            raise UserError(
+                f"num_layers={settings['num_layers']} must be at least 1: give e.g. num_layers=32"
+            )
+        model = model.at_depth(settings["num_layers"])
     calibration = load_calibration_for(runs, settings.get("calibration"))
+    cluster = load_cluster(settings["cluster"]) if settings.get("cluster") else None
+    per_node = settings.get("gpus_per_node", cluster.gpus_per_node if cluster else None)
+    if cluster is not None and settings.get("gpus_per_node") not in (None, cluster.gpus_per_node):
+        raise UserError(
+            f"gpus_per_node={settings['gpus_per_node']} and cluster {cluster.origin} has "
+            f"{cluster.gpus_per_node} GPUs a node: drop one"
+        )
     dtype = runs.dtype_to_predict(settings.get("dtype"))
     layouts = enumerate_layouts(
         ModelDims.from_transformer(model.config),
@@ -97,14 +130,19 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
         settings["global_batch_size"],
         settings["seq_len"],
         dtype,
-        max_tp=settings.get("gpus_per_node"),
+        max_tp=per_node,
+        max_cp=settings.get("max_cp", 1),
+        overlap=settings.get("overlap", False),
     )
-    limit = settings["gpu_memory_gb"] * 1e9 * (1 - settings.get("margin", MEMORY_MARGIN))
+    gpu_memory_gb, margin = settings["gpu_memory_gb"], settings.get("margin", MEMORY_MARGIN)
     ranked: list[Ranked] = []
-    for layout in layouts:
-        pred = predict(runs, layout, calibration, model).without_schedule_boxes()
-        memory = max(stage.total for stage in pred.memory)
-        ranked.append(Ranked(pred, memory, memory <= limit))
+    for layout in (lay for lay in layouts if keep is None or keep(lay)):
+        pred = predict(
+            runs, layout, calibration, model, calibration_from=settings.get("calibration"), cluster=cluster
+        )
+        pred = pred.without_schedule_boxes().against_gpu_memory(gpu_memory_gb, margin)
+        fit = pred.memory_fit
+        ranked.append(Ranked(pred, fit.fullest_bytes, fit.fits))
     ranked.sort(key=lambda r: (not r.fits, r.prediction.step_seconds, r.memory_bytes))
     return ranked, runs
 
@@ -112,7 +150,7 @@ def rank(dirs: Sequence[str], settings: dict[str, Any]) -> tuple[list[Ranked], A
 def warnings_of(shown: Sequence[Ranked]) -> list[str]:
     """What the shown layouts' predictions warn of (an assumed peak or bandwidth, rows standing in for
     others), each once in the order met: the table's times rest on them, so they are printed with it,
-    not only in ``--explain``. The links' gaps are said together, a line per bandwidth that stood in
+    not only in ``explain=``. The links' gaps are said together, a line per bandwidth that stood in
     (:func:`autotuner.predict.links.describe_gaps`)."""
     notes = (w for r in shown for w in r.prediction.notes)
     gaps = (g for r in shown for g in r.prediction.link_gaps)
@@ -156,30 +194,22 @@ def table(ranked: Sequence[Ranked], top: int) -> str:
 
 
 @ending_quietly_on_a_closed_pipe
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="python -m autotuner.tune",
-        description=__doc__.split("\n\n")[0],
-        epilog=f"settings (key=value): {', '.join(KEYS)}; required: {', '.join(REQUIRED)}",
-    )
-    parser.add_argument("args", nargs="+", help="run directories (optional), then key=value settings")
-    parser.add_argument("--explain", type=int, metavar="N", help="print the whole prediction of the N-th")
-    parser.add_argument("--slurm", metavar="DIR", help="write the profiling plan as SLURM array task files")
-    args = parser.parse_intermixed_args(argv)  # key=value settings after an option too
+    parse(COMMAND, argv)  # --help, and flags where settings belong
     from autotuner.predict.plan import plan
     from autotuner.predict.prediction import render
 
     try:
-        dirs, settings = parse_settings(args.args)
-        if args.explain is not None and not 1 <= args.explain <= settings.get("top", 5):
+        dirs, settings = parse_settings(sys.argv[1:] if argv is None else argv)
+        explain, slurm = settings.pop("explain", None), settings.pop("slurm", None)
+        if explain is not None and not 1 <= explain <= settings["top"]:
             # before the ranking, which takes a while; one past the layouts that fit is found after it
-            raise UserError(
-                f"--explain {args.explain}: give a rank between 1 and top={settings.get('top', 5)}"
-            )
-        if args.slurm:
-            check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
+            raise UserError(f"explain={explain}: give a rank between 1 and top={settings['top']}")
+        if slurm:
+            check_writable(slurm, f"slurm={slurm}", folder=True)
         ranked, runs = rank(dirs, settings)
-        top = settings.get("top", 5)
+        top = settings["top"]
         fitting = [r for r in ranked if r.fits]
         margin = settings.get("margin", MEMORY_MARGIN)
         header = (
@@ -194,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"({smallest.prediction.layout.describe()}): use more GPUs, recompute, or a smaller batch"
             )
         shown = fitting[:top]
-        if args.explain is not None and not 1 <= args.explain <= len(shown):
-            raise UserError(f"--explain {args.explain}: give a rank between 1 and {len(shown)}")
+        if explain is not None and not 1 <= explain <= len(shown):
+            raise UserError(f"explain={explain}: give a rank between 1 and {len(shown)}")
         # the shown layouts' needs, by the cache kind their runs measure (a layout may want both)
         needs: dict[bool, set[Any]] = {True: set(), False: set()}
         for r in shown:
@@ -205,16 +235,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         flushed, warm = (plan(needs[kind], dirs_done, flush_cache=kind) for kind in (True, False))
         profile = flushed.merged(warm)
         # the task files written before anything is printed: kept if the reader stops reading (| head)
-        arrays = profile.slurm(args.slurm) if args.slurm else ()
+        arrays = profile.slurm(slurm) if slurm else ()
         print(header)
+        for line in shown[0].prediction.provenance():  # one calibration and one set of runs for all
+            print(line.replace("rows: ", "rows (#1): ", 1))
         print(table(ranked, top))
         for warning in warnings_of(shown):
             print(f"warning: {warning}")
-        if args.explain is not None:
-            print("\n" + render(shown[args.explain - 1].prediction))
+        if explain is not None:
+            print("\n" + render(shown[explain - 1].prediction))
         print("\nmeasurements behind this ranking: " + profile.text(arrays))
     except UserError as exc:
-        print(f"autotuner.tune: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     return 0
 

@@ -7,7 +7,8 @@ The predictor times a step's optimizer from ``autotuner.calibrate``'s Adam rates
 and per tensor, solved from ``torch.optim.Adam.step`` over two sets of fp32 tensors (zeros, every gradient
 1e-3), plus a once-a-step extra timed in the minimal model's steps (autotuner.predict.timing,
 ``optimizer_step``). ``benchmarks.predict_accuracy`` found the llama-shaped model's Adam inside its steps
-at 1.23-1.34x that prediction on session 34's VM, every round. This builds the steps' own GPTModel
+at 1.23-1.34x a prediction without the zero-state and once-a-step terms on a 2-core CPU VM, every
+round. This builds the steps' own GPTModel
 (autotuner.predict.steps: TP1, s128, one sample a micro-batch, 4 micro-batches, fp32) and, in each round,
 one training step, then in a random order one Adam step of each kind, all over the model's parameter
 shapes, so that each step between two kinds tells one cause apart:
@@ -32,22 +33,20 @@ shapes, so that each step between two kinds tells one cause apart:
 It prints each kind's median ms over the rounds and its ratio to the calibration's rates, median over the
 rounds [95% CI, order statistics: 6 rounds at least]; then the zeroing of the gradient buffers that ends
 each round's last step (after its Adam, as a training step zeroes them for the next), beside what the
-calibration's zeroing rate (``zeroing_bandwidth``) and its copy bandwidth, the predictor's until session
-36, give for them.
+calibration's zeroing rate (``zeroing_bandwidth``, the predictor's) and its copy bandwidth give for them.
 
-What it showed on session 35's VM (one thread, 12 rounds, before the zero-state rate was part of the
-prediction; / the per-parameter and per-tensor rates alone), two runs: the llama-shaped model's Adam in
+What it showed on a 2-core CPU VM (one thread, 12 rounds, each ratio over the per-parameter and per-tensor
+rates alone, without the zero-state rate), two runs: the llama-shaped model's Adam in
 the step 1.313 and 1.195, back to back 1.165 and 1.121, over separate tensors with the step's gradients
 1.176 and 1.144, with gradients 1e-3 1.054 and 1.015; after a write over the cache 1.164, after a read
 1.271. The step's gradients against constant ones cost 12% more: 925,696 of its 5.26 M parameters (the
 embedding's rows no token touched) have zero gradients, and a CPU Adam step over zero moments took 2.4 ns
 a parameter more than over others (``torch.sqrt`` of zeros ran about ten times slower than of other
 values there). Tiny: 1.562, 1.196, 1.045, 0.969 (its once-a-step extra, ``adam_seconds_per_step_in_
-training``, not in this prediction, is most of that first ratio). Session 36, three llama-shaped runs:
-in the step 1.072, 1.300 (a noisy hour: the rate 3.89 ns a parameter before the rounds, 4.43 after) and
-1.065, back to back 1.016, 1.076, 0.958; the zeroing of its 21 MB of gradients after Adam (the last two)
-2.90 and 2.43 ms, 2.82 and 2.77 from the calibration's zeroing rate, 1.84 and 1.79 from its copy
-bandwidth.
+training``, not in this prediction, is most of that first ratio). With the zero-state rate, three llama-shaped
+runs: in the step 1.072, 1.300 (a noisy hour: the rate 3.89 ns a parameter before the rounds, 4.43 after) and
+1.065, back to back 1.016, 1.076, 0.958; the zeroing of its 21 MB of gradients after Adam (the last two) 2.90
+and 2.43 ms, 2.82 and 2.77 from the calibration's zeroing rate, 1.84 and 1.79 from its copy bandwidth.
 """
 
 from __future__ import annotations
@@ -113,9 +112,7 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     rates = [_calibration_rates(device)]
     params, tensors = sum(m.numel() for m in masters), len(masters)
     args = trainer.spec.model_args
-    shape = ModelShape.from_config(
-        name, vars(trainer.spec.tf_config), args.vocab_size, args.tie_word_embeddings
-    )
+    shape = ModelShape.from_args(name, args, tf_config=trainer.spec.tf_config)
     expected = shape.untouched_embedding_params(1, layout.global_batch_size * layout.seq_len)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     zeroing: list[float] = []
@@ -163,7 +160,7 @@ def bench(case: str, rounds: int, threads: int, rng: random.Random) -> None:
     print(
         f"  zeroing the {cleared / 1e6:.1f} MB of gradient buffers after it: {took * 1e3:.2f} ms; at the "
         f"calibration's zeroing rate {zeroing_bw / 1e9:.2f} GB/s {cleared / zeroing_bw * 1e3:.2f} ms, at "
-        f"its copy bandwidth {copy_bw / 1e9:.2f} GB/s {cleared / copy_bw * 1e3:.2f} ms (before session 36)",
+        f"its copy bandwidth {copy_bw / 1e9:.2f} GB/s {cleared / copy_bw * 1e3:.2f} ms",
         flush=True,
     )
 

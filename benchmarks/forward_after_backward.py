@@ -23,18 +23,18 @@ sample so that the machine's drift falls on every condition alike:
   rests on).
 
 It prints each condition's median (95% CI, order statistics) and its ratio to back to back. What it
-showed on this project's VM (session 18, three rounds of 600 samples each; docs/predictor_accuracy.md,
-"What the comparisons found"): the tiny layer's forward (one thread, 1.3-1.5 ms back to back) took
+showed on a 2-core CPU VM (three rounds of 600 samples each), with each timed forward's output freed
+inside its window: the tiny layer's forward (one thread, 1.3-1.5 ms back to back) took
 1.16-1.23x that after its backward, 1.16-1.31x after a spin as long, 1.63-1.76x after a flush; the
 llama-shaped layer's (4.5-5.0 ms) 1.04-1.09x after its backward, 1.13-1.18x after a spin, 1.09-1.15x
-after a flush (two threads and one). Since session 20 each timed forward's output is freed after its
-end mark, as get_data's timer frees it (autotuner.measure.timer, "Freeing what a call returns"); so
+after a flush (two threads and one). With each timed forward's output freed after its end mark, as
+get_data's timer frees it (autotuner.measure.timer, "Freeing what a call returns"); so
 timed, one thread, three rounds each: tiny (1.5-1.7 ms back to back) 1.11-1.20x after its backward,
 1.19-1.27x after a spin, 1.28-1.41x after a flush; llama-shaped (4.6-5.0 ms) 1.06-1.09x, 1.17-1.21x,
 1.11-1.13x. Time alone, touching nothing, slows the next call as much as the backward does: the rows'
 back-to-back forwards are a lower bound of a step's on this machine, by this benchmark's conditions
-(``benchmarks.row_in_step`` compares them with the steps' own forwards). Session 21, with the two
-conditions after another layer, one thread, three rounds each: tiny (1.4-1.6 ms back to back) 1.08-1.16x
+(``benchmarks.row_in_step`` compares them with the steps' own forwards). With the two conditions after
+another layer, one thread, three rounds each: tiny (1.4-1.6 ms back to back) 1.08-1.16x
 after its backward, 1.11-1.20x after a spin, 1.30-1.68x after a flush, 0.98-1.02x after another layer,
 1.01-1.09x after a flush and another layer; llama-shaped (4.2-4.4 ms) 1.11-1.12x,
 1.14-1.21x, 1.09-1.16x, 1.01x, 1.03-1.04x.

@@ -20,26 +20,25 @@ probe in blocks for ``--span-seconds``, its calls pooled into consecutive window
 seconds (a block's calls in the window it starts in), and how far the windows' medians spread around the
 median of all (10th and 90th percentile, smallest and largest). A get_data row samples for about a second by
 default (``timing.budget_s``); ``timing.min_time_s`` makes it span longer (autotuner.measure.timer, "A second
-is one draw of the machine"). On session 38's VM (2-core AMD EPYC, 32 MiB L3), see the timer's docstring.
+is one draw of the machine"). On a 2-core AMD EPYC VM (32 MiB L3), see the timer's docstring.
 
 Then how a core's caches fare while it waits: a small MLP forward (weights, input and intermediates
 about 0.5 MiB, in a core's own cache) timed back to back, and its first call after a gap of ``--gaps``
 milliseconds spent sleeping (the virtual core halts) or spinning (it keeps running), as a pipeline
 stage waits for its neighbour between its forwards and backwards.
 
-What it showed on this project's VM (2-core AMD EPYC, a Firecracker microVM; session 14, otherwise
-quiet; docs/predictor_accuracy.md): within 10 s the GEMMs' and the copy's block medians moved by 6-19%
-(90th over 10th percentile), the small ops' by 1.5-2%; beside a second process only the copy slowed
-(1.44-1.61x), so the two virtual cores are not one core's hyper-threads; and the MLP's first call after
-5 ms asleep took 1.5-2.2x its back-to-back time, after 20 ms 2.7-3.0x (1.2-1.9x and 1.45-2.65x
-spinning; two runs): a waiting core does not keep its cache here, which is what a pipeline stage's ops
-pay after each wait for a neighbour.
+What it showed on a 2-core AMD EPYC VM (a Firecracker microVM, otherwise quiet): within 10 s the GEMMs' and
+the copy's block medians moved by 6-19% (90th over 10th percentile), the small ops' by 1.5-2%; beside a second
+process only the copy slowed (1.44-1.61x), so the two virtual cores are not one core's hyper-threads; and the
+MLP's first call after 5 ms asleep took 1.5-2.2x its back-to-back time, after 20 ms 2.7-3.0x (1.2-1.9x and
+1.45-2.65x spinning; two runs): a waiting core does not keep its cache here, which is what a pipeline stage's
+ops pay after each wait for a neighbour.
 
 Last, a collective between two processes, as a tensor-parallel op's rows and steps run them: gloo's all-reduce
 of one layer's activations at the benchmark's point (128 tokens x 256, fp32: 128 KiB), each call after a
 barrier as the sampler starts a sample under torchrun (autotuner.measure.timer), in ``--pairs`` fresh pairs of
 processes under torchrun one after the other; per pair the median call, the share of calls over STALLED_S and
-their median, and the mean over the median. On this project's VM (session 30, two runs of four pairs) the
+their median, and the mean over the median. On a 2-core AMD EPYC VM (two runs of four pairs) the
 median call took 0.28-0.31 ms and 7-22% of the calls stalled for 3.8-4.2 ms: one tick of the guest's 250 Hz
 clock (its kernel runs without preemption and halts an idle virtual core at once:
 ``haltpoll.guest_halt_poll_ns=0``), so a waiting rank's wake-up can wait for the tick; the mean call read
@@ -47,12 +46,12 @@ clock (its kernel runs without preemption and halts an idle virtual core at once
 calls over eleven pairs the same hour.) The share moves between pairs and runs, and with it a TP=2 op's rows:
 two TP=2 profiles of the llama-shaped stage's ops, back to back, had IQRs of 33-57% of their medians (the
 layer's and the output layer's) and fenced means 9-28% apart (the layer's forward 5.96 ms and 4.64), which no
-number of samples in one profile narrows (docs/predictor_accuracy.md, "Tensor parallelism on this VM").
+number of samples in one profile narrows.
 
 Each of the ``--pairs`` runs twice, in fresh processes each time: with the kernel's default scheduling, then
 with both processes (and the threads they start: gloo's worker and transport threads) at real-time priority
 (:func:`run_realtime`, SCHED_FIFO's lowest level; ``realtime`` in the table), where the system lets this user
-set it. On this project's VM (session 31, three pairs) the stalls were gone at real-time priority: no call
+set it. On the same VM (three pairs) the stalls were gone at real-time priority: no call
 over STALLED_S, the median call 0.213-0.234 ms, against 7-17% of calls stalled for 3.8-4.2 ms and medians of
 0.276-0.299 ms with the default scheduling in the pairs started between them. That fits a woken thread waiting
 behind an ordinary thread running on its core until the kernel's next tick (Linux 6.18's EEVDF scheduler lets

@@ -6,14 +6,14 @@ Megatron-Core's 1F1B schedule batches a stage's send and receive into one call (
 then wait for both), and the neighbour makes the matching call: its activation for our gradient, or the
 reverse. In a real step the two ends seldom arrive together: one waits, blocked, for the other.
 ``autotuner.predict.schedule`` charges each exchange to both ends, one calibrated ``send_recv`` each
-(``python -m autotuner.calibrate --collectives``, which times the exchange with both ranks at it).
+(``python -m autotuner.calibrate collectives=true``, which times the exchange with both ranks at it).
 This times two processes (gloo; it starts them with torchrun itself) making that exchange, one of
 them arriving ``--late`` ms after the other (spinning until then, as a stage computes), alternately
 rank 0 and rank 1, after a barrier; and prints, per size and lateness, the medians of how long the late
 end's call took and how long after the late end's arrival the early end's call returned (one machine:
 ``time.perf_counter`` is one clock for both processes).
 
-What it showed on this project's VM (session 16, three runs): with both ends arriving together the
+What it showed on a 2-core CPU VM (three runs): with both ends arriving together the
 late end's call took 0.21-0.32 ms (32 KiB, tiny's activations) and 0.28-0.40 ms (256 KiB); with one end
 2 or 5 ms late, 0.23-0.49 and 0.27-0.55 ms, the early end back 0.21-0.36 and 0.25-0.51 ms after the late
 one arrived. So an exchange costs both ends about its calibrated time whether or not one waited (a

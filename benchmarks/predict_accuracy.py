@@ -7,24 +7,22 @@
 
 For each case and layout: the ops a stage is made of are profiled with get_data at the layout's point,
 TP and EP, in as many fresh processes as the layout runs (torchrun; ``python -m autotuner.main`` for one,
-as a user profiles, since session 40): on a CPU the ranks
-share the memory and the caches, and an op timed alone would run faster than beside them, pipeline
-stages too (see profile(); a pipeline layout's round also predicts from its stages' ops profiled in
-tp * dp processes, as before session 26, and prints that beside). Every process, profiles, steps and the
-calibration alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores, which
-was the default until session 19): on this 2-core VM a two-thread op waits for the slower of two virtual
-cores, and its rows move about twice as far between profiles as one thread's (benchmarks.thread_noise).
-With ``--realtime`` every process runs at real-time priority (benchmarks.machine_noise.run_realtime: on
-this VM gloo's collectives then stop stalling for a scheduler tick); a run's first line says which
+as a user profiles): on a CPU the ranks share the memory and the caches, and an op timed alone would run
+faster than beside them, pipeline stages too (see profile(); a pipeline layout's round also predicts from
+its stages' ops profiled in tp * dp processes and prints that beside). Every process, profiles, steps and
+the calibration alike, runs one intra-op thread (``--threads``; 0: each process's share of the cores): on a
+2-core VM a two-thread op waits for the slower of two virtual cores, and its rows move about twice as far
+between profiles as one thread's (benchmarks.thread_noise). With ``--realtime`` every process runs at
+real-time priority (benchmarks.machine_noise.run_realtime: on a 2-core VM gloo's collectives then stop
+stalling for a scheduler tick); a run's first line says which
 scheduling it had, and ``--pool`` judges the runs of each apart. Each
 op is profiled with warm caches, each forward after the op's backward, and once flushed (the
 predictor takes, for each visit of an op in the step, the kind it runs in:
 autotuner.predict.caches.cache_plan); warm twice, first and last of the round's profiles, and the
 predictor takes each op's mean of the two (a row times the machine in the second its samples took;
-autotuner.predict.inputs.repeated). Until session 36 a third profile timed the warm forwards back to
-back instead (the benchmark before session 29), for a line beside the prediction. The device and the
+autotuner.predict.inputs.repeated). The device and the
 links between two processes are calibrated in every round, between its first steps and its profiles (python -m
-autotuner.calibrate, and --collectives under torchrun: the Adam step's time per parameter, alone and
+autotuner.calibrate, and collectives=true under torchrun: the Adam step's time per parameter, alone and
 with both processes at it, the pipeline's transfers and the gradients' all-reduce, the caches a warm row
 runs in, the memory bandwidth of modelled figures; ``--calibrate once``: once for the run, which shares
 one calibration's error among all rounds, past what their spread shows). The predictor predicts the step
@@ -33,7 +31,7 @@ schedule, Adam). Each round measures the steps, profiles, predicts and measures 
 so the ratio's spread over rounds is printed beside its median; the measured step of a round is the mean
 of its step draws (``--step-draws``, 4 by default): before its profiles, after them, and between them
 (the machine's speed moves over minutes, and a step draw is seconds of it: draws through the round sample
-it as the profiles did; until session 39 the steps before and after alone, printed beside). With three
+it as the profiles did; the steps before and after alone are printed beside). With three
 A/A controls: the measured step's IQR over its timed steps; over the rounds, the largest over the
 smallest of the predicted step (each from fresh profiles: how far the op rows move between processes) and
 of the measured step (each in fresh processes); and in each round the steps after over the steps before
@@ -44,24 +42,22 @@ all-reduced after the backward; for the 4-layer model also with the distributed 
 reduce-scattered, each rank's Adam on its half, the parameters all-gathered) for the dense models, DP=2
 with EP=2 for the MoE one; on request (``--layouts pp2last1``) the 4-layer model's PP=2 split unevenly, 3
 layers and the embedding on the first stage, 1 and the output layer on the last; 4 micro-batches per
-data-parallel rank. Target (issue 17): |ratio - 1| <= 0.05 for step time and peak memory, judged on the
+data-parallel rank. Target: |ratio - 1| <= 0.05 for step time and peak memory, judged on the
 median's 95% confidence interval over the rounds (order statistics, as the sampler's:
 autotuner.measure.timer.median_ci, from 6 rounds): "met" when the interval lies inside [0.95, 1.05],
 "missed" when it lies outside, "inconclusive" when it straddles an edge: on a machine whose own A/A
 spread exceeds the target, a median of a few rounds can neither pass nor fail it. Under each case and
-layout: the step's ratio had the rows been added up by their medians (the predictor before session 25, on
-the same rows and steps: the statistic's own share); on an interleaved layout, the same prediction with
-each model chunk 1/v of its stage's time (the predictor before session 27; since then each chunk takes
-its own ops: autotuner.predict.timing.chunk_times); the same prediction with every stage's host work as
-timed with warm caches (the predictor before session 28; since then a stage whose ops sweep the shared
-cache takes the host work timed with it flushed: autotuner.predict.caches.host_work_cached); the same
-prediction from the round's first warm profile alone (the benchmark before session 37; since then each op
-takes the mean of its two warm rows: autotuner.predict.inputs.repeated); the same rows with every op
-profiled in several processes taken from its slowest rank's row (the predictor before session 43; since
-then each rank's row of an op that waited for no other rank is a repeat:
-autotuner.predict.inputs.ran_collectives); the same rows with a stage's
-first forward op from its flushed row whatever its warm row timed (the predictor before session 33, and
-for the embedding before session 34; since then from the warm row where that was timed after the op's
+layout, alternatives side by side, each on the same rows and steps: the step's ratio had the rows been
+added up by their medians, not their fenced means (the statistic's own share); on an interleaved layout,
+the same prediction with each model chunk 1/v of its stage's time (the predictor gives each chunk its own
+ops: autotuner.predict.timing.chunk_times); the same prediction with every stage's host work as timed
+with warm caches (the predictor gives a stage whose ops sweep the shared cache the host work timed with it
+flushed: autotuner.predict.caches.host_work_cached); the same prediction from the round's first warm
+profile alone (the predictor takes each op's mean of its two warm rows: autotuner.predict.inputs.repeated);
+the same rows with every op profiled in several processes taken from its slowest rank's row (the predictor
+takes each rank's row of an op that waited for no other rank as a repeat:
+autotuner.predict.inputs.ran_collectives); the same rows with a stage's first forward op from its flushed
+row whatever its warm row timed (the predictor takes the warm row where that was timed after the op's
 backward, as the visit runs: autotuner.predict.caches.warm_visits); the ops inside the forward-backward,
 each hooked op's predicted time per visit / its time inside the measured steps
 (autotuner.predict.in_step), medians over the rounds; then per rank the time between its ops in its
@@ -69,13 +65,12 @@ median step, per stage the host work of a micro-batch's forward predicted beside
 forwards' spans less their ops), and on a pipeline the hand-overs a stage waited for beside the predicted
 exchange, and the measured step replayed through the predictor's schedule simulation over its measured
 span (autotuner.predict.in_step.replay: the schedule model alone). With more than two step draws, the
-same predictions judged on the first and the last draw alone (the benchmark before session 39); with
+same predictions judged on the first and the last draw alone; with
 ``--beside-row-seconds S``, the step predicted from the same ops profiled in the same round with rows
 spanning S seconds (0: get_data's default), judged on the same draws, and its ratio to the round's own
 prediction: what a row's span changes, the hour shared; with ``--beside-held MIB``, the step predicted from
 one more warm profile, in the middle of the round, timed beside MIB of earlier calls' held activations
-(``timing.held_activations_mib``) and the round's flushed one, beside the round's first warm profile's
-(session 47: docs/predictor_accuracy.md, "Activations a step holds").
+(``timing.held_activations_mib``) and the round's flushed one, beside the round's first warm profile's.
 """
 
 from __future__ import annotations
@@ -141,7 +136,7 @@ DEFAULT = {
 ON_REQUEST = {"llama_small": ("pp2last1", "pp2first1")}
 # A round whose steps after the profiles ran within this fraction of the same steps before them.
 DRIFT_CALM = 0.05
-# The target (issue 17): |predicted / measured - 1| within this.
+# The target: |predicted / measured - 1| within this.
 TARGET = 0.05
 # How many times a round measures its steps (--step-draws): before, between and after its profiles.
 STEP_DRAWS = 4
@@ -195,7 +190,7 @@ def round_parts(said: Round) -> str:
 
 
 # The run's scheduling line (a run's log opens with it; --pool judges runs of one scheduling together, a
-# log without the line ran before session 31 with the default).
+# log without the line, from an older benchmark, ran with the default).
 SCHEDULING = "scheduling"
 DEFAULT_SCHEDULING = "the kernel's default"
 REALTIME = "real-time (SCHED_FIFO, --realtime)"
@@ -277,14 +272,14 @@ def threads_per_process(text: str) -> int:
 
 def profile_processes(layout: Layout, alone: bool = False) -> int:
     """How many processes profile the layout's ops: every process it runs (``alone``: those that run one op
-    together, tp * dp, the benchmark's way before session 26)."""
+    together, tp * dp)."""
     # every process the layout runs: on a CPU the layout's "GPUs" are processes of one host, which share
     # its memory and its L3, so an op timed alone runs faster than beside them. Pipeline stages too, though
     # they run their ops staggered: inside PP2 steps a stage's visits while the other stage sat between
-    # its ops ran no faster than those it overlapped (session 26): what slows them is the other process
+    # its ops ran no faster than those it overlapped: what slows them is the other process
     # on the host (most likely its data through the shared cache), not two ops at one moment; a profile in
     # one process read the llama-shaped PP2's layers at 0.85-1.00 of their time inside the steps, one in
-    # two processes at 1.01-1.11 (docs/predictor_accuracy.md, "Pipeline stages on a CPU")
+    # two processes at 1.01-1.11 (this benchmark's alone_predicted_s line prints both)
     return layout.gpus // layout.pp if alone else layout.gpus
 
 
@@ -326,12 +321,11 @@ def profile(
         ),
     ]
     world = profile_processes(layout, alone)
-    # One process too is a fresh one, as a user profiles and as the steps run: until session 40 it was this
-    # long-lived process, whose state (its heap, Hydra's and Megatron's globals) carried from profile to
-    # profile and round to round, so every round's rows shared one process's draw of it. Fresh processes'
-    # rows predicted 0.984 [0.819, 1.044] of its step (14 paired rounds, sessions 39-40:
-    # docs/predictor_accuracy.md, "Step draws"): no difference beyond the rounds' spread, and the rounds are
-    # now independent draws
+    # One process too is a fresh one, as a user profiles and as the steps run, not this long-lived process,
+    # whose state (its heap, Hydra's and Megatron's globals) would carry from profile to profile and round
+    # to round, so every round's rows would share one process's draw of it. Profiled in this process the
+    # rows predicted 0.984 [0.819, 1.044] of the fresh processes' step (14 paired rounds): no difference
+    # beyond the rounds' spread, and with fresh processes the rounds are independent draws
     if world == 1:
         command = [sys.executable, "-m", "autotuner.main", *argv]
     else:
@@ -386,10 +380,10 @@ def calibrate_machine(calibration: Path, threads: int = 0) -> str:
     device's on ``threads`` intra-op threads, as the steps run; 0: torch's default). Returns a line of
     what the predicted steps depend on most."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    device = [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(calibration)]
+    device = [sys.executable, "-m", "autotuner.calibrate", "device=cpu", f"out={calibration}"]
     _run_whole(device, timeout_s=600, env=env)
     links = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    links += ["-m", "autotuner.calibrate", "--device", "cpu", "--collectives", "--out", str(calibration)]
+    links += ["-m", "autotuner.calibrate", "device=cpu", "collectives=true", f"out={calibration}"]
     _run_whole(links, timeout_s=600)
     cal = load_calibration(calibration)
     return (
@@ -418,28 +412,27 @@ class Round(NamedTuple):
     handovers: tuple[float, ...]  # a 1F1B pipeline's hand-overs a stage waited for, s
     predicted_transfer_s: float | None  # the predictor's pp_p2p per exchange
     replay: float | None  # the schedule model on the measured forwards and backwards / their measured span
-    # the same rows added up by their medians, as the predictor did before session 25 (its fenced means:
-    # autotuner.measure.stats): the statistic's share of the ratio, judged on the same rows and steps
+    # the same rows added up by their medians, not the fenced means the predictor adds up
+    # (autotuner.measure.stats): the statistic's share of the ratio, judged on the same rows and steps
     medians_predicted_s: float
     # a pipeline layout's step predicted from its stage's ops profiled in as many processes as run one op
-    # together (tp * dp), as the benchmark profiled them before session 26 (None: no pipeline, no change)
+    # together (tp * dp) (None: no pipeline, no change)
     alone_predicted_s: float | None
     # an interleaved layout's step from the same rows with each model chunk 1/v of its stage and the host
-    # work's stage part once per stage, as the predictor placed them before session 27 (None: no vpp)
+    # work's stage part once per stage, not per chunk as the predictor places them (None: no vpp)
     even_chunks_predicted_s: float | None = None
     # per rank: (its pipeline stage, the predicted host work of a micro-batch's forward, the measured one:
     # the model forwards' spans less the ops inside them, autotuner.predict.in_step.host_work_s), s; the
     # backward's part is not beside it: on a pipeline it holds the waits for the other stage
     host_forward: tuple[tuple[int, float, float], ...] = ()
     # the step from the same rows with the host work as timed with warm caches whatever the stage's ops
-    # sweep, as the predictor took it before session 28 (None: no host work flushed in the calibration)
+    # sweep (None: no host work flushed in the calibration)
     warm_host_predicted_s: float | None = None
-    # the step from the round's first warm profile alone (and its flushed rows), as the benchmark predicted
-    # it before session 37: the warm rows of one moment in the round
+    # the step from the round's first warm profile alone (and its flushed rows): the warm rows of one moment
+    # in the round
     one_profile_predicted_s: float | None = None
     # the step from the same rows with a stage's first forward op taking its flushed row whatever its warm
-    # row timed, as the predictor took it before session 33 (and the embedding's before session 34:
-    # autotuner.predict.caches.warm_visits)
+    # row timed (the predictor's rule: autotuner.predict.caches.warm_visits)
     first_forward_flushed_predicted_s: float | None = None
     # the step from rows of the other span (--beside-row-seconds), profiled in the same round around its
     # own profiles (warm, flushed, warm again), judged on the same steps (None: not asked)
@@ -447,17 +440,16 @@ class Round(NamedTuple):
     # the step from one warm profile timed beside held activations (--beside-held) and the round's flushed
     # one, to set beside one_profile_predicted_s (the round's first warm profile and the same flushed one)
     held_predicted_s: float | None = None
-    # the step draws in the order they ran, s: the first before the profiles, the last after them (their
-    # mean alone was the measured step before session 39)
+    # the step draws in the order they ran, s: the first before the profiles, the last after them
     step_draws_s: tuple[float, ...] = ()
     # the step from the same rows with every op profiled in several processes taking its slowest rank's
-    # row, as the predictor took it before session 43 (since then the ranks' rows of an op that waited for
-    # no other rank are repeats: autotuner.predict.inputs.ran_collectives; None: one process profiled)
+    # row (the predictor takes the ranks' rows of an op that waited for no other rank as repeats:
+    # autotuner.predict.inputs.ran_collectives; None: one process profiled)
     slowest_rank_predicted_s: float | None = None
 
 
 def even_chunks_step_s(pred: Any, calibrated: dict[str, Any]) -> float:
-    """``pred``'s step with its interleaved pipeline placed as the predictor placed it before session 27:
+    """``pred``'s step with its interleaved pipeline placed evenly:
     each model chunk 1/v of its stage's time, the host work's part for a stage paid once per stage, not
     per chunk (autotuner.predict.timing.chunk_times)."""
     lay, step = pred.layout, pred.step
@@ -700,7 +692,7 @@ def main() -> int:
         default=STEP_DRAWS,
         help=f"measure each round's steps this many times (default {STEP_DRAWS}): before its profiles, after "
         "them, the rest spread between them; the round's measured step is their mean (2: before and after "
-        "alone, the benchmark before session 39)",
+        "alone)",
     )
     parser.add_argument(
         "--beside-row-seconds",
@@ -830,37 +822,33 @@ def main() -> int:
                 together = profile_processes(layout_of(layout_name), alone=True)
                 for label, predicted_of in (
                     (
-                        "the same rows added up by their medians (the predictor before session 25)",
+                        "the same rows added up by their medians, not their fenced means",
                         lambda r: r.medians_predicted_s,
                     ),
                     (
                         f"the stage's ops profiled in {together} process{'es' if together > 1 else ''} "
-                        "(the benchmark before session 26)",
+                        "(those running one op together)",
                         lambda r: r.alone_predicted_s,
                     ),
                     (
-                        "each model chunk 1/v of its stage, host work once a stage (the predictor before "
-                        "session 27)",
+                        "each model chunk 1/v of its stage, host work once a stage",
                         lambda r: r.even_chunks_predicted_s,
                     ),
                     (
-                        "the host work as timed with warm caches, whatever the stage's ops sweep (the "
-                        "predictor before session 28)",
+                        "the host work as timed with warm caches, whatever the stage's ops sweep",
                         lambda r: r.warm_host_predicted_s,
                     ),
                     (
                         "the warm rows of the round's first profile alone, not the mean of two bracketing "
-                        "the round (the benchmark before session 37)",
+                        "the round",
                         lambda r: r.one_profile_predicted_s,
                     ),
                     (
-                        "a stage's first forward op from its flushed row, whatever its warm row timed (the "
-                        "predictor before session 33; the embedding's before session 34)",
+                        "a stage's first forward op from its flushed row, whatever its warm row timed",
                         lambda r: r.first_forward_flushed_predicted_s,
                     ),
                     (
-                        "every op profiled in several processes from its slowest rank's row (the predictor "
-                        "before session 43)",
+                        "every op profiled in several processes from its slowest rank's row",
                         lambda r: r.slowest_rank_predicted_s,
                     ),
                     (
@@ -892,7 +880,7 @@ def main() -> int:
                     ends = [r.predicted_s / m for r, m in zip(results, measured_ends, strict=True)]
                     print(
                         f"{'':21} measured by the steps before and after the profiles alone, not "
-                        f"{args.step_draws} draws through the round (the benchmark before session 39): step "
+                        f"{args.step_draws} draws through the round: step "
                         f"{statistics.median(ends):.3f} [{min(ends):.3f}, {max(ends):.3f}], A/A meas "
                         f"{max(measured_ends) / min(measured_ends):.3f}"
                     )

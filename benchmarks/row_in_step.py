@@ -3,9 +3,9 @@ process, alternated step by step.
 
     python -m benchmarks.row_in_step [--cases tiny,llama_small] [--rounds 30] [--threads 1]
 
-The layer's forward and backward rows are most of a predicted step (docs/predictor_accuracy.md).
+The layer's forward and backward rows are most of a predicted step (docs/predict.md).
 ``benchmarks.predict_accuracy`` compares a profile and real steps taken in different processes, a
-minute apart, where this VM's drift is as large as the error sought. This takes the drift out: one
+minute apart, where a shared VM's drift is as large as the error sought. This takes the drift out: one
 process builds the steps' own GPTModel (autotuner.predict.steps: TP1, s128, one sample a micro-batch, 4
 micro-batches, fp32), trains it step by step with the steps' hooks timing every layer's visits
 (autotuner.predict.in_step.ModuleClock), and after each step times each of its layers alone, as get_data
@@ -14,28 +14,27 @@ each sample right after an untimed call of the same forward; the forward after i
 sample right after an untimed forward and its backward, as ``timing.forward_after_backward`` times it;
 the backward after an untimed forward with the layer's gradients cleared), on the input that layer got
 in the step. Each round is one step and, in a random order, two samples of each layer's forward (both
-ways) and backward, and of each with what the call returns freed inside the timed window (how get_data
-timed them before session 20: autotuner.measure.timer, "Freeing what a call returns"), and since session
-47 each phase beside earlier calls' held graphs, as ``timing.held_activations_mib`` holds them, as many MiB
+ways) and backward, and of each with what the call returns freed inside the timed window (not how get_data
+times them: autotuner.measure.timer, "Freeing what a call returns"), and each phase beside earlier calls'
+held graphs, as ``timing.held_activations_mib`` holds them, as many MiB
 as the step's visits lie on average from their memory's previous use (autotuner.predict.caches.
 mean_reuse_distance over the model's stage sweep; autotuner.measure.timer, "Activations a step holds").
-Until session 29 a "forward" sample followed whatever sample came before it, often a backward. Session 47
-(the Intel VM, one thread, 20 rounds, two runs an hour apart; the first held the 52 MiB the stage touches a
-micro-batch, the second the mean distance, 24 MiB): the llama-shaped forward after its backward 0.984
-[0.977, 0.996] and 0.962 [0.932, 0.966], held 0.999 [0.985, 1.018] and 0.976 [0.964, 0.995]; its backward
-0.942 [0.940, 0.946] and 0.923 [0.899, 0.934], held 0.991 [0.977, 1.010] and 0.959 [0.948, 0.974]; tiny's
-forward 1.057 and 1.059, held (4.1 and 1.7 MiB) 1.069 and 1.080, backward 1.098 and 1.108, held 1.119 and
-1.108.
+On a 2-core Intel VM (one thread, 20 rounds, two runs an hour apart; the first held the 52 MiB the stage
+touches a micro-batch, the second the mean distance, 24 MiB): the llama-shaped forward after its backward
+0.984 [0.977, 0.996] and 0.962 [0.932, 0.966], held 0.999 [0.985, 1.018] and 0.976 [0.964, 0.995]; its
+backward 0.942 [0.940, 0.946] and 0.923 [0.899, 0.934], held 0.991 [0.977, 1.010] and 0.959 [0.948, 0.974];
+tiny's forward 1.057 and 1.059, held (4.1 and 1.7 MiB) 1.069 and 1.080, backward 1.098 and 1.108, held 1.119
+and 1.108.
 
 It prints per case, per visit: the in-step median and the rows' medians (ms), and each row over the
 in-step time, median over the rounds [95% CI, order statistics: 6 rounds at least]. The rows here are
 two samples at a time, between other samples of the same layer, not get_data's long back-to-back runs.
-What it showed on this project's VM (session 20, one thread, 30 rounds, row / in-step): with the host
-heap kept (autotuner.model.host_heap), two runs: tiny's forward 0.934 and 0.953, backward 1.053 and
-1.062; the llama-shaped forward 1.009 and 1.043, backward 0.994 and 1.025. Before it, two runs: tiny
+What it showed on a 2-core AMD EPYC VM (one thread, 30 rounds, row / in-step): with the host heap kept
+(autotuner.model.host_heap), two runs: tiny's forward 0.934 and 0.953, backward 1.053 and 1.062; the
+llama-shaped forward 1.009 and 1.043, backward 0.994 and 1.025. With glibc's default heap, two runs: tiny
 0.988 and 0.988, 1.059 and 1.045; llama-shaped 1.053 and 1.032, 1.020 and 1.006. Over seven runs the
 forward rows' medians read 1.0-11% (tiny) and 1.7-6.7% (llama-shaped, median 2.5%) longer with the
-output freed inside their window; the backward's, under 1%. Session 29, one thread, 20 rounds: tiny's
+output freed inside their window; the backward's, under 1%. One thread, 20 rounds: tiny's
 forward back to back 0.837 [0.813, 0.864], after its backward 0.958 [0.940, 0.980], backward 1.046; the
 llama-shaped forward 0.964 [0.949, 0.985] and 1.086 [1.078, 1.103], backward 1.018.
 """
@@ -105,7 +104,7 @@ class Bench:
         # (the layers are alike: one layer's figures serve all)
         layer_saved = forward_saved_bytes(self.phases[0]["forward"], list(self.model.parameters()))
         args = self.trainer.spec.model_args
-        shape = ModelShape.from_config(name, args.transformer, args.vocab_size, args.tie_word_embeddings)
+        shape = ModelShape.from_args(name, args)
         self.held_bytes = mean_reuse_distance([stage_sweep(shape, self.layout, 0, layer_saved)])
         self.held_graphs = graphs_to_hold(layer_saved, self.held_bytes)
 

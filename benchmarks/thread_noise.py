@@ -10,7 +10,7 @@ sample a micro-batch, warm) ``--profiles`` times with each thread count, alterna
 in this one process so that the machine's drift falls on both alike, and prints per thread count and
 phase the median row, the largest over the smallest, and the standard deviation over the mean.
 
-What it showed (session 19, llama-shaped layer, ten profiles each, two runs): with two threads the
+What it showed on a 2-core CPU VM (llama-shaped layer, ten profiles each, two runs): with two threads the
 forward and backward rows moved by 15% and 12% of their mean (largest over smallest 1.47 and 1.38), and
 14.6% and 10.7% (1.56 and 1.38); with one by 6.8% and 2.8% (1.28 and 1.10), and 7.7% and 6.1% (1.28 and
 1.18), at 1.2-1.4x the time: the accuracy benchmark's processes have run one thread each since.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a lent GPU machine (docs/gpu_checks.md says what they showed).
+# The GPU checks, as one script for a lent GPU machine (docs/gpu_validation.md says what they showed).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]      (default gpu_check_out/)
 #
@@ -11,12 +11,12 @@
 # three launchers on the same Llama-2-7B layer ops at s2048_b1, compared by autotuner.launcher_agreement
 # (agreement.txt and agreement.json beside the summary).
 #
-# nsys: NSYS_BUNDLE=<archive made by ../shared/tools/make_nsys_bundle.sh>, for a GPU image without a
-# working Nsight Systems (docs/gpu_checks.md), is unpacked into a temporary folder and its nsys given to
+# nsys: NSYS_BUNDLE=<an archive of a minimal Nsight Systems, nsys-min/>, for a GPU image without a
+# working Nsight Systems (docs/gpu_validation.md), is unpacked into a temporary folder and its nsys given to
 # the launcher; without it the launcher finds nsys itself (PATH, the project's .tools/, CUDA folders).
 #
-# A machine without our packages gets them from wheels staged beside the repo (see the README's
-# "GPU checks"): .whl/*.whl are installed into a private target, .whl/pure/ holds pure-Python packages
+# A machine without our packages gets them from wheels staged beside the repo (docs/gpu_validation.md,
+# "Rerunning the checks"): .whl/*.whl are installed into a private target, .whl/pure/ holds pure-Python packages
 # that have no wheel. Two files land in OUT_DIR: summary.txt (each step's exit status, time and
 # last lines) and runs.tar.gz (the logs and run folders, the large traces left out).
 set -u
@@ -97,7 +97,7 @@ step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/t
 step memory_fit 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_memory_fit.py -k gpu
 # The CUDA timer alone (events, hide_launch), for a session that runs only the three-launcher check.
 step timer_test 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 'hide_launch or launch_bound or events'
-step calibrate 45 "$PY" -m autotuner.calibrate --device cuda --out "$RUNS/calibration.json"
+step calibrate 45 "$PY" -m autotuner.calibrate device=cuda "out=$RUNS/calibration.json"
 CAL=()
 [ -f "$RUNS/calibration.json" ] && CAL=("calibration=$RUNS/calibration.json")
 step llama7b_bf16 120 "${RUN[@]}" "${LLAMA[@]}" 'ops=[all,functional]' \
@@ -116,7 +116,7 @@ step forward_after_backward 60 "${RUN[@]}" "${LLAMA[@]}" shapes.seq_len=[512] ti
 step torch_profiler 75 "${RUN[@]}" case=tiny device=cuda launcher=torch_profiler \
     'ops=[transformer_layer,linear_qkv,core_attention]' "hydra.run.dir=$RUNS/torch_profiler"
 
-# MoE and MLA layers on the GPU path (issue 16): the all-to-all dispatcher, grouped-GEMM experts where
+# MoE and MLA layers on the GPU path: the all-to-all dispatcher, grouped-GEMM experts where
 # Transformer-Engine imports (the rows' token_dispatcher and experts_impl say which ran), and MLA's
 # attention ops, one layer each at real sizes.
 step moe_mixtral_bf16 120 "${RUN[@]}" case=mixtral_8x7b device=cuda dtype=bf16 shapes.seq_len=[2048] \
@@ -128,12 +128,12 @@ step mla_deepseek_bf16 120 "${RUN[@]}" case=deepseek_v2_lite device=cuda dtype=b
     'ops=[self_attention,mla_q_proj,kv_down_proj,kv_layernorm,kv_up_proj,rope,core_attention,linear_proj,moe_layer,shared_experts,experts]' \
     "hydra.run.dir=$RUNS/mla_deepseek_bf16"
 
-# The predictor against real steps on a GPU (issue 17): a Llama-2-7B-shaped model, bf16, its stage ops
+# The predictor against real steps on a GPU: a Llama-2-7B-shaped model, bf16, its stage ops
 # profiled cold-cached as a step runs them (per layer: the profiled model's depth does not matter), then
 # predicted and validated against Megatron's schedule running the whole model (autotuner.predict.steps)
 # with as many layers as the prediction fits in the GPU's memory (num_layers=fit, up to Llama's 32); and
-# with full recompute, where Adam's step, not the activations, sets the peak (docs/gpu_checks.md, fifth
-# session: 29 layers).
+# with full recompute, where Adam's step, not the activations, sets the peak (docs/gpu_validation.md:
+# 29 layers).
 GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 |
     awk '{ printf "%.1f", $1 * 1048576 / 1e9 }')
 step predict_profile 120 "${RUN[@]}" case=llama7b hf.num_hidden_layers=4 device=cuda dtype=bf16 \
@@ -143,14 +143,39 @@ step predict_profile 120 "${RUN[@]}" case=llama7b hf.num_hidden_layers=4 device=
 step predict_validate 180 "$PY" -m autotuner.predict "$RUNS/predict_profile" seq_len=2048 \
     micro_batch_size=1 global_batch_size=8 dtype=bf16 validate=true repeats=5 report=false \
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
-    --json "$RUNS/predict_validate.json"
+    "json=$RUNS/predict_validate.json"
 step predict_validate_full 120 "$PY" -m autotuner.predict "$RUNS/predict_profile" seq_len=2048 \
     micro_batch_size=1 global_batch_size=8 dtype=bf16 recompute=full validate=true repeats=5 report=false \
     ${GPU_GB:+num_layers=fit "gpu_memory_gb=$GPU_GB"} \
-    --json "$RUNS/predict_validate_full.json"
+    "json=$RUNS/predict_validate_full.json"
+
+# The H100 fixture of Megatron-LM's published weak-scaling runs (benchmarks.megatron_published,
+# docs/cluster_model.md): for each GPT of the table, one layer of one emulated rank at the run's TP
+# (tf.tensor_model_parallel_size without torchrun: the rank's shapes, its collectives recorded, not run;
+# sequence parallelism at TP > 1), bf16, attention=sdpa, cold caches, s4096 at micro-batches 1 and 2,
+# the ops the prediction reads (the layer, core attention for selective recompute and context
+# parallelism, its four GEMMs for tp_comm_overlap, the embedding, final norm and output layer), each
+# run keeping the device calibration. OUT_DIR/h100_megatron_gpt is the fixture: copy it to
+# tests/fixtures/. Then the benchmark from it. scripts/make_h100_fixture.sh runs these steps alone.
+FIXTURE="$OUT_DIR/h100_megatron_gpt"
+FIXTURE_OPS='ops=[embedding,transformer_layer,core_attention,linear_qkv,linear_proj,linear_fc1,linear_fc2,final_layernorm,output_layer]'
+for spec in 1_7b:1 7_1b:2 16b:4 32b:8; do
+    name=${spec%:*} tp=${spec#*:}
+    SP=()
+    [ "$tp" -gt 1 ] && SP=(tf.sequence_parallel=true)
+    step "fixture_$name" 150 "${RUN[@]}" "case=megatron_gpt_$name" hf.num_hidden_layers=1 device=cuda \
+        dtype=bf16 attention=sdpa "tf.tensor_model_parallel_size=$tp" "${SP[@]}" shapes.seq_len=[4096] \
+        shapes.micro_batch_size=[1,2] timing.flush_cache=true timing.budget_s=0.3 report=false \
+        "$FIXTURE_OPS" "${CAL[@]}" "hydra.run.dir=$FIXTURE/megatron_gpt_$name"
+done
+if [ -d "$FIXTURE" ]; then
+    [ -f "$RUNS/calibration.json" ] && cp "$RUNS/calibration.json" "$FIXTURE/"
+    step fixture_benchmark 120 "$PY" -m benchmarks.megatron_published --fixture "$FIXTURE"
+    cp "$LOGS/fixture_benchmark.log" "$OUT_DIR/megatron_published.txt" 2>/dev/null
+fi
 
 # Which nsys: the bundle's when NSYS_BUNDLE names one, else the launcher's own lookup (no nsys_bin given).
-# Nsight Compute's bundled nsys is not tried: it writes a .qdstrm but no report (docs/gpu_checks.md).
+# Nsight Compute's bundled nsys is not tried: it writes a .qdstrm but no report (docs/gpu_validation.md).
 NSYS_ARGS=()
 NSYS_USABLE=yes
 if [ -n "${NSYS_BUNDLE:-}" ]; then
@@ -196,7 +221,7 @@ if [ -d .whl19 ]; then  # a newer Megatron-Core over the same code
     step megatron_new_run 60 "${NEW[@]}" "${RUN[@]}" case=tiny device=cuda "hydra.run.dir=$RUNS/megatron_new_tiny"
 fi
 
-# The three launchers on the same ops and shape point (issue 13): get_data, torch_profiler and nsys times
+# The three launchers on the same ops and shape point: get_data, torch_profiler and nsys times
 # and their ratios to nsys's GPU time, its kernels, memsets and copies (to torch_profiler's without an
 # nsys run). Default timing: the point is what a user gets. Only the rows' times are needed (the traces stay out of the archive): no
 # report, and a lean detailed profiler session.
@@ -225,7 +250,7 @@ if [ -f "$RUNS/agree_get_data/results.jsonl" ] && [ -f "$RUNS/agree_torch_profil
     # It reads two or three results files, a second's work: it runs even past the deadline.
     {
         printf '\n== three launchers, Llama-2-7B layer, bf16, s2048_b1 (%s)\n' "$NSYS_NOTE"
-        timeout 60 "$PY" -m autotuner.launcher_agreement "${AGREE_RUNS[@]}" --json "$OUT_DIR/agreement.json"
+        timeout 60 "$PY" -m autotuner.launcher_agreement "${AGREE_RUNS[@]}" "json=$OUT_DIR/agreement.json"
         echo "launcher_agreement exit $?"
     } >"$OUT_DIR/agreement.txt" 2>&1
     cp "$OUT_DIR/agreement.txt" "$RUNS/"

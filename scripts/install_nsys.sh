@@ -6,7 +6,7 @@
 # nsight-systems-target depends on libcuda1, which a machine without a GPU lacks, so the two .deb
 # files are downloaded with `apt-get download` against a temporary sources list (the machine's own
 # Debian mirror, non-free enabled) and unpacked with `dpkg -x`; nothing is installed system-wide
-# except Debian's libssh-4, which the report importer needs. See shared/notes/nsys.md.
+# except Debian's libssh-4, which the report importer needs.
 #
 # Usage: scripts/install_nsys.sh        (prefix: <repo>/.tools/nsys, or $NSYS_PREFIX)
 # Prints progress on stderr and the absolute path of the nsys binary as the last line of stdout.
@@ -144,7 +144,7 @@ download_and_unpack() {
     done
 }
 
-# The two links of shared/notes/nsys.md.
+# The two links the unpacked packages lack.
 mend_links() {
     local arch_dir="$prefix/usr/lib/x86_64-linux-gnu/nsight-systems"
     # Without this link nsys finds no importer and writes only a .qdstrm.

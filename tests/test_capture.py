@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from autotuner.capture import capture
 from autotuner.capture.megatron import megatron_calls
+from autotuner.capture.recorder import EAGER_NOTE
 from autotuner.capture.schema import load
 from autotuner.errors import UserError
 from autotuner.main import run
@@ -45,8 +46,8 @@ for step in range(int(sys.argv[1])):
 
 
 def _capture_cli(out: Path, *command: str, steps: str | None = None, **kwargs) -> subprocess.Popen:
-    window = ["--steps", steps] if steps else []
-    argv = [sys.executable, "-m", "autotuner.capture", "--out", str(out), *window, "--", *command]
+    window = [f"steps={steps}"] if steps else []
+    argv = [sys.executable, "-m", "autotuner.capture", f"out={out}", *window, "--", *command]
     return subprocess.Popen(
         argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
     )
@@ -291,6 +292,29 @@ def test_a_module_no_layer_holds_is_named_where_each_layer_calls_it(tmp_path: Pa
         **{("_SharedRotary", f"{i}.~_SharedRotary"): 2 for i in (0, 1)},
         **{("_Scale", f"{i}.~_SharedRotary.scale"): 2 for i in (0, 1)},
     }
+
+
+def test_a_compiled_model_is_captured_as_its_eager_self(tmp_path: Path):
+    """Under torch.compile, dynamo traced into the global module hooks and raised AssertionError
+    ("already tracked for mutation"): 0 calls captured. While capturing, the compiled model runs eagerly:
+    its capture lists the calls the model run eagerly gives, under the same names, and says so."""
+
+    def train(model: torch.nn.Module) -> None:
+        for _ in range(2):
+            F.silu(model(torch.randn(3, 4))).sum().backward()
+
+    model = torch.nn.Sequential(_Layer(), _Layer())
+    found, settings = {}, {}
+    for how, run_model in (("eager", model), ("compiled", torch.compile(model))):
+        with capture(tmp_path / f"{how}.json"):
+            train(run_model)
+        cap = load(tmp_path / f"{how}.json")
+        assert cap.status == "complete", cap.error
+        found[how] = sorted((r.callee, r.path, r.count, str(_shapes(r))) for r in cap.calls)
+        settings[how] = cap.settings.get("torch_compile")
+    assert found["compiled"] == found["eager"]
+    assert ("torch.nn.functional.linear", "1.proj", 2, "[[3, 4], [4, 4], [4]]") in found["compiled"]
+    assert settings == {"eager": None, "compiled": EAGER_NOTE}
 
 
 def test_replayed_inputs_keep_the_recorded_strides(tmp_path: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -251,6 +252,13 @@ def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
     assert llama[0]["weight_bytes"] == 202_383_360 * 4  # one Llama-2-7B layer in fp32
 
 
+def _after_the_plan_line(err: str) -> list[str]:
+    """The lines of an interrupted run's stderr after its first, which says the plan's estimate."""
+    plan_line, *rest = err.strip().splitlines()
+    assert re.match(r"autotuner: \d+ rows to run, estimated ", plan_line), plan_line
+    return rest
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stop, status, said",
@@ -289,8 +297,8 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path, stop, status, 
     assert proc.wait() == status
     before = _check_files(tmp_path)
     assert 4 <= len(before) < len(ops) * 2 * 2
-    # one line, no traceback, with the command that finishes the run
-    said_lines = stderr.read_text().strip().splitlines()
+    # the plan's estimate, then one line, no traceback, with the command that finishes the run
+    said_lines = _after_the_plan_line(stderr.read_text())
     assert len(said_lines) == 1 and said_lines[0].startswith(f"autotuner: {said}; finish the run with: "), (
         said_lines
     )
@@ -338,7 +346,7 @@ def test_an_interrupted_sweep_says_how_to_finish_every_job(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
-    said = err.strip().splitlines()
+    said = _after_the_plan_line(err)
     assert len(said) == 1 and said[0].startswith("autotuner: interrupted; finish the run with: "), said
     command = shlex.split(said[0].split("finish the run with: ", 1)[1])
     assert command[:4] == ["python", "-m", "autotuner.main", "-m"] and f"hydra.sweep.dir={sweep}" in command
@@ -394,6 +402,7 @@ def test_a_pause_before_every_sample_is_taken_and_recorded(tmp_path, capsys):
     }
     pauses = sum(r["samples"] + 1 for r in rows)  # and one warm-up call each (FAST)
     assert elapsed >= pauses * 0.050
+    capsys.readouterr()  # the measured run's own lines (the plan's estimate)
     assert run(["case=tiny", f"hydra.run.dir={tmp_path / 'bad'}", "timing.idle_before_ms=-1", *FAST]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "idle_before_ms" in err[0] and "fix timing." in err[0]
@@ -455,6 +464,7 @@ def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, caps
     assert rows[1]["forward"]["forward_after_backward"] is True
     assert rows[0]["forward"]["forward_after_backward"] is False
     bad = tmp_path / "bad"
+    capsys.readouterr()  # the measured runs' own lines (the plan's estimate)
     assert run(["case=tiny", f"hydra.run.dir={bad}", "timing.held_activations_mib=-1", *FAST]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "held_activations_mib" in err[0] and "fix timing." in err[0]
@@ -509,12 +519,78 @@ def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypa
     ],
 )
 def test_every_tools_bad_arguments_are_one_line_and_exit_2(module, capsys, monkeypatch):
-    """argparse's own error printed the whole usage first (2-4 lines): autotuner.errors.OneLineParser."""
+    """A flag where the grammar wants key=value is one line naming the setting, exit code 2
+    (autotuner.cli)."""
     import importlib
 
     main = importlib.import_module(f"autotuner.{module}").main
     monkeypatch.setattr(sys, "argv", [module, "--bogus-option"])  # capture's main reads sys.argv
-    with pytest.raises(SystemExit) as ended:
-        main() if module == "capture.__main__" else main(["--bogus-option"])
+    if module == "capture.__main__":
+        with pytest.raises(SystemExit) as ended:
+            main()
+        code = ended.value.code
+    else:
+        code = main(["--bogus-option"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert ended.value.code == 2 and len(err) == 1 and "error:" in err[0] and "(see --help)" in err[0], err
+    assert code == 2 and len(err) == 1 and "error:" in err[0] and "(see --help)" in err[0], err
+    assert "bogus_option=" in err[0], err
+
+
+TOOLS = (
+    "compare",
+    "report.__main__",
+    "nsys_read",
+    "launcher_agreement",
+    "capture.__main__",
+    "calibrate",
+    "predict.__main__",
+    "tune",
+)
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_every_tools_help_lists_each_setting_with_its_meaning(module, capsys):
+    """One grammar: every command but autotuner takes paths then key=value settings, and --help names
+    each setting of its settings class with its meaning (and default where it has one)."""
+    import dataclasses
+    import importlib
+
+    command = importlib.import_module(f"autotuner.{module}").COMMAND
+    with pytest.raises(SystemExit) as ended:
+        from autotuner.cli import parse
+
+        parse(command, ["--help"])
+    out = capsys.readouterr().out
+    assert ended.value.code == 0 and out.startswith(f"usage: {command.name} ")
+    for field in dataclasses.fields(command.settings):
+        assert f"  {field.name}=" in out and field.metadata["meaning"] in out, field.name
+
+
+def test_the_grammar_reads_values_as_hydra_does_and_refuses_slips_in_one_line():
+    from dataclasses import dataclass
+
+    from autotuner.cli import Command, UsageError, parse, setting
+
+    @dataclass(frozen=True)
+    class Settings:
+        labels: list[str] | None = setting(None, "names")
+        digits: int = setting(3, "figures")
+        scale: float = setting(1.0, "a factor")
+        name: str | None = setting(None, "text")
+
+    command = Command("tool", "tool", "a tool", "PATH", Settings)
+    paths, got, rest = parse(
+        command, ["a", "labels=[x,y]", "digits=4", "scale=2", "name=1.5", "b", "--", "c=1"]
+    )
+    assert paths == ["a", "b"] and rest == ["c=1"]
+    assert got == Settings(labels=["x", "y"], digits=4, scale=2.0, name="1.5")
+    for argv, words in (
+        (["a", "digitz=4"], "unknown setting 'digitz' (did you mean digits?)"),
+        (["a", "digits=four"], "digits='four' is not an integer"),
+        (["a", "labels=x,y"], "a sweep in Hydra's grammar: write a list as labels=[x,y]"),
+        (["a", "scale=nan"], "scale=nan is not a finite number"),
+        (["a", "--digits", "4"], "--digits: settings are written key=value (digits=...)"),
+        ([], "give PATH"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(words)):
+            parse(command, argv)

@@ -38,7 +38,7 @@ def test_table_speedups_noise_marks_and_significant_figures(tmp_path, capsys):
         tmp_path, "base", {("mlp", "forward", "s8_b1"): 12345.678, ("mlp", "forward", "s16_b1"): 4000.0}
     )
     new = _run(tmp_path, "new", {("mlp", "forward", "s8_b1"): 6172.8, ("mlp", "forward", "s16_b1"): 4000.5})
-    assert main([base, new, "--labels", "main,branch"]) == 0
+    assert main([base, new, "labels=[main,branch]"]) == 0
     out = capsys.readouterr().out
     assert "[ mlp ]  (ms)" in out
     assert " 12.3 " in out  # 12345.678 us trimmed to 3 significant figures in ms
@@ -54,7 +54,7 @@ def test_within_noise():
 def test_oss_json_export(tmp_path):
     run = _run(tmp_path, "one", {("linear_qkv", "backward", "s8_b1"): 50.0})
     out = tmp_path / "oss.json"
-    assert main([run, "--oss-json", str(out)]) == 0
+    assert main([run, f"oss_json={out}"]) == 0
     records = json.loads(out.read_text())
     assert {r["metric"]["name"] for r in records} == {
         "backward_median_us",
@@ -100,5 +100,28 @@ def test_runs_measured_otherwise_are_said_to_differ_and_labels_must_differ(tmp_p
     ]
     # one folder given twice: its name, numbered (it read "//tmp/.../run #1")
     assert default_labels(["/tmp/x/run", "/tmp/x/run/"]) == ["run #1", "run #2"]
-    assert main([base, str(other), "--labels", "a,a"]) == 2
+    assert main([base, str(other), "labels=[a,a]"]) == 2
     assert "names two runs alike" in capsys.readouterr().err
+
+
+def test_a_cell_without_a_time_says_why(tmp_path, capsys):
+    """Every cell without a median read "-": a failed op, a skipped one, a row without its median and a
+    point never measured looked alike, and an op without a time in any run had no table at all."""
+    base = _run(tmp_path, "base", {("mlp", "forward", "s8_b1"): 10.0, ("mlp", "forward", "s16_b1"): 20.0})
+    new = _run(tmp_path, "new", {("mlp", "forward", "s8_b1"): 10.0})
+    writer = ResultsWriter(tmp_path / "new", resume=True)
+    for op, status in (("mlp", "failed"), ("embedding", "skipped"), ("norm", "ok")):
+        writer.write({"case": "tiny", "op": op, "phase": "forward", "point": "s16_b1", "status": status})
+    assert main([base, new]) == 0
+    out = capsys.readouterr().out
+    cells = {
+        (block.split("]")[0].strip("[ "), line[:13].strip()): line[13:].split()
+        for block in out.split("\n\n")[:-1]
+        for line in block.splitlines()[1:]
+    }
+    assert cells["mlp", "forward  new"] == ["10.0", "(~1.00x)", "failed"]
+    assert cells["mlp", "forward  base"] == ["10.0", "20.0"]
+    assert cells["embedding", "forward  new"] == ["-", "skipped"]
+    assert cells["norm", "forward  new"] == ["-", "no", "median"]
+    assert cells["norm", "backward new"] == ["-", "-"]
+    assert "- = no row (not measured)" in out.splitlines()[-1]

@@ -1,11 +1,11 @@
-"""Fault injection (issue 14): every bad input refused in one line, every fault survived.
+"""Fault injection: every bad input refused in one line, every fault survived.
 
-The promise the README makes, kept in one module so it stays tested as the code changes: bad input is one
-line on stderr naming the problem and the fix, exit code 2, no traceback and nothing written; a fault in
-one op is a failed row and the plan goes on; nothing already measured is lost (files written atomically,
-an interrupted run resumable, a second run refused from a live run's directory); no process outlives
-its run. Each test drives the real CLI or tool (in-process where one Megatron import can serve, in real
-subprocesses where the fault is between processes) and checks the files on disk, not only the exit code.
+The promise README.md and docs/launchers.md make, kept in one module so it stays tested as the code changes:
+bad input is one line on stderr naming the problem and the fix, exit code 2, no traceback and nothing written;
+a fault in one op is a failed row and the plan goes on; nothing already measured is lost (files written
+atomically, an interrupted run resumable, a second run refused from a live run's directory); no process
+outlives its run. Each test drives the real CLI or tool (in-process where one Megatron import can serve, in
+real subprocesses where the fault is between processes) and checks the files on disk, not only the exit code.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import yaml
 from autotuner.errors import UserError
 from autotuner.main import run
 from autotuner.results import ResultsWriter, load_rows
+from tests.namespaces import namespaced
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,6 +132,7 @@ def test_a_second_run_into_a_live_run_directory_is_refused(tmp_path):
     expected = ops[holder].split("[")[1].rstrip("]")
     assert [(r["op"], r["phase"]) for r in rows] == [(expected, "forward"), (expected, "backward")]
     assert "2 rows" in out
+    assert not lock.exists(), "a run that ended cleanly left its lock file"
     # the refused run wrote nothing, not even Hydra's record of its config
     assert ops[other] not in (run_dir / ".hydra" / "overrides.yaml").read_text()
 
@@ -140,7 +142,7 @@ def test_a_run_refused_between_the_holders_lock_and_its_pid_still_names_the_hold
     refused in that window, which a loaded machine can stretch, waits for the pid rather than naming
     "pid unknown". Held here by a lock taken in this test, its pid written 0.3 s late."""
     from autotuner.errors import UserError
-    from autotuner.launchers.common import claim_run_dir
+    from autotuner.launchers.common import RunDirectory
 
     run_dir = tmp_path / "held"
     run_dir.mkdir()
@@ -150,7 +152,7 @@ def test_a_run_refused_between_the_holders_lock_and_its_pid_still_names_the_hold
     late.start()
     try:
         with pytest.raises(UserError, match="another run \\(pid 424242\\)"):
-            claim_run_dir(run_dir)
+            RunDirectory(run_dir).claim()
     finally:
         late.join()
         os.close(fd)
@@ -215,7 +217,9 @@ def test_resume_where_the_results_file_is_a_folder_is_one_line(tmp_path, capsys)
     assert run([*TINY, "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}", "resume=true"]) == 2
     captured = capsys.readouterr()
     lines = _errors(captured.err)
-    assert len(lines) == 1 and "results.jsonl is not a file: move it away" in lines[0], captured.err
+    assert len(lines) == 1 and "results.jsonl is a folder, not a regular file: move it away" in lines[0], (
+        captured.err
+    )
     assert "nothing to resume" not in captured.err
 
 
@@ -643,6 +647,34 @@ def test_a_run_directory_that_cannot_be_a_folder_is_refused(capsys, tmp_path, wh
     assert blocker.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
 
 
+def _deep_folder(root: Path, length: int) -> Path:
+    """A path under ``root`` of ``length`` characters, in names of at most 200."""
+    path = str(root)
+    while len(path) < length:
+        path += "/" + "d" * min(200, max(1, length - len(path) - 1))
+    return Path(path)
+
+
+@pytest.mark.parametrize("length", [4000, 4090], ids=["room_for_no_file", "the_folders_cannot_be_made"])
+def test_a_run_directory_near_path_max_is_one_line_and_leaves_nothing(capsys, tmp_path, length):
+    """Near PATH_MAX a run made its folders, its lock file and Hydra's files, then failed at its first
+    results file (a traceback); a little longer, the lock failed and the folders stayed. Refused first, in
+    one line, nothing made."""
+    run_dir = _deep_folder(tmp_path / "long", length)
+    line = _refused(capsys, run_dir, [], "characters long, too long for the files a run writes in it")
+    assert "give a shorter path" in line and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["the_link", "under_the_link"])
+def test_a_run_directory_on_a_loop_of_links_is_one_line(capsys, tmp_path, where):
+    """pathlib's resolve() raised RuntimeError("Symlink loop") out of the lock's claim: a traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    run_dir = tmp_path / "a" if where == "the_link" else tmp_path / "a" / "run"
+    _refused(capsys, run_dir, [], f"hydra.run.dir={run_dir} cannot be used", "symbolic links", "another path")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
 @pytest.mark.parametrize(
     "shapes, words",
     [
@@ -758,7 +790,7 @@ def test_compare_on_a_corrupt_results_file_is_one_line(tmp_path: Path):
     with open(run / "results.jsonl", "a") as handle:
         handle.write('{"case": "tin\n')  # a line cut short, as a copy or an editor can leave it
     before = _files(tmp_path)
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "oss.json")
+    proc = _tool("autotuner.compare", run, f"oss_json={tmp_path / 'oss.json'}")
     _one_line(proc, 2, "results.jsonl line 3", "not valid JSON", "fix or delete that line")
     assert proc.stdout == "" and _files(tmp_path) == before
 
@@ -781,21 +813,21 @@ def test_compare_oss_json_under_a_file_is_one_line_and_a_missing_folder_is_made(
     run = _run_dir(tmp_path / "run")
     (tmp_path / "notes.txt").write_text("mine\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "notes.txt" / "oss.json")
+    proc = _tool("autotuner.compare", run, f"oss_json={tmp_path / 'notes.txt' / 'oss.json'}")
     _one_line(proc, 2, "notes.txt is a file, not a folder", "give a path under a folder")
     # Refused before the table is printed: a half-done command would read as a success.
     assert proc.stdout == "" and _files(tmp_path) == before
-    proc = _tool("autotuner.compare", run, "--oss-json", tmp_path / "new" / "oss.json")
+    proc = _tool("autotuner.compare", run, f"oss_json={tmp_path / 'new' / 'oss.json'}")
     assert proc.returncode == 0 and json.loads((tmp_path / "new" / "oss.json").read_text())
 
 
 def test_commands_that_measure_first_refuse_an_output_they_could_not_write_before_measuring(tmp_path: Path):
     """calibrate and the steps measure for seconds to minutes, then write: a folder given as the file,
     or a path under a file, is refused first (it had cost the whole measurement)."""
-    proc = _tool("autotuner.calibrate", "--device", "cpu", "--out", tmp_path)
-    _one_line(proc, 2, f"--out {tmp_path} is a folder: give a file name in it")
-    proc = _tool("autotuner.calibrate", "--budget-s", "1e9", "--out", tmp_path / "c.json")
-    _one_line(proc, 2, "--budget-s 1000000000.0 must be above 0 and at most 3600")
+    proc = _tool("autotuner.calibrate", "device=cpu", f"out={tmp_path}")
+    _one_line(proc, 2, f"out={tmp_path} is a folder: give a file name in it")
+    proc = _tool("autotuner.calibrate", "budget_s=1e9", f"out={tmp_path / 'c.json'}")
+    _one_line(proc, 2, "budget_s=1e+09 must be above 0 and at most 3600")
     from autotuner.predict.steps import parse_args
 
     proc = _tool("autotuner.predict.steps", "--help")  # usage, not "'--help' is not key=value"
@@ -818,7 +850,7 @@ def test_ctrl_c_during_a_calibration_is_one_line_and_exit_130(tmp_path: Path):
     """It had printed KeyboardInterrupt's traceback; its file is written only at the end, atomically."""
     out = tmp_path / "calibration.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autotuner.calibrate", "--device", "cpu", "--out", str(out)],
+        [sys.executable, "-m", "autotuner.calibrate", "device=cpu", f"out={out}"],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -836,13 +868,13 @@ def test_report_out_onto_an_existing_file_is_one_line(tmp_path: Path):
     run = _run_dir(tmp_path / "run")
     (tmp_path / "notes.txt").write_text("mine\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.report", run, "--out", tmp_path / "notes.txt")
+    proc = _tool("autotuner.report", run, f"out={tmp_path / 'notes.txt'}")
     _one_line(proc, 2, "notes.txt is a file", "give a folder")
     assert _files(tmp_path) == before
 
 
 def test_capture_of_a_missing_script_is_one_line_and_exit_2(tmp_path: Path):
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "missing.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "missing.py", cwd=tmp_path)
     _one_line(proc, 2, "can't open file 'missing.py'", "give the path of the training script")
     assert _files(tmp_path) == {}
 
@@ -851,7 +883,7 @@ def test_capture_of_a_folder_without_a_main_module_is_refused_before_it_starts(t
     (tmp_path / "pkg").mkdir()
     (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
     before = _files(tmp_path)
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "pkg", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "pkg", cwd=tmp_path)
     _one_line(proc, 2, "can't find '__main__' module in 'pkg'", "give the path of the training script")
     assert _files(tmp_path) == before
 
@@ -859,7 +891,7 @@ def test_capture_of_a_folder_without_a_main_module_is_refused_before_it_starts(t
 def test_capture_of_a_script_that_does_not_compile_writes_nothing(tmp_path: Path):
     (tmp_path / "broken.py").write_text("def (\n")
     before = _files(tmp_path)
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "broken.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "broken.py", cwd=tmp_path)
     # The script's own error, shown as Python shows it (exit code 1), then our one line.
     assert "Traceback" not in proc.stderr and "SyntaxError: invalid syntax" in proc.stderr
     assert proc.returncode == 1
@@ -871,7 +903,7 @@ def test_capture_killed_child_keeps_an_earlier_file_and_says_so(tmp_path: Path):
     (tmp_path / "dies.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
     before = _files(tmp_path)
-    proc = _tool("autotuner.capture", "--out", "f.json", "--", "python", "dies.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=f.json", "--", "python", "dies.py", cwd=tmp_path)
     _one_line(proc, -signal.SIGKILL, "nothing written", "killed by SIGKILL", "from an earlier capture")
     assert _files(tmp_path) == before
 
@@ -879,6 +911,194 @@ def test_capture_killed_child_keeps_an_earlier_file_and_says_so(tmp_path: Path):
 def test_capture_out_onto_a_folder_is_refused_before_the_run(tmp_path: Path):
     (tmp_path / "train.py").write_text("print('trained')\n")
     (tmp_path / "shapes").mkdir()
-    proc = _tool("autotuner.capture", "--out", "shapes", "--", "python", "train.py", cwd=tmp_path)
+    proc = _tool("autotuner.capture", "out=shapes", "--", "python", "train.py", cwd=tmp_path)
     _one_line(proc, 2, "is a folder", "give a file name")
     assert proc.stdout == "" and _files(tmp_path) == {"train.py": b"print('trained')\n"}
+
+
+# --- files of a run directory that are not files, resumes of rows another version measured ---------------
+
+
+@pytest.mark.parametrize("name", ["environment.json", "results.jsonl", ".hydra/overrides.yaml"])
+def test_a_fifo_in_a_run_directory_is_one_line_for_every_tool_that_reads_it(tmp_path: Path, capsys, name):
+    """A FIFO waits for a writer that never comes: resume, predict, compare and report hung in its open.
+    Each refuses in one line (exit 2) naming the file, without opening it; the FIFO is left as it was."""
+    run_dir = _run_dir(tmp_path / "run")
+    (run_dir / ".hydra").mkdir()
+    fifo = run_dir / name
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    tools = [
+        ("autotuner.compare", run_dir),
+        ("autotuner.report", run_dir, f"out={tmp_path / 'page'}"),
+        ("autotuner.predict", run_dir, "seq_len=8", "micro_batch_size=1", "global_batch_size=1"),
+    ]
+    for tool in tools if name != ".hydra/overrides.yaml" else tools[1:2]:
+        _one_line(_tool(*tool), 2, f"{fifo} is a FIFO, not a regular file")
+    capsys.readouterr()
+    assert run([*TINY, "ops=[mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and f"{fifo} is a FIFO, not a regular file" in lines[0], lines
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "page").exists()
+
+
+def _edit_environment(run_dir: Path, **changed: str) -> dict:
+    """Record ``changed`` in the run's environment (and fingerprint, where it holds the key): the run as
+    another version of the tool or its libraries would have written it."""
+    path = run_dir / "environment.json"
+    record = json.loads(path.read_text())
+    record["environment"].update(changed)
+    record["fingerprint"].update({k: v for k, v in changed.items() if k in record["fingerprint"]})
+    path.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def test_resume_of_a_run_another_version_measured_is_refused_or_kept_apart(finished, tmp_path, capsys):
+    """A resume rewrote environment.json's versions, crediting the earlier rows to the new version. It is
+    refused in one line naming what differs (nothing written); resume_across_versions=true measures the
+    rest, environment.json keeping the earlier environment and adding this one, each new row naming it."""
+    run_dir = _copy_run(finished, tmp_path / "older")
+    old = _edit_environment(run_dir, autotuner_revision="0000000", torch="2.0.0")
+    before = _snapshot(run_dir)
+    extend = [*TINY, "ops=[linear_qkv,mlp,linear_proj]", f"hydra.run.dir={run_dir}", "resume=true"]
+    capsys.readouterr()
+    assert run(extend) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and "measured in another environment" in lines[0], lines
+    assert 'autotuner_revision "0000000" -> ' in lines[0] and 'torch "2.0.0" -> ' in lines[0]
+    assert "resume_across_versions=true" in lines[0]
+    assert _snapshot(run_dir) == before
+
+    assert run([*extend, "resume_across_versions=true"]) == 0
+    record = json.loads((run_dir / "environment.json").read_text())
+    assert record["environment"] == old["environment"]  # the earlier rows' environment, kept
+    (key, this), *others = record["environments"].items()
+    assert not others and this["torch"] != "2.0.0" and this["autotuner_revision"] != "0000000"
+    rows = load_rows(run_dir / "results.jsonl")
+    earlier = [json.loads(line) for line in before["results.jsonl"].decode().splitlines()]
+    assert rows[:4] == earlier and all(r["measured_by"] is None for r in rows[:4])
+    assert [(r["op"], r["measured_by"]) for r in rows[4:]] == [("linear_proj", key)] * 2
+
+
+def test_resume_measures_again_a_row_without_its_median_and_says_so(finished, tmp_path, capsys):
+    """A row edited or cut so that it lacks median_us counted as measured, and the resume skipped it,
+    silently: it is measured again, with a note naming it; the rows that were whole are kept as they were."""
+    run_dir = _copy_run(finished, tmp_path / "cut")
+    results = run_dir / "results.jsonl"
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    del rows[2]["median_us"]  # mlp.forward
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    notes = [line for line in _errors(capsys.readouterr().err) if "median_us" in line]
+    assert len(notes) == 1 and "1 measured again (mlp.forward s16_b1)" in notes[0], notes
+    again = load_rows(results)
+    assert [r for r in again if r["op"] != "mlp" or r["phase"] != "forward"] == rows[:2] + rows[3:]
+    assert next(r for r in again if r["op"] == "mlp" and r["phase"] == "forward")["median_us"] > 0
+
+
+def test_resume_keeps_a_row_found_twice_once_and_refuses_two_different_rows_of_one_measurement(
+    finished, tmp_path, capsys
+):
+    """A results file appended to itself held every row twice, and a resume kept both. The same row twice
+    is kept once, with a note; two different rows of one measurement cannot be told apart: refused in one
+    line naming the measurement, the files as they were."""
+    run_dir = _copy_run(finished, tmp_path / "twice")
+    results = run_dir / "results.jsonl"
+    text = results.read_text()
+    results.write_text(text + text)
+    capsys.readouterr()
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
+    notes = [line for line in _errors(capsys.readouterr().err) if "twice" in line]
+    assert len(notes) == 1 and "held 4 row(s) twice" in notes[0], notes
+    assert results.read_text() == text
+
+    other = json.loads(text.splitlines()[1])
+    other["median_us"] *= 2
+    results.write_text(text + json.dumps(other) + "\n")
+    before = _snapshot(run_dir)
+    assert run([*TINY, "ops=[linear_qkv,mlp]", f"hydra.run.dir={run_dir}", "resume=true"]) == 2
+    lines = _errors(capsys.readouterr().err)
+    assert len(lines) == 1 and "two different rows of linear_qkv.backward s16_b1" in lines[0], lines
+    assert _snapshot(run_dir) == before
+
+
+def test_report_of_a_read_only_run_directory_is_one_line_or_goes_where_out_says(tmp_path: Path):
+    """A run directory on a read-only mount (an archive, a colleague's share) gave a traceback: one line
+    naming the fix, the run untouched; with out= the page is written there."""
+    run = _run_dir(tmp_path / "run")
+    before = _files(run)
+    report = [sys.executable, "-m", "autotuner.report", run]
+    for out in ([], [f"out={tmp_path / 'page'}"]):
+        proc = subprocess.run(
+            namespaced([*report, *out], read_only=[run]),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if not out:
+            _one_line(proc, 2, f"the run directory {run}", "Read-only file system", "out=DIR")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "page" / "report.html").is_file() and _files(run) == before
+
+
+# Inside a mount namespace with a small tmpfs at DISK: a run that fills it after its first row, the disk
+# freed, the command it printed run; the run folder copied out after each (the tmpfs ends with the
+# namespace) and what each said written to OUT/said.json.
+_DISK_FILLS_MID_RUN = """
+import json, os, shlex, shutil, subprocess, sys, time
+disk, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+run_dir = os.path.join(disk, "run")
+proc = subprocess.Popen([sys.executable, "-m", "autotuner.main", *args, f"hydra.run.dir={run_dir}"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+results = os.path.join(run_dir, "results.jsonl")
+while proc.poll() is None and not (os.path.isfile(results) and open(results).read().count(chr(10))):
+    time.sleep(0.005)
+filler = os.open(os.path.join(disk, "filler"), os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(filler, bytes(4096))
+except OSError:
+    os.close(filler)
+_, full = proc.communicate(timeout=300)
+shutil.copytree(run_dir, os.path.join(out, "full"))
+os.unlink(os.path.join(disk, "filler"))
+command = shlex.split(full.rsplit("finish the run with: ", 1)[-1]) if "finish the run with" in full else []
+again = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=300)
+shutil.copytree(run_dir, os.path.join(out, "freed"))
+said = {"code": proc.returncode, "err": full, "command": command, "again": again.returncode}
+open(os.path.join(out, "said.json"), "w").write(json.dumps(said))
+"""
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_printed_command_finishes_the_run(tmp_path):
+    """A full disk (ENOSPC, a real tmpfs of 2 MiB filled after the first row) ended the run in Hydra's
+    traceback. One line: what could not be written, the rows kept, the command that finishes the run
+    once space is freed; exit 74 (EX_IOERR), the files whole. That command, run after freeing, measures
+    the rest."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    script = tmp_path / "fills.py"
+    script.write_text(_DISK_FILLS_MID_RUN)
+    args = [*TINY, "ops=[linear_qkv,core_attention,mlp,linear_proj]"]
+    command = namespaced([sys.executable, script, disk, out, *args], tmpfs=[(disk, "2m")])
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads((out / "said.json").read_text())
+    lines = _errors(said["err"])
+    assert said["code"] == 74 and len(lines) == 1, said["err"][-3000:]
+    kept = load_rows(out / "full" / "results.jsonl")
+    assert 1 <= len(kept) < 8
+    assert f"cannot write {disk}/run/results." in lines[0] and "(No space left on device)" in lines[0]
+    assert f"{len(kept)} row(s) kept in {disk}/run/results.jsonl" in lines[0]
+    assert said["command"][1:4] == ["-m", "autotuner.main", *args[:1]] and "resume=true" in said["command"]
+    assert "free space there, then finish the run with: python -m autotuner.main" in lines[0]
+    csv_rows = (out / "full" / "results.csv").read_text().splitlines()[1:]
+    assert len(csv_rows) in (len(kept) - 1, len(kept))  # whole; a row behind at most
+    assert not [p.name for p in (out / "full").iterdir() if p.name.endswith(".tmp")]
+    assert said["again"] == 0
+    rows = load_rows(out / "freed" / "results.jsonl")
+    assert len(rows) == 8 and rows[: len(kept)] == kept

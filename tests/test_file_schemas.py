@@ -112,3 +112,44 @@ def test_capture_refusals_name_the_field(tmp_path: Path, change, words: str):
     message = str(raised.value)
     assert "\n" not in message and message.startswith(f"capture file {path}: ")
     assert words in message and message.endswith("capture it again with python -m autotuner.capture")
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: d.update(adam_parameters="many"), "adam_parameters must be a number, not str 'many'"),
+        (lambda d: d.update(memory_bandwidth=True), "memory_bandwidth must be a number, not bool True"),
+        (lambda d: d["peak_flops"].update(bf16="fast"), "peak_flops.bf16 must be a number, not str 'fast'"),
+        (lambda d: d.update(zeroing_bandwidth=None), "zeroing_bandwidth must be a number, not NoneType"),
+        (lambda d: d.update(adam_seconds_per_tensor=-1), "adam_seconds_per_tensor must be at least 0"),
+        (lambda d: d.pop("memory_bandwidth"), "memory_bandwidth is missing (bytes/s)"),
+        (lambda d: d.update(environment=[1]), "environment must be a mapping, not list"),
+        (
+            lambda d: d.update(all_reduce_bandwidth={"nccl:8": "x"}),
+            "all_reduce_bandwidth.nccl:8 must be a number, not str 'x'",
+        ),
+    ],
+)
+def test_calibration_refusals_name_the_field(tmp_path: Path, change, words: str, capsys):
+    """A calibration file of the wrong types is refused where it is read, in one line naming the field (it
+    passed, and a prediction then failed on it with a traceback)."""
+    from autotuner.predict.__main__ import main as predict_main
+    from autotuner.results.calibration import load as load_calibration
+
+    fixture = Path(__file__).parent / "fixtures" / "h200_llama7b" / "profile"
+    data = json.loads((fixture / "calibration.json").read_text())
+    change(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError) as raised:
+        load_calibration(path)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"calibration file {path}: ")
+    assert words in message and "autotuner.calibrate" in message, message
+    out = tmp_path / "p.json"
+    assert (
+        predict_main([str(fixture), "seq_len=2048", "report=false", f"calibration={path}", f"json={out}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err == f"autotuner-predict: error: {message}" and not out.exists()

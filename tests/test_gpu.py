@@ -2,7 +2,7 @@
 functional ops' host transfers, and a whole run on the device.
 
 Without CUDA every test here is skipped (and counted as skipped, not passed): CI has no GPU. They run on
-a lent GPU machine through scripts/gpu_check.sh; docs/gpu_checks.md records what they showed.
+a lent GPU machine through scripts/gpu_check.sh; docs/gpu_validation.md records what they showed.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from autotuner.launcher_agreement import main
 from autotuner.main import run
 from autotuner.results import load_rows
 
-OPS = ("transformer_layer", "linear_qkv", "core_attention", "mlp", "linear_fc1")  # issue 13's table
+OPS = ("transformer_layer", "linear_qkv", "core_attention", "mlp", "linear_fc1")  # the GPU check's table
 POINT = "s16_b1"
 TINY = [
     "case=tiny",
@@ -78,7 +78,7 @@ def _three(runs: dict[str, Path]) -> list[Path]:
 def test_table_has_every_op_and_phase_with_numeric_ratios(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
     # A tolerance no ratio can miss: on a loaded 2-core machine the tiny ops' medians were seen 900x apart.
-    code, stdout, stderr = _agree(*_three(runs), "--tolerance", "1e9", "--json", out)
+    code, stdout, stderr = _agree(*_three(runs), "tolerance=1e9", f"json={out}")
     assert code == 0, stderr
     data = json.loads(out.read_text())
     assert data["reference"] == "nsys" and data["passed"] is True and data["tolerance"] == 1e9
@@ -109,7 +109,7 @@ def test_table_has_every_op_and_phase_with_numeric_ratios(runs: dict[str, Path],
 @pytest.mark.nsys
 def test_a_tolerance_no_launcher_meets_fails_every_row(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
-    code, stdout, _ = _agree(*_three(runs), "--tolerance", "1e-9", "--floor-us", "0", "--json", out)
+    code, stdout, _ = _agree(*_three(runs), "tolerance=1e-9", "floor_us=0", f"json={out}")
     assert code == 1
     data = json.loads(out.read_text())
     assert data["passed"] is False and {r["verdict"] for r in data["rows"]} == {"outside"}
@@ -121,7 +121,7 @@ def test_a_tolerance_no_launcher_meets_fails_every_row(runs: dict[str, Path], tm
 @pytest.mark.nsys
 def test_rows_under_the_floor_are_not_judged(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
-    code, _, _ = _agree(*_three(runs), "--tolerance", "1e-9", "--floor-us", "1e12", "--json", out)
+    code, _, _ = _agree(*_three(runs), "tolerance=1e-9", "floor_us=1e12", f"json={out}")
     assert code == 0
     assert {r["verdict"] for r in json.loads(out.read_text())["rows"]} == {"below floor"}
 
@@ -129,7 +129,7 @@ def test_rows_under_the_floor_are_not_judged(runs: dict[str, Path], tmp_path: Pa
 @pytest.mark.nsys
 def test_without_nsys_torch_profiler_is_the_reference(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "agreement.json"
-    code, stdout, _ = _agree(runs["get_data"], runs["torch_profiler"], "--tolerance", "10%", "--json", out)
+    code, stdout, _ = _agree(runs["get_data"], runs["torch_profiler"], "tolerance=0.1", f"json={out}")
     data = json.loads(out.read_text())
     assert data["reference"] == "torch_profiler" and data["tolerance"] == pytest.approx(0.1)
     assert code == (0 if data["passed"] else 1)
@@ -170,7 +170,7 @@ def test_bad_input_is_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path,
         (second / "results.jsonl").write_text("{not json\n")
     out = tmp_path / "agreement.json"
     tolerance = "-0.1" if case == "bad_tolerance" else "0.1"
-    code, stdout, stderr = _agree(first, second, "--json", out, "--tolerance", tolerance)
+    code, stdout, stderr = _agree(first, second, f"json={out}", f"tolerance={tolerance}")
     assert code == 2 and stdout == ""
     assert len(stderr.strip().splitlines()) == 1 and "error" in stderr, stderr
     assert not out.exists()
@@ -181,8 +181,9 @@ def test_bad_input_is_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path,
     reason=f"no GPU report fixtures at {H200_NSYS.parent} (CI clones the repo with shared/ beside it)",
 )
 def test_gpu_rows_are_judged_by_kernel_time(tmp_path: Path) -> None:
-    """The nsys rows an H200 wrote for Llama-2-7B's layer (shared/fixtures), against issue 13's get_data
-    and torch_profiler medians: the reference is each row's kernel time, never its host range."""
+    """The nsys rows an H200 wrote for Llama-2-7B's layer (shared/fixtures), against the get_data and
+    torch_profiler medians reported beside that report: the reference is each row's kernel time, never its
+    host range."""
     with open(H200_NSYS, newline="") as handle:
         nsys = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(handle)]
     issue = {  # (get_data, torch_profiler) medians, forward then backward, us
@@ -201,7 +202,7 @@ def test_gpu_rows_are_judged_by_kernel_time(tmp_path: Path) -> None:
         ]
         runs.insert(i, _write_rows(tmp_path / launcher, rows))
     out = tmp_path / "agreement.json"
-    code, _, _ = _agree(*runs, "--json", out)
+    code, _, _ = _agree(*runs, f"json={out}")
     assert code == 1
     by_key = {(r["op"], r["phase"]): r for r in json.loads(out.read_text())["rows"]}
     fc1 = by_key[("linear_fc1", "backward")]
@@ -247,8 +248,7 @@ def test_gpu_rows_are_judged_by_gpu_time_with_memsets(tmp_path: Path) -> None:
         _write_rows(tmp_path / "get_data", [{**r, "launcher": "get_data"} for r in profiler]),
         _write_rows(tmp_path / "torch_profiler", profiler),
         _write_rows(tmp_path / "nsys", nsys),
-        "--json",
-        out,
+        f"json={out}",
     )
     rows = {(r["op"], r["phase"]): r for r in json.loads(out.read_text())["rows"]}
     attention = rows[ATTN_BWD]

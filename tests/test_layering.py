@@ -4,8 +4,8 @@
   library code that imports it depends on a CLI's arguments, exit codes and side effects.
 * The results side (autotuner/results, autotuner/report) imports nothing of Megatron or torch.nn, also
   through what it imports: a report or a comparison is made on a machine without the model stack.
-* Each part imports only the parts below it (:data:`PARTS`, the README's Layout section): a change to
-  the model set-up cannot need a change to the runner, an op cannot reach into a launcher.
+* Each part imports only the parts below it (:data:`PARTS`, docs/extending.md's "The package's parts"): a
+  change to the model set-up cannot need a change to the runner, an op cannot reach into a launcher.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ PARTS = (
     ("runner", ("autotuner.runner", "autotuner.measure")),
     ("ops", ("autotuner.ops", "autotuner.ops_test", "autotuner.op_mapping")),
     ("model", ("autotuner.model",)),
-    ("base", ("autotuner.errors", "autotuner")),
+    ("base", ("autotuner.errors", "autotuner.cli", "autotuner")),
 )
 RESULTS_USERS = ("entry", "predict", "launchers", "capture", "runner")
 RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places", "autotuner.ops.naming")

@@ -1,5 +1,5 @@
 """Calibrated links: the collectives' bus bandwidth in the calibration file (autotuner.calibrate
---collectives under torchrun, autotuner.results.calibration) and the collective times the predictor
+collectives=true under torchrun, autotuner.results.calibration) and the collective times the predictor
 reads from it (autotuner.predict.links)."""
 
 from __future__ import annotations
@@ -109,15 +109,15 @@ def test_the_gaps_of_many_collectives_are_said_a_line_per_bandwidth_that_stood_i
     lines = describe_gaps(w.message.gap for w in caught)
     assert lines == [
         "reduce_scatter over 16, 32 ranks: ASSUMED bus bandwidth 100 GB/s, the calibration has no nccl entry "
-        "for them; run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives for N = 16, 32",
+        "for them; run torchrun --nproc-per-node=N -m autotuner.calibrate collectives=true for N = 16, 32",
         "all_gather, all_reduce over 16, 32 ranks: bus bandwidth borrowed from the calibration at nccl:8 "
         "(all_gather 300 GB/s, all_reduce 200 GB/s), none at these sizes; run torchrun --nproc-per-node=N "
-        "-m autotuner.calibrate --collectives for N = 16, 32",
+        "-m autotuner.calibrate collectives=true for N = 16, 32",
     ]
     one = describe_gaps([caught[-1].message.gap])
     assert one == [
         "reduce_scatter over 16 ranks: ASSUMED bus bandwidth 100 GB/s, the calibration has no nccl entry for "
-        "them; run torchrun --nproc-per-node=16 -m autotuner.calibrate --collectives"
+        "them; run torchrun --nproc-per-node=16 -m autotuner.calibrate collectives=true"
     ]
 
 
@@ -136,7 +136,7 @@ def test_load_accepts_files_with_and_without_links_and_rejects_bad_ones(tmp_path
         {"all_gather_bandwidth": {"gloo": 1e9}},
         {"collective_points": {"all_reduce": {"gloo:2": {"bytes": [1], "seconds": []}}}},
     ):
-        with pytest.raises(UserError, match="calibrate --collectives") as info:
+        with pytest.raises(UserError, match="calibrate collectives=true") as info:
             load(_write(tmp_path / "bad.json", {**CEILINGS, **bad}))
         assert "\n" not in str(info.value)
 
@@ -151,7 +151,7 @@ def test_merge_keeps_the_ceilings_and_other_links():
 def test_collectives_outside_torchrun_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "cal.json"
-    assert calibrate_main(["--device", "cpu", "--collectives", "--out", str(out)]) == 2
+    assert calibrate_main(["device=cpu", "collectives=true", f"out={out}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "torchrun --nproc-per-node=N" in err and len(err.splitlines()) == 1 and not out.exists()
 
@@ -166,13 +166,10 @@ def test_torchrun_measures_the_collectives_and_merges_them_into_the_file(tmp_pat
             *command,
             "-m",
             "autotuner.calibrate",
-            "--device",
-            "cpu",
-            "--collectives",
-            "--budget-s",
-            "0.2",
-            "--out",
-            str(out),
+            "device=cpu",
+            "collectives=true",
+            "budget_s=0.2",
+            f"out={out}",
         ],
         cwd=REPO,
         env=env,

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -252,29 +251,12 @@ def test_a_worker_killed_for_memory_is_named_and_its_larger_points_skipped(nsys_
     says "out of memory (estimated X GiB, limit Y GiB)" from the worker's own fit check, the same op at
     the larger point is skipped with that reason, and no row names a signal number alone."""
     import autotuner.launchers.nsys as nsys_launcher
-    from tests.test_nsys_launcher import _kill_worker_after, _launch
+    from tests.test_nsys_launcher import launch_killed_after
 
     reads = iter(range(100))
     monkeypatch.setattr(nsys_launcher, "oom_kills", lambda: next(reads))  # rises between the two reads
     run_dir = tmp_path / "run"
-    done, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_worker_after, args=(run_dir, 1, done, killed), daemon=True)
-    watcher.start()
-    try:
-        result = _launch(
-            nsys_bin,
-            run_dir,
-            "case=tiny",
-            "ops=[embedding,transformer_layer]",
-            "shapes.seq_len=[16,32]",
-            "shapes.micro_batch_size=[1]",
-            "launcher.iterations=20",
-            "progress=false",
-        )
-    finally:
-        done.set()
-        watcher.join()
-    assert killed, "the worker finished before it could be killed"
+    result = launch_killed_after(nsys_bin, run_dir, 1, "launcher.iterations=20")
     assert "the kernel's out-of-memory killer" in result.stderr
     rows = load_rows(run_dir / "results.jsonl")
     oom = re.compile(r"out of memory \(estimated [\d.]+ GiB, limit [\d.]+ GiB\)")

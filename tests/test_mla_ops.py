@@ -221,13 +221,17 @@ def test_the_dry_run_costs_every_attention_op(variant):
 
 
 def test_the_predictors_tensor_count_is_the_built_mla_attentions(mla):
-    """autotuner.predict.inputs.layer_tensors (what torch's Adam loops over) counts MLA's projections and
-    norms, with and without the q LoRA, as Megatron builds them."""
-    from autotuner.predict.inputs import layer_tensors
+    """The parameter tensors autotuner.model.counts finds in MLA's attention (its projections and norms,
+    with and without the q LoRA) built on meta are those the layer built on the CPU holds."""
+    from autotuner.config import compose_config
+    from autotuner.model.counts import count_parameters
+    from autotuner.runner.spec import resolve_spec
 
-    _, _, ctx = mla
+    variant, _, ctx = mla
+    spec = resolve_spec(compose_config([*_overrides(variant), "device=cpu"]))
     layer = ctx.layer
-    tensors, routed = layer_tensors(vars(ctx.config))
+    counts = count_parameters(spec.model_args, spec.tf_config).layer(hasattr(layer.mlp, "router"))
     if hasattr(layer.mlp, "router"):  # the MoE layer's experts are counted in test_moe_ops
-        assert routed == len(list(layer.mlp.experts.parameters()))
-    assert tensors == len(list(layer.parameters()))
+        assert counts.routed_expert_tensors == len(list(layer.mlp.experts.parameters()))
+    assert counts.tensors == len(list(layer.parameters()))
+    assert counts.parameters == sum(p.numel() for p in layer.parameters())

@@ -302,11 +302,16 @@ def test_dry_run_of_a_published_moe_model(case: str, no_shared: bool):
 
 @pytest.mark.parametrize("case", ["tiny_moe", "tiny_mla"])
 def test_the_predictors_tensor_count_is_the_built_moe_layers(sessions, case):
-    """autotuner.predict.inputs.layer_tensors counts the router, every routed expert's linears and the
-    shared experts' (with their gate) as Megatron builds the MoE layer."""
-    from autotuner.predict.inputs import layer_tensors
+    """The counts of an MoE layer the predictor stands on (autotuner.model.counts, from the model built on
+    meta) are those of the MoE layer a run builds on the CPU: the router, every routed expert's linears
+    and the shared experts' (with their gate)."""
+    from autotuner.model.counts import count_parameters
 
     _, ctx = sessions[case]
-    tensors, routed = layer_tensors(vars(ctx.config))
-    assert routed == len(list(ctx.layer.mlp.experts.parameters())) == 2 * ctx.config.num_moe_experts
-    assert tensors == len(list(ctx.layer.parameters()))
+    spec = _spec(f"case={case}")
+    counts = count_parameters(spec.model_args, spec.tf_config).layer(moe=True)
+    layer = ctx.layer
+    assert counts.routed_expert_tensors == len(list(layer.mlp.experts.parameters()))
+    assert counts.routed_expert_tensors == 2 * ctx.config.num_moe_experts
+    assert counts.tensors == len(list(layer.parameters()))
+    assert counts.parameters == sum(p.numel() for p in layer.parameters())

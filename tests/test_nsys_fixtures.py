@@ -3,10 +3,10 @@
 ``tiny/`` (case=tiny, bf16, s64_b2) and ``l7/`` (a Llama-2-7B layer, bf16, s2048_b1) each hold the
 ``report.sqlite`` nsys 2023.4 exported and the ``results.csv`` the launcher wrote from it on the GPU, when
 ``median_us`` was still the NVTX range (the host's time; ``host_median_us`` now). Expected values come from
-three places that do not use our reader: an SQL query written here (kernels joined to the CUDA runtime
-call that launched them by correlation id, inside the op's own ranges of its ``measure`` window, median
-over the iterations), the committed ``results.csv``, and the figures in ``shared/notes/nsys.md`` and the
-issue that asked for this (made by another SQL count, over every range of the op's name).
+three places that do not use our reader: an SQL query written here (kernels joined to the CUDA runtime call
+that launched them by correlation id, inside the op's own ranges of its ``measure`` window, median over the
+iterations), the committed ``results.csv``, and figures counted when the reports were recorded (by another SQL
+count, over every range of the op's name).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 # The transformer layer's direct sub-ops, in model order (Megatron-Core's TransformerLayer).
 LAYER_PARTS = ("input_layernorm", "self_attention", "self_attn_bda", "pre_mlp_layernorm", "mlp", "mlp_bda")
 
-# shared/notes/nsys.md, l7: median over every range of the op's name (its own window, and nested in
+# Counted when l7 was recorded: median over every range of the op's name (its own window, and nested in
 # the ops that contain it), us.
 NOTES_L7 = {
     ("linear_fc1", "forward"): 474.7,
@@ -400,7 +400,7 @@ def test_nsys_read_table_files_and_report(tmp_path: Path, capsys: pytest.Capture
     from autotuner.report.__main__ import main as report_main
 
     out = tmp_path / "out"
-    assert nsys_read.main([str(FIXTURES / "l7" / "report.sqlite"), "--out", str(out)]) == 0
+    assert nsys_read.main([str(FIXTURES / "l7" / "report.sqlite"), f"out={out}"]) == 0
     printed = capsys.readouterr().out.splitlines()
     header = printed[0].split()
     assert header[:7] == ["point", "op", "phase", "gpu", "median", "gpu", "IQR"]
@@ -444,14 +444,14 @@ def test_nsys_read_takes_the_run_directory_context(tmp_path: Path) -> None:
         for column in ("case", "dtype", "device", "tensor_parallel", "rank", "seq_len", "micro_batch_size"):
             assert str(ours[column]) == theirs[column], column
     # Left to its default, the folder must not hold results already: a second read refuses.
-    with pytest.raises(nsys_read.UserError, match="already holds results.jsonl: pass --out DIR"):
+    with pytest.raises(nsys_read.UserError, match="already holds results.jsonl: pass out=DIR"):
         nsys_read.read_report(tmp_path / "report.sqlite")
     # named, its own folder is replaced; another run's folder is refused with its measurements kept
     assert nsys_read.read_report(tmp_path / "report.sqlite", tmp_path)[1] == tmp_path
     other = tmp_path / "other-run"
     other.mkdir()
     (other / "results.jsonl").write_text("kept\n")
-    with pytest.raises(nsys_read.UserError, match="holds another run's results.jsonl: give --out an empty"):
+    with pytest.raises(nsys_read.UserError, match="holds another run's results.jsonl: give out= an empty"):
         nsys_read.read_report(tmp_path / "report.sqlite", other)
     assert (other / "results.jsonl").read_text() == "kept\n"
 
@@ -479,18 +479,18 @@ def _one_range(path: Path, end: object, text: str) -> Path:
         (lambda d: _write(d / "run.qdstrm", "raw"), "raw capture, not a report"),
         (lambda d: _write(d / "junk.sqlite", "not a database" * 100), "is not an nsys report (file is not a"),
         (lambda d: _one_range(d / "other.sqlite", 10, "megatron range"), "holds no ranges of ours"),
-        (lambda d: FIXTURES / "l7" / "report.sqlite", "already holds results.csv: pass --out DIR"),
+        (lambda d: FIXTURES / "l7" / "report.sqlite", "already holds results.csv: pass out=DIR"),
     ],
 )
 def test_nsys_read_bad_input_is_one_line_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], make, message: str
 ) -> None:
     report = make(tmp_path)
-    out = [] if report.parent == FIXTURES / "l7" else ["--out", str(tmp_path / "out")]
+    out = [] if report.parent == FIXTURES / "l7" else [f"out={tmp_path / 'out'}"]
     assert nsys_read.main([str(report), *out]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("autotuner.nsys_read: error: ") and captured.err.count("\n") == 1
+    assert captured.err.startswith("autotuner-nsys-read: error: ") and captured.err.count("\n") == 1
     assert message in captured.err
     assert not (tmp_path / "out").exists()  # nothing written
 

@@ -280,6 +280,90 @@ def test_nsys_failure_prints_its_tail_and_no_shell_runs(
         assert row["status"] == "failed" and row["error"].startswith("nsys profile failed (exit code 1)")
 
 
+# An nsys that answers --version (the real one's) but never starts the program it is to profile.
+_NSYS_THAT_NEVER_STARTS = """#!{python}
+import os, sys, time
+if sys.argv[1:2] != ["profile"]:
+    os.execv({real!r}, [{real!r}, *sys.argv[1:]])
+open({pid_file!r}, "w").write(str(os.getpid()))
+time.sleep(3600)
+"""
+
+
+@pytest.mark.nsys
+def test_an_nsys_that_never_starts_the_worker_is_killed_after_the_start_timeout(
+    nsys_bin: str, tmp_path: Path
+) -> None:
+    """It had waited for ever. After launcher.start_timeout_s it is killed, and the run refused in one
+    line naming the nsys and the setting; nothing of it is left running."""
+    wrapper, pid_file = tmp_path / "nsys", tmp_path / "nsys.pid"
+    wrapper.write_text(
+        _NSYS_THAT_NEVER_STARTS.format(python=sys.executable, real=nsys_bin, pid_file=str(pid_file))
+    )
+    wrapper.chmod(0o755)
+    started = time.monotonic()
+    result = _launch(
+        str(wrapper), tmp_path / "run", "case=tiny", "ops=[linear_qkv]", *SMALL, "launcher.start_timeout_s=2"
+    )
+    assert result.code == 2 and time.monotonic() - started < 120, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("autotuner: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"{wrapper} did not start the worker within launcher.start_timeout_s=2 s" in errors[0]
+    assert "raise launcher.start_timeout_s" in errors[0]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+    assert not (tmp_path / "run" / "results.jsonl").exists()
+
+
+# Inside a mount namespace with a small tmpfs at DISK: a run whose report's SQLite export does not fit;
+# what it said, and the run folder (the tmpfs ends with the namespace), copied to OUT.
+_ON_A_SMALL_DISK = """
+import json, os, shutil, subprocess, sys
+disk, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+proc = subprocess.run([sys.executable, "-m", "autotuner.main", *args, f"hydra.run.dir={disk}/run"],
+                      capture_output=True, text=True, timeout=600)
+shutil.copytree(os.path.join(disk, "run"), os.path.join(out, "run"))
+open(os.path.join(out, "said.json"), "w").write(json.dumps({"code": proc.returncode, "err": proc.stderr}))
+"""
+
+
+@pytest.mark.nsys
+@pytest.mark.slow
+def test_a_disk_too_small_for_the_reports_export_leaves_no_export_and_says_so(nsys_bin: str, tmp_path: Path):
+    """On a disk too small for report.sqlite nsys export exits 0 leaving an empty file, which was read as a
+    report without ranges (every row "no measured range ... nvtx package") and kept beside the run as if
+    valid. The export is checked whole before it is kept: none is left, the rows and one line name the
+    cause and the way on (free space, then nsys_read the report, which is whole)."""
+    from tests.namespaces import namespaced
+
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    script = tmp_path / "small_disk.py"
+    script.write_text(_ON_A_SMALL_DISK)
+    args = ["case=tiny", "launcher=nsys", f"launcher.nsys_bin={nsys_bin}", "ops=[linear_qkv]", *SMALL]
+    # 3 MiB: the run's files and report.nsys-rep (under 1 MiB) fit, its SQLite export (over 3) does not
+    command = namespaced([sys.executable, script, disk, out, *args, "report=false"], tmpfs=[(disk, "3m")])
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads((out / "said.json").read_text())
+    run_dir = out / "run"
+    assert said["code"] == 1 and "Traceback" not in said["err"], said["err"][-3000:]
+    assert (run_dir / "report.nsys-rep").is_file()
+    assert not [p.name for p in run_dir.iterdir() if p.suffix == ".sqlite"]  # no export left to misread
+    ours = [
+        line for line in said["err"].splitlines() if line.startswith("autotuner: ") and "nsys 20" not in line
+    ]
+    assert len(ours) == 1, said["err"][-3000:]
+    assert (
+        f"nsys export of {disk}/run/report.nsys-rep" in ours[0] and "so no report.sqlite is kept" in ours[0]
+    )
+    assert "a full disk? free space, then read the report again with python -m autotuner.nsys_read" in ours[0]
+    rows = load_rows(run_dir / "results.jsonl")
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert all(r["error"].startswith("no report to read: nsys export of") for r in rows)
+
+
 def _worker_pid(run_dir: Path) -> int | None:
     """The worker that nsys started for ``run_dir`` (not nsys itself, whose arguments name it too)."""
     for proc in Path("/proc").iterdir():
@@ -310,12 +394,11 @@ def _kill_worker_after(run_dir: Path, rows: int, done: threading.Event, killed: 
         time.sleep(0.002)
 
 
-@pytest.mark.nsys
-def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
-    """SIGKILL the worker once two rows are done: what nsys saved is read, the rest is named."""
-    run_dir = tmp_path / "run"
+def launch_killed_after(nsys_bin: str, run_dir: Path, rows: int, *overrides: str) -> Launch:
+    """``_launch`` of case=tiny's embedding and layer at s16 and s32, the worker SIGKILLed once ``rows``
+    rows are done (asserted: it was)."""
     done, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_worker_after, args=(run_dir, 2, done, killed), daemon=True)
+    watcher = threading.Thread(target=_kill_worker_after, args=(run_dir, rows, done, killed), daemon=True)
     watcher.start()
     try:
         result = _launch(
@@ -325,14 +408,21 @@ def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
             "ops=[embedding,transformer_layer]",
             "shapes.seq_len=[16,32]",
             "shapes.micro_batch_size=[1]",
-            "launcher.warmup=1",
-            "launcher.iterations=3",
+            *overrides,
             "progress=false",
         )
     finally:
         done.set()
         watcher.join()
     assert killed, "the worker finished before it could be killed"
+    return result
+
+
+@pytest.mark.nsys
+def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
+    """SIGKILL the worker once two rows are done: what nsys saved is read, the rest is named."""
+    run_dir = tmp_path / "run"
+    result = launch_killed_after(nsys_bin, run_dir, 2, "launcher.warmup=1", "launcher.iterations=3")
     assert result.code == 1
     assert "killed by SIGKILL" in result.stderr
     assert (run_dir / "report.sqlite").is_file()

@@ -529,6 +529,11 @@ WINDOWED = textwrap.dedent(
 
 
     measure("linear_qkv", 3)
+    # another program's ranges in our names' form: an op this tool does not have, a label that is no point
+    measure("not_an_op", 3)
+    POINT = "batch of 2"
+    measure("mlp", 3)
+    POINT = "s32_b2"
     measure("core_attention", 2)  # as if its third iteration raised
     measure("linear_proj", 1, close=False)  # the process ends inside the window
     """
@@ -548,8 +553,13 @@ def test_nsys_read_exports_a_real_report(
     assert proc.returncode == 0 and report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
 
     out = tmp_path / "read"
-    assert nsys_read.main([str(report), "--out", str(out), "--nsys-bin", nsys_bin]) == 1  # two rows failed
-    printed = capsys.readouterr().out
+    assert nsys_read.main([str(report), f"out={out}", f"nsys_bin={nsys_bin}"]) == 1  # two rows failed
+    printed, said = capsys.readouterr()
+    # the foreign windows were ok rows of nothing, which the report could not draw: counted, named once
+    assert said.splitlines() == [
+        "note: 2 range(s) not of this tool's ops and points, left out: measure not_an_op.forward [s32_b2] "
+        "(no such op); measure mlp.forward [batch of 2] (not a shape point s<seq>_b<mbs>)"
+    ]
     assert printed.splitlines()[0].split()[3:5] == ["median", "IQR"]  # a CPU report: one time, no host column
     assert "3 rows (2 failed)" in printed
 
@@ -567,3 +577,6 @@ def test_nsys_read_exports_a_real_report(
     assert (out / "cpu-rank1.sqlite").is_file()
     rows_again, _ = nsys_read.read_report(out / "cpu-rank1.sqlite", tmp_path / "again")
     assert [r.get("median_us") for r in rows_again] == [r["median_us"] for r in rows.values()]
+    from autotuner.report import build_report
+
+    assert build_report([out]).is_file()

@@ -65,12 +65,14 @@ WRITTEN_OP_ORDER = (
     "rope",
     "core_attention",
     "linear_proj",
+    "post_attention_layernorm",
     "self_attn_bda",
     "pre_mlp_layernorm",
     "mlp",
     "linear_fc1",
     "activation",
     "linear_fc2",
+    "post_mlp_layernorm",
     *MOE_OPS,
     "mlp_bda",
     "final_layernorm",
@@ -85,10 +87,12 @@ WRITTEN_LAYER_MODULE_OPS = {
     **{f"self_attention.{path}": op for path, op in MLA_PATHS.items()},
     "self_attention.core_attention": "core_attention",
     "self_attention.linear_proj": "linear_proj",
+    "self_attention.post_layernorm": "post_attention_layernorm",
     "pre_mlp_layernorm": "pre_mlp_layernorm",
     "mlp": "mlp",
     "mlp.linear_fc1": "linear_fc1",
     "mlp.linear_fc2": "linear_fc2",
+    "mlp.post_layernorm": "post_mlp_layernorm",
     "mlp.shared_experts": "shared_experts",
     "mlp.router": "router",
     "mlp.experts": "experts",
@@ -110,8 +114,15 @@ WRITTEN_LAYER_PARTS = (
     "mlp_bda",
 )
 WRITTEN_SUBLAYER_PARTS = {
-    "self_attention": ("linear_qkv", *MLA_OPS, "rope", "core_attention", "linear_proj"),
-    "mlp": ("linear_fc1", "activation", "linear_fc2"),
+    "self_attention": (
+        "linear_qkv",
+        *MLA_OPS,
+        "rope",
+        "core_attention",
+        "linear_proj",
+        "post_attention_layernorm",
+    ),
+    "mlp": ("linear_fc1", "activation", "linear_fc2", "post_mlp_layernorm"),
     "moe_layer": MOE_OPS[1:],
 }
 
@@ -149,9 +160,10 @@ def test_the_derived_tables_are_the_ones_once_written():
     assert names == [*WRITTEN_OP_ORDER, *WRITTEN_FUNCTIONAL_OPS]
 
 
-def test_the_ops_table_in_the_readme_is_model_order_with_the_declared_places():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## The ops") : text.index("### Adding an op")]
+def test_the_ops_table_in_the_docs_is_model_order_with_the_declared_places():
+    text = (REPO / "docs" / "cases.md").read_text()
+    start = text.index("## The ops")
+    section = text[start : text.index("\n## ", start + 1)]
     rows = re.findall(r"^\| `(\w+)` \| `([\w.\[\]]*)` \|", section, flags=re.M)
     assert [op for op, _ in rows] == list(op_mapping.OP_ORDER)
     for op, where in rows:
@@ -224,7 +236,8 @@ def test_a_new_op_finds_its_place_with_no_other_edit(scratch_registry, tiny_sess
     tree = op_tree()
     order = [t.name for t in op_mapping.ordered_tests()]
     # after its parent and the siblings registered before it, before the next part of the layer
-    assert order.index("linear_proj") + 1 == order.index("k_layernorm") == order.index("self_attn_bda") - 1
+    assert order.index("post_attention_layernorm") + 1 == order.index("k_layernorm")
+    assert order.index("k_layernorm") == order.index("self_attn_bda") - 1
     assert [t.name for t in op_mapping.resolve_ops(["all"])] == order[: len(WRITTEN_OP_ORDER) + 1]
     assert tree.parents["k_layernorm"] == "self_attention" and tree.half("k_layernorm") == ATTENTION
     assert "k_layernorm" in tree.in_half(ATTENTION) and "k_layernorm" in tree.layer_ops
@@ -250,7 +263,12 @@ def test_alternatives_at_one_path_are_told_apart_by_class(scratch_registry):
     tree = op_tree()
     order = tree.model_order
     # next to the dense MLP (after its parts), not after the last op registered in the layer
-    assert order[order.index("linear_fc2") :][:4] == ("linear_fc2", "moe_layer", "router", "mlp_bda")
+    assert order[order.index("post_mlp_layernorm") :][:4] == (
+        "post_mlp_layernorm",
+        "moe_layer",
+        "router",
+        "mlp_bda",
+    )
     assert tree.parents["router"] == "moe_layer" and tree.half("router") == MLP
     at_mlp = tree.placed(LAYER, MODULE)["mlp"]
     assert op_for(at_mlp, MoELayer()).name == "moe_layer" and op_for(at_mlp, object()).name == "mlp"

@@ -179,6 +179,16 @@ def test_wheel_and_sdist_carry_the_cases_configs_and_commands(dists):
         scripts = wheel.read(entry_points).decode()
     assert {f"autotuner/{name}" for name in _shipped_yaml()} <= names
     assert "autotuner/configs/launcher/get_data.yaml" in names and "autotuner/cases/tiny.yaml" in names
+    assert "autotuner/cases/hf/deepseek_v3/config.json" in names  # a published config a case points at
+    # the calibration presets, package data of the module that reads them
+    presets = {
+        f"autotuner/results/presets/{p.name}" for p in (REPO / "autotuner/results/presets").glob("*.json")
+    }
+    assert presets and presets <= names
+    clusters = {
+        f"autotuner/predict/clusters/{p.name}" for p in (REPO / "autotuner/predict/clusters").glob("*.json")
+    }
+    assert clusters and clusters <= names
     # one top-level package, ours: cases/ and configs/ never land in site-packages under their own names
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"autotuner"}
     for command, module in COMMANDS.items():
@@ -222,6 +232,9 @@ def test_installed_commands_answer_help_from_outside_the_checkout(venv, tmp_path
         assert "usage:" in usage.lower(), command
         assert "usage:" in _ok(_run([venv.python, "-m", module, "--help"], tmp_path)).stdout.lower()
     assert not list(tmp_path.iterdir())  # --help writes nothing
+    # the presets, by name, from the installed package
+    code = "from autotuner.results.calibration import load; print(load('h200')['preset']['measured'])"
+    assert _ok(_run([venv.python, "-c", code], tmp_path)).stdout.strip() == "2026-12-04"
 
 
 def _one_run(root: Path) -> Path:
@@ -268,13 +281,13 @@ def test_installed_demo_case_dir_compare_and_report(venv, tmp_path):
 
     oss = work / "oss.json"
     table = _ok(
-        _run([str(venv.bin / "autotuner-compare"), str(demo), str(mine), "--oss-json", str(oss)], work)
+        _run([str(venv.bin / "autotuner-compare"), str(demo), str(mine), f"oss_json={oss}"], work)
     ).stdout
     assert "linear_qkv" in table and json.loads(oss.read_text())
     _ok(_run([str(venv.bin / "autotuner-report"), str(mine)], work))
     assert (mine / "report.html").is_file()
     _ok(_run([str(venv.bin / "autotuner-report"), str(demo), str(mine)], work))
-    assert (_one_run(work / "runs" / "compare") / "report.html").is_file()  # the default --out: ./runs/
+    assert (_one_run(work / "runs" / "compare") / "report.html").is_file()  # the default out=: ./runs/
     # nothing written beside the installed package
     assert not list(venv.root.rglob("runs")) and not list(venv.root.rglob("results.jsonl"))
 
@@ -301,16 +314,16 @@ def test_a_user_config_dir_is_searched_before_any_work(tmp_path, capsys):
     """A launcher YAML in ``--config-dir`` (or ``hydra.searchpath``) passes the checks that run before
     Hydra does, as it passes Hydra's own composition; a config folder that is not there is one line."""
     from autotuner.errors import UserError
-    from autotuner.main import preflight, run
+    from autotuner.main import parse_command_line, preflight, run
 
     (tmp_path / "launcher").mkdir()
     (tmp_path / "launcher" / "quick.yaml").write_text("defaults:\n  - get_data\n")
     job = ["case=tiny", "launcher=quick", *TINY]
     with pytest.raises(UserError, match="unknown launcher"):
-        preflight(job)
-    preflight(["--config-dir", str(tmp_path), *job])
-    preflight([f"--config-dir={tmp_path}", *job])
-    preflight([f"hydra.searchpath=[file://{tmp_path}]", *job])
+        preflight(parse_command_line(job))
+    preflight(parse_command_line(["--config-dir", str(tmp_path), *job]))
+    preflight(parse_command_line([f"--config-dir={tmp_path}", *job]))
+    preflight(parse_command_line([f"hydra.searchpath=[file://{tmp_path}]", *job]))
 
     missing = tmp_path / "nowhere"
     assert run(["--config-dir", str(missing), *job]) == 2

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,3 +304,57 @@ def test_resume_with_ranks_cut_at_different_rows(tp_run, tmp_path):
     kept = {(r["op"], r["phase"]): r["median_us"] for r in after0}
     for row in before[:3]:  # measured on both ranks: kept, not measured again
         assert kept[(row["op"], row["phase"])] == row["median_us"]
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc: each stat's field after the name)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.torchrun
+@pytest.mark.slow
+def test_ranks_whose_torchrun_is_killed_outright_stop_and_the_run_resumes(tmp_path):
+    """torchrun killed with -9 passes no signal on, and its ranks, orphaned, ran the plan to its end.
+    They stop within seconds (the parent-death signal); what they wrote is whole, and resume=true, run as
+    the line they print says, finishes the run."""
+    ops = ["ops=[linear_qkv,linear_proj,mlp]", "shapes.seq_len=[16,32]"]  # 12 rows a rank
+    args = [*TP_ARGS[:2], *ops, *SMALL[1:], f"hydra.run.dir={tmp_path}"]
+    cmd = [*TORCHRUN, "-m", "autotuner.main", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    first = tmp_path / "results.rank0.jsonl"
+    try:
+        deadline = time.monotonic() + WATCHDOG_S
+        while proc.poll() is None and not (first.is_file() and first.read_text().count("\n")):
+            assert time.monotonic() < deadline, "no row within the watchdog"
+            time.sleep(0.01)
+        ranks = _children(proc.pid)
+        assert proc.poll() is None and len(ranks) == 2, "the job ended before its torchrun could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)  # the ranks hold its pipes until they end
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "orphaned ranks ran on"
+        assert time.monotonic() - killed < 10
+    finally:
+        for pid in _children(proc.pid) if proc.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+    hint = [line for line in err.splitlines() if "finish the run with: torchrun" in line]
+    assert len(hint) == 1, err[-3000:]
+    done = [load_rows(path) for path in sorted(tmp_path.glob("results.rank*.jsonl"))]  # whole files
+    assert done and 1 <= len(done[0]) < 12  # stopped, not run to the end
+    resume = [*TORCHRUN, "-m", "autotuner.main", *args, "resume=true"]
+    again = subprocess.run(resume, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = load_rows(tmp_path / "results.rank0.jsonl")
+    assert len(rows) == 12 and rows[: len(done[0])] == done[0]
+    assert len([r for r in load_rows(tmp_path / "results.jsonl") if r["rank"] == "max"]) == 12

@@ -4,16 +4,20 @@ synthetic rows, provenance, missing measurements, bad input, and one real tiny r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from autotuner.errors import UserError
+from autotuner.ops.naming import PHASES
 from autotuner.predict.__main__ import main
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import load_runs, predict, render
 from autotuner.predict.schedule import simulate
 from autotuner.results import ResultsWriter, load_rows
+from autotuner.results.units import human_bytes
 
 # A small Llama-shaped model: 4 layers, h=64, 4 heads, 2 query groups of 16, SwiGLU 176, RMSNorm.
 TC = {
@@ -33,7 +37,7 @@ TC = {
 VOCAB, H = 1024, 64
 # One layer's parameters by hand: qkv 64*(4+2*2)*16, proj 64*64, fc1 64*2*176, fc2 176*64, two norms.
 LAYER_PARAMS = 64 * 8 * 16 + 64 * 64 + 64 * 352 + 176 * 64 + 2 * 64
-CAL = {"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10, "device_type": "cpu"}
+CAL = {"peak_flops": {"fp32": 1e11, "bf16": 1e11}, "memory_bandwidth": 1e10, "device_type": "cpu"}
 US = 1e-6
 
 
@@ -122,7 +126,10 @@ def test_1f1b_step_bubble_and_sources(tmp_path):
     kinds = {name: t.source.kind for st in pred.stages for name, _, t, _ in st.items}
     assert kinds.pop("grad_accumulation") == "modelled"
     assert set(kinds.values()) == {"measured"}
-    assert pred.missing == []
+    # every figure measured at the point, but warm, where a calibration naming no cache wants them flushed
+    # (the warning says so): the one run to measure is the flushed one
+    (flushed,) = pred.missing
+    assert "timing.flush_cache=true" in flushed["command"] and len(flushed["figures"]) == 8
     assert pred.tokens_per_s_per_gpu.value == pytest.approx(8 * 32 / pred.step.total / 2)
     per_token = 3 * (4 * (2 * LAYER_PARAMS + 4 * 32 * 64) + 2 * H * VOCAB)
     assert pred.mfu is not None and pred.mfu.value == pytest.approx(
@@ -298,7 +305,7 @@ def test_interleaved_bubble_and_recompute(tmp_path):
     assert "1F1B order simulated, each model chunk its own time" in pred.step.formula
     shown = next(line for line in render(pred).splitlines() if line.startswith("model chunks"))
     assert "stage 0: 1.10 ms / " in shown and "stage 1: 1.00 ms / 2.21 ms, 1.31 ms / 2.90 ms" in shown
-    # the stage's time split evenly over its chunks (the predictor before session 27) ends elsewhere
+    # the stage's time split evenly over its chunks ends elsewhere
     even = {(st.index, ph): getattr(st, ph) / 2 for st in pred.stages for ph in ("forward", "backward")}
     assert simulate(lambda key: even[key[:2]], 2, 2, 8, P2P).end != pytest.approx(sched.end, rel=1e-3)
     # which the accuracy benchmark rebuilds to print beside the new one (no host work calibrated here)
@@ -1042,7 +1049,7 @@ def test_bad_layout_is_one_line_and_exit_2(tmp_path, capsys, settings, words):
     run_dir = make_run(tmp_path, base_rows())
     assert main([str(run_dir), "seq_len=32", *settings]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("autotuner.predict: error:") and words in err[0], err
+    assert len(err) == 1 and err[0].startswith("autotuner-predict: error:") and words in err[0], err
     assert not (run_dir / "prediction.json").exists()
 
 
@@ -1062,7 +1069,7 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     ]
     assert run([*args, ops, *fast, f"hydra.run.dir={run_dir}"]) == 0
     out = tmp_path / "p.json"
-    assert main([str(run_dir), "seq_len=32", "pp=2", "global_batch_size=4", "--json", str(out)]) == 0
+    assert main([str(run_dir), "seq_len=32", "pp=2", "global_batch_size=4", f"json={out}"]) == 0
     text = capsys.readouterr().out
     assert "step time" in text and "memory per GPU" in text
     pred = json.loads(out.read_text())
@@ -1077,7 +1084,11 @@ def test_a_real_tiny_run_end_to_end(tmp_path, capsys):
     ]
     assert layer["seconds"] == pytest.approx(measured["fenced_mean_us"] * US)  # what a step adds per visit
     assert pred["memory"][0]["activations"]["source"]["kind"] == "measured"
-    assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0 and pred["missing"] == []
+    assert pred["step"]["total_s"] > pred["step"]["pipeline_s"] > 0
+    # all measured at the point, warm (the profile's default) where the step wants them flushed (no cache
+    # size calibrated): said, and what to run is the flushed profile alone
+    assert any("measured with warm caches" in w for w in pred["warnings"])
+    assert pred["missing"] and all("timing.flush_cache=true" in m["command"] for m in pred["missing"])
     # the real stages differ (the output layer and loss on the last), so the simulated schedule ends
     # before the closed form that paces every stage at the slowest; the bubble (p-1)/m = 1/4 shrinks
     step, slowest = pred["step"], pred["stages"][pred["step"]["slowest_stage"]]
@@ -1185,8 +1196,8 @@ def test_calibration_times_adam_per_parameter_and_per_tensor_and_checks_the_new_
     assert 28 / 1e12 < per_parameter < 1e-6
     # torch's Adam on a CPU loops over the tensors, a dozen small ops each: microseconds, not nothing
     assert 1e-6 < per_tensor < 1e-3
-    # zero gradients and moments: never negative, nor ten times a parameter's own step (session 35's VM:
-    # 2.4 ns more a parameter, where the step took 3.6)
+    # zero gradients and moments: never negative, nor ten times a parameter's own step (on a 2-core CPU
+    # VM: 2.4 ns more a parameter, where the step took 3.6)
     zero_state = adam_zero_state_seconds(torch.device("cpu"), policy, per_parameter, per_tensor)
     assert 0 <= zero_state < 10 * per_parameter
     seconds = per_parameter * count
@@ -1314,24 +1325,22 @@ def test_a_run_without_its_environment_is_its_cases_model_only_if_its_layer_rows
 
 @pytest.mark.parametrize("name", ["results.jsonl", "environment.json", "results.csv", "calibration.json"])
 def test_an_output_never_replaces_the_records_of_a_run_it_reads(tmp_path, capsys, name):
-    """--json (predict), --oss-json (compare): a path naming a record of an input run was overwritten."""
+    """json= (predict), oss_json= (compare): a path naming a record of an input run was overwritten."""
     from autotuner.compare import main as compare_main
 
     run_dir = make_run(tmp_path, base_rows())
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     target = str(run_dir / ".." / run_dir.name / name)  # however it is spelled
-    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", target]) == 2
-    assert compare_main([str(run_dir), str(run_dir), "--labels", "a,b", "--oss-json", target]) == 2
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", f"json={target}"]) == 2
+    assert compare_main([str(run_dir), str(run_dir), "labels=[a,b]", f"oss_json={target}"]) == 2
     for line in capsys.readouterr().err.strip().splitlines():
         assert f"is the run's own {name}" in line and "give another file name" in line, line
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     # nor the run's report, by the page beside a JSON named report.json
-    assert (
-        main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(run_dir / "report.json")]) == 2
-    )
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", f"json={run_dir / 'report.json'}"]) == 2
     assert "is the run's own report.html" in capsys.readouterr().err
     # the page goes beside the JSON with .html: a JSON named so was replaced by its page
-    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", "--json", str(tmp_path / "p.html")]) == 2
+    assert main([str(run_dir), "seq_len=32", "global_batch_size=2", f"json={tmp_path / 'p.html'}"]) == 2
     assert "give a .json name" in capsys.readouterr().err and not (tmp_path / "p.html").exists()
 
 
@@ -1386,7 +1395,7 @@ H200 = Path(__file__).parent / "fixtures" / "h200_llama7b"
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_predictions_from_an_h200_profile_meet_the_steps_measured_there(recompute):
-    """Recorded on an H200 (tests/fixtures/h200_llama7b/steps.json, docs/gpu_checks.md): a 4-layer profile
+    """Recorded on an H200 (tests/fixtures/h200_llama7b/steps.json, docs/gpu_validation.md): a 4-layer profile
     of a Llama-2-7B-shaped model and the real steps of the model as deep as num_layers=fit chose. With
     recompute the forward-backward holds little, and Adam's foreach step (a 4 B copy of every parameter's
     exp_avg_sq) is the peak: predicted without it, 32 layers were said to fit and the steps ran out of
@@ -1516,7 +1525,7 @@ def test_the_accuracy_benchmark_spreads_its_step_draws_between_a_rounds_profiles
     after them all, and the rest between them, as evenly as whole profiles allow."""
     from benchmarks.predict_accuracy import STEP_DRAWS, draw_points
 
-    assert draw_points(3, 2) == []  # before and after alone, the benchmark before session 39
+    assert draw_points(3, 2) == []  # before and after alone
     assert draw_points(3, 3) == [2]  # warm, flushed | draw | warm again: the middle of the warm pair
     assert draw_points(6, 3) == [3]  # with the other span's three profiles around the round's own
     assert draw_points(6, 5) == [2, 3, 4]
@@ -1559,7 +1568,9 @@ def test_the_accuracy_benchmark_pools_the_rounds_of_saved_runs(tmp_path: Path, c
 
     logs = []
     for run, steps in enumerate(([0.97, 1.02, 0.99], [1.01, 0.98, 1.03], [0.5, 0.5, 0.5])):
-        lines = [f"{SCHEDULING}: {REALTIME}"] if run == 2 else []  # logs before session 31 have no such line
+        lines = (
+            [f"{SCHEDULING}: {REALTIME}"] if run == 2 else []
+        )  # an older benchmark's logs have no such line
         lines += ["intra-op threads per process (profiles, steps, calibration): 1"]
         for i, step in enumerate(steps):
             said = one(step, 1.2 if i == 0 else 1.0)
@@ -1701,3 +1712,104 @@ def test_runs_of_two_models_of_one_case_name_the_sizes_that_differ(tmp_path):
     assert f"profiled another model (synthetic, hidden_size {2 * hidden}) than {first} (synthetic, " in str(
         refused.value
     ) and f"hidden_size {hidden}): pass runs of one model" in str(refused.value)
+
+
+def _stage_kinds(pred) -> set[str]:
+    return {t.source.kind for st in pred.stages for *_, t, _ in st.items} | {pred.step.optimizer_source.kind}
+
+
+def test_a_cpu_prediction_without_a_calibration_takes_its_rows_figures_and_assumes_none(tmp_path):
+    """Without a calibration a CPU prediction's rows are the measurement: the bandwidth the Adam step and
+    the gradients' accumulation are priced at is the fastest any row moved its counted bytes at, said so
+    (before: an assumed 10 GB/s); with no row of the dtype to take a peak from, one line naming what
+    measures it (before: an assumed 1 TFLOP/s). Nothing it says speaks of a calibration it does not have."""
+    rows = base_rows()
+    rows[2]["bytes_moved"] = 4_000_000  # embedding forward, 100 us: 40 GB/s, the fastest
+    rows[4]["bytes_moved"] = 100_000  # final_layernorm forward, 10 us: 10 GB/s
+    runs = load_runs([make_run(tmp_path, rows, calibration=None)])
+    pred = predict(runs, Layout(seq_len=32, global_batch_size=2, dtype="fp32"))
+    params = pred.memory[0].params.value
+    assert pred.step.optimizer == pytest.approx(params * 28 / 40e9)
+    detail = pred.step.optimizer_source.detail
+    assert "no calibration: the rows' fastest bytes moved, 40 GB/s (results.jsonl embedding.forward" in detail
+    accumulated = {n: t for n, _, t, _ in pred.stages[0].items}["grad_accumulation"]
+    assert accumulated.seconds == pytest.approx(params * 12 / 40e9)
+    said = [*pred.warnings, pred.mfu_note, pred.cache_note, detail, accumulated.source.detail]
+    assert not any("ASSUMED" in w or "assumed a peak" in w for w in said)
+    assert not any(re.search(r"the calibration (did not|has|names|timed)", w) for w in said), said
+    assert render(pred).splitlines()[1].startswith("calibration: none (a CPU prediction from CPU rows")
+    with pytest.raises(UserError) as refused:
+        predict(runs, Layout(seq_len=32, global_batch_size=2, dtype="bf16"))
+    message = str(refused.value)
+    assert message.startswith("no calibration, and no bf16 GEMM row in the runs to take a peak from")
+    assert "python -m autotuner.calibrate device=cpu" in message and "dtype=bf16" in message
+
+
+def test_the_warnings_about_rows_count_the_rows_the_times_came_from(tmp_path):
+    """The layer measured whole: its sub-ops' rows apportion its time to the dominant op but give none of
+    it. The warnings that count "the rows used" (warm rows standing in for flushed ones, rows whose
+    samples spread widely) counted those too: "12 of the rows used" beside the 8 the sources name."""
+    noisy = {"warnings": "noisy(iqr=40%)"}
+    rows = base_rows()
+    rows[0].update(noisy)  # transformer_layer forward, 4 of the stage's 13 ms: worth saying
+    sub_ops = [row(op, ph, 300, **noisy) for op in ("self_attention", "mlp") for ph in PHASES]
+    layout = Layout(seq_len=32, global_batch_size=2, dtype="fp32")
+    pred = predict(load_runs([make_run(tmp_path, rows + sub_ops)]), layout, CAL)
+    taken = {f"{r['op']}.{r['phase']}" for r in rows}
+    assert {f"{n}.{p}" for n, p, t, _ in pred.stages[0].items if t.source.kind == "measured"} == taken
+    assert pred.stages[0].dominant in ("self_attention", "mlp")  # the sub-ops' rows were consulted
+    (warm,) = [w for w in pred.warnings if "measured with warm caches" in w]
+    assert warm.startswith(f"{len(taken)} of the rows used (")
+    # and the commands it points to are printed: the run that measures them as the step runs them
+    assert "the commands printed for what is missing do" in warm
+    (planned,) = pred.missing
+    assert set(planned["figures"]) == taken and "timing.flush_cache=true" in planned["command"]
+    (spread,) = [w for w in pred.warnings if "spread widely" in w]
+    assert spread.startswith("1 of the rows used spread widely (transformer_layer.forward (iqr=40%))")
+
+
+def test_a_prediction_without_rows_of_its_dtype_says_what_its_figures_come_from(tmp_path):
+    """The note said "every time is modelled" beside an optimizer scaled from the calibration's timed Adam
+    rate, and the memory in flight, from no row at all, was labelled scaled."""
+    cal = {**CAL, "adam_seconds_per_parameter": 2e-9}
+    runs = load_runs([make_run(tmp_path, base_rows(), calibration=cal)])
+    pred = predict(runs, Layout(seq_len=32, global_batch_size=2, dtype="bf16"), cal)
+    assert pred.step.optimizer_source.kind == "scaled"
+    claims = [w for w in pred.warnings if "every time is modelled" in w]
+    assert not claims or _stage_kinds(pred) == {"modelled"}, claims
+    (note,) = [w for w in pred.warnings if "no ok rows in bf16" in w]
+    assert "no time comes from a row" in note
+    assert not any("results.jsonl" in t.source.detail for st in pred.stages for *_, t, _ in st.items)
+    assert pred.memory[0].in_flight.source.kind == "modelled" and pred.memory[0].in_flight.value == 0
+
+
+def test_a_layout_that_does_not_fit_the_gpu_says_so_and_tune_drops_it(tmp_path, capsys):
+    run = make_run(tmp_path, base_rows())
+    out = tmp_path / "p.json"
+    argv = [str(run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false", f"json={out}"]
+    assert main([*argv, "gpu_memory_gb=0.001"]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    fit = record["memory_fit"]
+    assert not fit["fits"] and fit["fullest_bytes"] == max(m["total_bytes"] for m in record["memory"])
+    assert fit["limit_bytes"] == pytest.approx(0.001e9 * 0.9)
+    said = (
+        f"does not fit: the fullest GPU (stage 0) needs {fit['fullest_bytes'] / 1e9:.4g} GB "
+        f"({human_bytes(fit['fullest_bytes'])}), more than gpu_memory_gb=0.001 less a 10% margin (0.0009 GB)"
+    )
+    assert f"memory against the GPU: {said}" in printed and record["warnings"][0].startswith(said)
+    assert printed.count(said) == 1  # said once, in the memory section
+    assert main([*argv, "gpu_memory_gb=80"]) == 0
+    assert "memory against the GPU: fits: the fullest GPU (stage 0) needs" in capsys.readouterr().out
+    assert json.loads(out.read_text())["memory_fit"]["fits"]
+    # tune keeps what fits by the same rule, and lists no other
+    from autotuner.tune import rank, table
+
+    settings = {"gpus": 2, "global_batch_size": 4, "seq_len": 32, "dtype": "fp32", "gpu_memory_gb": 80}
+    needs = sorted(r.memory_bytes for r in rank([str(run)], settings)[0])
+    settings["gpu_memory_gb"] = (needs[0] + needs[-1]) / 2 / 0.9 / 1e9
+    ranked, _ = rank([str(run)], settings)
+    assert {r.fits for r in ranked} == {True, False}
+    assert all(r.fits == r.prediction.memory_fit.fits for r in ranked)
+    shown = table(ranked, top=len(ranked))
+    assert all((r.prediction.layout.describe() in shown) == r.fits for r in ranked)

@@ -132,7 +132,7 @@ def test_cli_remakes_a_report_in_place(run_a: Path, capsys):
 @pytest.mark.slow
 def test_compare_two_runs(run_a: Path, run_b: Path, tmp_path: Path):
     out = tmp_path / "compare"
-    assert report_main([str(run_a), str(run_b), "--out", str(out)]) == 0
+    assert report_main([str(run_a), str(run_b), f"out={out}"]) == 0
     page = check_report(out, {r["op"] for r in load_rows(run_a / "results.jsonl")})
     assert "Speed-up" in page.headings and "2 runs compared" in page.all_text
     text = page.all_text
@@ -156,11 +156,33 @@ def test_failed_rows_are_listed_and_calibration_draws_the_roof(run_a: Path, tmp_
     (copy / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calibration = tmp_path / "ceilings.json"
     calibration.write_text(json.dumps({"peak_flops": {"fp32": 5e10}, "memory_bandwidth": 1e10}))
-    assert report_main([str(copy), "--calibration", str(calibration)]) == 0
+    assert report_main([str(copy), f"calibration={calibration}"]) == 0
     page = check_report(copy, {r["op"] for r in rows})
     assert "Failed ops (1)" in page.headings
     assert "RuntimeError: out of memory (made up)" in page.all_text
     assert "calibrated ceiling" in page.all_text and "not measured" in page.all_text
+
+
+def test_rows_the_schema_allows_but_no_sweep_holds_never_crash_the_report(run_a: Path, tmp_path: Path):
+    """Rows at no shape point (a captured call's, or a foreign range's read by nsys-read: seq_len null
+    beside a swept micro-batch size) made the scaling figure raise TypeError on float(None); so could an op
+    this tool does not have, a status it does not write, an ok row without its median."""
+    copy = tmp_path / "odd"
+    copy.mkdir()
+    shutil.copy(run_a / "environment.json", copy)
+    rows = load_rows(run_a / "results.jsonl")
+    base = {k: v for k, v in rows[0].items() if v is not None and k in ("case", "dtype", "device", "rank")}
+    odd = [
+        {"op": "mlp", "point": "bf16[2,64]", "seq_len": None, "micro_batch_size": 2, "median_us": 5.0},
+        {"op": "not_an_op", "point": "s32_b2", "seq_len": 32, "micro_batch_size": 2, "median_us": 5.0},
+        {"op": "mlp", "point": "x", "median_us": 5.0},
+        {"op": "mlp", "point": "s48_b2", "seq_len": 48, "micro_batch_size": 2},
+    ]
+    rows += [{**base, "phase": "forward", "status": "ok", "launcher": "nsys", **row} for row in odd]
+    rows.append({**base, "op": "mlp", "phase": "forward", "point": "s8_b2", "status": "refused"})
+    (copy / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report_main([str(copy)]) == 0
+    check_report(copy, {"not_an_op", "mlp"})
 
 
 def test_cli_without_results_is_one_line_and_exit_2(tmp_path: Path):

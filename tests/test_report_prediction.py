@@ -242,7 +242,7 @@ def test_predict_writes_the_page_beside_the_json(tmp_path, capsys):
     out = tmp_path / "out" / "prediction.json"
     out.parent.mkdir()
     args = [str(run_dir), "seq_len=32", "pp=2", "global_batch_size=8", "gpu_memory_gb=80"]
-    assert main([*args, "--json", str(out)]) == 0
+    assert main([*args, f"json={out}"]) == 0
     page = Page((out.parent / "prediction.html").read_text())
     assert ["Step", "Stages (per micro-batch)", "Pipeline schedule", "Memory per stage"] == page.headings[:4]
     assert "Predicted against measured steps" in page.headings and page.images == 2  # no validation record
@@ -261,7 +261,7 @@ def test_predict_writes_the_page_beside_the_json(tmp_path, capsys):
     assert again.images == 3 and "+25.0%" in " ".join(again.text)
     # report=false: no page.
     (out.parent / "prediction.html").unlink()
-    assert main([*args, "report=false", "--json", str(out)]) == 0
+    assert main([*args, "report=false", f"json={out}"]) == 0
     assert out.is_file() and not (out.parent / "prediction.html").exists()
 
 

@@ -221,7 +221,8 @@ EXPERTS, TOPK = 4, 2
 
 @pytest.fixture
 def routed_op() -> Iterator[str]:
-    """A test-only op that states its call's routing, as an MoE op does (no MoE model needed)."""
+    """A test-only op that states its call's routing, as an MoE op does (a functional op: no MoE model is
+    built for it, though the run's case must have experts for moe.* to be accepted)."""
 
     @register_op("routed_linear", needs=FUNCTIONAL)
     def routed_linear(ctx: OpContext, point: ShapePoint) -> OpCall:
@@ -286,7 +287,8 @@ def _check_routed_rows(rows: list[dict], counts: list[int]) -> None:
     ids=["get_data", "torch_profiler"],
 )
 def test_row_fields_reach_both_phases_rows_and_the_run_record(routed_op, tmp_path: Path, launcher):
-    args = ["case=tiny", f"ops=[{routed_op},stray_fields]", f"hydra.run.dir={tmp_path}", *FAST, *launcher]
+    # an MoE case (routing settings are refused on a dense one), its model not built for functional ops
+    args = ["case=tiny_moe", f"ops=[{routed_op},stray_fields]", f"hydra.run.dir={tmp_path}", *FAST, *launcher]
     assert run([*args, "moe.routing=zipf", "moe.zipf_s=1.1"]) == 1  # stray_fields fails, the plan goes on
     rows = load_rows(tmp_path / "results.jsonl")
     counts = _expected_counts()
@@ -306,7 +308,7 @@ def test_row_fields_reach_both_phases_rows_and_the_run_record(routed_op, tmp_pat
 def test_nsys_rows_keep_the_columns_the_worker_recorded(routed_op, tmp_path: Path):
     """The nsys launcher's rows are the report's times plus the worker's record (its Runner's rows): a
     worker record written by the real Runner, and a report holding one range per iteration."""
-    args = ["case=tiny", f"ops=[{routed_op}]", f"hydra.run.dir={tmp_path}", *FAST]
+    args = ["case=tiny_moe", f"ops=[{routed_op}]", f"hydra.run.dir={tmp_path}", *FAST]
     assert (
         run([*args, "timing.min_samples=2", "timing.max_samples=2", "moe.routing=zipf", "moe.zipf_s=1.1"])
         == 0
@@ -353,6 +355,30 @@ def test_bad_moe_values_are_one_line_exit_2_and_nothing_written(tmp_path: Path, 
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], lines
     assert not (run_dir / "results.jsonl").exists() and not (run_dir / "environment.json").exists()
+
+
+@pytest.mark.parametrize("override", ["moe.routing=zipf", "moe.zipf_s=2"])
+def test_routing_settings_on_a_model_without_experts_are_refused(tmp_path: Path, capsys, override):
+    """A dense case with moe.routing=zipf was accepted, and its record said zipf, which nothing read."""
+    run_dir = tmp_path / "run"
+    assert run(["case=tiny", f"hydra.run.dir={run_dir}", override, *FAST]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"autotuner: error: {override}"), lines
+    assert "case tiny has no experts" in lines[0] and "drop them" in lines[0]
+    assert not run_dir.exists()
+
+
+def test_the_refusal_of_a_top1_router_names_the_override_that_fixes_it(capsys):
+    """Megatron refuses top-1 routing without pre-softmax in its training script's words
+    ("--moe-router-pre-softmax"): the line names the override a user of this tool types, which then works."""
+    assert run(["case=tiny_moe", "hf.num_experts_per_tok=1", "dry_run=true"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "use tf.moe_router_pre_softmax=true when topk is 1" in lines[0], lines
+    assert "--moe" not in lines[0]
+    assert (
+        run(["case=tiny_moe", "hf.num_experts_per_tok=1", "tf.moe_router_pre_softmax=true", "dry_run=true"])
+        == 0
+    )
 
 
 # --- the report figure --------------------------------------------------------------------------------

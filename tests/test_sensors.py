@@ -151,7 +151,7 @@ def _jittered(ns: int) -> Iterator[int]:
 
 
 def test_the_shared_cache_ends_where_a_core_rereads_at_memorys_rate():
-    """autotuner.measure.cache.cached_extent on read rates (GB/s by MiB) of session 34's VM, whose sysfs
+    """autotuner.measure.cache.cached_extent on read rates (GB/s by MiB) of a 2-core Intel VM, whose sysfs
     reports a 480 MiB L3: 32 MiB read 2.3x faster than the largest size, 64 MiB 1.1x. A smaller size read
     slowly (a neighbour's burst) does not end the cache where a larger one still reads cached; where no
     size does, there is no shared cache to speak of."""

@@ -1,7 +1,7 @@
 """The SLURM scripts and the submitit sweep, against a real one-node cluster started on this machine.
 
 ``scripts/slurm/local_cluster.sh start`` installs Debian's slurmctld, slurmd and munge where they are
-missing and starts them (see ../shared/notes/slurm.md); the fixture stops them again at the end, also
+missing and starts them; the fixture stops them again at the end, also
 when a test fails, unless the cluster was already running before the session. Each job imports
 Megatron, so every job here is case=tiny on the CPU with one shape point and a few samples.
 """

@@ -55,8 +55,8 @@ def assert_replay_within_span(replayed: float, span: float, busiest: float) -> N
     as the lower bound would be a claim about the machine's load: with two test suites at once on the two
     cores it read 0.56-0.69 of the span. Past the span it may go by a little: the boxes and hand-overs are
     each rank's own clock readings, and a hand-over's median taken in a loaded moment stands for all of
-    them (1.105 and 1.107 of the span in both pipeline tests of one full suite beside its other worker,
-    session 50; both passed when run again)."""
+    them (1.105 and 1.107 of the span in both pipeline tests of one full suite beside its other worker;
+    both passed when run again)."""
     assert busiest <= replayed * (1 + 1e-9) and replayed < 1.2 * span, (busiest, replayed, span)
 
 

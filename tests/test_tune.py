@@ -58,7 +58,7 @@ def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run
 def test_gpus_per_node_keeps_tensor_parallelism_inside_a_node(capsys):
     """Megatron-Core accepts a tensor-parallel group across nodes; gpus_per_node keeps tp at most that, and
     a bad value is one line."""
-    dims = ["case=tiny", *SETTINGS, "gpu_memory_gb=1"]
+    dims = ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "calibration=h100"]
     everywhere, _ = rank([], parse_settings(dims)[1])
     assert {r.prediction.layout.tp for r in everywhere} == {1, 2}  # tiny's 2 query groups allow tp=2
     in_node, _ = rank([], parse_settings([*dims, "gpus_per_node=1"])[1])
@@ -72,7 +72,7 @@ def test_gpus_per_node_keeps_tensor_parallelism_inside_a_node(capsys):
 
 
 def test_the_command_prints_the_top_the_explanation_and_the_plan(tiny_run: Path, capsys):
-    assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=1", "top=3", "--explain", "1"]) == 0
+    assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=1", "top=3", "explain=1"]) == 0
     out = capsys.readouterr().out
     assert "layouts predicted" in out and "deciding op" in out
     assert "stage" in out and "sources" in out  # the explained prediction
@@ -85,25 +85,38 @@ def test_nothing_fits_is_one_line_and_exit_2(tiny_run: Path, capsys):
     assert "no layout fits" in err and len(err.splitlines()) == 1
 
 
-def test_without_runs_everything_is_modelled_and_the_plan_lists_the_runs(capsys):
-    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2"]) == 0
+def test_without_runs_a_calibration_is_needed_and_a_preset_prices_every_op(capsys):
+    """With nothing measured of the GPU, neither rows nor a calibration, there is no prediction: one line
+    naming the presets and the command that calibrates one. With a preset every op is modelled from its
+    figures, and the ranking says which preset, where and when it was measured."""
+    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1
+    assert "no profile and no calibration of the GPU" in err
+    assert (
+        "calibration=h100 or calibration=h200" in err and "python -m autotuner.calibrate device=cuda" in err
+    )
+    assert tune_main(["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=2", "calibration=h200"]) == 0
     out = capsys.readouterr().out
-    assert "modelled 100%" in out
-    # what the modelled times rest on is said under the table, not only with --explain, each once
+    # nothing measured: the ops modelled, the optimizer and the gradients' accumulation scaled from the
+    # preset's timed rates
+    ranked = [line for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(ranked) == 2 and all("modelled" in line and "measured" not in line for line in ranked)
+    (said,) = [line for line in out.splitlines() if line.startswith("calibration: ")]
+    assert said.startswith("calibration: preset h200: NVIDIA H200") and "measured 2026-12-04" in said
+    assert "peak_flops[fp32]" in said  # the figure the modelled layers took
+    assert "rows (#1): none: every op's time is modelled from the calibration" in out
+    # what the modelled times rest on is said under the table, not only with explain=, each once
     warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
-    assumed = "warning: no calibration and no GEMM rows: assumed a peak of 1e+12 FLOP/s (python -m autotuner"
-    assert sum(line.startswith(assumed) and "calibration=FILE" in line for line in warnings) == 1
+    assert not any("assumed a peak" in line or "ASSUMED peak" in line for line in warnings)
     assert len(warnings) == len(set(warnings))
     # the links: the shown layouts' collectives, timed from the one assumed bandwidth, said in one line
     # (three before, one per collective and world size)
     links = [line for line in warnings if "bus bandwidth" in line]
     assert len(links) == 1 and "ASSUMED bus bandwidth 100 GB/s" in links[0], links
-    assert (
-        "all_gather, all_reduce, reduce_scatter over " in links[0]
-        and "autotuner.calibrate --collectives" in links[0]
-    )
-    # the runs that would measure the top layouts, cold-cached (tiny's modelled layouts exceed no cache:
-    # the tune has no calibration naming one)
+    assert " over 2 ranks: " in links[0] and "autotuner.calibrate collectives=true" in links[0]
+    # the runs that would measure the top layouts, cold-cached for the visits that follow a backward
     assert "-m autotuner.main case=tiny launcher=get_data timing.flush_cache=true" in out
 
 
@@ -132,7 +145,7 @@ def test_the_plan_measures_both_cache_kinds_where_the_layouts_want_both(tmp_path
 def test_bad_settings_are_one_line_and_exit_2(args, capsys):
     assert tune_main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("autotuner.tune: error:") and len(err.splitlines()) == 1
+    assert err.startswith("autotuner-tune: error:") and len(err.splitlines()) == 1
 
 
 def test_the_adam_steps_own_memory_is_the_validated_peak_where_it_is_the_larger(
@@ -144,8 +157,7 @@ def test_the_adam_steps_own_memory_is_the_validated_peak_where_it_is_the_larger(
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
     assert (
-        predict_main([*argv, "distributed_optimizer=true", "validate=true", "repeats=1", "--json", str(out)])
-        == 0
+        predict_main([*argv, "distributed_optimizer=true", "validate=true", "repeats=1", f"json={out}"]) == 0
     )
     record = json.loads(out.read_text())
     (memory,) = record["memory"]
@@ -158,7 +170,7 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
     # at another depth than the run's 2 layers (its rows are per layer): the steps build that model
-    assert predict_main([*argv, "validate=true", "repeats=2", "num_layers=3", "--json", str(out)]) == 0
+    assert predict_main([*argv, "validate=true", "repeats=2", "num_layers=3", f"json={out}"]) == 0
     printed = capsys.readouterr().out
     assert "predicted vs measured steps" in printed
     record = json.loads(out.read_text())["validation"]
@@ -207,7 +219,7 @@ def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp
 
 
 def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):
-    assert tune_main(["case=tiny_moe", *SETTINGS, "gpu_memory_gb=1", "top=40"]) == 0
+    assert tune_main(["case=tiny_moe", *SETTINGS, "gpu_memory_gb=1", "top=40", "calibration=h100"]) == 0
     out = capsys.readouterr().out
     ranked = [line for line in out.splitlines() if line.strip()[:1].isdigit() and " ep=" in line]
     with_ep = [line for line in ranked if " ep=1 " not in line]
@@ -233,17 +245,17 @@ def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path,
         assert deepest_that_fits(runs, layout, model, gb).num_layers == depth
     argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
     out = tmp_path / "deeper.json"
-    assert predict_main([*argv, "num_layers=3", "--json", str(out)]) == 0
+    assert predict_main([*argv, "num_layers=3", f"json={out}"]) == 0
     deeper = json.loads(out.read_text())
     assert deeper["model"]["num_layers"] == 3
     gb = need[0] * 0.5 / 1e9
-    assert predict_main([*argv, "num_layers=fit", f"gpu_memory_gb={gb}", "--json", str(out)]) == 2
+    assert predict_main([*argv, "num_layers=fit", f"gpu_memory_gb={gb}", f"json={out}"]) == 2
     assert "not even 1 layer of tiny fit" in capsys.readouterr().err
     # an uneven split: the depths it can split; none up to the case's own is one line saying why
     uneven = Layout(seq_len=32, pp=2, global_batch_size=2, dtype="fp32", last_stage_layers=1)
     assert deepest_that_fits(runs, uneven, model, need[1] * 4 / 0.9 / 1e9).num_layers == 2
     split = ["pp=2", "first_stage_layers=2", "num_layers=fit", "gpu_memory_gb=80"]
-    assert predict_main([*argv, *split, "--json", str(out)]) == 2
+    assert predict_main([*argv, *split, f"json={out}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "first_stage_layers=2 leaves 0 of the 2 layers to the 1 other pipeline rank" in err
     assert len(err.splitlines()) == 1
@@ -253,7 +265,7 @@ def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path,
 def test_a_bad_depth_is_one_line_and_exit_2(tiny_run: Path, depth: str, capsys):
     assert predict_main([str(tiny_run), "seq_len=32", "report=false", depth]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("autotuner.predict: error: num_layers=") and len(err.splitlines()) == 1
+    assert err.startswith("autotuner-predict: error: num_layers=") and len(err.splitlines()) == 1
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Path, tmp_path: Path, capsys):
@@ -265,17 +277,17 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Pa
     refused = [
         (
             tune_main,
-            ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "--slurm", str(blocker)],
+            ["case=tiny", *SETTINGS, "gpu_memory_gb=1", f"slurm={blocker}"],
             "is a file, not a folder",
         ),
         (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=nan"], "is not a finite number"),
-        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=3", "--explain", "4"], "and top=3"),
-        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "--explain", "0"], "--explain 0: give"),
-        (predict_main, [*argv, "--slurm", str(blocker / "plan")], "is a file, not a folder"),
-        (predict_main, [*argv, "--json", str(tmp_path)], "is a folder: give a file name"),
+        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "top=3", "explain=4"], "and top=3"),
+        (tune_main, ["case=tiny", *SETTINGS, "gpu_memory_gb=1", "explain=0"], "explain=0: give"),
+        (predict_main, [*argv, f"slurm={blocker / 'plan'}"], "is a file, not a folder"),
+        (predict_main, [*argv, f"json={tmp_path}"], "is a folder: give a file name"),
         (predict_main, [*argv, "validate=true", "repeats=0"], "repeats=0 must be at least 1"),
         # os.access says yes to root for any folder: the check makes a file there, as the writer will
-        (predict_main, [*argv, "--json", "/proc/prediction.json"], "cannot write in /proc"),
+        (predict_main, [*argv, "json=/proc/prediction.json"], "cannot write in /proc"),
     ]
     for main, args, words in refused:
         assert main(args) == 2, args
@@ -283,9 +295,9 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Pa
         assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
         assert words in captured.err
     assert blocker.read_text() == "keep\n" and not (tiny_run / "prediction.json").exists()
-    # the folders a --json or --slurm path names are made
+    # the folders a json= or slurm= path names are made
     out = tmp_path / "new" / "deeper" / "prediction.json"
-    assert predict_main([*argv, "--json", str(out)]) == 0 and json.loads(out.read_text())["layout"]
+    assert predict_main([*argv, f"json={out}"]) == 0 and json.loads(out.read_text())["layout"]
 
 
 def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_line(
@@ -303,7 +315,7 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     )
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "global_batch_size=2", "dtype=fp32", "report=false"]
-    assert predict_main([*argv, "validate=true", "--json", str(out)]) == 1
+    assert predict_main([*argv, "validate=true", f"json={out}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "measured steps failed (1): autotuner: error: the steps refused this" in err[0]
     assert f"the prediction, unvalidated, is in {out}" in err[0]
@@ -325,7 +337,7 @@ def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, caps
     layout = ["seq_len=32", "micro_batch_size=1", "global_batch_size=2", "report=false"]
     out = tmp_path / "prediction.json"
     for main, args in (
-        (predict_main, [*runs, *layout, "--json", str(out)]),
+        (predict_main, [*runs, *layout, f"json={out}"]),
         (tune_main, [*runs, "gpus=1", "gpu_memory_gb=1", "global_batch_size=2", "seq_len=32"]),
     ):
         capsys.readouterr()
@@ -334,7 +346,7 @@ def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, caps
         assert len(err.splitlines()) == 1 and "the runs hold rows in bf16 and fp32" in err, err
         assert "dtype=bf16" in err
     assert not out.exists()
-    assert predict_main([*runs, *layout, "dtype=fp32", "--json", str(out)]) == 0
+    assert predict_main([*runs, *layout, "dtype=fp32", f"json={out}"]) == 0
     assert json.loads(out.read_text())["layout"]["dtype"] == "fp32"
     assert (
         tune_main([*runs, "gpus=1", "gpu_memory_gb=1", "global_batch_size=2", "seq_len=32", "dtype=bf16"])

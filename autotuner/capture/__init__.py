@@ -1,6 +1,6 @@
 """Capture the shapes a real training run uses, and profile exactly those.
 
-* ``python -m autotuner.capture --out shapes.json -- python train.py ARGS...`` runs the script and records
+* ``autotuner-capture out=shapes.json -- python train.py ARGS...`` runs the script and records
   every module call and a configured set of ``torch.nn.functional`` functions and ``Tensor`` methods
   (autotuner.capture.recorder); or, inside a script::
 

@@ -1,4 +1,4 @@
-"""``python -m autotuner.capture --out shapes.json [--steps 1:3] -- python train.py ARGS...``
+"""``autotuner-capture out=shapes.json [steps=1:3] -- python train.py ARGS...``
 
 Runs the training command in a child process that captures it (autotuner.capture._child) and then:
 * the child's stdout and stderr are the terminal's own (inherited, never piped or rewritten);
@@ -7,7 +7,7 @@ Runs the training command in a child process that captures it (autotuner.capture
 * one line on stderr at the end says what was captured, or that nothing was (a file left there by an
   earlier capture is not taken for this one's).
 
-Bad input is one line on stderr before anything runs: an ``--out`` that is a folder or cannot be made, a
+Bad input is one line on stderr before anything runs: an ``out`` that is a folder or cannot be made, a
 command that is not a Python script, and a script that cannot be opened (exit code 2, as Python gives).
 
 The parent never imports torch. SIGTERM sent to it is passed on to the child (which writes its capture and
@@ -17,19 +17,20 @@ too would interrupt the child's writing of the file.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from autotuner.capture import _child
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse, setting
+from autotuner.errors import UserError
 from autotuner.results.atomic import check_writable
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
-USAGE = "python -m autotuner.capture --out FILE [--steps START:STOP] -- python SCRIPT.py ARGS..."
+USAGE = "autotuner-capture out=FILE [steps=START:STOP] -- python SCRIPT.py ARGS..."
 # Interpreter options that take no value, allowed between "python" and the script.
 _PYTHON_FLAGS = {"-u", "-O", "-OO", "-B", "-s", "-E", "-I", "-q", "-b", "-bb"}
 
@@ -80,36 +81,62 @@ def _summary(out: Path, returncode: int, before: tuple[int, int, int] | None) ->
     except UserError as exc:
         return f"autotuner.capture: {exc}"
     status = capture.status + (f": {capture.error}" if capture.error else "")
+    compiled = capture.settings.get("torch_compile")
     return (
         f"autotuner.capture: {capture.total_calls} calls, {len(capture.calls)} distinct, in "
         f"{capture.steps_captured} optimizer step(s) -> {out} ({status}, {ending})"
+        + (f"; note: the torch.compile'd model {compiled}" if compiled else "")
     )
 
 
+@dataclass(frozen=True)
+class CaptureSettings:
+    out: str | None = setting(None, "the capture file to write (JSON); required", "FILE")
+    steps: str | None = setting(
+        None, "the optimizer steps to capture, START:STOP (default every step)", "START:STOP"
+    )
+    functions: list[str] | None = setting(
+        None, "torch.nn.functional names to capture (default the capture's own list)", "[NAME,...]"
+    )
+    methods: list[str] | None = setting(
+        None, "Tensor methods to capture (default the capture's own list)", "[NAME,...]"
+    )
+
+
+COMMAND = Command(
+    "autotuner-capture",
+    "autotuner.capture",
+    "Record the module calls (and their shapes) a training command makes, to profile them with "
+    "autotuner capture=FILE. The training command follows --.",
+    "",
+    CaptureSettings,
+    least=0,
+    most=0,
+    trailing="python SCRIPT.py ARGS...",
+    epilog="example: autotuner-capture out=shapes.json steps=1:3 -- python train.py --lr 3e-4",
+)
+
+
+@entry(COMMAND)
 def run(argv: list[str]) -> int:
     """Run the capture CLI; return the exit code (negative: the child was killed by that signal)."""
-    parser = OneLineParser(
-        prog="python -m autotuner.capture",
-        usage=USAGE,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--out", required=True, help="the capture file to write (JSON)")
-    parser.add_argument("--steps", type=_child.parse_steps, help="optimizer steps START:STOP (default all)")
-    parser.add_argument("--functions", help="torch.nn.functional names to capture, comma-separated")
-    parser.add_argument("--methods", help="Tensor methods to capture, comma-separated")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    _, args, command = parse(COMMAND, argv)
+    try:
+        if args.out is None:
+            raise UserError("give out=FILE, the capture file to write")
+        steps = _child.parse_steps(args.steps)
+    except (UserError, ValueError) as exc:
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     options = ["--out", str(out)]
-    if args.steps:
-        options += ["--steps", f"{args.steps[0]}:{args.steps[1]}"]
+    if steps:
+        options += ["--steps", f"{steps[0]}:{steps[1]}"]
     for name in ("functions", "methods"):
         if getattr(args, name) is not None:
-            options.append(f"--{name}={getattr(args, name)}")
+            options.append(f"--{name}={','.join(getattr(args, name))}")
     try:
-        check_writable(out, f"--out {out}")  # before the training runs: its end writes the file
+        check_writable(out, f"out={out}")  # before the training runs: its end writes the file
         argv_child = child_command(list(command), options)
         script = argv_child[argv_child.index("--") + 1]
         # Only a script is checked here: a module is looked up by the child's interpreter, on its path.
@@ -117,7 +144,7 @@ def run(argv: list[str]) -> int:
         if reason:
             raise UserError(f"{reason}: give the path of the training script")
     except UserError as exc:
-        print(f"autotuner.capture: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code  # Python's own code for a script it cannot open, too
     before = _signature(out)
     child = subprocess.Popen(argv_child)  # before ignoring SIGINT: the child must not inherit SIG_IGN

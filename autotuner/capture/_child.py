@@ -38,7 +38,7 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
     except ValueError:
         window = None
     if window is None or not 0 <= window[0] < window[1]:
-        raise argparse.ArgumentTypeError(f"--steps wants START:STOP with 0 <= START < STOP, got {text!r}")
+        raise ValueError(f"steps wants START:STOP with 0 <= START < STOP, got {text!r}")
     return window
 
 

@@ -18,7 +18,10 @@ Gotchas:
   inspection from recording itself.
 * Only the first optimizer that steps counts steps (a second one, a GAN's discriminator say, would count
   every step twice).
-* Under ``torch.compile`` the traced code calls the originals: compiled regions are not recorded.
+* ``torch.compile`` runs the code it wraps eagerly while the recorder is installed
+  (:func:`_compile_eagerly`), so a compiled model's calls are recorded as the eager model's, under the
+  same names (the ``OptimizedModule`` wrapper is passed over), and the capture's settings say so; the
+  captured steps run at eager speed, and the run compiles once the window has passed.
 * Once the window has passed, the taps are removed at once, so the rest of the run pays nothing.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Hashable, Sequence
 from datetime import datetime, timezone
@@ -53,6 +57,9 @@ DEFAULT_FUNCTIONS = (
 )
 DEFAULT_METHODS = ("matmul", "softmax")
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_COMPILE_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks"
+# What the capture's settings say of a torch.compile'd model recorded (see _compile_eagerly).
+EAGER_NOTE = "ran eagerly while capturing: the calls are those its compiled graphs compute"
 
 
 class _ThreadState(threading.local):
@@ -114,6 +121,9 @@ class Recorder:
         self._hooks: list[Any] = []
         self._step_hook: Any = None
         self._optimizer: weakref.ref[Any] | None = None
+        self._eager: Any = None  # undoes _compile_eagerly
+        self._filter: Any = None  # the warnings filter install adds
+        self.compiled_seen = False  # a torch.compile'd module ran (eagerly) while recording
 
     # --- installing ------------------------------------------------------------------------------
     def install(self) -> None:
@@ -130,6 +140,10 @@ class Recorder:
                 modules.register_module_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
             )
             self._step_hook = register_optimizer_step_post_hook(self._on_step)
+            self._eager = _compile_eagerly()
+            # torch warns that global hooks fire an extra time for torch.compile's wrapper: ours pass it over
+            warnings.filterwarnings("ignore", message=_COMPILE_WITH_HOOKS)
+            self._filter = warnings.filters[0]
         except BaseException:
             self.uninstall()
             raise
@@ -144,6 +158,11 @@ class Recorder:
                 delattr(owner, name)
         while self._hooks:
             self._hooks.pop().remove()
+        if self._eager is not None:
+            self._eager()
+            self._eager = None
+        if self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
         if not keep_step_hook and self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
@@ -224,11 +243,16 @@ class Recorder:
         return info
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        self._state.stack.append(self._info(module))
+        if _compiled_wrapper(module):
+            self.compiled_seen = True
+        else:
+            self._state.stack.append(self._info(module))
 
     def _post_hook(self, module: nn.Module, args: Any, *rest: Any) -> None:
         # With with_kwargs the hook gets (kwargs, output); after an exception in forward torch calls it
         # without kwargs, (output,) only: the stack is unwound, nothing is recorded.
+        if _compiled_wrapper(module):
+            return
         state = self._state
         stack = state.stack
         info: _ModuleInfo | None = None
@@ -301,6 +325,7 @@ class Recorder:
                 "steps": list(self.steps) if self.steps else None,
                 "functions": list(self.functions),
                 "methods": list(self.methods),
+                **({"torch_compile": EAGER_NOTE} if self.compiled_seen else {}),
             },
             "steps": {"seen": self.steps_seen, "captured": self.steps_captured},
             "status": status,
@@ -310,6 +335,27 @@ class Recorder:
 
     def write(self, out: str | Path, status: str = "complete", error: str | None = None) -> None:
         schema.dump(self.to_json(status, error), out)
+
+
+def _compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``): its
+    call is its ``_orig_mod``'s, which is recorded (named as without the wrapper), not the wrapper's."""
+    kind = type(module)
+    return kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo")
+
+
+def _compile_eagerly() -> Any:
+    """Have ``torch.compile`` run the code it wraps eagerly (its ``force_eager`` stance) until the
+    returned call undoes it. Dynamo would trace into the global module hooks, which run inside every
+    module call it traces, and fail on the recorder's state ("already tracked for mutation"), so that
+    nothing was recorded; eagerly, the calls are recorded as the model makes them without compiling."""
+    if hasattr(torch.compiler, "set_stance"):  # torch 2.6 and later
+        torch.compiler.set_stance("force_eager")
+        return lambda: torch.compiler.set_stance("default")
+    from torch._dynamo import config
+
+    before, config.disable = config.disable, True  # torch.compile calls from now on: no-ops
+    return lambda: setattr(config, "disable", before)
 
 
 def resolve_targets(functions: Sequence[str], methods: Sequence[str]) -> list[tuple[Any, str, str, str]]:

@@ -8,7 +8,8 @@ A capture is one JSON object (never pickle: a capture can be read, diffed and sh
       "created": "2026-01-31T12:00:00+00:00", # when the file was written (UTC)
       "command": ["train.py", "--lr", "1e-3"],# the program's sys.argv when the file was written
       "environment": {...},                   # versions, device, threads (model.runtime.environment)
-      "settings": {"steps": [1, 3] | null, "functions": [...], "methods": [...]},
+      "settings": {"steps": [1, 3] | null, "functions": [...], "methods": [...],
+                   "torch_compile": "ran eagerly ..."},  # only when a torch.compile'd model ran
       "steps": {"seen": 3, "captured": 2},    # optimizer steps the program made / made inside the window
       "status": "complete",                   # complete | exit | exception | interrupted | signal
       "error": null,                          # one line when status is not complete
@@ -191,7 +192,7 @@ def load(path: str | os.PathLike[str]) -> Capture:
     except OSError as exc:
         raise UserError(
             f"cannot read capture file {source}: {exc.strerror or exc}: pass the file "
-            "python -m autotuner.capture --out wrote"
+            "autotuner-capture out= wrote"
         ) from exc
     try:
         data = json.loads(text)

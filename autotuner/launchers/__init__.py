@@ -1,13 +1,12 @@
 """Launchers: the same plan of ops, observed three ways.
 
-Each launcher is a module with ``launch(cfg, spec, run_dir) -> int`` (the process exit code); this table
-maps ``launcher.name`` to it, imported only when chosen.
+Each launcher is a module with ``launch(cfg, spec, run) -> int`` (``run``: the RunDirectory it writes
+into; the process exit code); this table maps ``launcher.name`` to it, imported only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +35,6 @@ def check_settings(cfg: DictConfig, spec: Any) -> None:
         check(cfg, spec)
 
 
-def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
+def launch(cfg: DictConfig, spec: Any, run: Any) -> int:
     """Run the validated spec with the launcher the config names."""
-    return importlib.import_module(LAUNCHERS[cfg.launcher.name]).launch(cfg, spec, run_dir)
+    return importlib.import_module(LAUNCHERS[cfg.launcher.name]).launch(cfg, spec, run)

@@ -3,8 +3,10 @@ record on disk and the closing summary."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
+import hashlib
 import json
 import os
 import re
@@ -18,10 +20,21 @@ from omegaconf import DictConfig, OmegaConf
 from autotuner.errors import UserError
 from autotuner.model.runtime import device_name, environment, process_rank
 from autotuner.report import REPORT_NAME
-from autotuner.results import ResultsWriter, RowsFileError, load_rows, merge_ranks, read_rows
+from autotuner.results import (
+    ResultsWriter,
+    RowsFileError,
+    incomplete,
+    load_rows,
+    merge_ranks,
+    read_rows,
+    row_key,
+    unique_rows,
+)
 from autotuner.results.atomic import atomic_write_text
 from autotuner.results.environment import load_environment
+from autotuner.results.reading import check_regular
 from autotuner.results.table import render
+from autotuner.runner.plan import plan
 
 # The most calls a profiling launcher (nsys, torch_profiler) makes of each op at each point: every one is a
 # range the profiler keeps until the end (torch.profiler in this process's memory, nsys in its report), so
@@ -51,62 +64,92 @@ def results_stem(rank: int, world: int) -> str:
     return f"results.rank{rank}" if world > 1 else "results"
 
 
-# Locks this process holds on run directories (lock file -> descriptor), and the run directories whose
-# resume was already checked (autotuner.main checks before Hydra writes; start_writer again, for runs
-# main could not place in advance): both end with the run (release_run_dirs) or with the process.
-_HELD: dict[Path, int] = {}
-_CREATED: set[Path] = set()  # the lock files this process made, removed again if its run is refused
-_RESUME_CHECKED: set[Path] = set()
-
-
-def claim_run_dir(run_dir: Path) -> None:
-    """Take this process's locks on ``run_dir``, or raise UserError naming the live run that holds them.
+class RunDirectory:
+    """A run's folder as this process holds it: its locks, the lock files it made, and whether its fresh
+    start or resume was checked. :meth:`claim` and :meth:`check` are done once, however often asked
+    (autotuner.main does them before Hydra writes its record, where the folder is known in advance;
+    :func:`start_writer` for the others); :meth:`release` ends the hold.
 
     A lock is ``fcntl.flock`` on a hidden file per results stem (``.results.lock``; under torchrun each
     rank locks ``.results.rank<N>.lock`` and rank 0 also ``.results.lock``, the merged files it writes),
-    held as long as this process lives: the kernel drops it when the process ends, killed or not, so a
-    crashed run never leaves a stale lock to clean up. A second run into the directory, which would
-    interleave its rows with the first one's and each rewrite the other's files, is refused instead.
-    A lock counts only while its file is still the one at the path: a refused run removes the lock files
-    it made (:func:`release_run_dirs`), and one that locked the removed file tries again.
+    held while this process lives: the kernel drops it when the process ends, killed or not, so a crashed
+    run never leaves a lock that holds. A second run into the folder, which would interleave its rows
+    with the first one's, is refused instead. A lock counts only while its file is still the one at the
+    path: :meth:`release` removes the files (still holding them), and a run that locked a removed file
+    tries again.
     """
-    run_dir = Path(run_dir).resolve()
-    rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
-    stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stem in stems:
-            path = run_dir / f".{stem}.lock"
-            if path in _HELD:
-                continue
-            while True:
-                try:
-                    fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
-                except FileExistsError:
-                    fd, created = os.open(path, os.O_RDWR), False
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = _holder_pid(fd)
-                    os.close(fd)
-                    raise UserError(
-                        f"another run (pid {holder}) is writing into {run_dir}: wait for it to end, or "
-                        "choose another directory with hydra.run.dir=..."
-                    ) from None
-                if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
-                    break
-                os.close(fd)  # a refused run removed this file after we opened it: lock the path's own
-            if created:
-                _CREATED.add(path)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
-            _HELD[path] = fd
-            _sweep_temporaries(run_dir, stem)
-    except OSError as exc:
-        raise UserError(
-            f"cannot use {run_dir} as the run directory ({exc.strerror or exc}): "
-            "choose another with hydra.run.dir=..."
-        ) from None
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._locks: dict[Path, int] = {}  # lock file -> descriptor
+        self._checked = False
+
+    def claim(self) -> RunDirectory:
+        """Take the locks, or raise UserError naming the live run that holds them."""
+        fix = "choose another with hydra.run.dir=..."
+        try:
+            self.path = self.path.resolve()
+        except (OSError, RuntimeError) as exc:  # a loop of links (RuntimeError before Python 3.13)
+            raise UserError(f"cannot use {self.path} as the run directory ({exc}): {fix}") from None
+        rank, world = process_rank()  # autotuner.main claims the directory before any spec is resolved
+        stems = [results_stem(rank, world)] + (["results"] if world > 1 and rank == 0 else [])
+        made = [p for p in (self.path, *self.path.parents) if not os.path.lexists(p)]  # removed if refused
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for stem in stems:
+                lock = self.path / f".{stem}.lock"
+                if lock not in self._locks:
+                    self._lock(lock)
+                    _sweep_temporaries(self.path, stem)
+        except OSError as exc:
+            self.release()
+            for folder in made:  # leaf first: the folders this claim made, as they were (empty)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise UserError(
+                f"cannot use {self.path} as the run directory ({exc.strerror or exc}): {fix}"
+            ) from None
+        return self
+
+    def _lock(self, path: Path) -> None:
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_pid(fd)
+                os.close(fd)
+                self.release()
+                raise UserError(
+                    f"another run (pid {holder}) is writing into {self.path}: wait for it to end, or "
+                    "choose another directory with hydra.run.dir=..."
+                ) from None
+            if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+            os.close(fd)  # a run that ended removed this file after we opened it: lock the path's own
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder to a refused run
+        self._locks[path] = fd
+
+    def check(self, cfg: DictConfig, spec: Any) -> None:
+        """:func:`check_resume` with ``resume=true``, else :func:`check_fresh`; once. Raises UserError."""
+        if self._checked:
+            return
+        if cfg.resume:
+            check_resume(cfg, spec, self.path)
+        else:
+            check_fresh(self.path, spec.world)
+        self._checked = True
+
+    def release(self) -> None:
+        """Drop the locks and remove their files (a finished or refused run leaves no lock file behind;
+        each is removed while still held, so no other run holds a lock on a file that is gone)."""
+        for path, fd in self._locks.items():
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+        self._locks.clear()
+        self._checked = False
 
 
 def _sweep_temporaries(run_dir: Path, stem: str) -> None:
@@ -135,34 +178,12 @@ def _holder_pid(fd: int) -> str:
         time.sleep(0.01)
 
 
-def release_run_dirs(refused: bool = False) -> None:
-    """Drop every lock of :func:`claim_run_dir` (at the end of a run started in-process). A ``refused``
-    run also removes the lock files it made, so that it leaves the directory as it found it; it still
-    holds each one while removing it."""
-    for path, fd in _HELD.items():
-        if refused and path in _CREATED:
-            path.unlink(missing_ok=True)
-        os.close(fd)
-    _HELD.clear()
-    _CREATED.clear()
-    _RESUME_CHECKED.clear()
-
-
 # Config keys that never change a measurement, so a resumed run may change them (that is how a run is
 # extended): which ops and shapes, what is shown, resume itself. hf, tf, device and dtype are compared
 # resolved (the model config Megatron builds; cuda and bf16 rather than auto), case_dir as the case.
 _RESUMABLE_KEYS = {
-    "ops",
-    "shapes",
-    "progress",
-    "report",
-    "resume",
-    "case_dir",
-    "hf",
-    "tf",
-    "device",
-    "dtype",
-    "run_unfit",
+    *("ops", "shapes", "progress", "report", "resume", "resume_across_versions"),
+    *("case_dir", "hf", "tf", "device", "dtype", "run_unfit"),
 }
 _VERSIONED = ("torch", "megatron-core", "transformers", "transformer-engine")
 
@@ -233,12 +254,23 @@ def _every_rank_stem(world: int) -> list[str]:
     return [results_stem(rank, world) for rank in range(world)]
 
 
+# Files a run opens in place, not through autotuner.results.atomic: Hydra's record of the config and its
+# log. A FIFO there holds Hydra's open for ever, so each must be a regular file, or absent.
+_OPENED_IN_PLACE = ("main.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
+
+
+def _check_opened_in_place(run_dir: Path) -> None:
+    for name in _OPENED_IN_PLACE:
+        check_regular(Path(run_dir) / name, "move it away, or choose another hydra.run.dir")
+
+
 def check_fresh(run_dir: Path, world: int) -> None:
     """Without ``resume=true``, before anything is written: a directory that holds an earlier run's
     results is refused (one line), since a new run would replace them: finished rows are never lost.
     Under torchrun every rank checks every rank's file (``results.rank<N>.jsonl``, :func:`_every_rank_stem`)
     and the merged ``results.jsonl``; no rank writes a row before all have passed here, since every row
     takes all ranks' collectives."""
+    _check_opened_in_place(run_dir)
     names = {f"{stem}.jsonl" for stem in [*_every_rank_stem(world), "results"]}
     earlier = sorted(n for n in names if (Path(run_dir) / n).is_file() and (Path(run_dir) / n).stat().st_size)
     if earlier:
@@ -258,21 +290,24 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
     is left to ResultsWriter, which drops it with a warning (start_writer).
     """
     run_dir = Path(run_dir).resolve()
-    if run_dir in _RESUME_CHECKED:
-        return
     rank, world = spec.rank, spec.world
+    _check_opened_in_place(run_dir)
     rows = []
     # every rank's, so the ranks decide alike; and any other results file there, so that a run of another
     # process count is not taken for nothing to resume (and its merged results.jsonl then replaced)
     found = sorted(p.name.removesuffix(".jsonl") for p in run_dir.glob("results.rank*.jsonl"))
     for stem in dict.fromkeys([*_every_rank_stem(world), "results", *found]):
         results = run_dir / f"{stem}.jsonl"
-        if results.exists() and not results.is_file():
-            raise UserError(
-                f"cannot resume: {results} is not a file: move it away, or start a new run elsewhere"
-            )
         try:
-            rows += read_rows(results, allow_torn_tail=True)[0] if results.is_file() else []
+            check_regular(results, "move it away, or start a new run elsewhere")
+        except UserError as exc:  # a folder, a FIFO: never opened
+            raise UserError(f"cannot resume: {exc}") from None
+        try:
+            rows += (
+                unique_rows(read_rows(results, allow_torn_tail=True)[0], results)[0]
+                if results.is_file()
+                else []
+            )
         except RowsFileError as exc:  # its message names the line and the fix
             raise UserError(f"cannot resume: {exc}, or start a new run without resume=true") from None
     if not rows:
@@ -280,12 +315,11 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
             print(
                 f"note: resume=true but nothing to resume in {run_dir}; starting a new run", file=sys.stderr
             )
-        _RESUME_CHECKED.add(run_dir)
         return
     try:
-        recorded = json.loads((run_dir / "environment.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
+        recorded = load_environment(run_dir).get("fingerprint")
+    except UserError as exc:  # a FIFO, a device, a damaged record: its message names the file and why
+        raise UserError(f"cannot resume: {exc}") from None
     if not isinstance(recorded, dict):
         raise UserError(
             f"cannot resume {run_dir}: its environment.json holds no configuration fingerprint (missing, "
@@ -294,8 +328,11 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
         )
     current = fingerprint(cfg, spec)
     absent = object()
+    # the libraries' versions are in the environment too, which _check_environment compares
     differ = sorted(
-        k for k in recorded.keys() | current.keys() if recorded.get(k, absent) != current.get(k, absent)
+        k
+        for k in (recorded.keys() | current.keys()) - set(_VERSIONED)
+        if recorded.get(k, absent) != current.get(k, absent)
     )
     if differ:
         shown = ", ".join(
@@ -307,11 +344,87 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
             f"cannot resume {run_dir} with a different configuration ({shown}): resume with {processes}the "
             "settings of that run (its .hydra/overrides.yaml), or start a new run without resume=true"
         )
-    _RESUME_CHECKED.add(run_dir)
+    _check_environment(cfg, spec, run_dir, rows)
+
+
+# What of a run's environment (autotuner.model.runtime.environment) is the process's, not what measured:
+# its command line, the node (SLURM requeues a job onto another node of its kind; the device's name is
+# compared), its thread count (each row has its own; timing.threads is in the fingerprint) and its host
+# heap (set up after the check, from the device and the platform, both compared).
+_INCIDENTAL = frozenset({"command", "hostname", "num_threads", "host_heap"})
+
+
+def _measuring(env: Any) -> dict[str, Any]:
+    """The part of an environment record that a resume compares (all but :data:`_INCIDENTAL`)."""
+    return {k: v for k, v in env.items() if k not in _INCIDENTAL} if isinstance(env, dict) else {}
+
+
+def environment_key(env: dict[str, Any]) -> str:
+    """The name of an environment in environment.json's ``environments`` and in the rows it measured
+    (``measured_by``): the autotuner version and revision, then a digest of what was compared."""
+    digest = hashlib.sha1(json.dumps(_measuring(env), sort_keys=True, default=repr).encode()).hexdigest()
+    return f"{env.get('autotuner')}+{env.get('autotuner_revision')}-{digest[:8]}"
+
+
+def _environments_of(rows: list[dict[str, Any]], record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The environments that measured ``rows``: the record's ``environment`` for a row without
+    ``measured_by``, else the one its ``measured_by`` names in ``environments`` (unknown: an empty one)."""
+    named = record.get("environments") if isinstance(record.get("environments"), dict) else {}
+    keys = dict.fromkeys(row.get("measured_by") for row in rows)
+    return [record.get("environment") if key is None else named.get(key) or {} for key in keys]
+
+
+def _check_environment(cfg: DictConfig, spec: Any, run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """The resumed rows' environments against this process's: another autotuner version or revision,
+    Python, platform or library would credit the earlier rows to this one (environment.json keeps the
+    environment that measured them). Refused in one line unless ``resume_across_versions=true``, under
+    which each new row names its own (``measured_by``)."""
+    if cfg.get("resume_across_versions", False):
+        return
+    current = _measuring(environment(spec.device))
+    for earlier in map(_measuring, _environments_of(rows, load_environment(run_dir))):
+        differ = sorted(k for k in earlier.keys() | current.keys() if earlier.get(k) != current.get(k))
+        if differ:
+            shown = ", ".join(
+                f"{k} {_shown(earlier.get(k))} -> {_shown(current.get(k))}" for k in differ[:4]
+            ) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+            raise UserError(
+                f"cannot resume {run_dir}: its rows were measured in another environment ({shown}): resume "
+                "with the versions of that run (its environment.json), or add resume_across_versions=true "
+                "to record the new rows with their own, or start a new run without resume=true"
+            )
+
+
+def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
+    """One note for the rows a resume found twice (kept once) and one for those it found incomplete
+    (:func:`autotuner.results.incomplete`; measured again where this run's plan has them)."""
+    if writer.duplicates:
+        print(
+            f"note: {writer.jsonl} held {writer.duplicates} row(s) twice (the same row, as a file appended "
+            "to itself holds it): kept once",
+            file=sys.stderr,
+        )
+    lacking = incomplete(writer.rows)
+    if not lacking:
+        return
+    planned = {(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
+    again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if row_key(r) in planned]
+    said = (
+        [f"{len(again)} measured again ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''})"]
+        if again
+        else []
+    )
+    if len(lacking) > len(again):
+        said.append(f"{len(lacking) - len(again)} outside this run's ops and points left as they are")
+    print(
+        f"note: {len(lacking)} row(s) of {writer.jsonl} lack their median_us or status (an edited or cut "
+        f"file), so they do not count as measured: {'; '.join(said)}",
+        file=sys.stderr,
+    )
 
 
 def start_writer(
-    cfg: DictConfig, spec: Any, run_dir: Path, tools: dict[str, tuple[str, str]] | None = None
+    cfg: DictConfig, spec: Any, run: RunDirectory, tools: dict[str, tuple[str, str]] | None = None
 ) -> ResultsWriter:
     """Lock the run directory, check a resume, then write ``environment.json`` (versions, device, the
     derived model config, the ``tools`` the launcher runs: see :func:`autotuner.model.runtime.environment`;
@@ -321,39 +434,9 @@ def start_writer(
     With several processes each rank writes its own ``results.rank<N>.{jsonl,csv}``; :func:`finish`
     merges them into ``results.{jsonl,csv}`` on rank 0.
     """
-    run_dir = Path(run_dir)
-    claim_run_dir(run_dir)
-    if cfg.resume:
-        check_resume(cfg, spec, run_dir)
-    else:
-        check_fresh(run_dir, spec.world)
+    run.claim().check(cfg, spec)
+    run_dir = run.path
     rank, world = spec.rank, spec.world
-    record = None
-    if rank == 0:
-        record = {
-            "environment": environment(spec.device, tools),
-            "case": spec.case,
-            "dtype": spec.dtype,
-            "points": [p.label for p in spec.points],
-            "ops": [op.name for op in spec.ops],
-            "transformer_engine_spec": spec.use_transformer_engine,
-            "routing": {"mode": spec.routing.mode, "zipf_s": spec.routing.zipf_s},  # moe.*: MoE ops' input
-            "transformer_config": {
-                k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
-                for k, v in vars(spec.tf_config).items()
-                if not k.startswith("_")
-            },
-            "model_args": {k: v for k, v in vars(spec.model_args).items()},
-            "notes": spec.notes,
-            "world_size": world,
-            "fingerprint": fingerprint(cfg, spec),
-        }
-        if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
-            earlier = load_environment(run_dir)
-            for key in ("points", "ops"):
-                listed = earlier.get(key)
-                had = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
-                record[key] = list(dict.fromkeys([*had, *record[key]]))
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:
         print(
@@ -361,9 +444,50 @@ def start_writer(
             f"{writer.dropped_tail[:60]!r}",
             file=sys.stderr,
         )
-    if record is None:
+    _say_what_a_resume_drops(writer, spec)
+    this = environment(spec.device, tools)
+    earlier = load_environment(run_dir) if cfg.resume else {}
+    # The environment that measured the earlier rows stays the run's; another one (resume_across_versions,
+    # checked by check_resume) is added to its environments and named in each row it measures.
+    kept = (
+        earlier.get("environment") if writer.rows and isinstance(earlier.get("environment"), dict) else None
+    )
+    if kept is not None and _measuring(kept) != _measuring(this):
+        writer.measured_by = environment_key(this)
+    if rank != 0:
         return writer
-    atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
+    record = {
+        "environment": kept or this,
+        "case": spec.case,
+        "dtype": spec.dtype,
+        "points": [p.label for p in spec.points],
+        "ops": [op.name for op in spec.ops],
+        "transformer_engine_spec": spec.use_transformer_engine,
+        "routing": {"mode": spec.routing.mode, "zipf_s": spec.routing.zipf_s},  # moe.*: MoE ops' input
+        "transformer_config": {
+            k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v))
+            for k, v in vars(spec.tf_config).items()
+            if not k.startswith("_")
+        },
+        "model_args": {k: v for k, v in vars(spec.model_args).items()},
+        "notes": spec.notes,
+        "world_size": world,
+        "fingerprint": fingerprint(cfg, spec),
+    }
+    named = earlier.get("environments") if writer.rows else None
+    if writer.measured_by or isinstance(named, dict):
+        record["environments"] = {**(named if isinstance(named, dict) else {})}
+        if writer.measured_by:
+            record["environments"][writer.measured_by] = this
+    if cfg.resume:  # a resume may measure other ops or points: the record lists what the run holds
+        for key in ("points", "ops"):
+            listed = earlier.get(key)
+            had = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
+            record[key] = list(dict.fromkeys([*had, *record[key]]))
+    try:
+        atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
+    except OSError as exc:
+        raise writer.not_written(exc, run_dir / "environment.json") from exc
     for note in spec.notes:
         print(f"note: {note}", file=sys.stderr)
     return writer

@@ -270,15 +270,16 @@ def keep_calibration(data: dict[str, Any], run_dir: Any) -> None:
     atomic_write_text(Path(run_dir) / "calibration.json", json.dumps(data, indent=2) + "\n")
 
 
-def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
+def launch(cfg: Any, spec: Any, run: Any) -> int:
     """Run the plan with this observer; print the summary table; exit code 1 if any op failed."""
+    run_dir = run.path
     from autotuner.launchers.common import finish, start_writer
     from autotuner.runner import Runner
     from autotuner.runner.fit import check_fit
     from autotuner.runner.spec import open_session
 
     calibration = load_calibration(cfg, spec)  # validated before start_writer writes anything
-    writer = start_writer(cfg, spec, run_dir)
+    writer = start_writer(cfg, spec, run)
     if calibration is not None:
         keep_calibration(calibration, run_dir)
     fit = check_fit(cfg, spec)  # before the model is built: its runtime term is this process now

@@ -59,7 +59,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -80,6 +80,9 @@ from autotuner.measure.limits import MemoryLimit, oom_kills
 from autotuner.runner.fit import FitCheck
 from autotuner.runner.plan import plan
 
+if TYPE_CHECKING:
+    from autotuner.launchers.common import RunDirectory
+
 REPORT_NAME = "report"  # run_dir/report.nsys-rep, run_dir/report.sqlite
 LOG_NAME = "nsys.log"
 
@@ -98,6 +101,11 @@ def _check_settings(cfg: DictConfig) -> None:
     if launcher.warmup < 0 or launcher.iterations < 1:
         raise UserError("launcher.warmup must be >= 0 and launcher.iterations >= 1: fix launcher.*")
     check_profiled_calls({"launcher.warmup": launcher.warmup, "launcher.iterations": launcher.iterations})
+    if not 0 < launcher.start_timeout_s <= 3600:  # NaN fails too
+        raise UserError(
+            f"launcher.start_timeout_s={launcher.start_timeout_s} must be above 0 and at most 3600 (seconds "
+            "nsys may take to start the worker)"
+        )
     if cfg.resume:
         raise UserError("launcher=nsys cannot resume (one report holds every op of a run): drop resume=true")
 
@@ -113,7 +121,7 @@ def _worker_config(cfg: DictConfig, run_dir: Path, worker_dir: Path) -> Path:
     return path
 
 
-def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
+def launch(cfg: DictConfig, spec: Any, run: RunDirectory) -> int:
     """Profile the plan under nsys, read the report, write and print the table.
 
     Exit code: 0 when every row is ok or skipped; 1 when a row failed or nsys exited non-zero; 2
@@ -130,7 +138,7 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     rank, world = spec.rank, spec.world
     if rank == 0:
         print(f"autotuner: nsys {found.short_version} at {nsys}", file=sys.stderr)
-    run_dir = Path(run_dir).resolve()
+    run_dir = run.path.resolve()
     worker_port = join_ranks(world)  # under torchrun: where the workers' own process group meets
     worker_dir = worker_dir_of(run_dir, rank, world)
     # One report per rank: report-rank<N>.nsys-rep (a dot would read as the file's suffix).
@@ -149,13 +157,19 @@ def launch(cfg: DictConfig, spec: Any, run_dir: Path) -> int:
     program = worker_command(run_dir, _worker_config(cfg, run_dir, worker_dir))
     cmd = nsys_command(nsys, launcher, spec.device, report_base, program)
 
-    writer = start_writer(cfg, spec, run_dir, tools={"nsys": (nsys, found.version)})
+    writer = start_writer(cfg, spec, run, tools={"nsys": (nsys, found.version)})
     # From here a SIGTERM or SIGINT stops nsys and the worker, and the rows are still written.
     with StopSignals(worker_dir, TORCHRUN_STOP_GRACE_S if world > 1 else None) as stop:
         wait_turn(run_dir, rank, world, stop)
         report = report_base.with_suffix(".nsys-rep")
         kills = oom_kills()
-        result = profile(cmd, log_path, worker_dir, report, stop, worker_port=worker_port)
+        result = profile(cmd, log_path, worker_dir, report, stop, worker_port, launcher.start_timeout_s)
+        if stop.never_started is not None:
+            raise UserError(
+                f"{nsys} did not start the worker within launcher.start_timeout_s={stop.never_started:g} s "
+                f"(killed; its output: {log_path}): check that it runs a program ({nsys} profile "
+                "python -c pass), or raise launcher.start_timeout_s"
+            )
         oom = _out_of_memory(result.returncode, kills, worker_dir)
         if stop.killed:
             print(

@@ -106,13 +106,15 @@ def run_nsys(
     tail_bytes: int = 16_384,
     *,
     worker_port: str | None = None,
+    start_timeout_s: float | None = None,
 ) -> NsysRun:
     """Run ``cmd`` (no shell), copying its output to stderr and ``log_path``; keep the tail.
 
     The log is appended to, each run starting with its argument list as JSON: the exact command, for
     a rerun by hand. nsys leads a session of its own, and ``stop`` passes it a SIGTERM or SIGINT of
-    ours (see :class:`StopSignals`). ``worker_port``: under torchrun, where the workers' process group
-    meets (:func:`join_ranks`).
+    ours (see :class:`StopSignals`), and kills it if the worker has not started ``start_timeout_s``
+    after it (:meth:`StopSignals.expect_start`). ``worker_port``: under torchrun, where the workers'
+    process group meets (:func:`join_ranks`).
     """
     tail = b""
     try:
@@ -126,6 +128,8 @@ def run_nsys(
     except OSError as exc:
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}: {INSTALL_HINT}") from exc
     stop.attach(proc)
+    if start_timeout_s is not None:
+        stop.expect_start(start_timeout_s)
     # Its output pipe stays open while anything nsys started lives: the reaper ends that once nsys ended.
     reaper = threading.Thread(target=stop.reap, args=(proc,), name="nsys-reaper", daemon=True)
     reaper.start()
@@ -152,9 +156,9 @@ def lost_launch_race(run: NsysRun, report: Path) -> bool:
     and another nsys process opens it; on a loaded machine the open can come first, and nsys exits 1
     with a ``sem_open`` "No such file or directory" error from its ProcessWaiter, before the program
     ran (seen here in about 1 of 8 runs under load; the program had not started in any of them). Such
-    a run is safe to repeat. So is its other start-up failure on a loaded machine (session 49, a suite
-    beside it): "Connection to the Agent lost." and no report, at exit code 0 or 1. The caller repeats only
-    a run whose program had not started.
+    a run is safe to repeat. So is its other start-up failure on a loaded machine (seen with the test suite
+    running beside it): "Connection to the Agent lost." and no report, at exit code 0 or 1. The caller repeats
+    only a run whose program had not started.
     """
     if report.exists():
         return False
@@ -233,6 +237,9 @@ class StopSignals:
         self._timer: threading.Timer | None = None
         self._saved: dict[int, Any] = {}
         self._worker: int | None = None
+        self._start_timer: threading.Timer | None = None
+        # Set when nsys did not start the worker in time (:meth:`expect_start`) and was killed for it.
+        self.never_started: float | None = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -265,6 +272,23 @@ class StopSignals:
         """nsys has ended (and :meth:`reap` ended what it left): no signal is passed on any more."""
         self._proc = None
         self._cancel_timer()
+        if self._start_timer is not None:
+            self._start_timer.cancel()
+            self._start_timer = None
+
+    def expect_start(self, timeout_s: float) -> None:
+        """Kill nsys (its group and the worker's) if the worker has not written its ``started`` file
+        ``timeout_s`` after nsys started: an nsys that never starts its program (a wrapper that hangs, an
+        agent that never answers) would hold the run for ever. :attr:`never_started` then says so."""
+
+        def check() -> None:
+            if self._proc is not None and not (self.worker_dir / STARTED_FILE).exists():
+                self.never_started = timeout_s
+                self._kill(f"nsys did not start the worker within {timeout_s:g} s")
+
+        self._start_timer = threading.Timer(timeout_s, check)
+        self._start_timer.daemon = True
+        self._start_timer.start()
 
     def reap(self, proc: subprocess.Popen[bytes]) -> None:
         """Wait for nsys to end, then kill what is left of its process group and the worker's, and end
@@ -357,8 +381,8 @@ def end_agent(nsys_pid: int, grace_s: float = AGENT_GRACE_S) -> None:
 
     nsys runs its agent in a session of its own, so no signal to nsys's group reaches it. It ends with
     nsys's program (seen here within 0.25 s of nsys, nsys killed or not), except after nsys's start-up
-    failure "Connection to the Agent lost.", after which it stayed for good (two found hours later,
-    session 49). Said in one line; SIGTERM first, SIGKILL 3 s later."""
+    failure "Connection to the Agent lost.", after which it stayed for good (two found hours
+    later). Said in one line; SIGTERM first, SIGKILL 3 s later."""
     deadline = time.monotonic() + grace_s
     while (agents := _agents_of(nsys_pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -397,14 +421,17 @@ def profile(
     report: Path,
     stop: StopSignals,
     worker_port: str | None = None,
+    start_timeout_s: float | None = None,
 ) -> NsysRun:
     """Run nsys; again (up to LAUNCH_ATTEMPTS) only when it lost its launch race before the worker ran.
-    After a stop signal no nsys is started."""
+    After a stop signal no nsys is started, nor after one that did not start the worker in time."""
     log_path.unlink(missing_ok=True)
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         if stop.signum is not None:
             return NsysRun(stop.exit_code, f"nsys not started: this process got {stop.name}")
-        result = run_nsys(cmd, log_path, stop, worker_port=worker_port)
+        result = run_nsys(cmd, log_path, stop, worker_port=worker_port, start_timeout_s=start_timeout_s)
+        if stop.never_started is not None:
+            break
         if stop.signum is not None:
             if result.returncode == 0:
                 # nsys 2022.4 signalled too can end with 0 although its program ended with 128 + N:

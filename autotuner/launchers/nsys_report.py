@@ -55,6 +55,9 @@ def export_sqlite(nsys_bin: str, report: Path, sqlite_path: Path) -> Path:
     flag spellings with separate values (``--type sqlite --force-overwrite true``) work with nsys
     2022.4 and later. Raises RuntimeError, with the end of nsys's output, when the export fails.
     """
+    # Written under another name and renamed once checked whole: nsys 2022.4 on a full disk exits 0
+    # leaving an empty file, which reads as a report without ranges (every row "no measured range").
+    partial = sqlite_path.with_name(f".{sqlite_path.stem}.partial.sqlite")
     cmd = [
         nsys_bin,
         "export",
@@ -63,21 +66,56 @@ def export_sqlite(nsys_bin: str, report: Path, sqlite_path: Path) -> Path:
         "--force-overwrite",
         "true",
         "-o",
-        str(sqlite_path),
+        str(partial),
         str(report),
     ]
     sqlite_path.unlink(missing_ok=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=False)
-    except OSError as exc:
-        raise RuntimeError(f"cannot run {nsys_bin!r} to export {report}: {exc}") from exc
-    if proc.returncode != 0 or not sqlite_path.is_file():
-        raise RuntimeError(
-            f"nsys export of {report} failed (exit {proc.returncode}, "
-            f"{sqlite_path} {'written' if sqlite_path.is_file() else 'not written'}):\n"
-            + _tail(proc.stdout + proc.stderr)
-        )
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=False)
+        except OSError as exc:
+            raise RuntimeError(f"cannot run {nsys_bin!r} to export {report}: {exc}") from exc
+        written = partial.is_file()
+        problem = f"failed (exit {proc.returncode})" if proc.returncode != 0 else None
+        problem = problem or (None if written else "wrote no file") or _not_whole(partial)
+        if problem is not None:
+            said = _tail(proc.stdout + proc.stderr)
+            raise RuntimeError(
+                f"nsys export of {report} {problem}, so no {sqlite_path.name} is kept{_free_space(partial)}"
+                + (f":\n{said}" if said else "")
+            )
+        partial.replace(sqlite_path)
+    finally:
+        partial.unlink(missing_ok=True)
     return sqlite_path
+
+
+def _not_whole(path: Path) -> str | None:
+    """What is wrong with an SQLite export (empty, no database, damaged), or None when it reads whole."""
+    try:
+        with _connect(path) as conn:
+            if not _tables(conn):
+                return f"wrote an empty database ({path.stat().st_size} bytes)"
+            check = conn.execute("PRAGMA quick_check").fetchone()
+    except sqlite3.DatabaseError as exc:
+        return f"wrote no whole database ({exc})"
+    return None if check and check[0] == "ok" else f"wrote a damaged database ({check and check[0]})"
+
+
+def _free_space(path: Path) -> str:
+    """``; N MiB free in FOLDER: free space, ...`` where the folder's disk is all but full, else ""."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return ""
+    if free > 64 << 20:
+        return ""
+    return (
+        f" (only {free >> 10} KiB free in {path.parent}: a full disk? free space, then read the report "
+        "again with python -m autotuner.nsys_read)"
+    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ as get_data's are, so its ``rel_ci`` and ``warnings`` mean what they mean there;
 
 from __future__ import annotations
 
+import sqlite3
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -196,7 +197,7 @@ def read_report(nsys: str, report_base: Path, result: NsysRun) -> ReportData:
         return ReportData(error=f"nsys wrote no report ({describe_exit(result.returncode)}: {last})")
     try:
         return read_sqlite(export_sqlite(nsys, report, report_base.with_suffix(".sqlite")))
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, sqlite3.DatabaseError) as exc:
         return ReportData(error=(str(exc).splitlines() or [type(exc).__name__])[0])
 
 

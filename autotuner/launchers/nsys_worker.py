@@ -55,12 +55,10 @@ from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_ran
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
 from autotuner.runner.eta import Rates, fill_seconds
-from autotuner.termination import check_stop, forget_stop, raise_stop
+from autotuner.termination import check_stop, forget_stop, raise_stop, stopping_when_gone
 
 WORKER_DIR = "worker"
 LAUNCHER_ENV = "AUTOTUNER_NSYS_LAUNCHER"  # "<pid> <start time>" of the launcher (nsys_process.worker_env)
-WATCH_S = 1.0  # how often the worker looks for its launcher
-ORPHAN_GRACE_S = 10.0  # from its SIGTERM to itself to its SIGKILL, once the launcher is gone
 
 
 def process_identity(pid: int) -> str | None:
@@ -270,23 +268,14 @@ def _watch_launcher() -> None:
     outright (SIGKILL: torchrun's agent 30 s after its SIGTERM, SLURM after KillWait, ``kill -9``) passes
     nothing, and nsys and this worker, each in a session of its own, would run on: the plan to its end,
     or, under torchrun, a wait in a collective for a peer that is gone, holding a core until the process
-    group's timeout. A daemon thread looks each WATCH_S for the launcher named by LAUNCHER_ENV; once it is
-    gone it sends this process SIGTERM (the unwinding of :func:`_stop_on_signals`), then, if the main
-    thread is held where no Python handler runs (inside a collective), SIGKILL ORPHAN_GRACE_S later. nsys
+    group's timeout. A watch (autotuner.termination.stopping_when_gone) looks for the launcher named by
+    LAUNCHER_ENV; once it is gone it sends this process SIGTERM (the unwinding of :func:`_stop_on_signals`),
+    then, if the main thread is held where no Python handler runs (inside a collective), SIGKILL. nsys
     then ends as after any end of its program."""
     launcher = os.environ.get(LAUNCHER_ENV, "")
     if not launcher or threading.current_thread() is not threading.main_thread():
         return
-
-    def watch() -> None:
-        stop = threading.Event()
-        while process_identity(int(launcher.split()[0])) == launcher:
-            stop.wait(WATCH_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-        stop.wait(ORPHAN_GRACE_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    stopping_when_gone(lambda: process_identity(int(launcher.split()[0])) == launcher, "launcher-watch")
 
 
 def main(argv: list[str] | None = None) -> int:

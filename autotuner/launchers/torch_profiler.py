@@ -378,8 +378,9 @@ class TorchProfilerObserver:
         return fill(row, seen, leave_out=() if self.cuda else ("peak_bytes",))
 
 
-def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
+def launch(cfg: Any, spec: Any, run: Any) -> int:
     """Validate the launcher config, run the plan under the profiler, print the summary table."""
+    run_dir = run.path
     from autotuner.launchers.common import finish, start_writer
     from autotuner.runner import Runner
     from autotuner.runner.fit import check_fit
@@ -387,7 +388,7 @@ def launch(cfg: Any, spec: Any, run_dir: Any) -> int:
 
     # Before any work: bad input ends with one line and exit code 2 (autotuner.main).
     options = resolve_options(cfg.launcher, spec.device, Path(run_dir))
-    writer = start_writer(cfg, spec, run_dir)
+    writer = start_writer(cfg, spec, run)
     fit = check_fit(cfg, spec)  # before the model is built: its runtime term is this process now
     model, context = open_session(spec) if fit.builds or spec.world > 1 else (torch.nn.Module(), None)
     observer = TorchProfilerObserver(options, spec.device, tuple(spec.phases), list(model.parameters()))

@@ -4,7 +4,7 @@ On a GPU the last-level cache is L2 (``L2_cache_size`` of the device properties)
 device has. On a CPU the kernel's sysfs reports each cache's size, but under a hypervisor the shared L3 it
 reports is the host socket's, which the guest's cores share with every other tenant's: this project's
 development VM reports 480 MiB, yet a core re-reads 32 MiB at 20-27 GB/s, 64 MiB mostly at 11-15 and 128 MiB
-at the 11-12 GB/s of memory (session 34, one thread). A flush sized by the report wrote 960 MiB before every
+at the 11-12 GB/s of memory (one thread). A flush sized by the report wrote 960 MiB before every
 sample (about 0.1 s: a flushed profile got 8-10 samples an op in its budget) and the predictor counted 480 MiB
 of room for a stage's data. So on a CPU the shared cache's size is measured (:func:`shared_cache_bytes`): the
 largest buffer that one core re-reads clearly faster than memory, found by reading buffers of doubling size up

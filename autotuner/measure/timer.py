@@ -35,8 +35,8 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   sample, and the rows record it (on this project's CPU VM the tiny case's layer forward, one thread,
   took 3.0-3.3 ms after 2 ms asleep against 2.1-2.8 back to back and 3.3 with the caches flushed). The
   predictor leaves such rows out of a step's back-to-back ops (autotuner.predict.inputs.Measurements):
-  inside real pipeline steps the visits after a wait did not run as after a sleep
-  (docs/predictor_accuracy.md, "Pipeline stages on a CPU").
+  inside real pipeline steps the visits after a wait did not run as after a sleep (``python -m
+  benchmarks.predict_accuracy --layouts pp2`` prints the stages' visits beside their rows).
 * A forward follows its backward. Back to back, each forward sample finds what the op's previous forward
   left: its code and data in the core's caches, the blocks it freed ready for the same allocations. In
   a training step every forward of an op follows the op's backward of the previous micro-batch, which
@@ -44,7 +44,7 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   ``timing.forward_after_backward`` runs that backward, untimed, after every forward sample
   (autotuner.runner.Phase.training_order), so each sample is one call after one; the rows record it
   (``forward_after_backward``), the predictor prefers such rows and its profiling plan asks for them in
-  its warm runs (autotuner.predict). On this project's CPU VM (session 29, one thread, the steps' own
+  its warm runs (autotuner.predict). On this project's CPU VM (one thread, the steps' own
   layers alternated with the steps in one process: ``python -m benchmarks.row_in_step``) the tiny
   layer's forward back to back read 0.84 of its time inside the steps and 0.96 after its backward; the
   llama-shaped layer's 0.96 and 1.09: back to back is a lower bound of a step's forward, after the
@@ -58,13 +58,13 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   that many MiB of what the forward saves (autotuner.runner.Phase.training_order,
   autotuner.measure.memory.graphs_to_hold): a forward sample follows the backward of the oldest held
   graph and writes where that graph's activations lay, a backward sample runs the oldest graph's backward;
-  the rows record the bytes held (``held_activation_bytes``). On this project's Intel VM (session 47, one
+  the rows record the bytes held (``held_activation_bytes``). On a 2-core Intel VM (one
   thread, 20 rounds, the rows alternated with the steps in one process: ``python -m
   benchmarks.row_in_step``, two runs an hour apart) the llama-shaped layer's rows read 0.984 and 0.962
   (forward after its backward) and 0.942 and 0.923 (backward) of its time inside the steps by default,
   0.999 and 0.976, 0.991 and 0.959 held (52 and 24 MiB); but the steps predicted from held rows profiled in
-  their own processes read no nearer (docs/predictor_accuracy.md, "Activations a step holds"), and the
-  predictor takes the rows without. Off (0) by default.
+  their own processes read no nearer in the same rounds of ``python -m benchmarks.predict_accuracy``, and
+  the predictor takes the rows without. Off (0) by default.
 * Freeing what a call returns. A forward's output holds its autograd graph and every activation saved
   for the backward; a bare ``run()`` drops it at once, inside the timed window, so the graph's teardown
   and the frees of its tensors were timed as the forward. In training they live until the backward,
@@ -76,7 +76,7 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   llama-shaped layer (median 2.5% over seven runs) and 1-11% for tiny's (3%); a backward's spent graph,
   under 1%. In a block of calls only the last call's result is kept: keeping all of them made every
   call write memory no call had just freed (and, where glibc had given the heap's top back to the
-  system, fault its pages in again), and short ops read 1-19% slower for it in session 20's runs; the
+  system, fault its pages in again), and short ops read 1-19% slower for it; the
   block's other calls free theirs as they return, as before.
 * The system's page faults. Memory the C library gave back to the system faults its pages in again when
   written, so whether a sample pays faults depends on what the process freed before it: every process
@@ -88,12 +88,11 @@ Gotchas this guards against (and records in the row, so a reader knows they were
   rows of the layer and the output layer read mean over median 1.05-1.16, and the same ops' visits
   inside its real TP=2 steps 1.04-1.42, alike (in one process both 0.98-1.04). The mean alone carries a
   rare stall a typical step does not contain, so each row also keeps its fenced mean, the mean inside
-  Tukey's outer fences (autotuner.measure.stats), which autotuner.predict adds up
-  (docs/predictor_accuracy.md, "A sum of visits").
+  Tukey's outer fences (autotuner.measure.stats), which autotuner.predict adds up.
 * A second is one draw of the machine. Samples taken within a second share that second's speed, so on a
   machine whose speed moves from second to second (a VM whose host cores and caches other tenants share) a row
   sampled for a second is one draw of it, however many samples it holds, and its confidence interval, computed
-  as if the samples were independent, says how well it knows that second, not the machine. On session 38's
+  as if the samples were independent, says how well it knows that second, not the machine. On a
   2-core AMD VM a GEMM whose weight sits in the shared cache (``python -m benchmarks.machine_noise``, its
   windows: ``l3_gemm``, 120 s) had medians over 1-second windows of 0.86-1.12 of its median (10th-90th
   percentile), over 10-second ones 0.89-1.06, over 30-second ones 0.90-1.04; one whose weight a core keeps
@@ -146,7 +145,7 @@ from autotuner.measure.stats import fenced_mean
 
 PRECISION_RULES = ("ci", "iqr")
 
-# Warning thresholds (documented in the README's table of warnings).
+# Warning thresholds (documented in docs/measurement.md's table of warnings).
 NOISY_IQR_FRACTION = 0.10
 DRIFT_FRACTION = 0.10
 FEW_SAMPLES = 10

@@ -13,6 +13,7 @@ import collections.abc
 import dataclasses
 import enum
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -22,6 +23,15 @@ import torch
 
 from autotuner.errors import UserError
 from autotuner.model.hf_to_megatron import MegatronModelArgs
+from autotuner.model.layer_parts import (
+    ACTIVATIONS,
+    ProjectionKNorm,
+    ProjectionQNorm,
+    ZeroCenteredRMSNorm,
+    adapt_model,
+    config_class,
+    softcapped_attention,
+)
 from autotuner.model.runtime import DTYPES
 
 
@@ -36,18 +46,14 @@ def transformer_engine_available() -> bool:
 
 
 def transformer_config_fields() -> set[str]:
-    """Every field ``tf.`` may set: TransformerConfig's, and the Multi-Latent Attention ones of its
-    subclass MLATransformerConfig (used for an MLA model)."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    return {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    """Every field ``tf.`` may set: TransformerConfig's, the Multi-Latent Attention ones of its subclass
+    MLATransformerConfig (used for an MLA model), and the families' (autotuner.model.layer_parts)."""
+    return {f.name for f in dataclasses.fields(config_class(True))}
 
 
 @functools.cache
 def _transformer_config_types() -> dict[str, Any]:
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    return typing.get_type_hints(MLATransformerConfig)
+    return typing.get_type_hints(config_class(True))
 
 
 # Annotations no override can satisfy: the command line and a case file give numbers, strings, booleans
@@ -218,13 +224,10 @@ def build_transformer_config(
 ) -> Any:
     """The TransformerConfig of the whole model: the HF mapping, then device settings, then ``tf.``
     overrides."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
     tf_overrides = check_tf_overrides(tf_overrides)
     kwargs = dict(args.transformer)
     kwargs.update(
-        activation_func={"silu": F.silu, "gelu": F.gelu}[args.activation],
+        activation_func=ACTIVATIONS[args.activation],
         params_dtype=DTYPES[dtype],
         bf16=dtype == "bf16",
         fp16=dtype == "fp16",
@@ -236,6 +239,11 @@ def build_transformer_config(
     kwargs.update(tf_overrides)
     _check_buildable(kwargs, args)
     tp = kwargs["tensor_model_parallel_size"]
+    if kwargs.get("qk_layernorm_span") == "projection" and tp > 1:
+        raise UserError(
+            f"tensor_model_parallel_size={tp}: this family's q/k norms span every head, which a "
+            "tensor-parallel rank holds only part of (Megatron-Core has no such norm across ranks): use TP 1"
+        )
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if kwargs[name] is not None and kwargs[name] % tp:
             raise UserError(
@@ -248,12 +256,31 @@ def build_transformer_config(
             f"expert_model_parallel_size={ep} does not divide the {experts} experts: "
             "choose an EP size that divides num_moe_experts"
         )
-    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    family_config = config_class(bool(kwargs.get("multi_latent_attention")))
     try:
-        return config_class(**kwargs)
+        return family_config(**kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        message = megatron_flags_as_overrides(message, family_config)
         raise UserError(f"invalid TransformerConfig: {message}: fix the hf./tf. overrides") from exc
+
+
+def megatron_flags_as_overrides(message: str, config_class: type) -> str:
+    """Megatron's message with its training script's flags (``--moe-router-pre-softmax``) written as the
+    override a user of this tool types (``tf.moe_router_pre_softmax=true``): a flag named after a field of
+    ``config_class``, with its value (``--x=v``: ``tf.x=v``), ``=true`` for a boolean field's bare flag.
+    Any other flag is left as Megatron wrote it."""
+    kinds = {f.name: f.type for f in dataclasses.fields(config_class)}
+
+    def override(match: re.Match[str]) -> str:
+        name = match[1].replace("-", "_")
+        if name not in kinds:
+            return match[0]
+        if match[2]:
+            return f"tf.{name}{match[2]}"
+        return f"tf.{name}=true" if kinds[name] in (bool, "bool") else f"tf.{name}"
+
+    return re.sub(r"--([a-z][a-z0-9-]*[a-z0-9])(=[^\s,;]+)?", override, message)
 
 
 def moe_implementation(device: torch.device) -> dict[str, Any]:
@@ -315,11 +342,14 @@ def _local_mla_core_attention() -> type:
 
 
 def layer_spec(
-    tf_config: Any, use_transformer_engine: bool, parts: ModelParts | None = None, moe: bool | None = None
+    tf_config: Any,
+    use_transformer_engine: bool,
+    parts: ModelParts | None = None,
+    moe: bool | None = None,
 ) -> Any:
     """The layer spec training uses: Transformer-Engine's on a GPU where it imports, else the local one;
-    an MoE layer's (``moe``; default: whether the model has experts) or a dense one's; without the halves
-    ``parts`` leaves out."""
+    an MoE layer's (``moe``; default: whether the model has experts) or a dense one's; with the family's
+    pieces the config asks for (autotuner.model.layer_parts); without the halves ``parts`` leaves out."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -342,12 +372,8 @@ def layer_spec(
             normalization=tf_config.normalization,
         )
     if mla and not use_transformer_engine:
-        attention = spec.submodules.self_attention
-        local = dataclasses.replace(attention.submodules, core_attention=_local_mla_core_attention())
-        attention = dataclasses.replace(attention, submodules=local)
-        spec = dataclasses.replace(
-            spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention)
-        )
+        spec = _replace_in(spec, "self_attention", core_attention=_local_mla_core_attention())
+    spec = _family_pieces(spec, tf_config)
     left_out: dict[str, Any] = {}
     if parts is not None and not parts.attention:
         left_out["self_attention"] = IdentityOp
@@ -358,6 +384,54 @@ def layer_spec(
     # The bias-dropout-add functions stay (they hold no memory, and instrument_gpt wraps them). A new
     # spec: Megatron may hand out one spec object to every caller.
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **left_out))
+
+
+def _replace_in(spec: Any, part: str, **submodules: Any) -> Any:
+    """``spec`` with the layer's ``part`` (a ModuleSpec: self_attention, mlp) given other ``submodules``."""
+    inner = getattr(spec.submodules, part)
+    inner = dataclasses.replace(inner, submodules=dataclasses.replace(inner.submodules, **submodules))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **{part: inner}))
+
+
+def _family_pieces(spec: Any, config: Any) -> Any:
+    """The layer spec with what the family adds (autotuner.model.families): Gemma's zero-centred norms
+    (which the local spec's torch norms refuse), OLMoE's q/k norms over the whole projection, Gemma-2's
+    capped scores. (Post norms and output scales are added to the built model: autotuner.model.
+    layer_parts.adapt_model.)"""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    layer = spec.submodules
+    local_norm = layer.input_layernorm is not IdentityOp  # TE fuses the input norm into linear_qkv
+    if config.layernorm_zero_centered_gamma and local_norm:
+        norms = {
+            name: ZeroCenteredRMSNorm
+            for name in ("input_layernorm", "pre_mlp_layernorm")
+            if getattr(layer, name) is not IdentityOp
+        }
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(layer, **norms))
+    if config.qk_layernorm and getattr(config, "qk_layernorm_span", "head") == "projection":
+        spec = _replace_in(spec, "self_attention", q_layernorm=ProjectionQNorm, k_layernorm=ProjectionKNorm)
+    if getattr(config, "attention_softcap", None) is not None:
+        # Transformer-Engine's attention has no cap: the local one, capped, on either spec
+        capped = softcapped_attention(DotProductAttention, config.attention_softcap)
+        spec = _replace_in(spec, "self_attention", core_attention=capped)
+    return spec
+
+
+def _norm_class(config: Any, spec: Any) -> Any:
+    """The class of the layer's norms (for the norms added after building): Gemma's where the local spec
+    builds the norms, the local spec's input norm, or Transformer-Engine's norm where its spec fuses
+    that one into linear_qkv."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    layer = spec.layer_specs[0] if hasattr(spec, "layer_specs") else spec
+    norm = layer.submodules.input_layernorm
+    if norm is IdentityOp:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return norm
 
 
 class ModelBuildError(RuntimeError):
@@ -398,8 +472,19 @@ def build_model(
         position_embedding_type="rope",
         rotary_percent=args.rotary_percent,
         rotary_base=int(args.rotary_base),
+        rope_scaling=args.rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.seq_len_interpolation_factor,
         vp_stage=parts.vp_stage,
     )
+    adapt_model(model, _norm_class(config, spec))
+    if config.num_moe_experts:
+        # Megatron's per-layer record of the auxiliary losses is sized by the first model whose router ran
+        # in this process: a model of more layers built after it (an op's own parts, another case) would
+        # index past its end. A new model starts a new record.
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
     model.to(device)
     # Megatron's training wraps the model in Float16Module, which casts every parameter to the half dtype,
     # the norms' too (torch.nn norms ignore params_dtype): do the same, so each op sees training's dtypes.
@@ -413,21 +498,25 @@ def build_model(
 def _decoder(tf_config: Any, parts: ModelParts, use_transformer_engine: bool) -> tuple[Any, Any]:
     """The config and the layer (or block) spec of a model of ``parts.num_layers`` layers.
 
-    A model whose layers are all alike gets one layer spec. One that mixes dense and MoE layers
-    (DeepSeek's first dense layer) gets a block spec of one spec per layer. A model of fewer layers than
-    the whole holds the model's first layers, as the first pipeline stage does (autotuner.op_mapping.
-    model_parts asks for enough of them to hold a layer of each kind its ops need)."""
+    A model whose layers are all alike gets one layer spec; one that mixes dense and MoE layers
+    (DeepSeek's first dense layers), or whose final norm is not Megatron's, a block spec of one spec per
+    layer. A model of fewer layers than the whole holds the model's first layers, as the first pipeline
+    stage does (autotuner.op_mapping.model_parts asks for enough of them to hold a layer of each kind its
+    ops need): the per-layer lists (MoE layers, sliding-window layers) are cut to it."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     pattern = moe_layer_pattern(tf_config)[: parts.num_layers]
     replace: dict[str, Any] = {"num_layers": parts.num_layers}
     if tf_config.num_moe_experts:
         replace["moe_layer_freq"] = 1 if all(pattern) else [int(flag) for flag in pattern]
+    if isinstance(tf_config.window_attn_skip_freq, list):
+        replace["window_attn_skip_freq"] = tf_config.window_attn_skip_freq[: parts.num_layers]
     config = dataclasses.replace(tf_config, **replace)
-    if len(set(pattern)) == 1:
-        return config, layer_spec(config, use_transformer_engine, parts, moe=pattern[0])
     specs = {moe: layer_spec(config, use_transformer_engine, parts, moe=moe) for moe in set(pattern)}
-    norm = LayerNormImpl
+    zero_centered = config.layernorm_zero_centered_gamma and not use_transformer_engine
+    if len(specs) == 1 and not zero_centered:  # one spec: Megatron builds the stage's layers from it
+        return config, specs[pattern[0]]
+    norm = ZeroCenteredRMSNorm if zero_centered else LayerNormImpl
     if use_transformer_engine:
         from megatron.core.extensions.transformer_engine import TENorm as norm
     return config, TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in pattern], layer_norm=norm)

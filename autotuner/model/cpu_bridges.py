@@ -43,7 +43,10 @@ tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
    sequence parallelism hidden from it and tags its parameters ``sequence_parallel`` as Megatron's
    fused and Transformer-Engine norms do.
 7. ``get_default_causal_mask`` builds its mask on "cuda" when the attention mask is None: not bridged,
-   because our op inputs always pass an explicit boolean causal mask (True = masked).
+   because our op inputs always pass an explicit boolean causal mask (True = masked). Its sliding-window
+   sibling, ``get_sliding_window_causal_mask`` (the local attention's mask wherever ``window_size`` is
+   set, whatever mask is passed), builds on "cuda" too: the bridge builds the same mask on the run's
+   device.
 10. The pipeline schedules (``pipeline_parallel.schedules``: ``forward_backward_no_pipelining``,
     ``forward_backward_pipelining_without_interleaving`` and ``..._with_interleaving``) count the step's
     tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``. For the duration of a schedule call
@@ -63,6 +66,9 @@ tensors on the CPU, and a CUDA run in the same process afterwards is untouched.
     CPU-only torch). For a CPU run the bridge saves and restores the CPU generator and the tracker's
     states, the ones a CPU forward draws from, and leaves the CUDA generator out; a CUDA run takes
     Megatron's own functions.
+13. The router's expert bias (``moe_router_enable_expert_bias``, DeepSeek-V3's aux-loss-free balancing)
+    and its token counts are buffers ``TopKRouter.__init__`` makes on ``torch.cuda.current_device()``:
+    the bridge makes that the run's device, as in 2.
 """
 
 from __future__ import annotations
@@ -244,6 +250,14 @@ def _rng_states_without_cuda(random: Any, get_all: Callable[..., Any], set_all: 
     random._set_all_rng_states = set_states
 
 
+def _sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """``megatron.core.transformer.utils.get_sliding_window_causal_mask`` on the run's device: True where a
+    query may not see a key (more than window_size[0] before it, or window_size[1] after)."""
+    seen = torch.ones(sq, skv, dtype=torch.bool, device=_RUN_DEVICE)
+    seen = torch.triu(seen, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(seen, diagonal=skv - sq + window_size[1])
+
+
 def apply(device: torch.device) -> None:
     """Install the bridges (once) and aim them at ``device``; a CPU run also gets the no-op RNG tracker."""
     global _INSTALLED, _RUN_DEVICE
@@ -254,11 +268,12 @@ def apply(device: torch.device) -> None:
         from megatron.core import utils as mcore_utils
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
-        from megatron.core.transformer.moe.router import Router
+        from megatron.core.transformer.moe.router import Router, TopKRouter
 
         RotaryEmbedding.get_emb = _on_device_of("inv_freq")(RotaryEmbedding.get_emb)
         mcore_utils.GlobalMemoryBuffer.get_tensor = _on_run_device(mcore_utils.GlobalMemoryBuffer.get_tensor)
         Router.gating = _gating(Router.gating)
+        TopKRouter.__init__ = _on_run_device(TopKRouter.__init__)
         RotaryEmbedding.__init__ = _on_run_device(RotaryEmbedding.__init__)
         YarnRotaryEmbedding.__init__ = _on_run_device(YarnRotaryEmbedding.__init__)
         YarnRotaryEmbedding.forward = _on_device_of("inv_freq_extra")(YarnRotaryEmbedding.forward)
@@ -285,6 +300,9 @@ def apply(device: torch.device) -> None:
             "forward_backward_pipelining_with_interleaving",
         ):
             setattr(schedules, name, _schedule_on_run_device(schedules, getattr(schedules, name)))
+        from megatron.core.fusions import fused_softmax
+
+        fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask
         communicator = p2p_communication.P2PCommunicator
         communicator._communicate = _p2p_on_run_device(communicator._communicate)
         communicator._communicate_shapes = _p2p_on_run_device(communicator._communicate_shapes)

@@ -1,68 +1,12 @@
 """The one mapping from a HuggingFace model config to Megatron-Core's model arguments.
 
-Megatron-Core ships no such converter, so this is ours. Every HF field that shapes the network maps to a
-``TransformerConfig`` field or a ``GPTModel`` argument:
-
-==============================  =====================================================
-HF config                       Megatron-Core
-==============================  =====================================================
-num_hidden_layers               TransformerConfig.num_layers
-hidden_size                     hidden_size
-intermediate_size               ffn_hidden_size
-num_attention_heads             num_attention_heads
-num_key_value_heads (GQA)       num_query_groups
-head_dim (or hidden/heads)      kv_channels
-rms_norm_eps / layer_norm_eps   layernorm_epsilon
-model_type llama/mistral/qwen2  normalization="RMSNorm" (LayerNorm otherwise)
-hidden_act silu + gated MLP     gated_linear_unit=True, activation_func=F.silu (SwiGLU)
-attention_bias                  add_qkv_bias (Qwen2: q/k/v only) or add_bias_linear (Llama: q/k/v/o)
-mlp_bias                        add_bias_linear (must agree with attention_bias for Llama)
-attention_dropout               attention_dropout; hidden_dropout = 0 (HF decoders have none)
-vocab_size                      GPTModel vocab_size
-max_position_embeddings         GPTModel max_sequence_length
-rope theta                      GPTModel rotary_base (position_embedding_type="rope")
-partial_rotary_factor           GPTModel rotary_percent
-tie_word_embeddings             GPTModel share_embeddings_and_output_weights
-model_type qwen3/qwen3_moe      qk_layernorm=True (RMSNorm on each head's q and k)
-==============================  =====================================================
-
-Mixture-of-Experts fields (see :func:`_moe_fields`):
-
-======================================  ==============================================================
-HF config                               Megatron-Core
-======================================  ==============================================================
-num_local_experts / num_experts /       num_moe_experts
-n_routed_experts
-num_experts_per_tok                     moe_router_topk
-moe_intermediate_size (else             moe_ffn_hidden_size (each routed expert's width)
-intermediate_size, as Mixtral)
-n_shared_experts x moe_intermediate     moe_shared_expert_intermediate_size (DeepSeek: one MLP as wide
-_size; shared_expert_intermediate_size  as all shared experts); Qwen2-MoE's also moe_shared_expert_gate
-first_k_dense_replace; decoder_sparse_  moe_layer_freq, a 0/1 list (0: a dense layer of width
-step, mlp_only_layers                   intermediate_size)
-norm_topk_prob, scoring (softmax)       moe_router_pre_softmax: softmax over all experts before top-k
-                                        (DeepSeek, and Qwen3-MoE without norm_topk_prob); with the
-                                        renormalisation, softmax over the top-k logits (Megatron's default)
-routed_scaling_factor                   moe_router_topk_scaling_factor
-router_aux_loss_coef / aux_loss_alpha   moe_aux_loss_coeff (load-balancing loss, "aux_loss")
-======================================  ==============================================================
-
-Multi-Latent Attention fields (DeepSeek-V2/V3; built with an ``MLATransformerConfig``):
-
-======================================  ==============================================================
-kv_lora_rank, q_lora_rank (null: no     kv_lora_rank, q_lora_rank (None: one q projection)
-q LoRA)
-qk_nope_head_dim, qk_rope_head_dim,     qk_head_dim, qk_pos_emb_head_dim, v_head_dim
-v_head_dim
-rope_scaling / rope_parameters yarn     rope_type="yarn", rotary_scaling_factor, original_max_position_
-                                        embeddings, beta_fast, beta_slow, mscale, mscale_all_dim
-======================================  ==============================================================
-
-What the token dispatcher and the experts' implementation are depends on the device, not the model:
-autotuner.model.build chooses them.
-
-``hf.<field>=`` overrides are applied to the HF config before this mapping, ``tf.<field>=`` overrides to
-the TransformerConfig arguments after it.
+Megatron-Core ships no such converter, so this is ours. What each field of each supported family does is
+written once, in autotuner.model.families (the table docs/model_families.md renders); this module
+carries it out: TransformerConfig fields (``transformer``), GPTModel arguments, and the pieces the layer
+spec builds where Megatron-Core's TransformerLayer has no switch of its own (autotuner.model.layer_parts).
+A present field must be valid (a zero head count is refused, never replaced by a default); only a missing
+one takes the family's default. ``hf.<field>=`` overrides apply to the HF config before this mapping,
+``tf.<field>=`` overrides to the TransformerConfig arguments after it.
 """
 
 from __future__ import annotations
@@ -71,32 +15,47 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.model.families import Family, family_of
 
-_RMSNORM_MODELS = {
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen3",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v2",
-    "deepseek_v3",
+# HF activation names -> ours (autotuner.model.layer_parts.ACTIVATIONS); the tanh-approximated gelu has
+# three HF names.
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
 }
-_QK_NORM_MODELS = {"qwen3", "qwen3_moe"}
-_MLA_MODELS = {"deepseek_v2", "deepseek_v3"}
-_GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu"}
-# Llama-family attention puts attention_bias on q, k, v and o; Qwen2 on q, k, v only.
-_QKV_ONLY_BIAS_MODELS = {"qwen2", "qwen2_moe"}
+_WINDOW_TYPES = {"full_attention": 0, "sliding_attention": 1}
+
+
+# Every TransformerConfig field the mapping sets: what the model is (its sizes and its arithmetic), as
+# against how a run runs it (parallel sizes, dtypes, kernels), which the run's settings give.
+MODEL_FIELDS = frozenset(
+    {
+        *("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups"),
+        *("kv_channels", "layernorm_epsilon", "normalization", "gated_linear_unit", "add_bias_linear"),
+        *("add_qkv_bias", "attention_dropout", "hidden_dropout", "qk_layernorm", "softmax_scale"),
+        *("window_size", "window_attn_skip_freq", "layernorm_zero_centered_gamma"),
+        *("qk_layernorm_span", "post_layernorms", "residual_scale", "attention_softcap"),
+        *("embedding_scale", "embedding_dropout", "logit_scale", "logit_softcap"),
+        *("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq"),
+        *("moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function"),
+        *("moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_num_groups"),
+        *("moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_aux_loss_coeff"),
+        *("moe_router_load_balancing_type", "moe_input_jitter_eps", "moe_router_dtype"),
+        *("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim"),
+        *("v_head_dim", "rotary_base", "rotary_percent", "rope_type", "rotary_scaling_factor"),
+        *("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    }
+)
 
 
 @dataclass
 class MegatronModelArgs:
-    """What building the Megatron-Core model needs: TransformerConfig kwargs plus GPTModel kwargs.
-
-    ``activation`` is kept by name (``silu``/``gelu``) so the arguments stay plain data; the function is
-    looked up when the TransformerConfig is built.
-    """
+    """What building the Megatron-Core model needs: TransformerConfig kwargs (``transformer``, with the
+    families' fields of autotuner.model.layer_parts.FamilyFields) plus GPTModel kwargs, as plain data.
+    ``activation``: silu, gelu or gelu_tanh (the function is looked up when the config is built)."""
 
     transformer: dict[str, Any]
     activation: str
@@ -106,6 +65,10 @@ class MegatronModelArgs:
     rotary_percent: float
     tie_word_embeddings: bool
     notes: list[str] = field(default_factory=list)
+    family: str = ""
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    seq_len_interpolation_factor: float | None = None
 
 
 def _fix(name: str, hint: str = "") -> str:
@@ -131,6 +94,10 @@ def _float_field(hf: Any, name: str, default: float, low: float, high: float, lo
     value = getattr(hf, name, None)
     if value is None:
         return default
+    return _checked_float(name, value, low, high, low_open)
+
+
+def _checked_float(name: str, value: Any, low: float, high: float, low_open: bool) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not (value > low if low_open else value >= low) or value > high:
         bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
@@ -140,20 +107,42 @@ def _float_field(hf: Any, name: str, default: float, low: float, high: float, lo
     return float(value)
 
 
-def _bool_field(hf: Any, name: str) -> bool:
+def _bool_field(hf: Any, name: str, default: bool = False) -> bool:
     value = getattr(hf, name, None)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise UserError(f"HF config field {name}={value!r} must be true or false: {_fix(name)}")
     return value
 
 
+def _refuse_true(hf: Any, name: str, why: str) -> None:
+    if _bool_field(hf, name):
+        raise UserError(
+            f"HF config field {name}=true is not expressible in Megatron-Core ({why}): set hf.{name}=false"
+        )
+
+
+def _rope(hf: Any) -> dict[str, Any]:
+    """The rope settings as transformers >= 5 keeps them (``rope_parameters``), or as older versions and
+    their files do (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``)."""
+    params = getattr(hf, "rope_parameters", None)
+    merged: dict[str, Any] = dict(params) if isinstance(params, dict) else {}
+    scaling = getattr(hf, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        merged = {**scaling, **merged}
+    for name in ("rope_theta", "partial_rotary_factor"):
+        if merged.get(name) is None and getattr(hf, name, None) is not None:
+            merged[name] = getattr(hf, name)
+    return merged
+
+
+def _rope_kind(rope: dict[str, Any]) -> str:
+    return str(rope.get("rope_type") or rope.get("type") or "default")
+
+
 def _rope_theta(hf: Any) -> float:
-    params = getattr(hf, "rope_parameters", None) or {}
-    value = params.get("rope_theta") if isinstance(params, dict) else None  # transformers >= 5
-    if value is None:
-        value = getattr(hf, "rope_theta", None)
+    value = _rope(hf).get("rope_theta")
     if value is None:
         return 10000.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -163,21 +152,199 @@ def _rope_theta(hf: Any) -> float:
     return float(value)
 
 
-def _layernorm_epsilon(hf: Any) -> float:
-    for name in ("rms_norm_eps", "layer_norm_eps"):
-        if getattr(hf, name, None) is not None:
-            return _float_field(hf, name, 1e-5, 0.0, 1.0, low_open=False)
-    return 1e-5
+def _rotary_percent(hf: Any) -> float:
+    value = _rope(hf).get("partial_rotary_factor")
+    return 1.0 if value is None else _checked_float("partial_rotary_factor", value, 0.0, 1.0, low_open=True)
+
+
+def _dense_rope(hf: Any, notes: list[str]) -> dict[str, Any]:
+    """GPTModel's rope arguments for a model with the dense attention: Llama-3's scaling and linear
+    interpolation are Megatron's own; any other scaling changes only the values of the rotary table."""
+    rope = _rope(hf)
+    kind = _rope_kind(rope)
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        factor = _checked_float("rope_parameters.factor", rope.get("factor"), 0.0, 1e6, low_open=True)
+        return {"seq_len_interpolation_factor": factor}
+    if kind == "llama3":
+        factor = _checked_float("rope_parameters.factor", rope.get("factor"), 0.0, 1e6, low_open=True)
+        # Megatron's _apply_scaling takes the factor; its other constants are Llama-3.1's.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        other = {k: rope.get(k) for k, v in fixed.items() if rope.get(k) is not None and rope.get(k) != v}
+        if other:
+            notes.append(
+                f"rope_type=llama3 with {other}: Megatron-Core's Llama-3 scaling fixes them at {fixed}; "
+                "the rotary table's values differ, the work does not"
+            )
+        return {"rope_scaling": True, "rope_scaling_factor": factor}
+    notes.append(
+        f"rope_type={kind} is not Megatron-Core's: the rotary table's values differ from the model's, the "
+        "work and memory do not (RoPE is applied the same way)"
+    )
+    return {}
+
+
+def _window(hf: Any, family: Family, layers: int) -> dict[str, Any]:
+    """Sliding-window attention as Megatron-Core's ``window_size`` (the tokens before each one it sees,
+    and after: HF's window counts the token itself) and ``window_attn_skip_freq`` (which layers slide)."""
+    if family.window is None:
+        return {}
+    window = getattr(hf, "sliding_window", None)
+    if family.window == "layer_types":
+        types = getattr(hf, "layer_types", None)
+        if types is None:  # transformers < 5: Gemma-2 slides on even layers, Qwen2 on the top ones
+            if family.model_type == "gemma2":
+                types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+            elif _bool_field(hf, "use_sliding_window"):
+                first = getattr(hf, "max_window_layers", 0) or 0
+                types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+            else:
+                types = ["full_attention"] * layers
+        unknown = sorted(set(types) - set(_WINDOW_TYPES))
+        if unknown or len(types) != layers:
+            raise UserError(
+                f"HF config field layer_types={unknown or len(types)}: only {', '.join(_WINDOW_TYPES)} "
+                f"layers, one per layer ({layers}), are expressible: fix layer_types"
+            )
+        sliding = [_WINDOW_TYPES[t] for t in types]
+    else:
+        sliding = [1] * layers
+    if not window or not any(sliding):
+        return {}
+    window = _int_field(hf, "sliding_window", " (tokens each token attends to)")
+    return {"window_size": (window - 1, 0), "window_attn_skip_freq": None if all(sliding) else sliding}
+
+
+def _biases(hf: Any, family: Family) -> tuple[bool, bool]:
+    """(add_bias_linear, add_qkv_bias): Megatron-Core biases every linear (add_bias_linear) or q/k/v alone
+    (add_qkv_bias)."""
+    if family.bias == "none":
+        return False, False
+    if family.bias == "qkv":
+        return False, True
+    if family.bias == "qkv_field":
+        return False, _bool_field(hf, "qkv_bias", default=True)
+    if family.bias == "all":
+        every = _bool_field(hf, "use_bias", default=True)
+        return every, every
+    attention = _bool_field(hf, "attention_bias")
+    if family.bias == "attention":
+        if attention:
+            raise UserError(
+                "HF config field attention_bias=true (bias on q/k/v/o but not the MLP) has no Megatron-Core "
+                "equivalent: set hf.attention_bias=false"
+            )
+        return False, False
+    mlp = _bool_field(hf, "mlp_bias")
+    if attention != mlp:
+        where = "q/k/v/o but not the MLP" if attention else "the MLP but not q/k/v/o"
+        raise UserError(
+            f"attention_bias={str(attention).lower()} with mlp_bias={str(mlp).lower()} (bias on {where}) has "
+            "no Megatron-Core equivalent (add_bias_linear biases every linear): set both the same"
+        )
+    return attention, attention
+
+
+def _dropouts(hf: Any, family: Family) -> tuple[float, float | None]:
+    """(hidden_dropout, the embedding's own dropout where it is not hidden_dropout)."""
+    hidden_name = {"phi3": "resid_pdrop", "starcoder2": "residual_dropout"}.get(family.model_type)
+    embedding_name = {"phi3": "embd_pdrop", "starcoder2": "embedding_dropout"}.get(family.model_type)
+    hidden = _float_field(hf, hidden_name, 0.0, 0.0, 1.0, low_open=False) if hidden_name else 0.0
+    embedding = _float_field(hf, embedding_name, 0.0, 0.0, 1.0, low_open=False) if embedding_name else 0.0
+    return hidden, None if embedding == hidden else embedding
+
+
+class _TableFields:
+    """The HF config as the mapping may read it: only the fields the family's table has a rule for
+    (autotuner.model.families); any other reads as absent. So every field that reaches Megatron-Core
+    is one the table says it does."""
+
+    def __init__(self, hf: Any, family: Family) -> None:
+        self._hf, self._family = hf, family
+
+    def __getattr__(self, name: str) -> Any:
+        if self._family.rule(name) is None:
+            return None
+        return getattr(self._hf, name, None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self._hf.to_dict()
+
+
+def _unknown_keys(hf: Any, family: Family, notes: list[str]) -> None:
+    """Keys of the config the family's table does not know: not mapped, said once (the file's author may
+    have meant something by them)."""
+    unknown = sorted(k for k in hf.to_dict() if family.rule(k) is None)
+    if unknown:
+        notes.append(
+            f"config key(s) {', '.join(unknown)}: not fields of transformers' {type(hf).__name__} and not in "
+            f"the {family.model_type} family's table: not mapped"
+        )
 
 
 def map_hf_config(hf: Any) -> MegatronModelArgs:
-    """Map a transformers config to Megatron-Core arguments, rejecting what cannot be expressed.
-
-    A field that is present must be valid; only a missing one takes its default (a zero head count
-    must not quietly become multi-head attention)."""
-    model_type = hf.model_type
+    """Map a transformers config to Megatron-Core arguments, rejecting what cannot be expressed and
+    noting what is not (autotuner.model.families)."""
+    family = family_of(hf.model_type)
+    notes: list[str] = []
+    _unknown_keys(hf, family, notes)
+    hf = _TableFields(hf, family)
     hidden = _int_field(hf, "hidden_size")
     heads = _int_field(hf, "num_attention_heads", f" dividing hidden_size ({hidden})")
+    layers = _int_field(hf, "num_hidden_layers")
+    vocab = _int_field(hf, "vocab_size")
+    max_positions = _int_field(hf, "max_position_embeddings")
+    ffn = _int_field(hf, "intermediate_size", " (the MLP width)")
+    act = str(getattr(hf, family.activation, None) or "silu")
+    if act not in _ACTIVATIONS:
+        raise UserError(
+            f"HF config field {family.activation}={act!r} is not supported: use one of {sorted(_ACTIVATIONS)}"
+        )
+    add_bias_linear, add_qkv_bias = _biases(hf, family)
+    hidden_dropout, embedding_dropout = _dropouts(hf, family)
+    transformer: dict[str, Any] = dict(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        layernorm_epsilon=_float_field(hf, family.eps, 1e-5, 0.0, 1.0, low_open=False),
+        normalization=family.norm,
+        gated_linear_unit=family.gated,
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=add_qkv_bias,
+        attention_dropout=_float_field(hf, "attention_dropout", 0.0, 0.0, 1.0, low_open=False),
+        hidden_dropout=hidden_dropout,
+        qk_layernorm=family.qk_norm is not None or family.mla,
+    )
+    if family.mla:
+        _refuse_true(hf, "attention_bias", "MLA's projections are built without bias")
+        _refuse_true(hf, "mlp_bias", "the routed experts have no bias to match")
+        transformer.update(_mla_fields(hf, notes))
+        rope: dict[str, Any] = {}
+    else:
+        transformer.update(_dense_attention(hf, heads, hidden))
+        transformer.update(_window(hf, family, layers))
+        rope = _dense_rope(hf, notes)
+    transformer.update(_moe_fields(hf, family, layers, notes))
+    transformer.update(_family_fields(hf, family, hidden, embedding_dropout))
+    _family_checks(hf, family, notes)
+    assert set(transformer) <= MODEL_FIELDS, sorted(set(transformer) - MODEL_FIELDS)
+    return MegatronModelArgs(
+        transformer=transformer,
+        activation=_ACTIVATIONS[act],
+        vocab_size=vocab,
+        max_sequence_length=max_positions,
+        rotary_base=_rope_theta(hf),
+        rotary_percent=_rotary_percent(hf),
+        tie_word_embeddings=_bool_field(hf, "tie_word_embeddings"),
+        notes=notes,
+        family=family.model_type,
+        **rope,
+    )
+
+
+def _dense_attention(hf: Any, heads: int, hidden: int) -> dict[str, Any]:
     kv_heads = _int_field(
         hf,
         "num_key_value_heads",
@@ -198,138 +365,241 @@ def map_hf_config(hf: Any) -> MegatronModelArgs:
             f"num_key_value_heads ({kv_heads}) does not divide num_attention_heads ({heads}): "
             "set hf.num_key_value_heads to a divisor of the head count"
         )
-    layers = _int_field(hf, "num_hidden_layers")
-    ffn = _int_field(hf, "intermediate_size", " (the MLP width)")
-    vocab = _int_field(hf, "vocab_size")
-    max_positions = _int_field(hf, "max_position_embeddings")
-    act = str(getattr(hf, "hidden_act", "silu"))
-    gated = model_type in _RMSNORM_MODELS  # these families all use a gated (GLU) MLP
-    if act not in _GATED_ACTIVATIONS:
-        raise UserError(f"hidden_act {act!r} is not supported: use one of {sorted(_GATED_ACTIVATIONS)}")
-    attention_bias = _bool_field(hf, "attention_bias")
-    mlp_bias = _bool_field(hf, "mlp_bias")
-    notes = []
-    if model_type in _QKV_ONLY_BIAS_MODELS:
-        add_bias_linear, add_qkv_bias = mlp_bias, True
-    else:
-        if attention_bias != mlp_bias and attention_bias:
-            raise UserError(
-                "attention_bias=true with mlp_bias=false (bias on q/k/v/o but not the MLP) has no "
-                "Megatron-Core equivalent: set hf.mlp_bias=true or hf.attention_bias=false"
+    return dict(num_query_groups=kv_heads, kv_channels=head_dim)
+
+
+def _family_fields(hf: Any, family: Family, hidden: int, embedding_dropout: float | None) -> dict[str, Any]:
+    """What the family computes beyond TransformerConfig's own switches (FamilyFields, and Megatron's
+    zero-centred norms): a field is set only where it differs from Megatron's default."""
+    fields: dict[str, Any] = {}
+    if family.zero_centered_norm:
+        fields["layernorm_zero_centered_gamma"] = True
+    if family.qk_norm == "projection":
+        fields["qk_layernorm_span"] = "projection"
+    if family.post_norms:
+        fields["post_layernorms"] = True
+    if embedding_dropout is not None:
+        fields["embedding_dropout"] = embedding_dropout
+    if family.embedding_scale == "sqrt_hidden":
+        fields["embedding_scale"] = float(hidden) ** 0.5
+    elif family.embedding_scale == "embedding_multiplier":
+        value = _float_field(hf, "embedding_multiplier", 1.0, 0.0, 1e6, low_open=True)
+        if value != 1.0:
+            fields["embedding_scale"] = value
+    if family.multipliers:
+        residual = _float_field(hf, "residual_multiplier", 1.0, 0.0, 1e6, low_open=True)
+        if residual != 1.0:
+            fields["residual_scale"] = residual
+        logits = _float_field(hf, "logits_scaling", 1.0, 0.0, 1e6, low_open=True)
+        if logits != 1.0:
+            fields["logit_scale"] = 1.0 / logits
+        attention = getattr(hf, "attention_multiplier", None)
+        if attention is not None:
+            fields["softmax_scale"] = _checked_float(
+                "attention_multiplier", attention, 0.0, 1e6, low_open=True
             )
-        add_bias_linear = attention_bias and mlp_bias
-        add_qkv_bias = add_bias_linear
-    window = getattr(hf, "sliding_window", None)
-    if window:
+    if family.softcapping:
+        for name, key in (
+            ("attn_logit_softcapping", "attention_softcap"),
+            ("final_logit_softcapping", "logit_softcap"),
+        ):
+            value = getattr(hf, name, None)
+            if value is not None:
+                fields[key] = _checked_float(name, value, 0.0, 1e9, low_open=True)
+        scalar = getattr(hf, "query_pre_attn_scalar", None)
+        if scalar is not None:
+            fields["softmax_scale"] = (
+                _checked_float("query_pre_attn_scalar", scalar, 0.0, 1e9, low_open=True) ** -0.5
+            )
+    return fields
+
+
+def _family_checks(hf: Any, family: Family, notes: list[str]) -> None:
+    """The family's refused values and notes that belong to no group of fields above."""
+    if family.model_type in ("gemma", "gemma2"):
+        _refuse_true(hf, "use_bidirectional_attention", "bidirectional (encoder) attention is not profiled")
+    clip = getattr(hf, "clip_qkv", None)
+    if family.model_type == "olmoe" and clip is not None:
         notes.append(
-            f"sliding_window={window} is not mapped: attention is full causal, "
-            f"identical to the model's for sequences up to {window} tokens"
+            f"clip_qkv={clip}: the model clamps q, k and v to +-{clip}, an elementwise op Megatron-Core's "
+            "attention does not run: its time is not in the rows"
         )
-    transformer = dict(
-        qk_layernorm=model_type in _QK_NORM_MODELS or model_type in _MLA_MODELS,
-        num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=ffn,
-        num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        kv_channels=head_dim,
-        layernorm_epsilon=_layernorm_epsilon(hf),
-        normalization="RMSNorm" if model_type in _RMSNORM_MODELS else "LayerNorm",
-        gated_linear_unit=gated,
-        add_bias_linear=add_bias_linear,
-        add_qkv_bias=add_qkv_bias,
-        attention_dropout=_float_field(hf, "attention_dropout", 0.0, 0.0, 1.0, low_open=False),
-        hidden_dropout=0.0,
-    )
-    transformer.update(_moe_fields(hf, layers, notes))
-    if model_type in _MLA_MODELS:
-        transformer.update(_mla_fields(hf, notes))
-    return MegatronModelArgs(
-        transformer=transformer,
-        activation=_GATED_ACTIVATIONS[act],
-        vocab_size=vocab,
-        max_sequence_length=max_positions,
-        rotary_base=_rope_theta(hf),
-        rotary_percent=_float_field(hf, "partial_rotary_factor", 1.0, 0.0, 1.0, low_open=True),
-        tie_word_embeddings=_bool_field(hf, "tie_word_embeddings"),
-        notes=notes,
-    )
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        notes.append(
+            f"quantization_config ({method}) says how the published weights are stored: a run computes "
+            "in its dtype= setting, as training does"
+        )
+    if family.model_type == "deepseek_v3":
+        mtp = getattr(hf, "num_nextn_predict_layers", None)
+        if mtp:
+            notes.append(
+                f"num_nextn_predict_layers={mtp}: the multi-token-prediction layers are not built "
+                "(transformers' model leaves them out too): their parameters and ops are not counted"
+            )
+        if _bool_field(hf, "rope_interleave", default=True):
+            notes.append(
+                "rope_interleave=true: Megatron-Core's MLA rotates the RoPE dimensions by halves, not by "
+                "pairs: the same work, other values"
+            )
+    for key, wanted in (
+        ("scoring_func", "sigmoid" if family.moe and family.moe.score == "sigmoid" else "softmax"),
+    ):
+        value = getattr(hf, key, None)
+        if family.mla and value is not None and value != wanted:
+            raise UserError(
+                f"HF config key {key}={value!r} contradicts transformers' {family.model_type} model, which "
+                f"scores with {wanted}: set hf.{key}={wanted} or drop it"
+            )
+    if family.mla:
+        freq = getattr(hf, "moe_layer_freq", None)
+        if freq not in (None, 1):
+            raise UserError(
+                f"HF config key moe_layer_freq={freq!r}: transformers' {family.model_type} model makes every "
+                "layer after first_k_dense_replace an MoE layer: set hf.moe_layer_freq=1 or drop it"
+            )
 
 
-def _moe_layer_pattern(hf: Any, layers: int) -> list[int] | int:
+def _moe_layer_pattern(hf: Any, family: Family, layers: int) -> list[int] | int:
     """Which layers are MoE (1) and which dense (0): DeepSeek's first ``first_k_dense_replace`` layers are
     dense; Qwen-MoE's layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in
     mlp_only_layers. 1 (Megatron's "every layer") when all are."""
-    first_dense = getattr(hf, "first_k_dense_replace", None) or 0
-    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or not 0 <= first_dense < layers:
-        raise UserError(
-            f"HF config field first_k_dense_replace={first_dense!r} must be an integer in [0, {layers}): "
-            f"{_fix('first_k_dense_replace')}"
-        )
-    step = getattr(hf, "decoder_sparse_step", None) or 1
-    dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
+    assert family.moe is not None
+    first_dense, step, dense_only = 0, 1, set()
+    if family.moe.dense == "first_k_dense_replace":
+        first_dense = getattr(hf, "first_k_dense_replace", None) or 0
+        if isinstance(first_dense, bool) or not isinstance(first_dense, int) or not 0 <= first_dense < layers:
+            raise UserError(
+                f"HF config field first_k_dense_replace={first_dense!r} must be an integer in [0, {layers}): "
+                f"{_fix('first_k_dense_replace')}"
+            )
+    elif family.moe.dense == "sparse_step":
+        step = _int_field(hf, "decoder_sparse_step", required=False) or 1
+        dense_only = set(getattr(hf, "mlp_only_layers", None) or ())
     pattern = [int(i >= first_dense and (i + 1) % step == 0 and i not in dense_only) for i in range(layers)]
     if not any(pattern):
         raise UserError(
             "the case's HF config makes no layer an MoE layer (first_k_dense_replace, decoder_sparse_step, "
-            "mlp_only_layers): fix those fields, or drop the expert fields for a dense model"
+            "mlp_only_layers): fix those fields"
         )
     return 1 if all(pattern) else pattern
 
 
-def _moe_fields(hf: Any, layers: int, notes: list[str]) -> dict[str, Any]:
-    """The TransformerConfig fields of a Mixture-of-Experts model; {} for a dense one."""
-    experts = _int_field(hf, "num_experts", " (the routed experts per layer)", required=False)
-    if experts is None:
+def _moe_fields(hf: Any, family: Family, layers: int, notes: list[str]) -> dict[str, Any]:
+    """The TransformerConfig fields of a Mixture-of-Experts family; {} for a dense one."""
+    moe = family.moe
+    if moe is None:
         return {}
+    experts = _int_field(hf, moe.experts, " (the routed experts per layer)")
     topk = _int_field(hf, "num_experts_per_tok", f" (experts per token, at most {experts})")
     if topk > experts:
         raise UserError(
             f"num_experts_per_tok ({topk}) exceeds the {experts} experts: "
             f"set hf.num_experts_per_tok <= {experts}"
         )
-    expert_ffn = _int_field(hf, "moe_intermediate_size", " (one expert's MLP width)", required=False)
-    expert_ffn = expert_ffn or _int_field(hf, "intermediate_size")  # Mixtral: every expert as wide as the MLP
+    width = (
+        _int_field(hf, moe.width, " (one expert's MLP width)")
+        if moe.width
+        else _int_field(hf, "intermediate_size")
+    )
     fields: dict[str, Any] = dict(
         num_moe_experts=experts,
         moe_router_topk=topk,
-        moe_ffn_hidden_size=expert_ffn,
-        moe_layer_freq=_moe_layer_pattern(hf, layers),
-        moe_router_load_balancing_type="aux_loss",
+        moe_ffn_hidden_size=width,
+        moe_layer_freq=_moe_layer_pattern(hf, family, layers),
     )
-    shared = _int_field(hf, "n_shared_experts", required=False)
-    if shared:  # DeepSeek: the shared experts are one MLP as wide as all of them
-        fields["moe_shared_expert_intermediate_size"] = shared * expert_ffn
-    shared_width = _int_field(hf, "shared_expert_intermediate_size", required=False)
-    if shared_width:  # Qwen2-MoE: one shared expert, its output scaled by a sigmoid gate
-        fields.update(moe_shared_expert_intermediate_size=shared_width, moe_shared_expert_gate=True)
-    # Softmax over every expert before the top-k (DeepSeek; Qwen-MoE without norm_topk_prob), or over the
-    # chosen k logits (Mixtral; Qwen-MoE's renormalised top-k is the same numbers): Megatron's default.
-    renormalised = hf.model_type == "mixtral" or _bool_field(hf, "norm_topk_prob")
-    fields["moe_router_pre_softmax"] = not renormalised
-    scaling = _float_field(hf, "routed_scaling_factor", 1.0, 0.0, 1e6, low_open=True)
-    if scaling != 1.0:
-        fields["moe_router_topk_scaling_factor"] = scaling
-    for name in ("router_aux_loss_coef", "aux_loss_alpha"):
-        if getattr(hf, name, None) is not None:
-            fields["moe_aux_loss_coeff"] = _float_field(hf, name, 0.0, 0.0, 1e6, low_open=False)
-    if hf.model_type in _MLA_MODELS:
+    if moe.shared == "count":
+        shared = _int_field(hf, "n_shared_experts", required=False)
+        if shared:  # DeepSeek: the shared experts are one MLP as wide as all of them
+            fields["moe_shared_expert_intermediate_size"] = shared * width
+    elif moe.shared == "width":
+        shared_width = _int_field(hf, "shared_expert_intermediate_size", required=False)
+        if shared_width:
+            fields.update(
+                moe_shared_expert_intermediate_size=shared_width, moe_shared_expert_gate=moe.shared_gate
+            )
+    fields.update(_router_fields(hf, moe, experts, topk, notes))
+    if family.mla:
         fields["moe_router_dtype"] = "fp32"  # DeepSeek's gate computes its logits in fp32 whatever the dtype
-    method = getattr(hf, "topk_method", None)
-    if method not in (None, "greedy"):
-        notes.append(
-            f"topk_method={method} is mapped as greedy top-k: the group-limited choice is not expressed "
-            "(the experts' sizes and counts are unchanged)"
-        )
     return fields
 
 
-def _rope_scaling(hf: Any) -> dict[str, Any]:
-    for name in ("rope_parameters", "rope_scaling"):
-        value = getattr(hf, name, None)
-        if isinstance(value, dict) and (value.get("rope_type") or value.get("type")) not in (None, "default"):
-            return value
-    return {}
+def _router_fields(hf: Any, moe: Any, experts: int, topk: int, notes: list[str]) -> dict[str, Any]:
+    """The router: scoring, renormalisation, group-limited top-k, scaling, load balancing, jitter."""
+    fields: dict[str, Any] = {}
+    renormalised = moe.renormalise if isinstance(moe.renormalise, bool) else _bool_field(hf, moe.renormalise)
+    if moe.score == "sigmoid":
+        fields["moe_router_score_function"] = "sigmoid"
+        fields["moe_router_enable_expert_bias"] = moe.expert_bias
+        if not renormalised and topk > 1:
+            notes.append(
+                "norm_topk_prob=false: Megatron-Core's sigmoid router renormalises the chosen experts' "
+                "weights: the same work, other weights"
+            )
+    else:
+        # Softmax over every expert before the top-k, or over the chosen k logits (Megatron's default:
+        # the same numbers as renormalising the top-k of a softmax over all).
+        fields["moe_router_pre_softmax"] = not renormalised
+    if moe.groups:
+        fields.update(_group_limited(hf, experts, topk, notes))
+    if moe.scaling:
+        scaling = _float_field(hf, "routed_scaling_factor", 1.0, 0.0, 1e6, low_open=True)
+        if scaling != 1.0:
+            fields["moe_router_topk_scaling_factor"] = scaling
+    coefficient = getattr(hf, moe.aux, None) if moe.aux else None
+    if coefficient is not None:
+        fields["moe_aux_loss_coeff"] = _checked_float(moe.aux, coefficient, 0.0, 1e6, low_open=False)
+        seq = _bool_field(hf, "seq_aux")
+        fields["moe_router_load_balancing_type"] = "seq_aux_loss" if seq else "aux_loss"
+    else:
+        fields["moe_router_load_balancing_type"] = "none" if moe.expert_bias else "aux_loss"
+    if moe.jitter:
+        jitter = _float_field(hf, "router_jitter_noise", 0.0, 0.0, 1.0, low_open=False)
+        if jitter:
+            fields["moe_input_jitter_eps"] = jitter
+    return fields
+
+
+def _group_limited(hf: Any, experts: int, topk: int, notes: list[str]) -> dict[str, Any]:
+    """DeepSeek's group-limited top-k: ``n_group`` groups of experts, ``topk_group`` of them chosen per
+    token, then the top-k experts inside them. DeepSeek-V2 says so with ``topk_method``; V3 always does."""
+    method = getattr(hf, "topk_method", None)
+    if hf.model_type == "deepseek_v2":
+        if method in (None, "greedy"):
+            return {}
+        if method != "group_limited_greedy":
+            raise UserError(
+                f"HF config field topk_method={method!r} is not one transformers' deepseek_v2 runs: "
+                "set hf.topk_method=greedy or group_limited_greedy"
+            )
+    elif method not in (None, "noaux_tc"):
+        raise UserError(
+            f"HF config key topk_method={method!r} contradicts transformers' {hf.model_type} model "
+            "(noaux_tc: expert bias and group-limited top-k): set hf.topk_method=noaux_tc or drop it"
+        )
+    groups = _int_field(hf, "n_group", " (expert groups)", required=False) or 1
+    chosen = _int_field(hf, "topk_group", " (groups chosen per token)", required=False) or 1
+    if groups == 1:
+        return {}
+    if experts % groups or chosen > groups or topk % chosen:
+        raise UserError(
+            f"n_group={groups}, topk_group={chosen} with {experts} experts, top-{topk}: the groups must "
+            "divide the experts, topk_group be at most n_group and divide num_experts_per_tok: fix "
+            "hf.n_group and hf.topk_group"
+        )
+    if hf.model_type == "deepseek_v3" and topk // chosen != 2:
+        notes.append(
+            f"n_group={groups}, topk_group={chosen}, top-{topk}: transformers' DeepseekV3 ranks the groups "
+            f"by the sum of their top 2 experts, Megatron-Core by that of their top {topk // chosen}: the "
+            "same work, sometimes other experts"
+        )
+    if method == "group_limited_greedy":
+        notes.append(
+            "topk_method=group_limited_greedy ranks the expert groups by their best expert; Megatron-Core "
+            f"by the sum of their top {topk // chosen}: the same work, sometimes other experts"
+        )
+    return {"moe_router_num_groups": groups, "moe_router_group_topk": chosen}
 
 
 def _mla_fields(hf: Any, notes: list[str]) -> dict[str, Any]:
@@ -342,50 +612,26 @@ def _mla_fields(hf: Any, notes: list[str]) -> dict[str, Any]:
         qk_pos_emb_head_dim=_int_field(hf, "qk_rope_head_dim"),
         v_head_dim=_int_field(hf, "v_head_dim"),
         rotary_base=_rope_theta(hf),  # MLA's own rotary embedding reads these from its config
-        rotary_percent=_float_field(hf, "partial_rotary_factor", 1.0, 0.0, 1.0, low_open=True),
+        rotary_percent=_rotary_percent(hf),
     )
-    # Megatron's core attention sizes its output by kv_channels: each head's value width.
+    # Megatron's core attention sizes its output by kv_channels: each head's value width; every head has
+    # its own key and value (made from the shared latent).
     fields["kv_channels"] = fields["v_head_dim"]
-    scaling = _rope_scaling(hf)
-    kind = scaling.get("rope_type") or scaling.get("type")
+    fields["num_query_groups"] = _int_field(hf, "num_attention_heads")
+    rope = _rope(hf)
+    kind = _rope_kind(rope)
     if kind == "yarn":
         fields.update(
             rope_type="yarn",
-            rotary_scaling_factor=float(scaling.get("factor", 1.0)),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
-            beta_fast=float(scaling.get("beta_fast", 32)),
-            beta_slow=float(scaling.get("beta_slow", 1)),
-            mscale=float(scaling.get("mscale", 1.0)),
-            mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
+            rotary_scaling_factor=float(rope.get("factor", 1.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(rope.get("beta_fast", 32)),
+            beta_slow=float(rope.get("beta_slow", 1)),
+            mscale=float(rope.get("mscale", 1.0)),
+            mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
         )
     else:
-        if kind:
-            notes.append(f"rope scaling {kind!r} is not mapped for MLA: plain RoPE is used")
+        if kind != "default":
+            notes.append(f"rope_type={kind} is not mapped for MLA: plain RoPE is used (the same work)")
         fields["rope_type"] = "rope"
     return fields
-
-
-def layer_parameter_count(tf: Any) -> int:
-    """Parameters of one TransformerLayer, computed from a TransformerConfig (or anything with its fields)."""
-    h, ffn, d = tf.hidden_size, tf.ffn_hidden_size, tf.kv_channels
-    nq, nkv = tf.num_attention_heads, tf.num_query_groups or tf.num_attention_heads
-    norm = h if tf.normalization == "RMSNorm" else 2 * h
-    qkv_out = (nq + 2 * nkv) * d
-    qkv = h * qkv_out + (qkv_out if (tf.add_bias_linear or tf.add_qkv_bias) else 0)
-    proj = nq * d * h + (h if tf.add_bias_linear else 0)
-    fc1_out = ffn * (2 if tf.gated_linear_unit else 1)
-    fc1 = h * fc1_out + (fc1_out if tf.add_bias_linear else 0)
-    fc2 = ffn * h + (h if tf.add_bias_linear else 0)
-    qk_norm = 0
-    if tf.qk_layernorm:
-        qk_norm = 2 * (d if tf.normalization == "RMSNorm" else 2 * d)
-    return 2 * norm + qkv + proj + fc1 + fc2 + qk_norm
-
-
-def model_parameter_count(tf: Any, vocab_size: int, tie_word_embeddings: bool) -> int:
-    """Parameters of the whole GPT model: embedding, every layer, final norm, output layer."""
-    h = tf.hidden_size
-    final_norm = h if tf.normalization == "RMSNorm" else 2 * h
-    embedding = vocab_size * h
-    output = 0 if tie_word_embeddings else vocab_size * h
-    return embedding + tf.num_layers * layer_parameter_count(tf) + final_norm + output

@@ -5,7 +5,7 @@ glibc's malloc serves a large request (from 128 KiB, a threshold it raises as la
 with a fresh ``mmap`` and unmaps it when freed, and gives the top of its heap back to the system once
 more than a threshold of it is free. Memory given back costs a page fault for every 4 KiB page written
 next time (the kernel hands out zeroed pages), so how many faults a timed call pays depends on what the
-process allocated and freed before it, not on the call. On this project's CPU VM (session 20, one
+process allocated and freed before it, not on the call. On this project's CPU VM (one
 thread), torch's Adam step over the calibration's layer-shaped tensors (autotuner.calibrate) took 10,400
 page faults a step and 4.1 ns per parameter: its temporaries, each a tensor's size, mapped and unmapped
 tensor by tensor. The same process's training steps, whose heap had settled, took none in their Adam

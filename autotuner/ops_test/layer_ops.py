@@ -429,6 +429,27 @@ def linear_proj(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(linear, (context,), linear)
 
 
+def _post_norms_only(config: Any) -> str | None:
+    """``missing_from`` of the post norms: in families with a norm after the attention and the MLP."""
+    if getattr(config, "post_layernorms", False):
+        return None
+    return "exists only with post_layernorms (a norm after the attention and after the MLP, as Gemma-2's)"
+
+
+def _post_norm(module: Any, op: str) -> Any:
+    norm = getattr(module, "post_layernorm", None)
+    if norm is None:
+        raise OpNotApplicable(f"{op} {_post_norms_only(None)}")
+    return norm
+
+
+@register_op("post_attention_layernorm", where="self_attention.post_layernorm", missing_from=_post_norms_only)
+def post_attention_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
+    """The norm of the attention's output, before the residual add (inside self_attention)."""
+    norm = _post_norm(ctx.layer.self_attention, "post_attention_layernorm")
+    return OpCall(norm, (ctx.hidden(point, "attention_out"),), norm)
+
+
 @register_op("self_attn_bda", where="self_attn_bda", kind=FACTORY, half=ATTENTION)
 def self_attn_bda(ctx: OpContext, point: ShapePoint) -> OpCall:
     """Bias-dropout-add after attention: residual + dropout(out + bias)."""
@@ -488,6 +509,13 @@ def linear_fc2(ctx: OpContext, point: ShapePoint) -> OpCall:
     return OpCall(
         linear, (ctx.randn((point.seq_len, point.micro_batch_size, width), "activation_out"),), linear
     )
+
+
+@register_op("post_mlp_layernorm", where="mlp.post_layernorm", missing_from=_post_norms_only)
+def post_mlp_layernorm(ctx: OpContext, point: ShapePoint) -> OpCall:
+    """The norm of the MLP's output, before the residual add (inside mlp)."""
+    norm = _post_norm(ctx.dense_layer.mlp, "post_mlp_layernorm")
+    return OpCall(norm, (ctx.hidden(point, "mlp_out"),), norm)
 
 
 @register_op("mlp_bda", where="mlp_bda", kind=FACTORY, half=MLP)

@@ -1,44 +1,36 @@
-"""Predict a layout's step time and memory from profiled runs.
+"""``autotuner-predict RUN_DIR ... seq_len=S [tp=.. pp=.. dp=.. ...]``: a layout's step time and memory per
+GPU predicted from profiled runs (``--help`` lists every setting; docs/predict.md every term).
 
-    python -m autotuner.predict RUN_DIR [RUN_DIR ...] seq_len=2048 tp=2 pp=4 dp=8 micro_batch_size=1 \\
-        global_batch_size=512 [vpp=1] [first_stage_layers=N] [last_stage_layers=N] \\
-        [recompute=none|selective|full] [sequence_parallel=false] \\
-        [distributed_optimizer=false] [dtype=bf16] [calibration=FILE] [validate=false] [repeats=5] \\
-        [report=true] [gpu_memory_gb=80] [num_layers=N|fit] [--json OUT]
-
-Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what
-is missing; ``--slurm DIR``: also as SLURM arrays) and writes ``prediction.json`` (``--json``; default: in
-the first run directory). dtype defaults to the runs' dtype; the calibration to the one the first run
-kept (calibration.json). ``validate=true`` also runs the layout's real training steps on this machine
-and prints predicted against measured step time and peak memory (autotuner.predict.validate).
-Beside prediction.json it writes ``prediction.html`` (autotuner.report.prediction: the 1F1B timeline,
-the memory per stage against ``gpu_memory_gb`` when given, predicted against measured bars), as a run
-writes its report.html; ``report=false`` turns it off. ``num_layers=N`` predicts (and validates) the
-runs' model at another depth, their rows being per layer; ``num_layers=fit`` at the largest depth, up to
-the case's own, whose fullest GPU the prediction fits in ``gpu_memory_gb`` less a 10% margin (a one-GPU
-validation of a model at its real width: as many layers as fit).
+Prints the table (stages, step, memory, MFU, each figure's source, the commands that would measure what is
+missing) and writes ``prediction.json`` and, beside it, ``prediction.html``. A GPU's prediction without a
+calibration is refused, naming what measures it. ``validate=true`` also runs the layout's real training
+steps here and prints predicted against measured (autotuner.predict.validate).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import OneLineParser, UserError
+from autotuner.cli import Command, entry, parse, setting
+from autotuner.errors import UserError
+from autotuner.predict.cluster import load as load_cluster
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
 from autotuner.predict.prediction import (
     case_depth,
+    check_calibration,
     deepest_that_fits,
     load_calibration_for,
     load_runs,
     predict,
     render,
 )
-from autotuner.predict.settings import parse_settings as parse_key_values
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.termination import (
     ending_in_one_line_on_ctrl_c,
@@ -46,74 +38,105 @@ from autotuner.termination import (
     unwinding_on_sigterm,
 )
 
-INT_KEYS = (
-    *("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size", "repeats"),
-    *("first_stage_layers", "last_stage_layers"),
+
+@dataclass(frozen=True)
+class PredictSettings:
+    """The layout (autotuner.predict.layout.Layout: its defaults), then what the command does with it."""
+
+    seq_len: int | None = setting(None, "the training sequence length; required", "S")
+    tp: int = setting(1, "tensor-parallel size", "N")
+    cp: int = setting(1, "context-parallel size (modelled: docs/cluster_model.md)", "N")
+    pp: int = setting(1, "pipeline-parallel size", "N")
+    vpp: int = setting(1, "virtual pipeline stages per rank (interleaved 1F1B above 1)", "N")
+    dp: int = setting(1, "data-parallel size", "N")
+    ep: int = setting(1, "expert-parallel size", "N")
+    micro_batch_size: int = setting(1, "sequences per micro-batch", "B")
+    global_batch_size: int = setting(1, "sequences per step, all data-parallel ranks together", "G")
+    first_stage_layers: int | None = setting(None, "layers of the first pipeline stage (default even)", "N")
+    last_stage_layers: int | None = setting(None, "layers of the last pipeline stage (default even)", "N")
+    recompute: str = setting("none", "activation recompute: none, selective or full", "MODE")
+    sequence_parallel: bool = setting(False, "Megatron's sequence parallelism (with tp > 1)", "BOOL")
+    distributed_optimizer: bool = setting(False, "the distributed optimizer (ZeRO-1 over dp)", "BOOL")
+    overlap_grad_reduce: bool = setting(False, "the gradient reduce overlapped with the backward", "BOOL")
+    overlap_param_gather: bool = setting(
+        False, "the distributed optimizer's parameter all-gather overlapped", "BOOL"
+    )
+    tp_comm_overlap: bool = setting(
+        False, "TP communication overlapped with its GEMMs (as TE does; modelled)", "BOOL"
+    )
+    dtype: str | None = setting(None, "the compute dtype (default: the runs' dtype)", "DTYPE")
+    calibration: str | None = setting(
+        None, "a calibration file or preset, h100 or h200 (default: the first run's)", "NAME|FILE"
+    )
+    cluster: str | None = setting(
+        None,
+        "a cluster file or preset (dgx_h100, ...): prices every collective by where it lies",
+        "NAME|FILE",
+    )
+    gpu_memory_gb: float | None = setting(
+        None, "the GPU's memory: the prediction says whether its fullest GPU fits (less 10%)", "GB"
+    )
+    num_layers: str | None = setting(
+        None, "predict the runs' model at N layers, or fit: the deepest that fits gpu_memory_gb", "N|fit"
+    )
+    validate: bool = setting(False, "also run the layout's real training steps here and compare", "BOOL")
+    repeats: int = setting(5, "measured steps of a validation", "N")
+    report: bool = setting(True, "write prediction.html beside prediction.json", "BOOL")
+    json: str | None = setting(None, "write the prediction here (default <first run>/prediction.json)", "OUT")
+    slurm: str | None = setting(
+        None,
+        "write the profiling runs that would measure what is missing as SLURM array task files here",
+        "DIR",
+    )
+
+
+COMMAND = Command(
+    "autotuner-predict",
+    "autotuner.predict",
+    "Predict a layout's step time and memory per GPU from profiled runs (docs/predict.md).",
+    "RUN_DIR",
+    PredictSettings,
 )
-BOOL_KEYS = ("sequence_parallel", "distributed_optimizer", "validate", "report")
-STR_KEYS = ("recompute", "dtype", "calibration", "num_layers")
-FLOAT_KEYS = ("gpu_memory_gb",)
-KEYS = (*INT_KEYS, *BOOL_KEYS, *STR_KEYS, *FLOAT_KEYS)
-
-
-def parse_settings(items: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Split the arguments into run directories and ``key=value`` settings, typed; UserError (one line)
-    for an unknown key, a value of the wrong type, or what is missing."""
-    kinds = {
-        **dict.fromkeys(INT_KEYS, int),
-        **dict.fromkeys(BOOL_KEYS, bool),
-        **dict.fromkeys(STR_KEYS, str),
-        **dict.fromkeys(FLOAT_KEYS, float),
-    }
-    dirs, settings = parse_key_values(items, kinds)
-    if not dirs:
-        raise UserError("no run directory given: pass the directory of a run of python -m autotuner.main")
-    if "seq_len" not in settings:
-        raise UserError("seq_len= is required: give the training sequence length, e.g. seq_len=2048")
-    return dirs, settings
+LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(Layout))
 
 
 @ending_quietly_on_a_closed_pipe
 @ending_in_one_line_on_ctrl_c("autotuner.predict")
 @unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
+@entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="python -m autotuner.predict",
-        description=__doc__.split("\n\n")[0],
-        epilog=f"settings (key=value): {', '.join(KEYS)}",
-    )
-    parser.add_argument("args", nargs="+", help="run directories, then key=value settings")
-    parser.add_argument("--json", help="write the prediction here (default: <first run>/prediction.json)")
-    parser.add_argument(
-        "--slurm",
-        metavar="DIR",
-        help="write the profiling runs that would measure what is missing as SLURM array task files here",
-    )
-    args = parser.parse_intermixed_args(argv)  # key=value settings after an option too
+    dirs, args, _ = parse(COMMAND, argv)
     try:
-        dirs, settings = parse_settings(args.args)
+        if args.seq_len is None:
+            raise UserError("seq_len= is required: give the training sequence length, e.g. seq_len=2048")
         runs = load_runs(dirs)
-        calibration = load_calibration_for(runs, settings.pop("calibration", None))
-        validating, repeats = settings.pop("validate", False), settings.pop("repeats", 5)
+        given = args.calibration
+        calibration = load_calibration_for(runs, given)
+        cluster = load_cluster(args.cluster) if args.cluster else None
+        validating, repeats = args.validate, args.repeats
         if repeats < 1:  # refused here, before the prediction, not by the steps' process after it
             raise UserError(f"repeats={repeats} must be at least 1: give e.g. repeats=5")
-        page, gpu_memory_gb = settings.pop("report", True), settings.pop("gpu_memory_gb", None)
+        page, gpu_memory_gb = args.report, args.gpu_memory_gb
         if gpu_memory_gb is not None and gpu_memory_gb <= 0:
             raise UserError(f"gpu_memory_gb={gpu_memory_gb:g} must be positive: give e.g. gpu_memory_gb=80")
-        settings_depth = settings.pop("num_layers", None)
-        settings["dtype"] = runs.dtype_to_predict(settings.get("dtype"))
+        settings_depth = args.num_layers
+        settings = {k: getattr(args, k) for k in LAYOUT_KEYS}
+        settings["dtype"] = runs.dtype_to_predict(args.dtype)
         layout = Layout(**settings)
         out = Path(args.json) if args.json else Path(dirs[0]) / "prediction.json"
         if out.suffix.lower() == ".html":  # the page is written beside the JSON, as out.with_suffix(".html")
-            raise UserError(f"--json {out}: the page goes beside the JSON, with .html: give a .json name")
-        check_writable(out, f"--json {out}", reads=dirs)
+            raise UserError(f"json={out}: the page goes beside the JSON, with .html: give a .json name")
+        check_writable(out, f"json={out}", reads=dirs)
         if page:
-            check_writable(out.with_suffix(".html"), f"--json {out} (its page)", reads=dirs)
+            check_writable(out.with_suffix(".html"), f"json={out} (its page)", reads=dirs)
         if args.slurm:
-            check_writable(args.slurm, f"--slurm {args.slurm}", folder=True)
+            check_writable(args.slurm, f"slurm={args.slurm}", folder=True)
         profiled = ModelShape.from_environment(runs.env)
+        check_calibration(runs, calibration, layout.dtype, given, profiled.case)  # before num_layers=fit
         model = _model_at_depth(runs, layout, profiled, settings_depth, gpu_memory_gb)
-        pred = predict(runs, layout, calibration, model)
+        pred = predict(runs, layout, calibration, model, calibration_from=given, cluster=cluster)
+        if gpu_memory_gb is not None:
+            pred = pred.against_gpu_memory(gpu_memory_gb)
         record = pred.to_json()
         # written before it is printed: kept if the validation fails, or the reader stops reading (| head)
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
@@ -133,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checked = validate(pred, case, overrides, repeats=repeats, steps_out=steps_out)
             except StepsFailed as exc:
                 message = f"validate=true: {exc}; the prediction, unvalidated, is in {out}"
-                print(f"autotuner.predict: error: {message}", file=sys.stderr)
+                print(f"{COMMAND.name}: error: {message}", file=sys.stderr)
                 return 1
             print("\n" + render_validation(checked))
             record["validation"] = checked.to_json()
@@ -141,13 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if planned:
             print("\n" + pred.plan.text(arrays))
     except UserError as exc:
-        print(f"autotuner.predict: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:  # the reader stopped reading: ending_quietly_on_a_closed_pipe
         raise
     except OSError as exc:
         print(
-            f"autotuner.predict: error: cannot write the prediction: {exc.strerror or exc}: "
+            f"{COMMAND.name}: error: cannot write the prediction: {exc.strerror or exc}: "
             "give a path you can write",
             file=sys.stderr,
         )
@@ -191,7 +214,7 @@ def _page(record: dict[str, Any], path: Path, gpu_memory_gb: float | None) -> No
         page = write_prediction_page(record, path, gpu_memory_gb)
     except Exception as exc:  # noqa: BLE001 - prediction.json is on disk whatever happens here
         print(
-            f"autotuner.predict: page not written: {type(exc).__name__}: {exc}".splitlines()[0],
+            f"{COMMAND.name}: page not written: {type(exc).__name__}: {exc}".splitlines()[0],
             file=sys.stderr,
         )
         return

@@ -16,41 +16,40 @@ before it is the same op's in the same phase (a layer's forward after the previo
 the next layer's); never for an op larger than that cache, nor for the first op of a stage's forward, which
 follows a backward (the last micro-batch's, ending with this op's own: in 1F1B's steady state every forward
 does), unless its warm forward row was timed after the op's backward (``timing.forward_after_backward``), as
-the visit runs. Until session 29 the warm forwards were timed back to back, and a backward leaves cold what a
-flush does, the code and the memory the allocator recycles, so that visit took the flushed row (a layer's
+the visit runs. A backward leaves cold what a flush does, the code and the memory the allocator recycles, so
+a warm forward row timed back to back does not stand for that visit, and it takes the flushed row (a layer's
 forward after its backward 1.11-1.20x its back-to-back time against 1.28-1.41x after a flush (tiny) and
-1.06-1.09x against 1.11-1.13x (llama-shaped; ``python -m benchmarks.forward_after_backward``); tiny PP2's
-later stage's layer forward took 1.96-2.01 ms inside the steps in session 15, its warm row then 1.28, its
-flushed row 1.72). With rows timed after the backward the flushed row over-read it: in session 32 that visit
-took 1.098 ms inside tiny PP2's steps, the layer's warm row 1.096 and its flushed row 1.352 (medians of six
-rounds); in session 33, from the warm row, it read 1.019 of its time inside the steps (``python -m
-benchmarks.predict_accuracy --cases tiny --layouts pp2``, which prints the step both ways).
+1.06-1.09x against 1.11-1.13x (llama-shaped; ``python -m benchmarks.forward_after_backward``). Timed after the
+backward, the warm row is nearer than the flushed one: on a 2-core CPU VM that visit took 1.098 ms inside tiny
+PP2's steps, the layer's warm row 1.096 and its flushed row 1.352 (medians of six rounds), and from the warm
+row it read 1.019 of its time inside the steps (``python -m benchmarks.predict_accuracy --cases tiny --layouts
+pp2``, which prints the step both ways).
 
-**Small ops between.** Until session 34 an op whose own bytes fit a core's private cache (calibration
-``warm_cache_bytes``, a CPU's L2) took its warm row only when what lay between its visits fitted there too,
-and the embedding's first forward kept its flushed row (its backward only adds into the table's gradient, so a
-warm row timed after it still finds what the last forward sample left). Neither row is what such a visit pays:
-inside the steps the op before it has just run the code and used the allocator's memory, which a flush evicts,
-and its own data come from the shared cache. How far the flushed row over-reads depends on the machine. On
-session 33's 2-core AMD VM (a 32 MiB L3), tiny's final norm forward took 0.06-0.16 ms inside the steps against
-its warm row of 0.02 and flushed row of 0.14-0.25, the embedding's first forward 0.085 against 0.021 and
-0.12-0.13 (warm: under by 1.6% of tiny's step; flushed: over by 1%). On session 34's Intel VM, whose host
+**Small ops between.** An op whose own bytes fit a core's private cache (calibration ``warm_cache_bytes``, a
+CPU's L2) takes its warm row by the shared cache's rule too, even where what lies between its visits exceeds
+the private cache, and so does the embedding's first forward (its backward only adds into the table's
+gradient, so a warm row timed after it still finds what the last forward sample left). Neither row is what
+such a visit pays: inside the steps the op before it has just run the code and used the allocator's memory,
+which a flush evicts, and its own data come from the shared cache. How far the flushed row over-reads depends
+on the machine. On a 2-core AMD VM (a 32 MiB L3), tiny's final norm forward took 0.06-0.16 ms inside the steps
+against its warm row of 0.02 and flushed row of 0.14-0.25, the embedding's first forward 0.085 against 0.021
+and 0.12-0.13 (warm: under by 1.6% of tiny's step; flushed: over by 1%). On a 2-core Intel VM, whose host
 socket's L3 other tenants share, the flushed rows of the small ops read 5-12x their time inside the steps
 (tiny TP1, one validation each: the final norm's forward 0.086 ms inside, warm 0.055, flushed 0.68; the
 embedding's first forward 0.131 and 0.207 inside, warm 0.059, flushed 0.69 and 1.10; the embedding's backward
 0.087 inside, warm 0.069, flushed 0.93; the output layer's forward 1.25 ms inside, warm 1.14, flushed 2.54),
-and the step read 1.45 of its measured time from the same rows with the old rule and 1.17 with this one. The
-warm row errs by at most a few percent of a step on both machines, the flushed row by up to 7% (the
-embedding's first forward alone, four visits a step), so these visits take the warm row. A third kind of row,
-timed after a flush of the private cache alone, would time them as they run; it is not built.
+and the step read 1.45 of its measured time from the same rows when these visits needed the private cache and
+1.17 with this rule. The warm row errs by at most a few percent of a step on both machines, the flushed row by
+up to 7% (the embedding's first forward alone, four visits a step), so these visits take the warm row. A third
+kind of row, timed after a flush of the private cache alone, would time them as they run; it is not built.
 
-**Processes of one host.** A CPU layout's processes share the host's cache, each sweeping its own stage
-(or its own copy of it), and each keeps an even share of it (:class:`CacheSizes`, ``processes``); a GPU's L2
-is its own. The host work's rule (:func:`host_work_cached`) has counted so since session 28; the op visits
-since session 35: before, the llama-shaped PP2's last stage (two layers, the final norm, the output layer:
-about 20 MB a micro-batch) took its output layer's forward from the warm row, within the 32 MiB cache one
-process keeps, and that row read 0.797 and 0.809 of the forward's time inside the steps (sessions 34 and 35,
-four rounds each), where the flushed row read 1.07-1.15 of it on one process (TP1).
+**Processes of one host.** A CPU layout's processes share the host's cache, each sweeping its own stage (or
+its own copy of it), and each keeps an even share of it (:class:`CacheSizes`, ``processes``); a GPU's L2 is
+its own. The host work's rule (:func:`host_work_cached`) and the op visits both count so. With the whole cache
+to one process, the llama-shaped PP2's last stage (two layers, the final norm, the output layer: about 20 MB a
+micro-batch) would take its output layer's forward from the warm row, and that row read 0.797 and 0.809 of the
+forward's time inside the steps (four rounds each), where the flushed row read 1.07-1.15 of it on one process
+(TP1).
 
 Other visits take an op's flushed row, and an op visited both ways the mean of the two by its visits
 (:func:`blend`, said in its source). Without cache sizes every visit is assumed cold. The rule is LRU-like and
@@ -62,7 +61,7 @@ flushed ones of 2.06 and 1.61. The stage-wide choice the rule replaced took the 
 memory exceeds a core's L2) and over-predicted the llama-shaped forward-backward by 6-25%. A layer that
 follows a layer: what makes a flushed row slow on a CPU is less the op's own weights leaving the cache than
 what the flush evicts besides, the code and the memory the allocator recycles, which the layer before it has
-just run and used (session 21, ``python -m benchmarks.forward_after_backward``, one thread, a layer's forward
+just run and used (``python -m benchmarks.forward_after_backward``, one thread, a layer's forward
 over its back-to-back time: after a flush 1.30-1.68x (tiny) and 1.09-1.16x (llama-shaped); after the flush and
 then another layer's forward, this layer's weights still evicted, 1.01-1.09x and 1.03-1.06x; after another
 layer alone 0.98-1.02x and 1.00-1.01x). Without this clause the llama-shaped TP1 stage took 1 of its 4 layer
@@ -74,16 +73,16 @@ forward row timed after the op's backward (``timing.forward_after_backward``, as
 step runs) wins over one timed back to back, which on a CPU reads under a step's forward; a CPU prediction
 from back-to-back ones says so (autotuner.measure.timer, "A forward follows its backward").
 
-**Activations held (session 47, not in the rule).** A step keeps each micro-batch's saved activations until
+**Activations held (not in the rule).** A step keeps each micro-batch's saved activations until
 its backward, so an op's visit writes, or reads, memory whose previous use lies as many bytes back as the
 stage touches between (:func:`reuse_distances`); a warm row timed after its own backward writes into the
 blocks that backward has just freed. Rows timed beside earlier calls' held graphs
 (``timing.held_activations_mib``, autotuner.measure.timer, "Activations a step holds") time the other
-condition. In one process on session 47's Intel VM they brought the llama-shaped layer's rows closer to its
+condition. In one process on a 2-core Intel VM they brought the llama-shaped layer's rows closer to its
 visits inside the steps (``python -m benchmarks.row_in_step``), but the steps predicted from them, profiled
 in their own processes, read 0.970-1.053 (the medians of four runs over two hours) against 0.922-0.977 from
-the rows without in the same rounds, no nearer than those (docs/predictor_accuracy.md, "Activations a step
-holds"), so the rule takes the rows without held activations (autotuner.predict.inputs.Measurements) and
+the rows without in the same rounds, no nearer than those (``python -m benchmarks.predict_accuracy``), so the
+rule takes the rows without held activations (autotuner.predict.inputs.Measurements) and
 held rows only stand in for them.
 
 The same sweep says whether a stage's host work outside its ops finds its own data cached
@@ -237,7 +236,7 @@ def cache_plan(
     visits = sum(len(sweep) for sweep in sweeps) * len(PHASES)
     warm = sum(sum(plan.values()) for plan in plans)
     if caches is None:
-        why = "the calibration names no shared_cache_bytes: assumed every op's data leaves the cache"
+        why = "no calibrated cache size (shared_cache_bytes): assumed every op's data leaves the cache"
     else:
         why = (
             f"{warm} of {visits} op visits per micro-batch find their data where a warm row had it (the "
@@ -284,7 +283,7 @@ def host_work_cached(sweep: list[SweepOp], caches: CacheSizes | None) -> tuple[b
     from autotuner.results.units import human_bytes
 
     if caches is None:
-        return False, "the calibration names no cache sizes: assumed swept out"
+        return False, "no calibrated cache size: assumed swept out"
     touched = sum(op.footprint for op in sweep)
     cached = touched <= caches.each
     where = "within" if cached else "beyond"

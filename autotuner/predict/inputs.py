@@ -1,11 +1,10 @@
 """What the predictor reads: the model's sizes (``ModelShape``), the runs' usable rows (``Measurements``),
 and what it would still need measured (``Missing``).
 
-The model's sizes come from a run's ``environment.json`` (the ``transformer_config`` Megatron was built
-with and the ``model_args`` of the HF mapping, as autotuner.launchers.common records them), or, without
-one, from the case file through autotuner.model.hf_to_megatron.map_hf_config. Parameters per layer are
-counted with autotuner.model.hf_to_megatron.layer_parameter_count; an MoE layer's MLP is replaced by its
-experts, router and shared experts (all stored; top-k of them active per token, for FLOPs).
+The model's sizes come from a run's ``environment.json`` (the ``model_args`` of the HF mapping and the
+``transformer_config`` Megatron was built with, as autotuner.launchers.common records them), or, without
+one, from the case file through autotuner.model.hf_to_megatron.map_hf_config. Its parameters and
+parameter tensors are counted on that model built on the meta device (autotuner.model.counts).
 """
 
 from __future__ import annotations
@@ -13,13 +12,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from autotuner.errors import UserError
-from autotuner.model.hf_to_megatron import layer_parameter_count
 
 GEMM_OPS = frozenset(
     {
@@ -62,8 +59,9 @@ class ModelShape:
     expert_params: int = 0  # of a layer's routed experts (all of them), within layer_params
     # a layer's parameter tensors and, of them, its routed experts' (all of them): what torch's Adam,
     # unfused, loops over (:func:`layer_tensors`)
-    layer_tensors: int = 0
-    expert_tensors: int = 0
+    layer_tensors: float = 0
+    expert_tensors: float = 0
+    final_norm_tensors: int = 1
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def at_depth(self, num_layers: int) -> ModelShape:
@@ -72,18 +70,31 @@ class ModelShape:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, Any]) -> ModelShape:
+        """From a run's environment.json: the HF mapping it recorded (``model_args``) with the values its
+        TransformerConfig was built with (``transformer_config``: ``tf.`` overrides) where they differ."""
         tc = env.get("transformer_config")
-        args = env.get("model_args") or {}
-        if not isinstance(tc, dict) or "num_layers" not in tc:
+        args = env.get("model_args")
+        if not isinstance(tc, dict) or not isinstance(args, dict) or "num_layers" not in tc:
             if env.get("case"):
                 return cls.from_case(str(env["case"]))
             raise UserError(
                 "the run's environment.json holds no transformer_config and no case: pass a run directory "
                 "written by python -m autotuner.main"
             )
-        return cls.from_config(
-            str(env.get("case")), tc, int(args["vocab_size"]), bool(args.get("tie_word_embeddings"))
-        )
+        from autotuner.model.hf_to_megatron import MODEL_FIELDS, MegatronModelArgs
+
+        known = {f.name for f in fields(MegatronModelArgs)}
+        if "transformer" not in args:  # a record of the TransformerConfig alone: its model's sizes
+            shape = {k: v for k, v in tc.items() if k in MODEL_FIELDS and _plain(v)}
+            defaults = dict(activation="silu", max_sequence_length=2**31 - 1, rotary_base=10000.0)
+            defaults.update(rotary_percent=1.0, tie_word_embeddings=False)
+            args = {**defaults, **args, "transformer": shape}
+        model_args = MegatronModelArgs(**{k: v for k, v in args.items() if k in known})
+        mapped = model_args.transformer
+        built = {k: tc[k] for k in mapped if k in tc and _plain(tc[k]) and tc[k] != _as_json(mapped[k])}
+        shape = cls.from_args(str(env.get("case")), model_args, built)
+        # the run's own settings (gradient_accumulation_fusion, the parallel sizes) as it recorded them
+        return replace(shape, config={**shape.config, **{k: v for k, v in tc.items() if _plain(v)}})
 
     @classmethod
     def from_case(cls, name: str, case_dir: str | None = None) -> ModelShape:
@@ -93,57 +104,55 @@ class ModelShape:
         from autotuner.model.hf_to_megatron import map_hf_config
 
         case = load_case(name, case_dir)
-        args = map_hf_config(build_hf_config(case.hf_fields, {}))
-        return cls.from_config(name, args.transformer, args.vocab_size, args.tie_word_embeddings)
+        return cls.from_args(name, map_hf_config(build_hf_config(case.hf_fields, {})))
 
     @classmethod
-    def from_config(cls, case: str, tc: Mapping[str, Any], vocab: int, tie: bool) -> ModelShape:
-        """From TransformerConfig fields (as recorded, or as map_hf_config's ``transformer`` dict)."""
-        defaults = {"add_bias_linear": False, "add_qkv_bias": False, "qk_layernorm": False}
-        ns = SimpleNamespace(**{**defaults, **tc})
-        ns.num_query_groups = tc.get("num_query_groups") or tc["num_attention_heads"]
-        ns.kv_channels = tc.get("kv_channels") or tc["hidden_size"] // tc["num_attention_heads"]
-        dense = layer_parameter_count(ns)
-        h, gated = ns.hidden_size, bool(tc.get("gated_linear_unit"))
-        experts = tc.get("num_moe_experts") or None
-        params = active = dense
-        routed = 0
-        if experts:
-            # An MoE layer: the dense MLP's place holds E experts (each of moe_ffn_hidden_size), a router
-            # and the shared experts; each token passes top-k experts.
-            def mlp(width: int) -> int:
-                return h * width * (2 if gated else 1) + width * h
+    def from_args(
+        cls, case: str, args: Any, overrides: Mapping[str, Any] | None = None, tf_config: Any = None
+    ) -> ModelShape:
+        """From the HF mapping's output (autotuner.model.hf_to_megatron.MegatronModelArgs) and
+        TransformerConfig ``overrides`` (or the TransformerConfig built from them, ``tf_config``): the counts
+        are those of the model Megatron builds (autotuner.model.counts, on the meta device), a layer's the
+        mean of the model's layers where dense and MoE layers mix."""
+        import torch
 
-            expert_width = tc.get("moe_ffn_hidden_size") or ns.ffn_hidden_size
-            shared = (
-                mlp(tc["moe_shared_expert_intermediate_size"])
-                if tc.get("moe_shared_expert_intermediate_size")
-                else 0
-            )
-            base = dense - mlp(ns.ffn_hidden_size)
-            routed = experts * mlp(expert_width)
-            params = base + routed + h * experts + shared
-            active = base + int(tc.get("moe_router_topk") or 1) * mlp(expert_width) + h * experts + shared
-        norm = h if tc.get("normalization") == "RMSNorm" else 2 * h
-        tensors, expert_tensors = layer_tensors(tc)
+        from autotuner.model.build import build_transformer_config
+        from autotuner.model.counts import count_parameters
+        from autotuner.model.runtime import quiet_megatron_import
+
+        quiet_megatron_import()
+        tf = tf_config
+        if tf is None:
+            tf = build_transformer_config(args, dict(overrides or {}), "fp32", torch.device("cpu"), 1)
+        counts = count_parameters(args, tf)
+        layers = [counts.layer(moe) for moe in counts.layers]
+
+        def mean(values: Iterable[float]) -> float:
+            values = list(values)
+            total = sum(values)
+            return total // len(values) if total % len(values) == 0 else total / len(values)
+
+        experts = tf.num_moe_experts or None
+        config = {k: v for k, v in vars(tf).items() if not k.startswith("_") and _plain(v)}
         return cls(
             case=case,
-            num_layers=int(ns.num_layers),
-            hidden=int(h),
-            heads=int(ns.num_attention_heads),
-            query_groups=int(ns.num_query_groups),
-            kv_channels=int(ns.kv_channels),
-            ffn=int(ns.ffn_hidden_size),
-            vocab=vocab,
-            tie_embeddings=tie,
+            num_layers=int(tf.num_layers),
+            hidden=int(tf.hidden_size),
+            heads=int(tf.num_attention_heads),
+            query_groups=int(tf.num_query_groups or tf.num_attention_heads),
+            kv_channels=int(tf.kv_channels),
+            ffn=int(tf.ffn_hidden_size),
+            vocab=int(args.vocab_size),
+            tie_embeddings=bool(args.tie_word_embeddings),
             experts=experts,
-            layer_params=params,
-            layer_active_params=active,
-            final_norm_params=norm,
-            expert_params=routed,
-            layer_tensors=tensors,
-            expert_tensors=expert_tensors,
-            config=dict(tc),
+            layer_params=mean(layer.parameters for layer in layers),
+            layer_active_params=mean(layer.active for layer in layers),
+            final_norm_params=counts.final_norm,
+            expert_params=mean(layer.routed_experts for layer in layers),
+            layer_tensors=mean(layer.tensors for layer in layers),
+            expert_tensors=mean(layer.routed_expert_tensors for layer in layers),
+            final_norm_tensors=counts.final_norm_tensors,
+            config=config,
         )
 
     def expert_params_on_rank(self, tp: int, ep: int) -> float:
@@ -170,7 +179,7 @@ class ModelShape:
             sizes.append(self.vocab * self.hidden / tp)
         return max(sizes)
 
-    def stage_tensors(self, ep: int, layers: int, first: bool, last: bool) -> int:
+    def stage_tensors(self, ep: int, layers: int, first: bool, last: bool) -> float:
         """The parameter tensors on one GPU of a stage of ``layers`` layers (TP splits tensors, it does not
         add any): its layers' (the routed experts' over ep), the embedding's table on the ``first``
         stage, the final norm and the output layer (untied) on the ``last``."""
@@ -179,8 +188,7 @@ class ModelShape:
         if first:
             count += 1
         if last:
-            # the final norm's tensors: a weight per hidden unit, and a bias for a LayerNorm
-            count += self.final_norm_params // self.hidden + (not self.tie_embeddings)
+            count += self.final_norm_tensors + (not self.tie_embeddings)
         return count
 
     def untouched_embedding_params(self, tp: int, tokens: int) -> float:
@@ -221,33 +229,6 @@ class ModelShape:
         """All parameters: embedding, layers, final norm, output layer (unless tied)."""
         out = 0 if self.tie_embeddings else self.vocab * self.hidden
         return self.vocab * self.hidden + self.num_layers * self.layer_params + self.final_norm_params + out
-
-
-def layer_tensors(tc: Mapping[str, Any]) -> tuple[int, int]:
-    """(parameter tensors of one TransformerLayer, of them the routed experts'), from TransformerConfig
-    fields, as Megatron-Core builds the layer: a norm is a weight (RMSNorm) or a weight and a bias, a
-    linear a weight and a bias with ``add_bias_linear``; attention is linear_qkv and linear_proj (q/k
-    norms with ``qk_layernorm``), or Multi-Latent Attention's projections and norms; the MLP fc1 and fc2,
-    or an MoE layer's router, two linears per routed expert (SequentialMLP, and Transformer-Engine's
-    grouped linears keep one weight per expert too) and the shared experts' MLP (with its gate)."""
-    norm = 1 if tc.get("normalization") == "RMSNorm" else 2
-    linear = 2 if tc.get("add_bias_linear") else 1
-    if tc.get("multi_latent_attention"):
-        query = 2 * linear + norm if tc.get("q_lora_rank") else linear  # down, its norm, up; or one
-        attention = query + 2 * linear + norm + linear  # kv down, its norm, kv up; the output projection
-    else:
-        qkv = 2 if (tc.get("add_bias_linear") or tc.get("add_qkv_bias")) else 1
-        attention = qkv + linear + (2 * norm if tc.get("qk_layernorm") else 0)
-    experts = int(tc.get("num_moe_experts") or 0)
-    routed = experts * 2 * linear
-    if experts:
-        shared = 0
-        if tc.get("moe_shared_expert_intermediate_size"):
-            shared = 2 * linear + (1 if tc.get("moe_shared_expert_gate") else 0)
-        mlp = 1 + routed + shared
-    else:
-        mlp = 2 * linear
-    return 2 * norm + attention + mlp, routed
 
 
 # What expert parallelism changes: the MoE layer's expert work (each rank computes its experts' share)
@@ -320,9 +301,9 @@ class Measurements:
     (the slowest rank: :func:`ran_collectives`); of any other op each rank's row is a repeat (below): each
     rank timed the same op on its own, and the slowest of their medians is the largest of a few draws of the
     machine's noise, not a time a step waits for (three profiles of the llama-shaped layer in two processes on
-    a CPU, session 43: the ranks' medians up to 1.26 apart; over the same 4 rounds each, the slowest ranks'
-    rows predicted the llama-shaped PP2 and DP2 steps at 1.064 and 1.047 of the measured, the ranks' repeats
-    at 1.034 and 1.018: docs/predictor_accuracy.md, "Ranks that wait for no one"); a step's wait for its
+    a CPU: the ranks' medians up to 1.26 apart; over the same 4 rounds each, the slowest ranks' rows predicted
+    the llama-shaped PP2 and DP2 steps at 1.064 and 1.047 of the measured, the ranks' repeats at 1.034 and
+    1.018: ``python -m benchmarks.predict_accuracy --layouts pp2,dp2`` prints both); a step's wait for its
     slowest rank is the step's own spread. Otherwise the single process's row. With ``ep``, rows of the ops
     expert parallelism changes (``EP_COMPOSITE_OPS``, ``EP_LEAF_OPS``) count only if measured at that size. A
     row measured with the cache mode ``cold`` asks for (``cache_flush``; None: either) wins over one measured
@@ -430,6 +411,17 @@ class Measurements:
         ]
         return max(rates) if rates else None
 
+    def best_memory_throughput(self) -> tuple[float, dict[str, Any]] | None:
+        """(bytes/s, the row): the fastest any row moved its counted bytes (``bytes_moved``, a minimum of
+        what it reads and writes) at; a CPU prediction's stand-in for the copy bandwidth without a
+        calibration. None without such a row."""
+        rated = [
+            (r["bytes_moved"] / (r["median_us"] * 1e-6), r)
+            for r in self.index.values()
+            if r.get("bytes_moved") and r["median_us"] > 0
+        ]
+        return max(rated, key=lambda pair: pair[0]) if rated else None
+
 
 def row_seconds(row: Mapping[str, Any]) -> float:
     """What one visit of the row's op adds to a step: its fenced mean (a step adds its visits up, and the
@@ -446,13 +438,13 @@ def repeated(rows: list[dict[str, Any]]) -> dict[str, Any]:
     took, and its confidence interval (the sampler stops at 2% wide) says how well it knows that second, not
     the machine: on a shared host the speed moves from one second to the next. On this project's VMs a
     llama-shaped layer's rows moved by 6.8-7.7% (forward) and 2.8-6.1% (backward) of their mean between
-    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``, session
-    19), and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps moved by 1.04
-    (session 36: a step runs for seconds and pays the machine's mean speed). Rows of runs made at different
+    profiles of one thread, largest over smallest 1.10-1.28 (``python -m benchmarks.thread_noise``),
+    and the accuracy benchmark's whole prediction by 1.22 over six rounds where the steps moved by 1.04
+    (a step runs for seconds and pays the machine's mean speed). Rows of runs made at different
     moments average it, as the accuracy benchmark's two warm profiles a round do
     (benchmarks.predict_accuracy). The median, not the mean: a second of a shared host can also be taken by
     another tenant whole, and a row inside it reads slow all through, past any fence its own samples set
-    (session 40: one of a round's four warm profiles read the layer 13-14% over the other three, forward and
+    (seen: one of a round's four warm profiles read the layer 13-14% over the other three, forward and
     backward, and moved the mean of the round's two by 6-7%); from three runs a disturbed one is out-voted,
     and the middle one still stands between the moments the runs sampled."""
     if len(rows) == 1:
@@ -490,3 +482,15 @@ def describe_row(row: Mapping[str, Any], run: str = "results.jsonl") -> str:
         f"{run} {row['op']}.{row['phase']} {row['point']} tp={row.get('tensor_parallel') or 1}{rank} "
         f"{row_seconds(row) * 1e6:.4g}us {statistic}{said}"
     )
+
+
+def _plain(value: Any) -> bool:
+    """Whether a recorded config value is plain data (not the repr of a function, dtype or enum)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (int, float, str, bool, type(None)))
+
+
+def _as_json(value: Any) -> Any:
+    """A value as environment.json records it (tuples as lists)."""
+    return [_as_json(v) for v in value] if isinstance(value, (list, tuple)) else value

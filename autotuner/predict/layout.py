@@ -1,14 +1,18 @@
 """A training layout (how a model is split over GPUs), its checks, and the provenance records of figures.
 
-``Layout`` is the question the predictor answers: tensor (``tp``), pipeline (``pp``, with ``vpp`` virtual
-stages per rank for the interleaved schedule), data (``dp``) and expert (``ep``) parallel sizes, the
-batch (micro-batch size, global batch size, sequence length), and the memory-saving settings
-(``recompute``, ``sequence_parallel``, ``distributed_optimizer``), in a ``dtype``.
+``Layout`` is the question the predictor answers: tensor (``tp``), context (``cp``), pipeline (``pp``, with
+``vpp`` virtual stages per rank for the interleaved schedule), data (``dp``) and expert (``ep``) parallel
+sizes, the batch (micro-batch size, global batch size, sequence length), the memory-saving settings
+(``recompute``, ``sequence_parallel``, ``distributed_optimizer``), and Megatron's overlaps of
+communication with compute (``overlap_grad_reduce``, ``overlap_param_gather``, ``tp_comm_overlap``:
+autotuner.predict.overlap), in a ``dtype``.
 
 Megatron-Core's rules, kept here so that a layout Megatron would refuse is refused before any arithmetic
 (``Layout.check``):
-- world size = tp * pp * dp (``parallel_state.initialize_model_parallel``); expert parallelism lives
-  inside dp * tp, so ep must divide tp * dp, and ep must divide the number of experts;
+- world size = tp * cp * pp * dp (``parallel_state.initialize_model_parallel``); expert parallelism lives
+  inside tp * cp * dp, so ep must divide it, and ep must divide the number of experts;
+- context parallelism splits the sequence into 2*cp chunks (each rank two, for a balanced causal mask), so
+  2*cp divides seq_len (Megatron-LM's argument check); with sequence parallelism tp divides s/cp;
 - tp divides the attention heads and the query groups (each rank holds whole heads);
 - the layers split over the pipeline ranks evenly (pp * vpp divides them: every virtual stage holds the
   same number), or, with Megatron's ``num_layers_in_first_pipeline_stage`` /
@@ -18,7 +22,9 @@ Megatron-Core's rules, kept here so that a layout Megatron would refuse is refus
   of vpp (:func:`split_layers`, ``Layout.layer_places``); the interleaved schedule needs pp > 1;
 - the global batch is a whole number of (micro-batch size * dp): the micro-batches per step
   (``get_num_microbatches``); with the interleaved schedule that number is a multiple of pp;
-- sequence parallelism needs tp > 1 (Megatron turns it off otherwise).
+- sequence parallelism needs tp > 1 (Megatron turns it off otherwise);
+- ``overlap_param_gather`` needs the distributed optimizer and ``overlap_grad_reduce``, ``tp_comm_overlap``
+  sequence parallelism (Megatron-LM's argument checks; the latter runs in Transformer-Engine).
 
 Every figure the predictor reports carries a ``Source``: ``measured`` (a row at that exact point),
 ``scaled`` (a neighbouring point by a named rule) or ``modelled`` (a formula and the constants it used),
@@ -27,7 +33,7 @@ with a detail that names the row, the rule or the model, so a reader can trace e
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autotuner.errors import UserError
@@ -132,6 +138,7 @@ class Layout:
 
     seq_len: int
     tp: int = 1
+    cp: int = 1  # Megatron's context_parallel_size
     pp: int = 1
     vpp: int = 1
     dp: int = 1
@@ -144,13 +151,22 @@ class Layout:
     dtype: str = "bf16"
     first_stage_layers: int | None = None  # Megatron's num_layers_in_first_pipeline_stage
     last_stage_layers: int | None = None  # Megatron's num_layers_in_last_pipeline_stage
+    overlap_grad_reduce: bool = False  # Megatron's DDP overlap_grad_reduce (autotuner.predict.overlap)
+    overlap_param_gather: bool = False  # the distributed optimizer's overlap_param_gather
+    tp_comm_overlap: bool = False  # Transformer-Engine's TP communication overlap (tp_comm_overlap)
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "tp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size"):
+        for name in ("seq_len", "tp", "cp", "pp", "vpp", "dp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"layout {name}={value!r} must be a positive integer: give e.g. {name}=1")
-        for name in ("sequence_parallel", "distributed_optimizer"):
+        for name in (
+            "sequence_parallel",
+            "distributed_optimizer",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "tp_comm_overlap",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserError(
@@ -194,31 +210,70 @@ class Layout:
             )
         if self.sequence_parallel and self.tp == 1:
             raise UserError("sequence_parallel=true needs tp>1 (Megatron turns it off at tp=1): set it false")
-        if (self.tp * self.dp) % self.ep:
+        if (self.tp * self.cp * self.dp) % self.ep:
             raise UserError(
-                f"ep={self.ep} must divide tp*dp = {self.tp * self.dp} (Megatron places experts inside the "
-                "data- and tensor-parallel ranks): change ep or dp"
+                f"ep={self.ep} must divide tp*cp*dp = {self.tp * self.cp * self.dp} (Megatron places experts "
+                "inside the data-, context- and tensor-parallel ranks): change ep or dp"
+            )
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise UserError(
+                f"seq_len={self.seq_len} is not a multiple of 2*cp = {2 * self.cp} (context parallelism "
+                "gives each rank two of 2*cp chunks): give a sequence length or cp that divides"
+            )
+        if self.cp > 1 and self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
+            raise UserError(
+                f"seq_len/cp = {self.seq_len // self.cp} is not a multiple of tp={self.tp} (sequence "
+                "parallelism splits each rank's tokens over tp): change seq_len, cp or tp"
+            )
+        if self.overlap_param_gather and not (self.distributed_optimizer and self.overlap_grad_reduce):
+            raise UserError(
+                "overlap_param_gather=true needs distributed_optimizer=true and overlap_grad_reduce=true (as "
+                "Megatron-LM checks): set them, or overlap_param_gather=false"
+            )
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise UserError(
+                "tp_comm_overlap=true needs sequence_parallel=true (Transformer-Engine overlaps the "
+                "all-gathers and reduce-scatters of sequence parallelism): set it, or tp_comm_overlap=false"
             )
 
     @property
     def gpus(self) -> int:
-        """World size: tp * pp * dp (expert parallelism is carved out of tp * dp)."""
-        return self.tp * self.pp * self.dp
+        """World size: tp * cp * pp * dp (expert parallelism is carved out of tp * cp * dp)."""
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def expert_data_parallel(self) -> int:
         """Ranks holding the same routed experts, over which their gradients are reduced and, with the
-        distributed optimizer, their optimizer states sharded: the tp*dp ranks carved into ep groups
-        (Megatron's expert-data-parallel group; expert_tensor_parallel_size=1 at ep > 1), dp at ep=1."""
-        return self.tp * self.dp // self.ep if self.ep > 1 else self.dp
+        distributed optimizer, their optimizer states sharded: the tp*cp*dp ranks carved into ep groups
+        (Megatron's expert-data-parallel group; expert_tensor_parallel_size=1 at ep > 1), dp*cp at
+        ep=1."""
+        return self.tp * self.cp * self.dp // self.ep if self.ep > 1 else self.dp * self.cp
+
+    def context_rank_view(self) -> Layout:
+        """What one rank of a context-parallel layout computes, as a layout without context parallelism:
+        ``s/cp`` tokens of each sequence, ``dp*cp`` ranks over which the gradients are reduced and the
+        distributed optimizer shards (Megatron's dp-cp group), and ``cp`` times the global batch of those
+        shorter sequences, so that the micro-batches per step and the tokens per step stay the layout's.
+        Every op but attention runs on a rank exactly as at that view (its tokens, its collectives' bytes,
+        its memory); the attention over the whole sequence and its key-value exchange are added by
+        autotuner.predict.overlap.context_attention. The layout itself at cp=1."""
+        if self.cp == 1:
+            return self
+        return replace(
+            self,
+            seq_len=self.seq_len // self.cp,
+            dp=self.dp * self.cp,
+            global_batch_size=self.global_batch_size * self.cp,
+            cp=1,
+        )
 
     def optimizer_params(self, params: float, expert_params: float) -> float:
         """Of a GPU's ``params`` (``expert_params`` of them routed experts'), those whose optimizer states
-        and update it keeps: all of them, or with the distributed optimizer the dense ones over dp and
+        and update it keeps: all of them, or with the distributed optimizer the dense ones over dp*cp and
         the experts' over their expert-data-parallel ranks (Megatron shards each over its own group)."""
         if not self.distributed_optimizer:
             return params
-        return (params - expert_params) / self.dp + expert_params / self.expert_data_parallel
+        return (params - expert_params) / (self.dp * self.cp) + expert_params / self.expert_data_parallel
 
     @property
     def microbatches(self) -> int:

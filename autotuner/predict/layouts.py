@@ -22,6 +22,12 @@ The rules, each what Megatron-Core checks (or fails on) when it builds the model
   layer refuses tensor parallelism without it in training). Dense models: ``ep = 1``;
 * ``sequence_parallel`` only with ``tp > 1`` (Megatron turns it off at tp = 1), and then tp divides the
   sequence length (the sequence is scattered over the tp ranks);
+* ``cp`` (context parallelism) up to ``max_cp`` (1 unless asked: Megatron runs it in Transformer-Engine,
+  and its rows are an emulated rank's at s/cp), where 2*cp divides the sequence; then the data-parallel
+  size is gpus / (tp * cp * pp) and, with sequence parallelism, tp divides s/cp;
+* with ``overlap``, Megatron's overlaps where they apply: ``overlap_grad_reduce`` with dp*cp > 1 (not
+  at ep > 1, which the predictor does not model), ``overlap_param_gather`` with it and the distributed
+  optimizer, ``tp_comm_overlap`` with sequence parallelism;
 * with ``max_tp`` (autotuner.tune's ``gpus_per_node``), tp at most that: a tensor-parallel group's
   collectives run inside every layer, forward and backward, so it is kept inside one node's fast links,
   which Megatron-Core does not check and practice does (it places tp ranks on consecutive GPUs);
@@ -29,7 +35,7 @@ The rules, each what Megatron-Core checks (or fails on) when it builds the model
   full, ``distributed_optimizer`` off and on.
 
 The order is deterministic: the loops nest in the order of :class:`~autotuner.predict.layout.Layout`'s
-fields (tp, pp, vpp, the split, ep, micro-batch size, recompute, sequence parallel, distributed
+fields (tp, cp, pp, vpp, the split, ep, micro-batch size, recompute, sequence parallel, distributed
 optimizer), each in ascending order (False before True; the even split first), so two runs list (and
 tie-break) the same layouts alike.
 """
@@ -137,18 +143,22 @@ def _iter_layouts(
     micro_batch_sizes: Sequence[int],
     recompute: Sequence[str],
     max_tp: int | None,
+    max_cp: int = 1,
+    overlap: bool = False,
 ) -> Iterator[Layout]:
-    for tp in _divisors(gpus):
+    for tp, cp in ((t, c) for t in _divisors(gpus) for c in _divisors(gpus // t)):
         if not _tp_fits(model, tp) or (max_tp is not None and tp > max_tp):
             continue
-        for pp in _divisors(gpus // tp):
+        if cp > max_cp or seq_len % (2 * cp) and cp > 1:
+            continue
+        for pp in _divisors(gpus // (tp * cp)):
             if pp > model.num_layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             vpps = [1] + (
                 [v for v in _divisors(model.num_layers) if 1 < v <= model.num_layers // pp] if pp > 1 else []
             )
-            eps = [e for e in _divisors(model.experts) if (dp * tp) % e == 0] if model.experts else [1]
+            eps = [e for e in _divisors(model.experts) if (dp * cp * tp) % e == 0] if model.experts else [1]
             splits = [(v, split) for v in vpps for split in pipeline_splits(model.num_layers, pp, v)]
             for vpp, (first, last) in splits:
                 for ep in eps:
@@ -161,14 +171,16 @@ def _iter_layouts(
                         if vpp > 1 and (global_batch_size // (mbs * dp)) % pp:
                             continue
                         for how in recompute:
-                            sps = [False, True] if tp > 1 and seq_len % tp == 0 else [False]
+                            sps = [False, True] if tp > 1 and (seq_len // cp) % tp == 0 else [False]
                             if model.experts and tp > 1:
                                 sps = [sp for sp in sps if sp]
                             for sp in sps:
                                 for distopt in (False, True):
+                                    reduce = overlap and dp * cp > 1 and ep == 1
                                     yield Layout(
                                         seq_len=seq_len,
                                         tp=tp,
+                                        cp=cp,
                                         pp=pp,
                                         vpp=vpp,
                                         dp=dp,
@@ -181,6 +193,9 @@ def _iter_layouts(
                                         dtype=dtype,
                                         first_stage_layers=first,
                                         last_stage_layers=last,
+                                        overlap_grad_reduce=reduce,
+                                        overlap_param_gather=reduce and distopt,
+                                        tp_comm_overlap=overlap and sp,
                                     )
 
 
@@ -193,6 +208,8 @@ def enumerate_layouts(
     micro_batch_sizes: Sequence[int] = MICRO_BATCH_SIZES,
     recompute: Sequence[str] = RECOMPUTE,
     max_tp: int | None = None,
+    max_cp: int = 1,
+    overlap: bool = False,
 ) -> list[Layout]:
     """Every layout of ``model`` on ``gpus`` GPUs that Megatron-Core accepts (module docstring), in a
     deterministic order. UserError (one line) for a request no layout can meet, naming what to change."""
@@ -203,8 +220,21 @@ def enumerate_layouts(
     unknown = [r for r in recompute if r not in RECOMPUTE]
     if unknown:
         raise UserError(f"recompute {unknown} unknown: choose from {', '.join(RECOMPUTE)}")
+    if isinstance(max_cp, bool) or not isinstance(max_cp, int) or max_cp < 1:
+        raise UserError(f"max_cp={max_cp!r} must be a positive integer: give e.g. max_cp=1")
     layouts = list(
-        _iter_layouts(model, gpus, global_batch_size, seq_len, dtype, micro_batch_sizes, recompute, max_tp)
+        _iter_layouts(
+            model,
+            gpus,
+            global_batch_size,
+            seq_len,
+            dtype,
+            micro_batch_sizes,
+            recompute,
+            max_tp,
+            max_cp,
+            overlap,
+        )
     )
     for layout in layouts:  # the enumeration's rules imply Layout's own; a failure here is a bug here
         layout.check(model.num_layers, model.heads, model.query_groups, model.experts)

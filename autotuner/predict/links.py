@@ -12,7 +12,7 @@ scattered input) makes every rank send ``f * B`` bytes over its link, with
 
 so at a bus bandwidth ``W`` the collective takes ``f * B / W``. ``W`` is the calibration's
 ``<collective>_bandwidth["<backend>:<n>"]`` (``torchrun --nproc-per-node=n -m autotuner.calibrate
---collectives``: the bus bandwidth of its largest size, the plateau). Where the calibration also keeps
+collectives=true``: the bus bandwidth of its largest size, the plateau). Where the calibration also keeps
 the times of its sizes (``collective_points``), those decide, as measured times of this link:
 
 * between two calibrated sizes, the time is interpolated linearly in bytes (a collective's time is
@@ -76,9 +76,9 @@ class LinkWarning(UserWarning):
 
 def _calibrate_command(worlds: list[int]) -> str:
     if len(worlds) == 1:
-        return f"torchrun --nproc-per-node={worlds[0]} -m autotuner.calibrate --collectives"
+        return f"torchrun --nproc-per-node={worlds[0]} -m autotuner.calibrate collectives=true"
     sizes = ", ".join(map(str, worlds))
-    return f"torchrun --nproc-per-node=N -m autotuner.calibrate --collectives for N = {sizes}"
+    return f"torchrun --nproc-per-node=N -m autotuner.calibrate collectives=true for N = {sizes}"
 
 
 def describe_gaps(gaps: Iterable[LinkGap]) -> list[str]:

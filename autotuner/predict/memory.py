@@ -32,7 +32,7 @@ Terms (P: the parameters the stage's GPU holds, after tensor parallelism):
   (activations, logits, in flight) are freed before the step, so a GPU's peak is the resident states
   plus the larger of the two phases': at a 32-layer Llama-2-7B with full recompute on an H200 the step's
   25 GiB copy was the peak, and the step ran out of memory where the sum without it fitted
-  (docs/gpu_checks.md);
+  (docs/gpu_validation.md);
 * **in flight**: memory an op allocates while it runs beyond what stays saved (its rows' ``peak_bytes``:
   a forward's intermediates; a backward's input gradients and temporaries, each weight gradient until
   it is added into the gradient buffers, the embedding's dense table gradient, net of the saved
@@ -512,7 +512,8 @@ def stage_memory(
     if shared:
         said += f"; {', '.join(shared)} from rows at a smaller TP, divided by the ratio to tp={layout.tp}"
     exact = not lacking and all(o.exact for o in walk)
-    in_flight = Figure(in_flight_bytes(walk), "B", Source("measured" if exact else "scaled", said))
+    kind = "measured" if exact else "scaled" if walk else "modelled"  # modelled: no row, nothing counted
+    in_flight = Figure(in_flight_bytes(walk), "B", Source(kind, said))
     k = (
         korthikanti_layer_bytes(s, b, model.hidden, model.heads, tp, sp, layout.recompute, layout.dtype)
         * layers_held

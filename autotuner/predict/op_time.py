@@ -33,9 +33,12 @@ in this order, each result carrying its ``Source``:
    bandwidth (autotuner.predict.links): per layer 2 all-reduces of s*b*h elements forward and 2 backward
    (Shoeybi et al. 2019, Megatron-LM, section 3), or with sequence parallelism 2 all-gathers + 2
    reduce-scatters each way (Korthikanti et al. 2022, section 4.2.2);
-5. *modelled*: the analytic FLOPs (backward: 2x forward) over the calibrated peak (``peak_flops[dtype]``),
-   or, without a calibration, over the best throughput any GEMM row of the runs reached (said so); the
-   embedding and norms as memory-bound, 2*s*b*h elements moved over the calibrated memory bandwidth.
+5. *modelled*: the analytic FLOPs (backward: 2x forward) over the calibrated peak (``peak_flops[dtype]``);
+   the embedding and norms as memory-bound, 2*s*b*h elements moved over the calibrated memory bandwidth.
+   A CPU prediction from CPU rows may go without a calibration (autotuner.predict.prediction refuses a
+   GPU's): its rows are the measurement, the peak the best throughput any GEMM row reached, the bandwidth
+   the fastest any row moved its counted bytes at (said so); where the rows have neither, refused in one
+   line naming the command that measures it. No figure is assumed.
 
 A figure that is not measured at the exact point and TP also yields a ``Missing`` record: the profiling
 run that would measure it (never a silent zero).
@@ -48,7 +51,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from autotuner.errors import UserError
 from autotuner.ops_test.places import OpTree, op_tree
+from autotuner.predict.cluster import Cluster
+from autotuner.predict.collectives import KIND_NAMES, Group, collective_time, megatron_groups
 from autotuner.predict.inputs import (
     EP_LEAF_OPS,
     GEMM_OPS,
@@ -68,9 +74,6 @@ REPLICATED_WITHOUT_SP = frozenset(
 )
 # Ops whose time the analytic FLOPs model (step 3 and 5 of the module docstring).
 ANALYTIC_OPS = frozenset({"transformer_layer", "self_attention", "output_layer"})
-# Without a calibration, and without any GEMM row to take a throughput from: said as an assumption.
-ASSUMED_PEAK_FLOPS = 1e12
-ASSUMED_MEMORY_BANDWIDTH = 1e10
 # Repeats of a row (autotuner.predict.inputs.repeated) further apart than this fraction are said: the CPU
 # target's 5%.
 REPEATS_APART = 0.05
@@ -90,8 +93,8 @@ def dispatcher_collectives(
     * ``alltoall`` (MoEAlltoAllTokenDispatcher): forward dispatch gathers every rank's tokens-per-expert
       counts (int64) to size the exchange, then exchanges the routed tokens, s*b*top-k*h, and their
       probabilities; backward exchanges both gradients; combine one exchange each way. Each rank keeps
-      1/ep of what it sends, as an all-gather does: an all-to-all is charged as an all-gather of the
-      buffer a rank sends.
+      1/ep of what it sends, as an all-gather does: without a cluster (autotuner.predict.collectives)
+      an all-to-all is charged as an all-gather of the buffer a rank sends.
 
     Small collectives cost their latency, so each counts: two processes' all-gathers of 64 KiB took
     ~0.3 ms apiece on this project's CPU VM, more than the bytes of a tiny model's tokens.
@@ -118,12 +121,10 @@ def dispatcher_collectives(
             (*hidden, "tokens' gradient, all ranks' s*b*h"),
         ]
     routed = tokens * topk
-    exchange = [("all_gather", routed * h * per, "an all-to-all of s*b*top-k*h, as an all-gather")]
+    exchange = [("all_to_all", routed * h * per, "an all-to-all of s*b*top-k*h")]
     if op == "token_combine":
         return exchange
-    exchange.append(
-        ("all_gather", routed * per, "an all-to-all of s*b*top-k probabilities, as an all-gather")
-    )
+    exchange.append(("all_to_all", routed * per, "an all-to-all of s*b*top-k probabilities"))
     if forward:
         exchange.insert(0, ("all_gather", ep * experts * 8, "tokens-per-expert counts, ep*experts int64"))
     return exchange
@@ -139,6 +140,9 @@ class OpTime:
     parts: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[Missing, ...] = ()
     rows_tp: int = 0  # the tensor-parallel size of the rows it came from (0: modelled)
+    # the collectives its rows recorded and did not run (an emulated rank's: :func:`recorded_collectives`),
+    # as (kind, bytes at the layout's point, group), for the step to price
+    recorded: tuple[tuple[str, float, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "source": self.source.to_json(), "parts": dict(self.parts)}
@@ -159,10 +163,16 @@ class TimeModel:
         calibration: Mapping[str, Any] | None,
         tree: OpTree | None = None,
         without_ep: Measurements | None = None,
+        cluster: Cluster | None = None,
+        cp: int = 1,
     ) -> None:
         self.meas, self.model, self.layout = meas, model, layout
         self.without_ep = without_ep  # rows measured at ep=1, for the expert ops at ep > 1
-        self.calibration = dict(calibration or {})
+        # the links collectives are priced over where given (autotuner.predict.collectives), and the
+        # context-parallel size ``layout`` is one rank's view of (Layout.context_rank_view)
+        self.cluster, self.cp = cluster, cp
+        # kept as given, not copied: the prediction names the figures read from it (prediction.FiguresRead)
+        self.calibration: Mapping[str, Any] = calibration if calibration is not None else {}
         self.tree = tree or op_tree()
         self.warnings: list[str] = []
         self.cold, self.cache_reason = True, "assumed: the step's data exceeds the cache"
@@ -177,27 +187,45 @@ class TimeModel:
 
     # -- calibration ----------------------------------------------------------------------------------
     def peak_flops(self) -> tuple[float, str]:
-        peak = (self.calibration.get("peak_flops") or {}).get(self.layout.dtype)
+        dtype = self.layout.dtype
+        peak = (self.calibration.get("peak_flops") or {}).get(dtype)
         if peak:
-            return float(peak), f"calibrated peak_flops[{self.layout.dtype}] {peak / 1e12:.4g} TFLOP/s"
+            return float(peak), f"calibrated peak_flops[{dtype}] {peak / 1e12:.4g} TFLOP/s"
         best = self.meas.best_gemm_throughput()
         if best:
-            return best, f"no calibrated peak: the best GEMM row's {best / 1e12:.4g} TFLOP/s"
-        self._warn(
-            f"no calibration and no GEMM rows: assumed a peak of {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (python -m "
-            "autotuner.calibrate on the target device measures it: pass its file as calibration=FILE)"
+            return best, f"no calibration: the best {dtype} GEMM row's {best / 1e12:.4g} TFLOP/s"
+        raise UserError(
+            f"no calibration, and no {dtype} GEMM row in the runs to take a peak from for the ops modelled "
+            f"from their FLOPs: give calibration=FILE ({self.calibrate_command()} writes one), or profile "
+            f"the model in {dtype} (python -m autotuner.main case={self.model.case} dtype={dtype})"
         )
-        return ASSUMED_PEAK_FLOPS, f"ASSUMED peak {ASSUMED_PEAK_FLOPS:.3g} FLOP/s (no calibration)"
 
     def memory_bandwidth(self) -> tuple[float, str]:
         bw = self.calibration.get("memory_bandwidth")
         if bw:
             return float(bw), f"calibrated memory_bandwidth {bw / 1e9:.4g} GB/s"
+        best = self.meas.best_memory_throughput()
+        if best is None:
+            raise UserError(
+                "no calibration, and no row in the runs counts its bytes moved to take a memory bandwidth "
+                f"from: give calibration=FILE ({self.calibrate_command()} writes one)"
+            )
+        rate, row = best
+        said = f"the rows' fastest bytes moved, {rate / 1e9:.4g} GB/s ({describe_row(row)})"
         self._warn(
-            f"no calibrated memory_bandwidth: assumed {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s "
-            "(python -m autotuner.calibrate measures it)"
+            f"no calibration: the memory bandwidth is {said}, a stand-in for the copy bandwidth "
+            f"({self.calibrate_command()} measures it: pass its file as calibration=FILE)"
         )
-        return ASSUMED_MEMORY_BANDWIDTH, f"ASSUMED memory bandwidth {ASSUMED_MEMORY_BANDWIDTH / 1e9:.3g} GB/s"
+        return rate, f"no calibration: {said}"
+
+    def untimed(self, what: str) -> str:
+        """ "the calibration did not time <what>", or without one "no calibration timed <what>"."""
+        return f"{'the calibration did not time' if self.calibration else 'no calibration timed'} {what}"
+
+    def calibrate_command(self) -> str:
+        """The command that calibrates the device the rows were profiled on."""
+        device = "cpu" if self.meas.profiled_on == {"cpu"} else "cuda"
+        return f"python -m autotuner.calibrate device={device}"
 
     def set_cache_mode(self, cold: bool, reason: str) -> None:
         """Which rows this model stands for (autotuner.predict.caches.cache_plan); ``meas`` should prefer
@@ -222,10 +250,10 @@ class TimeModel:
         if repeats and max(repeats) > (1 + REPEATS_APART) * min(repeats):
             self.apart_rows[f"{row['op']}.{row['phase']}"] = f"{min(repeats):.4g}-{max(repeats):.4g}us"
 
-    def cache_warning(self) -> str | None:
+    def cache_warning(self, used: set[str]) -> str | None:
         """What to say when rows of the other cache mode went into the prediction
-        (autotuner.predict.caches)."""
-        rows = self.other_cache_rows
+        (autotuner.predict.caches): those of them ``used`` (``op.phase``: the rows its times came from)."""
+        rows = self.other_cache_rows & used
         if not rows:
             return None
         named = ", ".join(sorted(rows)[:4]) + (", ..." if len(rows) > 4 else "")
@@ -322,7 +350,10 @@ class TimeModel:
     def _resolve_at_basis(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
         found = self._row_seconds(self.meas, op, phase, basis, nearest=False)
         if found is not None:
-            return OpTime(found[0], Source("measured", found[1]), {op: found[0]}, rows_tp=basis)
+            recorded = recorded_collectives(found[2], self.layout)
+            return OpTime(
+                found[0], Source("measured", found[1]), {op: found[0]}, rows_tp=basis, recorded=recorded
+            )
         if self.layout.ep > 1 and op in EP_LEAF_OPS:
             got = self._expert_op_without_ep(op, phase, basis, exact_only)
             if got is not None or exact_only:
@@ -332,7 +363,10 @@ class TimeModel:
             return exact_sum
         found = self._row_seconds(self.meas, op, phase, basis, nearest=True)
         if found is not None:
-            return OpTime(found[0], Source("scaled", found[1]), {op: found[0]}, rows_tp=basis)
+            recorded = recorded_collectives(found[2], self.layout)
+            return OpTime(
+                found[0], Source("scaled", found[1]), {op: found[0]}, rows_tp=basis, recorded=recorded
+            )
         return self._sub_op_sum(op, phase, basis, exact_only=False)
 
     def _expert_op_without_ep(self, op: str, phase: str, basis: int, exact_only: bool) -> OpTime | None:
@@ -358,7 +392,7 @@ class TimeModel:
         )
         exchange, details = 0.0, []
         for kind, nbytes, what in collectives:
-            took, src = self.collective(kind, nbytes, ep)
+            took, src = self.collective(kind, nbytes, ep, "ep")
             exchange += took
             details.append(f"{kind} of the {what}, {nbytes:.4g} B over ep={ep}: {src.detail}")
         detail = f"{origin} (the permutation) + the {dispatcher} dispatcher's {'; '.join(details)}"
@@ -383,6 +417,7 @@ class TimeModel:
             Source(worst_kind([p.source for p in parts]), detail),
             leaves,
             rows_tp=basis,
+            recorded=tuple(c for p in parts for c in p.recorded),
         )
 
     def _divided(self, op: str, got: OpTime) -> OpTime:
@@ -426,7 +461,7 @@ class TimeModel:
             if got is not None:
                 if got.source.kind == "measured":
                     return got
-                return OpTime(got.seconds, got.source, got.parts, (miss,), rows_tp=tp)
+                return OpTime(got.seconds, got.source, got.parts, (miss,), rows_tp=tp, recorded=got.recorded)
         if tp > 1:
             for exact_only in (True, False):
                 got = self._at_basis(op, phase, 1, exact_only)
@@ -457,17 +492,56 @@ class TimeModel:
         return self.op(op, phase).rows_tp == self.layout.tp
 
     # -- collectives ----------------------------------------------------------------------------------
-    def collective(self, kind: str, nbytes: float, world: int) -> tuple[float, Source]:
-        """A collective's time over the links (autotuner.predict.links); rows measured on CPUs only and no
-        calibration naming its device: gloo's links, as such a layout runs (the validation on CPU)."""
+    def group(self, name: str) -> Group:
+        """The layout's process group ``name`` (autotuner.predict.collectives.megatron_groups; ``pp_pair``:
+        two neighbouring pipeline stages); UserError (one line) for a name it has none of."""
+        lay = self.layout  # one rank's view: its dp is Megatron's dp-cp group
+        groups = megatron_groups(lay.tp, 1, lay.dp, lay.pp, lay.ep)
+        groups["cp"] = Group("cp", self.cp, lay.tp)
+        groups["pp_pair"] = Group("pp", 2, groups["pp"].stride)
+        if name not in groups:
+            raise UserError(
+                f"a collective over the {name!r} group, which the predictor cannot place: record one of "
+                f"{', '.join(sorted(groups))}"
+            )
+        return groups[name]
+
+    def collective(
+        self, kind: str, nbytes: float, world: int, group: str | None = None
+    ) -> tuple[float, Source]:
+        """A collective's time: over the cluster's links where a cluster is given and the ``group`` named
+        (autotuner.predict.collectives: where the group's ranks lie), else over the calibration's
+        (autotuner.predict.links; an all-to-all as an all-gather of what a rank sends); rows measured on
+        CPUs only and no calibration naming its device: gloo's links, as such a layout runs (the
+        validation on CPU)."""
+        if self.cluster is not None and group is not None:
+            seconds, detail = collective_time(self.cluster, kind, nbytes, self.group(group))
+            return seconds, Source("modelled", f"{detail} ({self.cluster.origin})")
         backend = "gloo" if self.meas.devices == {"cpu"} and "device_type" not in self.calibration else None
+        kind = "all_gather" if kind == "all_to_all" else kind
         return collective_seconds(self.calibration, kind, nbytes, world, backend)
+
+    def recorded_seconds(self, got: OpTime) -> tuple[float, Source] | None:
+        """The collectives an op's rows recorded without running them (an emulated rank's), priced over
+        the links, each over its group; None where they recorded none."""
+        if not got.recorded:
+            return None
+        seconds, details = 0.0, []
+        for kind, nbytes, group in got.recorded:
+            took, src = self.collective(kind, nbytes, self.group(group).size, group)
+            seconds += took
+            details.append(src.detail)
+        detail = f"{len(got.recorded)} collective(s) the rows recorded and did not run: " + "; ".join(details)
+        return seconds, Source("modelled", detail)
 
     def tp_collectives(self, op: str, phase: str) -> tuple[float, Source] | None:
         """The TP collectives of one op per micro-batch when its rows did not include them (rows from
         TP=1); None when they are in the measured rows or tp=1. Layer: 2 all-reduces of s*b*h forward and
         2 backward (SP: 2 all-gathers + 2 reduce-scatters); embedding: 1 forward; output layer: 1 backward."""
         tp = self.layout.tp
+        recorded = self.recorded_seconds(self.op(op, phase))
+        if recorded is not None:
+            return recorded
         if tp == 1 or self.measured_at_tp(op, phase):
             return None
         count = {"transformer_layer": 2, "embedding": 1 if phase == "forward" else 0}.get(op, 0)
@@ -482,14 +556,35 @@ class TimeModel:
             * self.layout.bytes_per_element
         )
         if self.layout.sequence_parallel:
-            ag, src_ag = self.collective("all_gather", nbytes, tp)
-            rs, src_rs = self.collective("reduce_scatter", nbytes, tp)
+            ag, src_ag = self.collective("all_gather", nbytes, tp, "tp")
+            rs, src_rs = self.collective("reduce_scatter", nbytes, tp, "tp")
             seconds = count * (ag + rs)
             detail = (
                 f"{count} all-gather + {count} reduce-scatter of {nbytes:.4g} B over tp={tp}: {src_ag.detail}"
             )
             return seconds, Source("modelled", detail)
-        ar, src = self.collective("all_reduce", nbytes, tp)
+        ar, src = self.collective("all_reduce", nbytes, tp, "tp")
         return count * ar, Source(
             "modelled", f"{count} all-reduce of {nbytes:.4g} B over tp={tp}: {src.detail}"
         )
+
+
+def recorded_collectives(row: Mapping[str, Any], layout: Layout) -> tuple[tuple[str, float, str], ...]:
+    """The collectives a row recorded without running them (its ``collectives``: an emulated rank's op,
+    each ``{"kind", "bytes", "group"}``), as (kind, bytes at ``layout``'s point, group): bytes scale with
+    the tokens s*b from the row's point, as every collective of a layer moves a token's share. UserError
+    (one line) for a kind the predictor cannot price."""
+    listed = row.get("collectives")
+    if not listed:
+        return ()
+    scale = layout.seq_len * layout.micro_batch_size / (int(row["seq_len"]) * int(row["micro_batch_size"]))
+    out = []
+    for item in listed:
+        kind = KIND_NAMES.get(str(item.get("kind")))
+        if kind is None:
+            raise UserError(
+                f"{describe_row(row)} records a {item.get('kind')!r} collective, which the predictor cannot "
+                f"price: one of {', '.join(sorted(KIND_NAMES))}"
+            )
+        out.append((kind, float(item["bytes"]) * scale, str(item.get("group") or "tp")))
+    return tuple(out)

@@ -3,7 +3,10 @@
 
 Every figure carries its ``Source`` (autotuner.predict.layout): measured at the exact point, scaled from a
 neighbouring point by a named rule, or modelled. What the runs lack at the layout's point is listed with
-the profiling command that would measure it (``missing``), never counted as zero.
+the profiling command that would measure it (``missing``), never counted as zero. The prediction names
+the calibration it stands on (a file, or a preset measured on a GPU: autotuner.results.calibration), the
+figures it read from it and the rows its times came from; a GPU's prediction without a calibration, or
+with one that lacks the dtype's peak, is refused (:func:`check_calibration`).
 
 MFU (Chowdhery et al. 2022, PaLM, appendix B): model FLOPs per token 6*N + 12*L*heads*head_dim*s, N the
 parameters a token passes through in its matrix products (each layer's active parameters and the output
@@ -24,6 +27,7 @@ from typing import Any
 from autotuner.errors import UserError
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
+from autotuner.predict.cluster import Cluster
 from autotuner.predict.inputs import Measurements, Missing, ModelShape, measured_on_cpu, row_expert_parallel
 from autotuner.predict.layout import DTYPE_BYTES, Figure, Layout, Source
 from autotuner.predict.links import LinkGap, LinkWarning, describe_gaps
@@ -35,10 +39,13 @@ from autotuner.predict.memory import (
     megatron_report,
     stage_memory,
 )
-from autotuner.predict.op_time import REPEATS_APART, TimeModel
+from autotuner.predict.op_time import REPEATS_APART, OpTime, TimeModel
 from autotuner.predict.plan import Need, Plan, plan
 from autotuner.predict.timing import OVERLAP, StageTime, StepTime, stage_times, step_time
 from autotuner.results import load_run_rows
+from autotuner.results.calibration import GRAD_ACCUMULATION, preset_for, presets
+from autotuner.results.calibration import describe as describe_calibration
+from autotuner.results.calibration import label as calibration_label
 from autotuner.results.calibration import load as load_calibration
 from autotuner.results.environment import load_environment
 from autotuner.results.table import text_table
@@ -138,6 +145,51 @@ def _check_case_sizes(path: Path, case: str | None, rows: list[dict[str, Any]]) 
         return
 
 
+@dataclass(frozen=True)
+class MemoryFit:
+    """Whether a prediction's fullest GPU fits ``gpu_memory_gb`` less ``margin`` (as autotuner.tune keeps
+    layouts and ``num_layers=fit`` chooses depths)."""
+
+    gpu_memory_gb: float
+    margin: float
+    fullest_bytes: float  # the fullest GPU's predicted total
+    stage: int  # its pipeline stage
+
+    @property
+    def limit_bytes(self) -> float:
+        return self.gpu_memory_gb * 1e9 * (1 - self.margin)
+
+    @property
+    def fits(self) -> bool:
+        return self.fullest_bytes <= self.limit_bytes
+
+    def said(self) -> str:
+        needs = (
+            f"the fullest GPU (stage {self.stage}) needs {self.fullest_bytes / 1e9:.4g} GB "
+            f"({human_bytes(self.fullest_bytes)})"
+        )
+        limit = (
+            f"gpu_memory_gb={self.gpu_memory_gb:g} less a {self.margin:.0%} margin "
+            f"({self.limit_bytes / 1e9:.4g} GB)"
+        )
+        if self.fits:
+            return f"fits: {needs}, within {limit}"
+        return (
+            f"does not fit: {needs}, more than {limit}: more pipeline stages, tensor parallelism, recompute, "
+            "a smaller micro-batch or the distributed optimizer need less"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu_memory_gb": self.gpu_memory_gb,
+            "margin": self.margin,
+            "fullest_bytes": self.fullest_bytes,
+            "stage": self.stage,
+            "limit_bytes": self.limit_bytes,
+            "fits": self.fits,
+        }
+
+
 @dataclass
 class Prediction:
     """Everything predicted for one layout, as data; ``to_json`` and ``render`` are views of it."""
@@ -145,7 +197,7 @@ class Prediction:
     layout: Layout
     model: ModelShape
     runs: list[str]
-    calibration: str | None
+    calibration: str | None  # where it comes from, in words (autotuner.results.calibration.describe)
     stages: list[StageTime]
     step: StepTime
     memory: list[StageMemory]
@@ -159,6 +211,10 @@ class Prediction:
     link_gaps: list[LinkGap] = field(default_factory=list)  # collectives timed from no link calibration
     cache_note: str = ""  # which visits took warm rows, which flushed (autotuner.predict.caches.cache_plan)
     megatron_report: MegatronReport | None = None  # what Megatron-LM's own report prints, beside ours
+    calibration_figures: list[str] = field(default_factory=list)  # what the prediction read from it
+    rows_note: str = ""  # which rows the times stand on, in words
+    memory_fit: MemoryFit | None = None  # against a GPU's memory, where one was given (against_gpu_memory)
+    cluster: str | None = None  # the cluster the collectives were priced over, in words
 
     @property
     def step_seconds(self) -> float:
@@ -166,8 +222,25 @@ class Prediction:
 
     @property
     def warnings(self) -> list[str]:
-        """What the figures rest on beyond the runs and the calibration: stand-ins, assumptions, gaps."""
-        return [*self.notes, *describe_gaps(self.link_gaps)]
+        """What the figures rest on beyond the runs and the calibration (stand-ins, assumptions, gaps), and a
+        GPU's memory the layout does not fit."""
+        misfit = [self.memory_fit.said()] if self.memory_fit and not self.memory_fit.fits else []
+        return [*misfit, *self.notes, *describe_gaps(self.link_gaps)]
+
+    def provenance(self) -> list[str]:
+        """What the prediction stands on, a line each: the calibration (and the figures it took from it)
+        and the rows."""
+        if self.calibration:
+            taken = ", ".join(self.calibration_figures) or "none"
+            calibration = f"calibration: {self.calibration}; figures taken: {taken}"
+        else:
+            calibration = "calibration: none (a CPU prediction from CPU rows: the rows are the measurement)"
+        return [calibration, f"rows: {self.rows_note}"]
+
+    def against_gpu_memory(self, gpu_memory_gb: float, margin: float = MEMORY_MARGIN) -> Prediction:
+        """This prediction with whether its fullest GPU fits ``gpu_memory_gb`` less ``margin``."""
+        fullest = max(self.memory, key=lambda m: m.total)
+        return replace(self, memory_fit=MemoryFit(gpu_memory_gb, margin, fullest.total, fullest.stage))
 
     def without_schedule_boxes(self) -> Prediction:
         """This prediction with its schedule's boxes dropped (its pipeline time kept): what
@@ -191,6 +264,8 @@ class Prediction:
             },
             "runs": self.runs,
             "calibration": self.calibration,
+            "calibration_figures": self.calibration_figures,
+            "rows": self.rows_note,
             "stages": [st.to_json() for st in self.stages],
             "step": {
                 "total_s": s.total,
@@ -204,12 +279,15 @@ class Prediction:
                 "schedule": s.schedule.to_json(),
                 "dp_reduction": Figure(s.dp_reduction, "s", s.dp_source).to_json(),
                 "optimizer": Figure(s.optimizer, "s", s.optimizer_source).to_json(),
-                "overlap": OVERLAP,
+                "overlap": s.statement,
+                "communication": [term.to_json() for term in s.terms],
             },
+            "cluster": self.cluster,
             "tp_collectives": self.tp_note,
             "cache": self.cache_note,
             "memory": [m.to_json() for m in self.memory],
             "megatron_report": self.megatron_report.to_json() if self.megatron_report else None,
+            "memory_fit": self.memory_fit.to_json() if self.memory_fit else None,
             "mfu": self.mfu.to_json() if self.mfu else None,
             "mfu_note": self.mfu_note,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu.to_json(),
@@ -324,7 +402,7 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
     not as rows profiled in fewer, which read fast, nor in more; a GPU's ranks each have their own
     device. The pipeline's stages too: on this project's CPU the llama-shaped PP2's layer rows read
     0.85-1.00 of their time inside the steps profiled in one process, 1.01-1.11 in two
-    (docs/predictor_accuracy.md, "Pipeline stages on a CPU")."""
+    (``python -m benchmarks.predict_accuracy --layouts pp2`` prints both)."""
     rows = [(key, r) for tm in models for key, r in tm.meas.index.items() if r.get("device") == "cpu"]
     used = {r.get("run_processes") for _, r in _at_point(rows, layout)}
     other = sorted(n for n in used if n and n != layout.gpus)
@@ -351,16 +429,17 @@ def _processes_note(models: Sequence[TimeModel], layout: Layout) -> list[str]:
 NOISY_SHARE = 0.05
 
 
-def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> list[str]:
+def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime], used: set[str]) -> list[str]:
     """Notes where rows the prediction cannot pin carry NOISY_SHARE of a stage's time or more, naming the
-    four that carry the most: rows whose samples spread widely (the timer's ``noisy`` warning), whose
-    mean moves between profiles by more than their samples' spread within one profile suggests
-    (tensor-parallel rows over gloo on a CPU: docs/predictor_accuracy.md, "Tensor parallelism on this
-    VM"); and ops timed by several runs whose rows lie more than REPEATS_APART apart
-    (autotuner.predict.inputs.repeated): the machine's speed moved between the runs by about the CPU
-    target, and the median the prediction takes (of two, their mean) is as good as their number."""
-    noisy = {key: said for tm in models for key, said in tm.noisy_rows.items()}
-    apart = {key: said for tm in models for key, said in tm.apart_rows.items()}
+    four that carry the most: rows whose samples spread widely (the timer's ``noisy`` warning), whose mean
+    moves between profiles by more than their samples' spread within one profile suggests (tensor-parallel
+    rows over gloo on a CPU, whose collectives stall for a scheduler tick in some calls: ``python -m
+    benchmarks.machine_noise``); and ops timed by several runs whose rows lie more than REPEATS_APART apart
+    (autotuner.predict.inputs.repeated): the machine's speed moved between the runs by about the CPU target,
+    and the median the prediction takes (of two, their mean) is as good as their number. Of the
+    rows the model consulted, those ``used`` (:func:`rows_used`) count: the ones the times came from."""
+    noisy = {key: said for tm in models for key, said in tm.noisy_rows.items() if key in used}
+    apart = {key: said for tm in models for key, said in tm.apart_rows.items() if key in used}
     notes = []
     for rows, text in (
         (
@@ -387,6 +466,20 @@ def _spread_notes(models: Sequence[TimeModel], stages: Sequence[StageTime]) -> l
     return notes
 
 
+def rows_used(stages: Sequence[StageTime]) -> set[str]:
+    """The rows (``op.phase``) the stages' times came from: each item's leaves (a composite op measured
+    whole is its own leaf). Rows consulted only to apportion a stage's time to its dominant op, or read
+    at another cache mode's preference and not taken, are not among them."""
+    return {row for st in stages for name, phase, t, _ in st.items for row in _item_rows(name, phase, t)}
+
+
+def _item_rows(name: str, phase: str, time: OpTime) -> list[str]:
+    """The rows (``op.phase``) a stage item's time came from: its leaves, in its phase (a recompute inside
+    the backward re-runs a forward: the forward's rows)."""
+    phase = "forward" if name.startswith("recompute:") else phase
+    return [f"{leaf}.{phase}" for leaf in time.parts]
+
+
 def _stage_share(stages: Sequence[StageTime], rows: dict[str, str]) -> tuple[float, int, str]:
     """The largest share of a stage's forward and backward that the ``rows`` (``op.phase``: what to say of
     it) carry, that stage, and the four rows that carry the most time a step, named with what is said."""
@@ -395,11 +488,11 @@ def _stage_share(stages: Sequence[StageTime], rows: dict[str, str]) -> tuple[flo
     shares, held = [], dict.fromkeys(rows, 0.0)  # per stage its rows' share; per row its seconds a step
     for st in stages:
         mine = 0.0
-        for _, phase, t, count in st.items:
-            for leaf, seconds in t.parts.items():
-                if f"{leaf}.{phase}" in rows:
+        for name, phase, t, count in st.items:
+            for row, seconds in zip(_item_rows(name, phase, t), t.parts.values(), strict=True):
+                if row in rows:
                     mine += seconds * count
-                    held[f"{leaf}.{phase}"] += seconds * count
+                    held[row] += seconds * count
         shares.append((mine / st.total if st.total > 0 else 0.0, st.index))
     share, stage = max(shares)
     weightiest = sorted(rows, key=lambda key: (-held[key], key))
@@ -446,11 +539,34 @@ def timed_after_backward(warm: Measurements) -> frozenset[str]:
 
 
 def predict(
-    runs: Runs, layout: Layout, calibration: Mapping[str, Any] | None = None, model: ModelShape | None = None
+    runs: Runs,
+    layout: Layout,
+    calibration: Mapping[str, Any] | None = None,
+    model: ModelShape | None = None,
+    calibration_from: str | Path | None = None,
+    cluster: Cluster | None = None,
 ) -> Prediction:
-    """The prediction of ``layout`` from ``runs`` (see the module docstrings of timing and memory)."""
+    """The prediction of ``layout`` from ``runs`` (see the module docstrings of timing and memory), with
+    ``calibration`` (read from ``calibration_from``, a file or a preset's name; by default the one the
+    runs kept) and the collectives over ``cluster``'s links where one is given (autotuner.predict.
+    collectives; else the calibration's). A context-parallel layout is predicted as one rank computes it
+    (``Layout.context_rank_view``) with its attention's ring steps added. UserError (one line) where the
+    device's figures it needs are missing (:func:`check_calibration`)."""
     model = model or ModelShape.from_environment(runs.env)
     layout.check(model.num_layers, model.heads, model.query_groups, model.experts)
+    if calibration_from is None and calibration is not None:
+        calibration_from = runs.calibration_path
+    check_calibration(runs, calibration, layout.dtype, calibration_from, model.case)
+    if layout.overlap_grad_reduce and layout.ep > 1:
+        raise UserError(
+            "overlap_grad_reduce=true at ep>1 is not modelled (the experts' gradients are bucketed over "
+            "their own group): give overlap_grad_reduce=false"
+        )
+    if cluster is not None:
+        cluster.nodes_for(layout.gpus)
+    read = FiguresRead(calibration) if calibration is not None else None
+    calibration = read
+    whole, layout = layout, layout.context_rank_view()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # the memory first (no cache mode changes it); which rows each visit of an op wants follows from
@@ -480,7 +596,7 @@ def predict(
                 if layout.ep > 1
                 else None
             )
-            tm = TimeModel(meas, model, layout, calibration, without_ep=ep1)
+            tm = TimeModel(meas, model, layout, calibration, without_ep=ep1, cluster=cluster, cp=whole.cp)
             tm.set_cache_mode(cold, why)
             return tm
 
@@ -493,21 +609,30 @@ def predict(
         experts = [model.stage_expert_params(layout.tp, layout.ep, st.layers) for st in stages]
         step = step_time(tm, stages, [m.params.value for m in memory], experts)
     models = [tm, *([warm_tm] if warm_tm else [])]
-    cache = [said for said in (t.cache_warning() for t in models) if said]
+    used = rows_used(stages)  # what the warnings about rows count: the rows the times came from
+    cache = [said for said in (t.cache_warning(used) for t in models) if said]
     gaps = list(dict.fromkeys(w.message.gap for w in caught if isinstance(w.message, LinkWarning)))
     others = [str(w.message) for w in caught if not isinstance(w.message, LinkWarning)]
     notes = list(dict.fromkeys([*(w for t in models for w in t.warnings), *others, *cache]))
     missing_items = [m for st in stages for _, _, t, _ in st.items for m in t.missing]
+    # the rows of the other cache mode that stood in (the cache warnings): planned as the step wants them
+    point = (layout.seq_len, layout.micro_batch_size, layout.tp)
+    other_mode = "measured with the other cache mode than the step's"
+    missing_items += [
+        Missing(*key.split("."), *point, other_mode)
+        for t in models
+        for key in sorted(t.other_cache_rows & used)
+    ]
     profile = profiling_plan(model, layout, missing_items, cold, cpu)
     if warm_tm is not None:  # some visits take flushed rows, others warm ones: a run of each kind
         profile = profile.merged(profiling_plan(model, layout, missing_items, cold=False, cpu=cpu))
     notes += _processes_note(models, layout)
-    notes += _spread_notes(models, stages)
+    notes += _spread_notes(models, stages, used)
     notes += _forward_order_note(warm_tm if cold else tm, layout)
     positions = (runs.env.get("model_args") or {}).get("max_sequence_length")
-    if isinstance(positions, int) and layout.seq_len > positions:  # the profiler refuses such a shape
+    if isinstance(positions, int) and whole.seq_len > positions:  # the profiler refuses such a shape
         notes.append(
-            f"seq_len={layout.seq_len} is above the model's max_position_embeddings={positions}: a longer "
+            f"seq_len={whole.seq_len} is above the model's max_position_embeddings={positions}: a longer "
             "context than it was made for (its times scaled from the rows as any length's)"
         )
     calibrated_on = (calibration or {}).get("device_type")
@@ -517,15 +642,23 @@ def predict(
             f"{', '.join(sorted(meas.profiled_on))}: what is modelled from it (bandwidths, Adam, links) is "
             "another machine's; calibrate where the rows were profiled (python -m autotuner.calibrate)"
         )
+    calibrated_name = ((calibration or {}).get("environment") or {}).get("device_name")
+    profiled_name = (runs.env.get("environment") or {}).get("device_name")
+    if calibrated_on in meas.profiled_on and calibrated_name and profiled_name not in (None, calibrated_name):
+        notes.append(
+            f"the calibration is of an {calibrated_name}, the rows were profiled on an {profiled_name}: what "
+            "is modelled from it (bandwidths, Adam, links) is another GPU's; calibrate where the rows were "
+            "profiled (python -m autotuner.calibrate)"
+        )
     if runs.env.get(SIZES_FROM_CASE):
         notes.append(
             f"the runs have no environment.json: the model is case {model.case}'s as published, "
             f"{model.num_layers} layers of hidden size {model.hidden} (its layer rows agree)"
         )
-    if not meas.index:
+    if runs.dirs and not meas.index:  # (without runs, the rows line says so)
         notes.append(
             f"the runs hold no ok rows in {layout.dtype} (they have {', '.join(runs.dtypes) or 'none'}): "
-            "every time is modelled"
+            "no time comes from a row, every op's is modelled from the calibration"
         )
     # TP collectives: measured inside the rows under torchrun at this TP, else modelled (said per item).
     if layout.tp == 1:
@@ -536,6 +669,14 @@ def predict(
         )
     else:
         tp_note = f"modelled: TP=1 rows / tp={layout.tp} plus all-reduces from the link calibration"
+    if tm.op("transformer_layer", "forward").recorded:
+        tp_note = (
+            f"rows of an emulated rank at tp={layout.tp}: the collectives its ops recorded, priced over "
+            + (cluster.origin if cluster is not None else "the calibration's links")
+        )
+    if cluster is not None and cluster.nominal:
+        notes.append(cluster.describe())
+    layout = whole  # the figures of the whole step: its tokens and GPUs, its attention over s
     tokens = layout.global_batch_size * layout.seq_len
     kinds = {t.source.kind for st in stages for _, _, t, _ in st.items}
     kind = "modelled" if "modelled" in kinds else ("scaled" if "scaled" in kinds else "measured")
@@ -560,16 +701,15 @@ def predict(
         mfu_note = (
             "6*N + 12*L*heads*head_dim*s FLOP per token (PaLM appendix B), attention square counted whole"
         )
-    else:
-        mfu, mfu_note = (
-            None,
-            f"no MFU: the calibration has no peak_flops[{layout.dtype}] (python -m autotuner.calibrate)",
-        )
+    else:  # a CPU prediction without a calibration (check_calibration refuses one without the dtype)
+        mfu, mfu_note = None, f"no MFU: no calibration ({tm.calibrate_command()} measures the peak)"
     return Prediction(
         layout=layout,
         model=model,
         runs=[str(d) for d in runs.dirs],
-        calibration=str(runs.calibration_path) if runs.calibration_path else None,
+        calibration=describe_calibration(read, calibration_from) if read is not None else None,
+        calibration_figures=read.named(layout.dtype) if read is not None else [],
+        rows_note=_rows_note(runs, meas, used),
         stages=stages,
         step=step,
         memory=memory,
@@ -582,17 +722,94 @@ def predict(
         notes=notes,
         link_gaps=gaps,
         cache_note=why,
-        megatron_report=megatron_report(model, layout, memory[0].params.value),
+        megatron_report=megatron_report(model, layout.context_rank_view(), memory[0].params.value),
+        cluster=cluster.describe() if cluster is not None else None,
     )
 
 
 def load_calibration_for(runs: Runs, path: str | None) -> dict[str, Any] | None:
-    """The calibration given, else the one the first run kept, else none."""
+    """The calibration given (a file, or a preset's name), else the one the first run kept, else none."""
     if path:
         return load_calibration(path)
     if runs.calibration_path is not None:
         return load_calibration(runs.calibration_path)
     return None
+
+
+class FiguresRead(dict):
+    """A calibration that notes which of its entries the prediction read, so that it can name them."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def named(self, dtype: str) -> list[str]:
+        """The figures read, by name (a per-dtype one with the dtype predicted); not what names the device."""
+        per_dtype = ("peak_flops", GRAD_ACCUMULATION)
+        return sorted(
+            f"{key}[{dtype}]" if key in per_dtype else key
+            for key in self.read - {"device_type", "environment", "preset"}
+            if key not in per_dtype or dtype in (dict.get(self, key) or {})
+        )
+
+
+def check_calibration(
+    runs: Runs, calibration: Mapping[str, Any] | None, dtype: str, given: str | Path | None, case: str
+) -> None:
+    """Refuse, in one line naming what measures it, a prediction whose device figures are missing: without a
+    calibration, any but a CPU prediction from CPU rows (those rows are the measurement; a GPU's step needs
+    its calibrated peak and bandwidth, and with no rows nothing is measured at all); with one, a dtype it
+    has no matmul peak for (another dtype's would be ten times off)."""
+    if calibration is not None:
+        peak = calibration.get("peak_flops") or {}
+        if dtype not in peak:
+            device = calibration.get("device_type") or "cuda"
+            raise UserError(
+                f"the calibration {calibration_label(calibration, given)} has no peak_flops for {dtype}, "
+                f"the dtype predicted (it has {', '.join(peak) or 'none'}): calibrate with "
+                f"python -m autotuner.calibrate device={device} (it times fp32, bf16 and fp16), or "
+                f"predict dtype={next(iter(peak), 'fp32')}"
+            )
+        return
+    if measured_on_cpu(runs.rows):
+        return
+    named = " or ".join(f"calibration={name}" for name in presets())
+    if not any(r.get("status") == "ok" for r in runs.rows):
+        raise UserError(
+            f"no profile and no calibration of the GPU to predict {case} on: give {named} (presets measured "
+            "on those GPUs: docs/predict_presets.md), or calibration=FILE (python -m autotuner.calibrate "
+            "device=cuda on the GPU writes one)"
+        )
+    device = (runs.env.get("environment") or {}).get("device_name") or "a GPU"
+    preset = preset_for(device)
+    instead = f"calibration={preset} (the preset measured on an {device})" if preset else named
+    raise UserError(
+        f"the runs were profiled on {device} and keep no calibration.json, and a GPU's step needs its "
+        f"calibrated peak and bandwidth: give {instead}, or calibration=FILE (python -m autotuner.calibrate "
+        "device=cuda on it writes one)"
+    )
+
+
+def _rows_note(runs: Runs, meas: Measurements, used: set[str]) -> str:
+    """Which rows the times stand on, in one line."""
+    if not runs.dirs:
+        return "none: every op's time is modelled from the calibration"
+    taken = {f"{op}.{phase}" for op, phase, *_ in meas.index} & used
+    device = (runs.env.get("environment") or {}).get("device_name")
+    where = ", ".join(sorted(meas.profiled_on)) + (f", {device}" if device else "")
+    return (
+        f"{len(taken)} op row{'s' if len(taken) != 1 else ''} in {meas.dtype} of "
+        f"{', '.join(map(str, runs.dirs))} (profiled on {where or 'no device'}); each is named under sources"
+    )
 
 
 def _t(seconds: float) -> str:
@@ -602,7 +819,7 @@ def _t(seconds: float) -> str:
 def render(pred: Prediction) -> str:
     """The prediction as text: stages, step, memory, MFU, every figure's source, what to profile."""
     lay = pred.layout
-    out = [f"prediction for {pred.model.case}: {lay.describe()}", ""]
+    out = [f"prediction for {pred.model.case}: {lay.describe()}", *pred.provenance(), ""]
     lines = []
     for st in pred.stages:
         kinds = sorted({t.source.kind for _, _, t, _ in st.items})
@@ -627,12 +844,17 @@ def render(pred: Prediction) -> str:
         out += [f"model chunks (forward / backward per micro-batch, chunk 0 first): {chunks}", ""]
     s = pred.step
     out += [
-        f"step time        {_t(s.total)}  (upper bound: {OVERLAP})",
+        f"step time        {_t(s.total)}  ({'upper bound: ' if s.statement == OVERLAP else ''}{s.statement})",
         f"  pipeline       {_t(s.pipeline)}  {s.formula}; bubble and exchanges {s.bubble_fraction:.1%} "
         f"of stage {s.slowest_stage}'s m x (t_f + t_b)",
         f"  DP reduction   {_t(s.dp_reduction)}  [{s.dp_source.kind}] {s.dp_source.detail}",
         f"  optimizer      {_t(s.optimizer)}  [{s.optimizer_source.kind}] {s.optimizer_source.detail}",
         f"  TP collectives {pred.tp_note}",
+        *(
+            f"  {term.name:14} {_t(term.exposed)} exposed of {_t(term.total)} [modelled] beside "
+            f"{term.overlaps_with}: {term.rule}"
+            for term in s.terms
+        ),
         f"  cache          {pred.cache_note}",
         f"tokens/s per GPU {pred.tokens_per_s_per_gpu.value:.4g}",
         f"MFU              {pred.mfu.value:.1%}  ({pred.mfu_note})"
@@ -680,6 +902,8 @@ def render(pred: Prediction) -> str:
             f"(activations {human_bytes(report.activations.value)}, weights and optimizer "
             f"{human_bytes(report.weights_and_optimizer.value)}) against {human_bytes(first.total)} here"
         )
+    if pred.memory_fit is not None:
+        out.append(f"memory against the GPU: {pred.memory_fit.said()}")
     out.append("")
     out.append("sources")
     for st in pred.stages:
@@ -700,8 +924,9 @@ def render(pred: Prediction) -> str:
         for figure in (pred.megatron_report.activations, pred.megatron_report.weights_and_optimizer):
             out.append(f"  stage 0, {figure.source.detail}")
     if pred.missing:
-        out += ["", "not measured at this layout's point; to measure:"]
+        out += ["", "not measured at this layout's point, or not as its step runs it; to measure:"]
         out += [f"  {command}" for command in dict.fromkeys(item["command"] for item in pred.missing)]
-    if pred.warnings:
-        out += [""] + [f"warning: {w}" for w in pred.warnings]
+    said = [w for w in pred.warnings if pred.memory_fit is None or w != pred.memory_fit.said()]  # above
+    if said:
+        out += [""] + [f"warning: {w}" for w in said]
     return "\n".join(out)

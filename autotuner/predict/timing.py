@@ -41,8 +41,8 @@ so their bytes add), the host work is the calibration's timed with the cache flu
 (``host_work_seconds_per_microbatch_flushed``). On this project's VM the llama-shaped model's steps (four
 layers, s128, one process) spent 0.37 ms forward and 0.73 backward a micro-batch outside their ops, the
 minimal model at four layers, as one calibration timed it, 0.17 / 0.26 warm and 0.39 / 0.70 flushed; its PP2
-stages (two processes, each a stage of about 26 MB) 0.28-0.30 forward, the flushed figure at two layers 0.26
-(session 28). On a GPU the host queues the kernels ahead of the device, which hides this behind them as long
+stages (two processes, each a stage of about 26 MB) 0.28-0.30 forward, the flushed figure at two layers 0.26.
+On a GPU the host queues the kernels ahead of the device, which hides this behind them as long
 as the kernels outlast it: not added.
 
 **The step**: the pipeline, simulated (autotuner.predict.schedule): every stage's forwards and backwards
@@ -80,10 +80,19 @@ from typing import Any
 
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import blend
+from autotuner.predict.communication import (
+    context_parallel_items,
+    gather_total,
+    grad_reduce_end,
+    kv_exchange_bytes,
+    param_gather_delays,
+    tp_overlap_item,
+)
 from autotuner.predict.layout import Layout, Source
 from autotuner.predict.memory import GRAD_BYTES
 from autotuner.predict.op_time import OpTime, TimeModel
-from autotuner.predict.schedule import Schedule, closed_form_s, overlaps_exchanges, simulate
+from autotuner.predict.overlap import Exposed
+from autotuner.predict.schedule import Key, Schedule, closed_form_s, overlaps_exchanges, simulate
 from autotuner.results.calibration import (
     ADAM_IN_STEP,
     ADAM_PER_TENSOR,
@@ -105,6 +114,32 @@ OVERLAP = (
     "nothing overlaps: TP collectives, DP gradient reduction and the optimizer step are added to the "
     "pipeline's time (an upper bound; Megatron can overlap the DP reduction with the backward)"
 )
+
+
+def overlap_statement(lay: Layout) -> str:
+    """What of the step's communication the prediction lets overlap, in words (:data:`OVERLAP` where
+    nothing does)."""
+    on = [
+        what
+        for flag, what in (
+            (
+                lay.overlap_grad_reduce,
+                "the DP gradient reduction with the last backward (overlap_grad_reduce)",
+            ),
+            (
+                lay.overlap_param_gather,
+                "the parameter all-gather with the next forward (overlap_param_gather)",
+            ),
+            (lay.tp_comm_overlap, "the TP collectives with their GEMMs (tp_comm_overlap, modelled)"),
+            (lay.cp > 1, "context parallelism's key-value exchange with its attention"),
+        )
+        if flag
+    ]
+    if not on:
+        return OVERLAP
+    return (
+        "overlapped: " + "; ".join(on) + "; each exposed term in the breakdown; the optimizer step is added"
+    )
 
 
 @dataclass(frozen=True)
@@ -160,7 +195,7 @@ def grad_accumulation(tm: TimeModel, params: float) -> OpTime | None:
     nbytes = per_param * params
     detail = (
         f"{what}: {per_param} B x {params:.4g} params = {nbytes:.4g} B / {said} (none with "
-        "gradient_accumulation_fusion; the calibration did not time it, python -m autotuner.calibrate does: "
+        f"gradient_accumulation_fusion; {tm.untimed('it')}, python -m autotuner.calibrate does: "
         "a bf16 gradient's add ran at 0.64x the copy rate on an H200)"
     )
     return OpTime(nbytes / bw, Source("modelled", detail), {"grad_accumulation": nbytes / bw})
@@ -176,8 +211,9 @@ def host_work(tm: TimeModel, phase: str, layers: int, cached: tuple[bool, str] =
         return None
     timed = tm.calibration.get(HOST_WORK)
     if not timed:
+        what = "a step's host work outside its ops"
         tm._warn(
-            "the calibration did not time a step's host work outside its ops (Megatron's schedule, "
+            f"{tm.untimed(what)} (Megatron's schedule, "
             "GPTModel's own work; about 1 ms a micro-batch on this project's CPU VM): not added, "
             "python -m autotuner.calibrate times it"
         )
@@ -207,7 +243,7 @@ def pipeline_transfer(tm: TimeModel) -> OpTime:
     lay = tm.layout
     nbytes = lay.seq_len * lay.micro_batch_size * tm.model.hidden * lay.bytes_per_element
     nbytes /= lay.tp if lay.sequence_parallel else 1
-    seconds, src = tm.collective("send_recv", nbytes, 2)
+    seconds, src = tm.collective("send_recv", nbytes, 2, "pp_pair")
     detail = (
         f"one s*b*h = {nbytes:.4g} B transfer per micro-batch (send and receive batched, as Megatron's "
         f"1F1B does): {src.detail}"
@@ -252,14 +288,12 @@ def stage_times(
         for name, phase, _, count in list(items):
             comm = tm.tp_collectives(name, phase)
             if comm is not None:
-                items.append(
-                    (
-                        f"tp_collectives:{name}",
-                        phase,
-                        OpTime(comm[0], comm[1], {"tp_collectives": comm[0]}),
-                        count,
-                    )
-                )
+                timed = OpTime(comm[0], comm[1], {"tp_collectives": comm[0]})
+                if lay.tp_comm_overlap and name == "transformer_layer":
+                    timed = tp_overlap_item(tm, phase, timed)
+                items.append((f"tp_collectives:{name}", phase, timed, count))
+        for phase in PHASES:
+            items += context_parallel_items(tm, phase, per_stage)
         for phase in PHASES:
             work = host_work(tm, phase, per_stage, host_cached[index] if host_cached else (True, ""))
             if work is not None:
@@ -275,6 +309,12 @@ def stage_times(
             items.append(
                 ("recompute:core_attention", "backward", tm.op("core_attention", "forward"), per_stage)
             )
+        if lay.recompute != "none":  # the attention's other context-parallel steps are re-run too
+            items += [
+                (f"recompute:{name}", "backward", t, c)
+                for name, phase, t, c in context_parallel_items(tm, "forward", per_stage)
+                if name == "cp_attention"
+            ]
         forward = sum(t.seconds * c for _, p, t, c in items if p == "forward")
         backward = sum(t.seconds * c for _, p, t, c in items if p == "backward")
         # the stage's parameters outside its layers: the embedding's, the final norm's, the output layer's
@@ -304,9 +344,9 @@ def chunk_times(
     layer in its last (rank p-1's chunk v-1), the layers, their collectives and recompute, and the host
     work (:func:`host_work`, per chunk and per layer) a 1/v share each, the gradients' accumulation by
     parameters (``extras_share``: the stage's share outside its layers, which is the first or the last
-    chunk's). Before session 27 each chunk took 1/v of its stage, which on the llama-shaped VPP2 put
-    half the last chunk's output layer (2.1 ms forward, 3.1 backward a micro-batch) into the chunk before
-    it, and paid the host work's part for a stage once, not per chunk."""
+    chunk's). An even 1/v of the stage per chunk would put half the last chunk's output layer into the
+    chunk before it (on the llama-shaped VPP2 2.1 ms forward, 3.1 backward a micro-batch), and pay the host
+    work's part for a stage once, not per chunk."""
     v = lay.vpp
     edge = 0 if stage == 0 else v - 1  # the chunk holding what lies outside the layers, if any
     times = [[0.0, 0.0] for _ in range(v)]
@@ -356,23 +396,42 @@ class StepTime:
     closed_form: float  # Narayanan et al.'s pipeline time, for comparison (module docstring)
     exchange: OpTime | None = None  # one pipeline exchange (pp_p2p); None at pp = 1
     exchange_overlapped: bool = False  # charged to the receiving box alone (schedule.overlaps_exchanges)
+    # each communication term: its seconds and what of it the step pays (autotuner.predict.communication)
+    terms: tuple[Exposed, ...] = ()
+    statement: str = OVERLAP  # what the prediction lets overlap (overlap_statement)
 
     @property
     def total(self) -> float:
         return self.pipeline + self.dp_reduction + self.optimizer
 
 
-def pipeline_schedule(stages: list[StageTime], lay: Layout, exchange_s: float, overlapped: bool) -> Schedule:
+def pipeline_schedule(
+    stages: list[StageTime],
+    lay: Layout,
+    exchange_s: float,
+    overlapped: bool,
+    longer: dict[Key, float] | None = None,
+) -> Schedule:
     """Each stage's forwards and backwards placed by Megatron-Core's schedule (module docstring), a box
-    per micro-batch and model chunk, each taking its chunk's own time (:func:`chunk_times`);
-    ``overlapped``: the exchanges cost the receiving box alone (autotuner.predict.schedule.
-    overlaps_exchanges)."""
+    per micro-batch and model chunk, each taking its chunk's own time (:func:`chunk_times`), ``longer``
+    boxes that much longer (a first forward waiting for its parameters' all-gather); ``overlapped``: the
+    exchanges cost the receiving box alone (autotuner.predict.schedule.overlaps_exchanges)."""
     own = {
         (st.index, phase, chunk): times[PHASES.index(phase)]
         for st in stages
         for chunk, times in enumerate(st.chunks)
         for phase in PHASES
     }
+    if longer:
+        extra = longer
+        return simulate(
+            lambda key: own[(key[0], key[1], key[3])] + extra.get(key, 0.0),
+            lay.pp,
+            lay.vpp,
+            lay.microbatches,
+            exchange_s,
+            overlapped,
+        )
     return simulate(
         lambda key: own[(key[0], key[1], key[3])], lay.pp, lay.vpp, lay.microbatches, exchange_s, overlapped
     )
@@ -386,11 +445,29 @@ def step_time(
     lay = tm.layout
     exchange = pipeline_transfer(tm) if lay.pp > 1 else None
     overlapped = overlaps_exchanges(lay.vpp, "cpu" if tm.meas.devices == {"cpu"} else "cuda")
-    sched = pipeline_schedule(stages, lay, exchange.seconds if exchange else 0.0, overlapped)
+    exchange_s = exchange.seconds if exchange else 0.0
+    waits = param_gather_delays(tm, stages) if lay.overlap_param_gather and lay.dp > 1 else {}
+    sched = pipeline_schedule(stages, lay, exchange_s, overlapped, waits)
     slowest = max(range(len(stages)), key=lambda i: stages[i].total)
     pace = stages[slowest].total
     closed = closed_form_s(pace, lay.pp, lay.vpp, lay.microbatches)
     pipe = sched.end
+    terms = [*_stage_terms(tm, stages[slowest], slowest)]
+    if exchange is not None:
+        alone = pipeline_schedule(stages, lay, 0.0, overlapped, waits).end
+        per_rank = [0] * lay.pp
+        for key, _, _, before in sched.placed:
+            per_rank[key[0]] += before
+        terms.append(
+            Exposed(
+                "pp_exchanges",
+                max(per_rank) * exchange_s,
+                pipe - alone,
+                "the other stages' boxes (the schedule)",
+                f"the schedule with its exchanges ({human_time(exchange_s * 1e6)} each, "
+                f"{'to the receiver' if overlapped else 'to both ends'}) less the same without them",
+            )
+        )
     if exchange is None:  # Megatron's forward_backward_no_pipelining: the micro-batches in turn
         formula = f"no pipeline: m x (t_f + t_b) = {lay.microbatches} x t"
     else:
@@ -405,6 +482,23 @@ def step_time(
     # DP: the largest stage's gradients (fp32 main grads, 4 B) over dp ranks; the slowest stage gates.
     largest = max(range(len(stage_params)), key=lambda i: stage_params[i])
     dp_s, dp_src = dp_reduction(tm, stage_params[largest], stage_expert_params[largest])
+    if waits:
+        gathers = gather_total(tm, stage_params[largest])
+        alone = pipeline_schedule(stages, lay, exchange_s, overlapped).end
+        terms.append(
+            Exposed(
+                "param_gather",
+                gathers,
+                pipe - alone,
+                "each model chunk's first forward",
+                "overlap_param_gather: each bucket's all-gather waited for before its first module, the next "
+                "one dispatched then: f_j = max(e_(j-1), g_j), g_(j+1) = f_j + t_(j+1); the first forwards' "
+                "waits placed in the schedule",
+            )
+        )
+    if lay.overlap_grad_reduce and lay.dp > 1:
+        dp_s, dp_src, term = _overlapped_reduction(tm, stages, sched, stage_params[largest], dp_src)
+        terms.append(term)
     # Adam: the next step waits for the slowest stage's
     untouched = tm.model.untouched_embedding_params(lay.tp, lay.global_batch_size * lay.seq_len)
     optimizer, opt_src = max(
@@ -422,8 +516,83 @@ def step_time(
     )
     bubble = pipe / (lay.microbatches * pace) - 1 if pace > 0 else 0.0
     return StepTime(
-        pipe, bubble, slowest, dp_s, dp_src, optimizer, opt_src, formula, sched, closed, exchange, overlapped
+        pipe,
+        bubble,
+        slowest,
+        dp_s,
+        dp_src,
+        optimizer,
+        opt_src,
+        formula,
+        sched,
+        closed,
+        exchange,
+        overlapped,
+        tuple(terms),
+        overlap_statement(lay),
     )
+
+
+def _stage_terms(tm: TimeModel, stage: StageTime, index: int) -> list[Exposed]:
+    """The slowest stage's TP and context-parallel communication a step (micro-batches x its items):
+    their total and what of it the stage's time holds (exposed)."""
+    lay, terms = tm.layout, []
+    m = lay.microbatches
+    comm = [(n, p, t, c) for n, p, t, c in stage.items if n == "tp_collectives:transformer_layer"]
+    if comm:
+        exposed = sum(t.seconds * c for _, _, t, c in comm) * m
+        whole = sum(tm.tp_collectives("transformer_layer", p)[0] * c for _, p, _, c in comm) * m
+        how = "tp_comm_overlap (modelled)" if lay.tp_comm_overlap else "the local spec: between the GEMMs"
+        terms.append(
+            Exposed(
+                "tp_collectives",
+                whole,
+                exposed,
+                "the layer's GEMMs" if lay.tp_comm_overlap else "nothing",
+                f"stage {index}'s layers' TP collectives, {m} micro-batches: {how}",
+            )
+        )
+    kv = [(t, c, p) for n, p, t, c in stage.items if n == "cp_kv_exchange"]
+    if kv:
+        whole = sum(
+            (tm.cp - 1) * tm.collective("send_recv", kv_exchange_bytes(tm, p), 2, "cp")[0] * c
+            for _, c, p in kv
+        )
+        terms.append(
+            Exposed(
+                "cp_kv_exchange",
+                whole * m,
+                sum(t.seconds * c for t, c, _ in kv) * m,
+                "the attention's ring steps",
+                f"stage {index}'s layers, {m} micro-batches: (cp-1) x max(0, exchange - step) a layer",
+            )
+        )
+    return terms
+
+
+def _overlapped_reduction(
+    tm: TimeModel, stages: list[StageTime], sched: Schedule, params: float, whole: Source
+) -> tuple[float, Source, Exposed]:
+    """The gradient reduction with overlap_grad_reduce: what it adds after the pipeline (and, with the
+    distributed optimizer without overlap_param_gather, the parameters' all-gather after it), its source
+    and its term."""
+    lay = tm.layout
+    end, busiest = grad_reduce_end(tm, sched, stages)
+    exposed = max(0.0, end - sched.end)
+    gathered = 0.0
+    if lay.distributed_optimizer and not lay.overlap_param_gather:
+        gathered = gather_total(tm, params)
+    rule = (
+        "overlap_grad_reduce: buckets of max(4e7, 1e6 x dp) parameters in the order the last backward makes "
+        "them, each's collective started when its last gradient is made, one after another: "
+        f"c_j = max(c_(j-1), r_j) + t_j; {human_time(busiest * 1e6)} of collectives, "
+        f"{human_time(exposed * 1e6)} after the last backward"
+    )
+    if gathered:
+        rule += f"; + the parameters' all-gather after the optimizer, {human_time(gathered * 1e6)}"
+    detail = f"{rule} (the same collectives unoverlapped: {whole.detail})"
+    term = Exposed("dp_grad_reduce", busiest + gathered, exposed + gathered, "the last backward", rule)
+    return exposed + gathered, Source("modelled", detail), term
 
 
 def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[float, Source]:
@@ -440,9 +609,10 @@ def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[fl
         if ranks == 1:
             details.append(f"{name} grads: {ranks} rank, nothing to reduce")
             continue
+        group = "dp" if name == "dense" else "expert_dp"
         if lay.distributed_optimizer:
-            rs, rs_src = tm.collective("reduce_scatter", count * 4, ranks)
-            ag, ag_src = tm.collective("all_gather", count * lay.bytes_per_element, ranks)
+            rs, rs_src = tm.collective("reduce_scatter", count * 4, ranks, group)
+            ag, ag_src = tm.collective("all_gather", count * lay.bytes_per_element, ranks, group)
             seconds += rs + ag
             details.append(
                 f"{name}: reduce-scatter of {count * 4:.4g} B fp32 grads + all-gather of "
@@ -450,7 +620,7 @@ def dp_reduction(tm: TimeModel, params: float, expert_params: float) -> tuple[fl
                 f"{ag_src.detail}"
             )
         else:
-            s, src = tm.collective("all_reduce", count * 4, ranks)
+            s, src = tm.collective("all_reduce", count * 4, ranks, group)
             seconds += s
             details.append(
                 f"{name}: all-reduce of {count * 4:.4g} B fp32 grads over {ranks} ranks: {src.detail}"
@@ -472,7 +642,7 @@ def optimizer_step(
     rate = tm.calibration.get("adam_seconds_per_parameter")
     if not rate:
         tm._warn(
-            "the calibration did not time the Adam step: it is modelled from the memory bandwidth (one "
+            f"{tm.untimed('the Adam step')}: it is modelled from the memory bandwidth (one "
             "pass per tensor, an underestimate where the step makes several: python -m autotuner.calibrate "
             "times it)"
         )
@@ -488,13 +658,13 @@ def optimizer_step(
         together = tm.calibration.get(ADAM_TOGETHER, {}).get(link)
         if together:
             rate = together
-            how = f"Adam step timed by autotuner.calibrate --collectives on {link}, every rank at once: "
+            how = f"Adam step timed by autotuner.calibrate collectives=true on {link}, every rank at once: "
             how += f"{rate * 1e9:.4g} ns per fp32 parameter"
         else:
             tm._warn(
-                f"the calibration did not time Adam on {lay.gpus} CPU processes at once (they share the "
+                f"{tm.untimed(f'Adam on {lay.gpus} CPU processes at once')} (they share the "
                 f"memory: each runs slower than one alone): torchrun --nproc-per-node={lay.gpus} -m "
-                "autotuner.calibrate --collectives times it"
+                "autotuner.calibrate collectives=true times it"
             )
     adam = per_rank * rate
     detail = f"{how} x {per_rank:.4g} params = {adam:.4g} s"
@@ -536,15 +706,16 @@ def gradient_zeroing_seconds(
     calibration: Mapping[str, Any], params: float, copy_bandwidth: float
 ) -> tuple[float, str]:
     """Seconds a step takes to zero ``params`` fp32 gradients for the next one, and how, in words: at the
-    calibration's zeroing rate, else at ``copy_bandwidth`` (the calibration's). They differ on a CPU,
-    whose core reads a line before writing it: on session 36's VM the llama-shaped model's steps zeroed
+    calibration's zeroing rate, else at ``copy_bandwidth``. They differ on a CPU,
+    whose core reads a line before writing it: on a 2-core CPU VM the llama-shaped model's steps zeroed
     their 21 MB in 2.43-2.90 ms, the zeroing rate gave 2.77-2.82, the copy bandwidth (2 B moved a byte
     copied) 1.79-1.84 (autotuner.calibrate)."""
     nbytes = GRAD_BYTES * params
     rate = calibration.get(ZEROING_BANDWIDTH)
     if rate:
         return nbytes / rate, f"{GRAD_BYTES} B per parameter at the calibrated zeroing {rate / 1e9:.4g} GB/s"
+    lacking = "no zeroing_bandwidth in the calibration" if calibration else "no calibration"
     return nbytes / copy_bandwidth, (
-        f"{GRAD_BYTES} B per parameter at the copy bandwidth {copy_bandwidth / 1e9:.4g} GB/s (no "
-        "zeroing_bandwidth in the calibration: python -m autotuner.calibrate times it)"
+        f"{GRAD_BYTES} B per parameter at the copy bandwidth {copy_bandwidth / 1e9:.4g} GB/s ({lacking}: "
+        "python -m autotuner.calibrate times zeroing)"
     )

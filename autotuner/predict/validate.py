@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autotuner.errors import UserError
 from autotuner.predict.layout import Layout
 
 if TYPE_CHECKING:
@@ -177,6 +178,15 @@ def validate(
     from autotuner.predict.steps import run_steps
 
     layout = prediction.layout
+    overlaps = [
+        f for f in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap") if getattr(layout, f)
+    ]
+    if layout.cp > 1 or overlaps:
+        raise UserError(
+            f"validate=true runs the layout's steps without context parallelism or Megatron's overlaps "
+            f"(cp={layout.cp}{''.join(f', {f}' for f in overlaps)}): predict without validate=true, or with "
+            "cp=1 and the overlaps off"
+        )
     if steps_out is not None:
         measured = run_steps(case, overrides, layout, steps_out, repeats=repeats)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from autotuner.results.atomic import atomic_write_text
+from autotuner.results.atomic import atomic_write_text, check_writable
 
 REPORT_NAME = "report.html"
 
@@ -30,13 +30,15 @@ def build_report(
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise UserError("no run directory given")
+    named = f"out={out_dir}"
     if out_dir is None:
         if len(run_dirs) > 1:
-            raise UserError("comparing several runs needs an output directory (--out DIR)")
+            raise UserError("comparing several runs needs an output directory (out=DIR)")
         out_dir = run_dirs[0]
+        named = f"the run directory {out_dir} (out=DIR writes the report elsewhere)"
     elif Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise UserError(
-            f"--out {out_dir} is a file: give a folder (the report writes {REPORT_NAME} and its figures "
+            f"out={out_dir} is a file: give a folder (the report writes {REPORT_NAME} and its figures "
             "into it)"
         )
     out_dir = Path(out_dir)
@@ -51,12 +53,19 @@ def build_report(
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file of that name, a file among its parents, no permission
         raise UserError(
-            f"cannot make the report folder {out_dir}: {exc.strerror or exc}: give --out a folder that is "
+            f"cannot make the report folder {out_dir}: {exc.strerror or exc}: give out= a folder that is "
             "not a file and can be written"
         ) from exc
-    figures = make_figures(runs, out_dir)
-    # Atomic: a reader never sees half a page, and two reports into one folder never share a temporary.
-    return atomic_write_text(out_dir / REPORT_NAME, render_page(runs, figures))
+    check_writable(out_dir, named, folder=True)  # a read-only run directory: one line, before drawing
+    try:
+        figures = make_figures(runs, out_dir)
+        # Atomic: a reader never sees half a page, and two reports into one folder never share a temporary.
+        return atomic_write_text(out_dir / REPORT_NAME, render_page(runs, figures))
+    except OSError as exc:  # a disk that filled while drawing: each file is whole or absent
+        raise UserError(
+            f"cannot write the report into {out_dir} ({exc.strerror or exc}): free space there, or give "
+            "out= a folder that can take it"
+        ) from exc
 
 
 def write_report(run_dir: Path) -> Path:

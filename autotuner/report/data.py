@@ -9,6 +9,7 @@ required, so a report can be made from whatever launcher wrote the directory, or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +19,7 @@ from autotuner.ops_test.places import op_tree
 from autotuner.results import load_run_rows
 from autotuner.results.calibration import load as load_calibration  # the launcher's reader, its checks
 from autotuner.results.environment import load_environment
+from autotuner.results.reading import read_run_text
 
 # The transformer layer's direct sub-ops: they do not overlap and run one after the other, so their
 # medians sum to the layer's median minus the glue between them (residual bookkeeping, Python calls).
@@ -81,14 +83,14 @@ class Run:
 
 def _read_overrides(run_dir: Path) -> list[str]:
     path = run_dir / ".hydra" / "overrides.yaml"
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     # Hydra writes a YAML list of strings ("- key=value"); reading it by line keeps yaml out of the report.
-    return [line[2:].strip() for line in path.read_text().splitlines() if line.startswith("- ")]
+    return [line[2:].strip() for line in read_run_text(path).splitlines() if line.startswith("- ")]
 
 
 def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any] | None = None) -> Run:
-    """Read a run directory. ``calibration`` (from ``--calibration``) wins over the run's own file."""
+    """Read a run directory. ``calibration`` (from ``calibration=``) wins over the run's own file."""
     run_dir = Path(run_dir)
     # checked: a bad line or value is one UserError here, not a traceback later
     rows = load_run_rows(run_dir, "give a run directory of python -m autotuner.main")
@@ -101,7 +103,7 @@ def load_run(run_dir: Path, label: str | None = None, calibration: dict[str, Any
         rows=rows,
         record=load_environment(run_dir),
         overrides=_read_overrides(run_dir),
-        config_yaml=config.read_text() if config.exists() else "",
+        config_yaml=read_run_text(config) if os.path.lexists(config) else "",
         calibration=calibration,
     )
 

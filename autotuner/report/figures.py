@@ -100,7 +100,7 @@ def _captions(runs: Sequence[Run]) -> dict[str, tuple[str, str, str]]:
                 " The dashed roof is the device's calibrated ceiling for the run's dtype."
                 if calibrated
                 else " No calibration.json in the run directory (python -m autotuner.calibrate writes "
-                "one; or pass --calibration FILE), so no ceilings are drawn."
+                "one; or pass calibration=FILE), so no ceilings are drawn."
             )
             + (f" Ops without FLOPs, not drawn: {', '.join(no_flops)}." if no_flops else ""),
             "No op with FLOPs and a time was measured: nothing to place on a roofline.",

@@ -84,8 +84,20 @@ def describe_layout(layout: Mapping[str, Any]) -> str:
         for end in ("first", "last")
         if layout.get(f"{end}_stage_layers")
     )
+    overlaps = [
+        name
+        for name, key in (
+            ("grad", "overlap_grad_reduce"),
+            ("param", "overlap_param_gather"),
+            ("tp", "tp_comm_overlap"),
+        )
+        if layout.get(key)
+    ]
+    split += f" overlap={','.join(overlaps)}" if overlaps else ""
+    context = f" cp={layout['cp']}" if int(layout.get("cp") or 1) > 1 else ""
     return (
-        f"tp={layout['tp']} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} ep={layout['ep']} "
+        f"tp={layout['tp']}{context} pp={layout['pp']} vpp={layout['vpp']} dp={layout['dp']} "
+        f"ep={layout['ep']} "
         f"mbs={layout['micro_batch_size']} gbs={layout['global_batch_size']} s={layout['seq_len']} "
         f"recompute={layout['recompute']} sp={flag('sequence_parallel')} "
         f"distopt={flag('distributed_optimizer')} {layout['dtype']}{split} "
@@ -263,7 +275,7 @@ def render_prediction_page(record: Mapping[str, Any], gpu_memory_gb: float | Non
         )
         + " and starts when its rank is free and its input has arrived; an exchange with a neighbour stage "
         "costs "
-        # prediction.json before session 27 had no exchange_overlapped: then interleaved meant overlapped
+        # a prediction.json without exchange_overlapped (an older file): interleaved means overlapped
         + (
             "the receiving box (overlapped with compute)"
             if step.get("exchange_overlapped", sched.interleaved)

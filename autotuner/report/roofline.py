@@ -1,6 +1,6 @@
 """The roofline: each op's achieved FLOP/s against its arithmetic intensity (FLOPs per byte), log-log.
 
-Under a calibration (``calibration.json`` in the run directory, or ``--calibration FILE``) the device's
+Under a calibration (``calibration.json`` in the run directory, or ``calibration=FILE``) the device's
 ceilings are drawn: the compute peak of the run's dtype (flat) and the memory bandwidth (slope 1), the roof
 being the lower of the two. A point far below the roof has headroom; a point near the sloped part is
 memory-bound. Without a ``bytes_moved`` column the intensity is an approximation (see

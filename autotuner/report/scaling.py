@@ -28,7 +28,7 @@ DIMS = {"seq_len": "sequence length", "micro_batch_size": "micro-batch size"}
 
 def swept(runs: Sequence[Run]) -> list[str]:
     """The dimensions with more than one value in some run."""
-    return [d for d in DIMS if any(len({r.get(d) for r in run.ok}) > 1 for run in runs)]
+    return [d for d in DIMS if any(len({r.get(d) for r in run.ok} - {None}) > 1 for run in runs)]
 
 
 def _held(run: Run, dim: str) -> Any:
@@ -45,7 +45,9 @@ def _lines(run: Run, dim: str, phase: str, column: str) -> dict[str, list[tuple[
     lines: dict[str, list[tuple[float, float]]] = {}
     for row in run.ok:
         value = row.get(column)
-        if row["phase"] == phase and row.get(other) == held and value and value > 0:
+        # a row at no shape point (a captured call's; a null seq_len is the schema's) has no place on x
+        at = row.get(dim)
+        if row["phase"] == phase and row.get(other) == held and at is not None and value and value > 0:
             lines.setdefault(row["op"], []).append((float(row[dim]), float(value)))
     return {op: sorted(xy) for op, xy in lines.items()}
 

@@ -9,17 +9,18 @@ complete, valid files (never a half-written line):
 
 :class:`Row` is the one definition of the columns: their order (the CSV header, the JSONL keys), each
 one's meaning, unit and table label. Rows travel as plain dicts (they round-trip through JSON); the
-writer refuses a key that :class:`Row` does not define. The columns, as :func:`describe_columns` lists
-them (units in the name; empty where a value does not apply or was not measured):
-
+writer refuses a key that :class:`Row` does not define. docs/columns.md lists the columns
+(:func:`describe_columns` writes that table; a test holds the page to it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -28,6 +29,7 @@ from typing import Any
 
 from autotuner.errors import UserError
 from autotuner.results.atomic import atomic_write_text
+from autotuner.results.reading import UnreadableRunFile, read_run_text
 
 
 def _column(
@@ -83,6 +85,13 @@ class Row:
     dtype: str | None = _column("compute dtype (fp32/bf16/fp16)")
     device: str | None = _column("device type (cpu/cuda)")
     launcher: str | None = _column("get_data, nsys or torch_profiler: who measured the times")
+    measured_by: str | None = _column(
+        "in a run resumed by another autotuner version or environment (resume_across_versions=true): the "
+        "environment that measured the row, its key in environment.json's ``environments``; empty: the "
+        "run's own ``environment``",
+        label="measured by",
+        optional=True,
+    )
     rank: int | str | None = _column(
         "the process's rank; with several ranks, ``max`` on the merged row that carries the cross-rank "
         "figure (the slowest rank's statistics)"
@@ -350,16 +359,11 @@ def label(name: str) -> str:
 
 
 def describe_columns() -> str:
-    """The columns as a reStructuredText table: name, unit, meaning (this module's docstring ends with it)."""
-    width = max(len(name) for name in COLUMNS)
-    unit_width = max(len(c.unit or "") for c in SCHEMA.values())
-    rule = f"{'=' * width}  {'=' * unit_width}  {'=' * 60}"
-    lines = [rule, f"{'column':{width}}  {'unit':{unit_width}}  meaning", rule]
-    lines += [f"{c.name:{width}}  {c.unit or '':{unit_width}}  {c.doc}" for c in SCHEMA.values()]
-    return "\n".join([*lines, rule])
-
-
-__doc__ = (__doc__ or "") + describe_columns() + "\n"
+    """The columns as the Markdown table docs/columns.md holds: name, unit, meaning (empty cells of a row
+    are values that do not apply or were not measured)."""
+    lines = ["| column | unit | meaning |", "|---|---|---|"]
+    lines += [f"| `{c.name}` | {c.unit or ''} | {c.doc.replace('|', '/')} |" for c in SCHEMA.values()]
+    return "\n".join(lines)
 
 
 class UnknownColumnError(ValueError):
@@ -389,8 +393,9 @@ def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
 class ResultsWriter:
     """Holds the run's rows and rewrites ``results.jsonl`` and ``results.csv`` atomically after each one.
 
-    With ``resume=True`` the rows already in ``results.jsonl`` are loaded, and :meth:`done` tells the
-    runner which measurements to skip (rows with status ``ok``; failed ones are measured again).
+    With ``resume=True`` the rows already in ``results.jsonl`` are loaded (a row found twice, kept once:
+    :func:`unique_rows`), and :meth:`done` tells the runner which measurements to skip: rows with status
+    ``ok`` and their ``median_us``. Failed ones are measured again, and so are :func:`incomplete` ones.
     """
 
     def __init__(self, run_dir: Path, resume: bool = False, stem: str = "results") -> None:
@@ -401,18 +406,27 @@ class ResultsWriter:
         self.rows: list[dict[str, Any]] = []
         # The start of a last line that a kill cut short, dropped on resume (the caller says so).
         self.dropped_tail: str | None = None
+        # The environment that measures the rows written from now on, where a resumed run's earlier rows
+        # were measured in another one (the ``measured_by`` column); None: the run's own.
+        self.measured_by: str | None = None
+        # How many rows the file held twice, dropped on resume (the caller says so).
+        self.duplicates = 0
         if resume and self.jsonl.exists():
-            self.rows, self.dropped_tail = read_rows(self.jsonl, allow_torn_tail=True)
-            if self.dropped_tail is not None:
+            rows, self.dropped_tail = read_rows(self.jsonl, allow_torn_tail=True)
+            self.rows, self.duplicates = unique_rows(rows, self.jsonl)
+            if self.dropped_tail is not None or self.duplicates:
                 self._flush()  # the files are valid again even if nothing is left to measure
 
     def done(self, key: tuple[Any, ...]) -> bool:
-        """Whether a row with this key (see KEY) was measured successfully."""
-        return any(row_key(r) == key and r.get("status") == "ok" for r in self.rows)
+        """Whether a row with this key (see KEY) was measured successfully: ``ok``, with its median."""
+        return any(
+            row_key(r) == key and r.get("status") == "ok" and r.get("median_us") is not None
+            for r in self.rows
+        )
 
     def write(self, row: dict[str, Any]) -> None:
         """Add (or replace, by key) a row and persist every file before returning."""
-        full = as_row(row)
+        full = as_row({"measured_by": self.measured_by, **row})
         self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
         self._flush()
 
@@ -423,16 +437,72 @@ class ResultsWriter:
         self._flush()
 
     def _flush(self) -> None:
+        target = self.jsonl
         try:
             atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in self.rows))
+            target = self.csv
             atomic_write_text(self.csv, _csv_text(self.rows))
-        except BaseException:
+        except BaseException as exc:
             # A signal between the two writes (SIGTERM's handler raises, so does SIGINT) would leave
             # results.csv a row behind: each write is atomic, so results.jsonl holds the old rows or the
             # new ones, and results.csv is written again from whichever it holds before the signal goes on.
-            if self.jsonl.exists():
-                atomic_write_text(self.csv, _csv_text(read_rows(self.jsonl, allow_torn_tail=True)[0]))
+            # A full disk may refuse that too: results.csv then stays whole, at most a row behind.
+            with contextlib.suppress(OSError):
+                if self.jsonl.exists():
+                    atomic_write_text(self.csv, _csv_text(read_rows(self.jsonl, allow_torn_tail=True)[0]))
+            if isinstance(exc, OSError):
+                raise self.not_written(exc, target) from exc
             raise
+
+    def not_written(self, exc: OSError, path: Path) -> RunFileNotWritten:
+        """``exc``, raised writing ``path`` of this run, as :class:`RunFileNotWritten` counting the rows
+        that ``results.jsonl`` keeps."""
+        try:
+            kept = len(read_rows(self.jsonl, allow_torn_tail=True)[0]) if self.jsonl.exists() else 0
+        except UserError:
+            kept = 0
+        return RunFileNotWritten(exc, Path(path), kept, self.jsonl)
+
+
+class RunFileNotWritten(OSError):
+    """A file of a run that could not be written while it ran (a full disk, a quota, a file size limit):
+    what was written before stays whole (every write is atomic), ``kept`` rows in ``results``. The
+    command reports it in one line, with how to finish the run (autotuner.main)."""
+
+    def __init__(self, exc: OSError, path: Path, kept: int, results: Path) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc), str(path))
+        self.path, self.kept, self.results = path, kept, results
+
+    def __str__(self) -> str:
+        return (
+            f"cannot write {self.path} ({self.strerror}): {self.kept} row(s) kept in {self.results}, "
+            "every file whole"
+        )
+
+
+def incomplete(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that say ``ok`` without the ``median_us`` every reader takes, or say no status at all: what
+    an edit or a cut leaves, never what a launcher writes. A resume measures them again, saying so."""
+    return [
+        r for r in rows if r.get("status") is None or (r["status"] == "ok" and r.get("median_us") is None)
+    ]
+
+
+def unique_rows(rows: list[dict[str, Any]], path: Path) -> tuple[list[dict[str, Any]], int]:
+    """``rows`` with each row found more than once kept once (the first), and how many were dropped: a
+    file appended to itself, or two copies of a run concatenated, hold the same row twice. Two different
+    rows of one measurement (see KEY) are :class:`RowsFileError`: which one the run measured cannot be
+    told, and keeping either would lose the other."""
+    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        first = kept.setdefault(row_key(row), row)
+        if first != row:
+            case, op, phase, point, rank = row_key(row)
+            raise RowsFileError(
+                f"{path} holds two different rows of {op}.{phase} {point} (case {case}, rank {rank}): "
+                "delete the one this run did not measure"
+            )
+    return list(kept.values()), len(rows) - len(kept)
 
 
 def _csv_text(rows: Iterable[dict[str, Any]]) -> str:
@@ -563,13 +633,9 @@ def read_rows(path: Path, allow_torn_tail: bool = False) -> tuple[list[dict[str,
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RowsFileError(f"{path} is not UTF-8 text (byte {exc.start}): {_FIX}") from None
-    except OSError as exc:
-        raise RowsFileError(
-            f"cannot read {path}: {exc.strerror or exc}: check the path and its permissions"
-        ) from None
+        text = read_run_text(path, fix=_FIX)
+    except UnreadableRunFile as exc:  # a FIFO, a device, a folder, a file too large: never opened
+        raise RowsFileError(str(exc)) from None
     lines = text.split("\n")
     rows: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
@@ -601,7 +667,7 @@ def load_run_rows(run_dir: str | Path, fix: str) -> list[dict[str, Any]]:
     measurements every rank has (a rank stopped a row earlier has not measured the rest: a TP op's time
     is its slowest rank's). Without either, a UserError (one line) ending with ``fix``."""
     run_dir = Path(run_dir)
-    if (run_dir / "results.jsonl").is_file():
+    if os.path.lexists(run_dir / "results.jsonl"):  # whatever it is: a FIFO is refused, not passed over
         return load_rows(run_dir / "results.jsonl")
     found = ((_RANK_FILE.fullmatch(p.name), p) for p in run_dir.glob("results.rank*.jsonl"))
     ranked = {int(match.group(1)): p for match, p in found if match}

@@ -83,7 +83,7 @@ def check_writable(
     is a folder, a folder's that is a file, or one whose nearest existing folder above is a file or not
     writable (the folders between are made); and a file that is one of the records of a run folder the
     command ``reads``: writing it would replace what was measured. ``named`` is how the user gave it
-    (``--out x.json``, ``hydra.run.dir=x``), which the one-line UserError repeats."""
+    (``out=x.json``, ``hydra.run.dir=x``), which the one-line UserError repeats."""
     target = Path(os.path.abspath(path))
     if not folder and RUN_RECORDS.fullmatch(target.name):
         for run_dir in reads:
@@ -93,6 +93,7 @@ def check_writable(
                     "was measured; give another file name"
                 )
     try:
+        _check_reachable(target, named, folder)
         if folder and target.exists() and not target.is_dir():
             raise UserError(f"{named} is a file, not a folder: give a folder")
         if not folder and target.is_dir():
@@ -105,6 +106,42 @@ def check_writable(
         _probe(existing, named)
     except OSError as exc:  # a name too long, a loop of links: what the OS said
         raise UserError(f"{named} cannot be used ({exc.strerror or exc}): give another path") from exc
+
+
+# The characters mkstemp adds to a file's name for its temporary (".", ".", 8 random, ".tmp").
+_TEMPORARY_EXTRA = 14
+
+
+def _check_reachable(target: Path, named: str, folder: bool) -> None:
+    """Refuse a path the writer could not open: a loop of links on it (pathlib's exists() says False to
+    one, and the run ended in a traceback), a name longer than the file system's NAME_MAX, or a path too
+    long for what goes in it: a folder must leave room for a file name of NAME_MAX (a run's files, their
+    temporaries, a profiler's folders), a file for its temporary beside it. A run directory near PATH_MAX
+    had made its folders and a lock file, then failed at its first results file."""
+    try:
+        os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # made later, or refused below (a file among the folders above)
+    existing = target
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    name_max = os.pathconf(existing, "PC_NAME_MAX") if existing.is_dir() else 255
+    path_max = os.pathconf(existing, "PC_PATH_MAX") if existing.is_dir() else 4096
+    longest = [(part, name_max) for part in target.parts[:-1]]
+    longest.append((target.name, name_max if folder else name_max - _TEMPORARY_EXTRA))
+    long_name = next(((part, most) for part, most in longest if len(os.fsencode(part)) > most), None)
+    if long_name is not None:
+        raise UserError(
+            f"{named}: the name {long_name[0][:20]}... is {len(os.fsencode(long_name[0]))} characters, above "
+            f"the {long_name[1]} this file system allows there: give a path of shorter names"
+        )
+    inside = name_max + 1 if folder else _TEMPORARY_EXTRA
+    if len(os.fsencode(target)) + inside >= path_max:
+        raise UserError(
+            f"{named} is {len(os.fsencode(target))} characters long, too long for the "
+            f"{'files a run writes in it' if folder else 'temporary file written beside it'} (paths on "
+            f"this file system end at {path_max - 1}): give a shorter path"
+        )
 
 
 def _probe(folder: Path, named: str) -> None:

@@ -2,8 +2,12 @@
 
 ``python -m autotuner.calibrate`` measures the ceilings and writes the file; the get_data launcher reads it
 to judge each op against them, and the report reads the copy a run keeps (``calibration.json`` in the run
-directory) or one given with ``--calibration``. Both read it with :func:`load`, so a file one accepts the
-other accepts too. The file is plain JSON::
+directory) or one given with ``calibration=``; the predictor reads it for what the rows do not hold. All
+read it with :func:`load`, so a file one accepts the others accept too; it is checked against
+:class:`CalibrationFile` (pydantic, strict), and a wrong type is one line naming the field. Where a file is
+named, so may be a shipped preset (``h100``, ``h200``: ``presets/``, calibrations measured on those GPUs,
+each with a ``preset`` block saying where, when and from what record: docs/predict_presets.md). The file
+is plain JSON::
 
     {"peak_flops": {"fp32": <FLOP/s>, "bf16": ..., ...},   the matrix-product ceiling per dtype
      "memory_bandwidth": <bytes/s>,                          the copy ceiling
@@ -21,7 +25,7 @@ other accepts too. The file is plain JSON::
      "shared_cache_bytes_reported": <bytes>,                 optional: the size the device reports
      "all_reduce_bandwidth": {"nccl:8": <bytes/s>, ...},     optional: the links' bus bandwidth per
      "all_gather_bandwidth": {...},                          collective, keyed "<backend>:<world size>"
-     "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate --collectives)
+     "reduce_scatter_bandwidth": {...},                      (python -m autotuner.calibrate collectives=true)
      "send_recv_bandwidth": {...},                           and the point-to-point exchange's
      "collective_points": {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}, ...},
                                                              the timed sizes behind them
@@ -33,7 +37,8 @@ other accepts too. The file is plain JSON::
                                                              stage's part and a part per layer
 
 The link entries are optional (a file written before them, or on one process, is still a calibration);
-where present they are checked like the ceilings. Bus bandwidth is nccl-tests' figure: the data a rank
+where present they are checked like the ceilings. Other keys (``device_type``, ``environment``, ...) are
+kept as written. Bus bandwidth is nccl-tests' figure: the data a rank
 sends over its link per second, whatever the world size, so it is comparable across sizes of group
 (autotuner.predict.links turns it back into a collective's time).
 
@@ -43,13 +48,15 @@ Importing this module imports neither torch nor a model (the report reads calibr
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from autotuner.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from autotuner.errors import UserError, schema_problem
+from autotuner.results.reading import read_run_text
 
 DEFAULT_DIR = Path("runs") / "calibration"
 # Host-transfer ceilings a calibration of a GPU holds (an op names the one it is judged against).
@@ -81,7 +88,7 @@ HOST_WORK_FLUSHED = "host_work_seconds_per_microbatch_flushed"
 HOST_WORK_PARTS = ("forward", "forward_per_layer", "backward", "backward_per_layer")
 PER_LINK_KEYS = (*LINK_KEYS.values(), ADAM_TOGETHER)
 _LINK = re.compile(r"^[a-z][a-z0-9_]*:[1-9][0-9]*$")  # "<backend>:<world size>", e.g. "nccl:8"
-_LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate --collectives to measure them again"
+_LINK_FIX = "run torchrun --nproc-per-node=N -m autotuner.calibrate collectives=true to measure them again"
 
 
 def default_path(device_type: str, device_name: str) -> Path:
@@ -91,104 +98,185 @@ def default_path(device_type: str, device_name: str) -> Path:
     return DEFAULT_DIR / f"{stem}.json"
 
 
-def _rate(value: Any) -> bool:
-    """A positive, finite number (JSON's true/false are not rates)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
+# Where a figure of a calibration file is wrong, what it holds (the schema's own words say the type).
+_HINTS = {
+    "peak_flops": 'FLOP/s per dtype, e.g. {"bf16": 8e14, "fp32": 5e13}',
+    "memory_bandwidth": "bytes/s",
+    GRAD_ACCUMULATION: 'seconds per parameter per gradient dtype, e.g. {"bf16": 3.7e-12}',
+    HOST_WORK: 'seconds, e.g. {"forward": 2e-4, "forward_per_layer": 5e-5, ...}',
+    HOST_WORK_FLUSHED: "seconds, as host_work_seconds_per_microbatch",
+    "collective_points": 'e.g. {"all_reduce": {"nccl:8": {"bytes": [...], "seconds": [...]}}}',
+    **{key: 'e.g. {"nccl:8": 3.6e11}' for key in PER_LINK_KEYS},
+}
+
+# A positive, finite number (bytes/s, FLOP/s, bytes, seconds per parameter); seconds that may be zero.
+_Rate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+_Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Link = Annotated[str, StringConstraints(pattern=_LINK.pattern)]
+
+
+class _HostWork(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    forward: _Seconds
+    forward_per_layer: _Seconds
+    backward: _Seconds
+    backward_per_layer: _Seconds
+
+
+class _Points(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    bytes: Annotated[list[_Rate], Field(min_length=1)]
+    seconds: Annotated[list[_Rate], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _paired(self) -> _Points:
+        if len(self.bytes) != len(self.seconds):
+            raise ValueError(
+                f"has {len(self.bytes)} bytes and {len(self.seconds)} seconds: one each per size"
+            )
+        return self
+
+
+class _Source(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    record: str  # where the figures were recorded when measured (a file, a section of docs/gpu_validation.md)
+    figures: Annotated[list[str], Field(min_length=1)]  # "peak_flops.bf16", "memory_bandwidth", ...
+
+
+class _Preset(BaseModel):
+    """Where a shipped preset's figures were measured (docs/predict_presets.md)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: str
+    device: str  # the GPU, its driver and host, as recorded where it was measured
+    measured: Annotated[str, StringConstraints(pattern=r"^\d{4}-\d{2}-\d{2}$")]  # the date
+    command: str  # what measured the figures, and reproduces them on such a GPU
+    sources: Annotated[list[_Source], Field(min_length=1)]  # each figure's record, each figure once
+
+
+class CalibrationFile(BaseModel):
+    """The schema of a calibration file (module docstring). Strict: JSON types as autotuner.calibrate writes
+    them, nothing coerced. An optional figure, where present, must hold a number (null is not a figure);
+    other keys are kept as written and not read."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    device_type: str = None  # type: ignore[assignment]
+    environment: dict[str, Any] = None  # type: ignore[assignment]
+    preset: _Preset = None  # type: ignore[assignment]
+    peak_flops: Annotated[dict[str, _Rate], Field(min_length=1)]
+    memory_bandwidth: _Rate
+    zeroing_bandwidth: _Rate = None  # type: ignore[assignment]
+    h2d_pageable: _Rate = None  # type: ignore[assignment]
+    h2d_pinned: _Rate = None  # type: ignore[assignment]
+    d2h_pageable: _Rate = None  # type: ignore[assignment]
+    d2h_pinned: _Rate = None  # type: ignore[assignment]
+    buffer_bytes: _Rate = None  # type: ignore[assignment]
+    warm_cache_bytes: _Rate = None  # type: ignore[assignment]
+    shared_cache_bytes: _Rate = None  # type: ignore[assignment]
+    shared_cache_bytes_reported: _Rate = None  # type: ignore[assignment]
+    adam_seconds_per_parameter: _Rate = None  # type: ignore[assignment]
+    adam_parameters: _Rate = None  # type: ignore[assignment]
+    adam_seconds_per_tensor: _Seconds = None  # type: ignore[assignment]
+    adam_seconds_per_zero_state_parameter: _Seconds = None  # type: ignore[assignment]
+    adam_seconds_per_step_in_training: _Seconds = None  # type: ignore[assignment]
+    grad_accumulation_seconds_per_parameter: dict[str, _Rate] = {}
+    host_work_seconds_per_microbatch: _HostWork = None  # type: ignore[assignment]
+    host_work_seconds_per_microbatch_flushed: _HostWork = None  # type: ignore[assignment]
+    all_reduce_bandwidth: dict[_Link, _Rate] = {}
+    all_gather_bandwidth: dict[_Link, _Rate] = {}
+    reduce_scatter_bandwidth: dict[_Link, _Rate] = {}
+    send_recv_bandwidth: dict[_Link, _Rate] = {}
+    adam_seconds_per_parameter_together: dict[_Link, _Rate] = {}
+    collective_points: dict[Literal[COLLECTIVES], dict[_Link, _Points]] = {}  # type: ignore[valid-type]
+
+
+# The shipped presets: calibrations measured on real GPUs, named by ``calibration=<name>`` wherever a
+# calibration file is read (docs/predict_presets.md); package data beside this module.
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def presets() -> tuple[str, ...]:
+    """The names of the shipped presets (``h100``, ``h200``)."""
+    return tuple(sorted(path.stem for path in PRESET_DIR.glob("*.json")))
+
+
+def resolve(given: str | Path) -> Path:
+    """The file a calibration setting names: a preset's name (:func:`presets`) is the shipped file, any
+    other value a path. UserError (one line) where a name is both a preset and a file here."""
+    name = str(given)
+    if name not in presets():
+        return Path(given)
+    if Path(name).exists():
+        raise UserError(
+            f"calibration {name} names both the preset {name} and the file ./{name}: give ./{name} for the "
+            "file, or rename it to use the preset"
+        )
+    return PRESET_DIR / f"{name}.json"
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read and check a calibration file; UserError (one line, naming the file and the fix) when it is
-    missing, not JSON, or lacks a positive number where a ceiling belongs."""
+    """Read and check a calibration file, or a preset by name (:func:`resolve`), against
+    :class:`CalibrationFile`; UserError (one line, naming the file, the field and the fix) when it is
+    missing, not JSON, or a figure is absent or of the wrong type. Returns the file's data as written."""
+    path = resolve(path)
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
-        raise UserError(f"cannot read the calibration file {path} ({why}): {_FIX}") from exc
+        # a FIFO or a device is refused, not waited on; a missing file says the presets
+        data = json.loads(read_run_text(path, fix=f"{_FIX}, or name a preset: {', '.join(presets())}"))
+    except ValueError as exc:
+        raise UserError(
+            f"cannot read the calibration file {path} ({str(exc).splitlines()[0]}): {_FIX}, or name a "
+            f"preset: {', '.join(presets())}"
+        ) from exc
     if not isinstance(data, dict):
         raise UserError(f"calibration file {path} holds no JSON object: {_FIX}")
-    peak = data.get("peak_flops")
-    if not isinstance(peak, dict) or not peak or not all(_rate(v) for v in peak.values()):
-        raise UserError(
-            f'calibration file {path} needs peak_flops, FLOP/s per dtype ({{"fp32": 1e12, ...}}): {_FIX}'
-        )
-    # optional: a CPU has no host transfers; a file from before the optimizer was timed has no Adam rate
-    optional = (
-        *TRANSFER_CEILINGS,
-        "adam_seconds_per_parameter",
-        "warm_cache_bytes",
-        "shared_cache_bytes",
-        "shared_cache_bytes_reported",
-        ZEROING_BANDWIDTH,
-    )
-    given = [k for k in optional if k in data]
-    wrong = [k for k in ("memory_bandwidth", *given) if not _rate(data.get(k))]
-    if wrong:
-        raise UserError(
-            f"calibration file {path} needs {', '.join(wrong)} as a positive number (bytes/s, bytes, "
-            f"seconds per parameter): {_FIX}"
-        )
-    for key, example in ((ADAM_PER_TENSOR, "4e-05"), (ADAM_ZERO_STATE, "3e-09"), (ADAM_IN_STEP, "5e-04")):
-        seconds = data.get(key, 0.0)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
-            raise UserError(
-                f"calibration file {path} has a bad {key}: it needs a number of seconds >= 0 (e.g. "
-                f"{example}): {_FIX}"
-            )
-    accumulation = data.get(GRAD_ACCUMULATION, {})
-    if not isinstance(accumulation, dict) or not all(
-        isinstance(k, str) and _rate(v) for k, v in accumulation.items()
-    ):
-        raise UserError(
-            f'calibration file {path} has a bad {GRAD_ACCUMULATION}: it needs {{"<dtype>": <seconds per '
-            f'parameter>, ...}} with positive numbers (e.g. {{"bf16": 3.7e-12}}): {_FIX}'
-        )
-    for key in (HOST_WORK, HOST_WORK_FLUSHED):
-        host = data.get(key, dict.fromkeys(HOST_WORK_PARTS, 0.0))
-        if (
-            not isinstance(host, dict)
-            or set(host) != set(HOST_WORK_PARTS)
-            or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-                for v in host.values()
-            )
-        ):
-            raise UserError(
-                f"calibration file {path} has a bad {key}: it needs {', '.join(HOST_WORK_PARTS)} as "
-                f'seconds >= 0 (e.g. {{"forward": 2e-4, "forward_per_layer": 5e-5, ...}}): {_FIX}'
-            )
-    for key in PER_LINK_KEYS:
-        links = data.get(key, {})
-        if not isinstance(links, dict) or not all(_LINK.match(k) and _rate(v) for k, v in links.items()):
-            raise UserError(
-                f'calibration file {path} has a bad {key}: it needs {{"<backend>:<world>": <number>, ...}} '
-                f'with positive numbers (e.g. {{"nccl:8": 3.6e11}}): {_LINK_FIX}'
-            )
-    if not _points_ok(data.get("collective_points", {})):
-        raise UserError(
-            f'calibration file {path} has a bad collective_points: it needs {{"all_reduce": {{"<backend>:'
-            f'<world>": {{"bytes": [...], "seconds": [...]}}}}, ...}}, lists of positive numbers of the same '
-            f"length: {_LINK_FIX}"
-        )
+    try:
+        CalibrationFile.model_validate(data)
+    except ValidationError as exc:
+        field = str(exc.errors(include_url=False)[0]["loc"][0])
+        hint = f" ({_HINTS[field]})" if field in _HINTS else ""
+        fix = _LINK_FIX if field in (*PER_LINK_KEYS, "collective_points") else _FIX
+        raise UserError(f"calibration file {path}: {schema_problem(exc)}{hint}: {fix}") from None
     return data
 
 
-def _points_ok(points: Any) -> bool:
-    """Whether ``collective_points`` is ``{collective: {link: {"bytes": [...], "seconds": [...]}}}``."""
-    if not isinstance(points, dict):
-        return False
-    for kind, by_link in points.items():
-        if kind not in COLLECTIVES or not isinstance(by_link, dict):
-            return False
-        for link, timed in by_link.items():
-            if not _LINK.match(link) or not isinstance(timed, dict):
-                return False
-            sizes, seconds = timed.get("bytes"), timed.get("seconds")
-            if not isinstance(sizes, list) or not isinstance(seconds, list) or len(sizes) != len(seconds):
-                return False
-            if not sizes or not all(_rate(v) for v in (*sizes, *seconds)):
-                return False
-    return True
+def preset_for(device_name: str) -> str | None:
+    """The preset measured on a device of this name (as autotuner.model.runtime.device_name gives it)."""
+    for name in presets():
+        env = json.loads((PRESET_DIR / f"{name}.json").read_text(encoding="utf-8")).get("environment") or {}
+        if env.get("device_name") == device_name:
+            return name
+    return None
+
+
+def label(calibration: Mapping[str, Any], given: str | Path | None) -> str:
+    """A calibration's name: ``preset <name>``, or the file it was read from."""
+    preset = calibration.get("preset")
+    return f"preset {preset['name']}" if preset else str(given)
+
+
+def describe(calibration: Mapping[str, Any], given: str | Path | None) -> str:
+    """Where a calibration comes from, in one line: a preset's name, device, software and date, or the
+    file's path and the device and software its environment records."""
+    env = calibration.get("environment") or {}
+    software = ", ".join(
+        f"{name} {env[key]}"
+        for key, name in (("python", "Python"), ("torch", "torch"), ("megatron_core", "Megatron-Core"))
+        if env.get(key)
+    )
+    preset = calibration.get("preset")
+    if preset:
+        return (
+            f"{label(calibration, given)}: {preset['device']}; {software}; measured {preset['measured']} by "
+            f"{preset['command']}"
+        )
+    device = " ".join(str(v) for v in (calibration.get("device_type"), env.get("device_name")) if v)
+    about = "; ".join(part for part in (device, software) if part)
+    return label(calibration, given) + (f" ({about})" if about else "")
 
 
 def bus_factor(kind: str, world: int) -> float:
@@ -211,7 +299,7 @@ def link_key(backend: str, world: int) -> str:
 
 
 def merge_links(calibration: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
-    """``calibration`` with the link entries of ``measured`` (what ``calibrate --collectives`` returns:
+    """``calibration`` with the link entries of ``measured`` (what ``calibrate collectives=true`` returns:
     the ``*_bandwidth`` and ``collective_points`` keys) added: a key measured again replaces its old
     value, every other entry (the compute and memory ceilings, other worlds and backends) is kept."""
     merged = dict(calibration)

@@ -11,13 +11,15 @@ predict then say less, or take the sizes from the case its rows name).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.results.reading import read_run_text
 
 FILE_NAME = "environment.json"
-SECTIONS = ("environment", "transformer_config", "model_args", "fingerprint", "routing")
+SECTIONS = ("environment", "environments", "transformer_config", "model_args", "fingerprint", "routing")
 # Sizes the tools compute with, checked when present and not null; with a transformer_config, those of
 # _REQUIRED must be there (the predictor builds the model's shape from them).
 _SIZES = {
@@ -47,11 +49,12 @@ _FIX = "restore it from the run, or measure the run again"
 def load_environment(run_dir: str | Path) -> dict[str, Any]:
     """The run's record, checked; ``{}`` where the run has none. Raises UserError (one line)."""
     path = Path(run_dir) / FILE_NAME
-    if not path.exists():
+    if not os.path.lexists(path):
         return {}
+    text = read_run_text(path, fix=_FIX)  # a FIFO or a device: one line, never an open that waits
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        record = json.loads(text)
+    except ValueError:
         record = None
     if not isinstance(record, dict):
         raise UserError(f"{path} is not a JSON object: {_FIX}")

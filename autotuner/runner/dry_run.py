@@ -8,10 +8,7 @@ tensors: torch's FlopCounterMode counts their FLOPs as the ``flops`` metric coun
 nothing is written. The layer spec is the local one (Transformer-Engine's fuses the norms into the next
 linear on a GPU: per-op parameters move, the totals do not).
 
-Active parameters are those one token's forward pass uses (the embedding and output matrices whole, the
-convention of published figures): every parameter of a dense model. A Mixture-of-Experts layer uses its
-router's top-k experts of its routed ones: :func:`active_parameters` counts that where it finds such a
-layer (:func:`_routed_experts` says which modules those are).
+The parameter counts, total and active, are autotuner.model.counts's, of the same meta model.
 
 A Mixture-of-Experts layer's work depends on data: its dispatcher counts the tokens each expert got on
 the host (``tokens_per_expert.cpu()``) and selects them (``masked_select``), which meta tensors cannot do.
@@ -24,9 +21,8 @@ their FLOPs are those of that routing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Container, Iterator
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autotuner.measure.memory import gradient_buffers
+from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.results.units import human_bytes, human_si
@@ -53,8 +50,6 @@ from autotuner.runner.plan import plan
 
 if TYPE_CHECKING:
     from autotuner.runner.fit import FitCheck
-
-META = torch.device("meta")
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,7 @@ class Preview:
     parts: str  # the model parts the run builds, in words
     costs: list[PhaseCost]
     routing: str | None = None  # how the MoE ops were routed, in words; None: no MoE layer built
+    notes: tuple[str, ...] = ()  # what the case's model has that the run does not express (RunSpec.notes)
     # per cost, the process's peak while it measures that row (None where the phase could not run on meta)
     estimates: list[MemoryEstimate | None] = dataclasses.field(default_factory=list)
     build_peak: int = 0  # the process's peak while it builds the model parts
@@ -110,32 +106,6 @@ def _unique_parameters(module: torch.nn.Module | None) -> list[torch.nn.Paramete
 
 def _numel(params: list[torch.nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
-
-
-def _routed_experts(module: torch.nn.Module) -> tuple[torch.nn.Module, int, int] | None:
-    """(the routed experts, how many, how many a token uses) of an MoE layer; None for any other module.
-
-    This is the one place that knows what a token skips: Megatron-Core's ``MoELayer`` holds its routed
-    experts in ``experts`` (``num_local_experts`` of them) and its router's ``topk``; shared experts and the
-    router run for every token, so they count whole."""
-    experts, router = getattr(module, "experts", None), getattr(module, "router", None)
-    if experts is None or router is None or not hasattr(experts, "num_local_experts"):
-        return None
-    return experts, int(experts.num_local_experts), int(router.topk)
-
-
-def active_parameters(model: torch.nn.Module) -> int:
-    """Parameters one token's forward pass uses: all of them, less the routed experts it is not sent to
-    (each expert of an MoE layer the same size, top-k of them used)."""
-    total = _numel(_unique_parameters(model))
-    for module in model.modules():
-        routed = _routed_experts(module)
-        if routed is None:
-            continue
-        experts, count, topk = routed
-        per_expert = _numel(_unique_parameters(experts)) // count
-        total -= per_expert * (count - topk)
-    return total
 
 
 class MetaContext(OpContext):
@@ -196,86 +166,10 @@ def preview_routing(routing: Routing) -> Routing:
     return routing if routing.forced else Routing("balanced", routing.zipf_s)
 
 
-@contextlib.contextmanager
-def _meta_session() -> Iterator[Any]:
-    """What Megatron's forward needs on meta tensors, undone afterwards: its parallel state (a one-process
-    group, as a CPU run has), the no-op RNG tracker, and a scratch buffer (core attention's) that hands out
-    meta tensors. The buffer is a fresh one, put back afterwards: the cached one would keep the meta
-    tensors, and a later real run in this process would be handed them. So is the MoE auxiliary loss's
-    backward scale, which Megatron makes on the first backward through a router, on the device of that
-    backward's loss, and keeps for the process: made on meta, it failed every later real backward through
-    a router ("Cannot copy out of meta tensor")."""
-    from megatron.core import parallel_state
-    from megatron.core import utils as mcore_utils
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from autotuner.model import cpu_bridges
-    from autotuner.model.runtime import init_parallel
-
-    class MetaBuffer(mcore_utils.GlobalMemoryBuffer):
-        """As Megatron's: one buffer per (name, dtype), the largest asked for, kept for the process (the
-        attention scores' input); made outside any dispatch mode, so a phase's tracker sees it as a run
-        sees it, made before (autotuner.runner.memory_estimate: the ``score_buffer`` term)."""
-
-        def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, *args: Any, **kw: Any) -> Any:
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            numel = int(torch.Size(tensor_shape).numel())
-            self.asked[(name, dtype)] = max(self.asked.get((name, dtype), 0), numel * dtype.itemsize)
-            held = self.buffer.get((name, dtype))
-            if held is None or held.numel() < numel:
-                with _disable_current_modes():
-                    self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=META)
-            return self.buffer[(name, dtype)][:numel].view(*tensor_shape)
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.asked: dict[tuple[str, torch.dtype], int] = {}  # since the last take_asked
-
-        def take_asked(self) -> int:
-            """The bytes asked for since the last call: the buffer a phase needs."""
-            asked, self.asked = sum(self.asked.values()), {}
-            return asked
-
-    cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
-    init_parallel(torch.device("cpu"))
-    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
-    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    buffer = MetaBuffer()
-    parallel_state._GLOBAL_MEMORY_BUFFER = buffer
-    try:
-        yield buffer
-    finally:
-        parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
-        MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
-
-
-def build_meta_model(spec: RunSpec, parts: Any) -> Any:
-    """The GPTModel of ``parts`` on the meta device, built by autotuner.model.build.build_model."""
-    from autotuner.model.build import build_model
-
-    config = dataclasses.replace(spec.tf_config, use_cpu_initialization=True, perform_initialization=False)
-    with torch.device(META):
-        model = build_model(spec.model_args, config, parts, META, use_transformer_engine=False)
-    # Multi-Latent Attention makes its own rotary table from frequencies its embedding keeps on the host
-    # (plain attributes, which no default device or .to() moves): on meta, as the activations they meet.
-    for module in model.modules():
-        if any(cls.__name__ == "MultiLatentAttention" for cls in type(module).__mro__):
-            rotary = module.rotary_pos_emb
-            for name, value in list(vars(rotary).items()):
-                if isinstance(value, torch.Tensor) and name.startswith("inv_freq"):
-                    setattr(rotary, name, value.to(META))
-    return model
-
-
 def model_parameters(spec: RunSpec) -> tuple[int, int]:
     """(total, active) parameters of the whole model: every layer, the embedding and the output layer."""
-    from autotuner.model.build import ModelParts
-
-    whole = ModelParts(num_layers=spec.tf_config.num_layers, pre_process=True, post_process=True)
-    with _meta_session():
-        full = build_meta_model(spec, whole)
-    return _numel(_unique_parameters(full)), active_parameters(full)
+    counts = count_parameters(spec.model_args, spec.tf_config)
+    return counts.total, counts.active
 
 
 def _one_line(exc: BaseException) -> str:
@@ -330,11 +224,11 @@ def preview(
     args = spec.model_args
     workspace = workspace or Workspace.of_process(spec.device)
     total, active = model_parameters(spec) if totals else (0, 0)
-    with _meta_session() as buffer:
+    with meta_session() as buffer:
         parts = model_parts(
             spec.ops, spec.block_layers, args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
         )
-        model = build_meta_model(spec, parts) if needs_model(spec.ops) else None
+        model = build_meta_model(spec.model_args, spec.tf_config, parts) if needs_model(spec.ops) else None
         routing = preview_routing(spec.routing)
         moe = model is not None and any(is_moe_layer(layer) for layer in model.decoder.layers)
         if moe:  # every MoE layer, so the layers and the block that call one route on the host too
@@ -369,6 +263,7 @@ def preview(
         parts=_describe_parts(parts) if model is not None else "none: no op of the model",
         costs=costs,
         routing=_describe_routing(spec.routing, routing) if moe else None,
+        notes=tuple(spec.notes),
         estimates=plan_estimates(rows, resident, workspace, limit),
         build_peak=build_peak(resident, largest * tp, workspace, spec.device.type == "cpu"),
     )
@@ -428,6 +323,7 @@ def render(result: Preview, fit: FitCheck | None = None) -> str:
         f"dry run of case={result.case} ({result.dtype}): nothing built on a device, nothing measured",
         f"parameters: total {result.total_parameters}, active {result.active_parameters}",
         *([result.routing] if result.routing else []),
+        *(f"note: {note}" for note in result.notes),
         "",
         table,
         "",
@@ -446,20 +342,20 @@ def render(result: Preview, fit: FitCheck | None = None) -> str:
     return "\n".join(lines)
 
 
-def dry_run(cfg: Any) -> str:
-    """The preview of one composed config, as text. Raises UserError for what it cannot preview."""
+def dry_run(spec: RunSpec, workspace: Workspace | None = None) -> str:
+    """The preview of one resolved run, as text, with the fit check a run would make now (its limit
+    measured in this process). ``workspace``: what the run's observer adds to the model's tensors
+    (autotuner.runner.memory_estimate.Workspace.of); None: this process's runtime alone. Raises UserError
+    for what it cannot preview."""
     from autotuner.errors import UserError
-    from autotuner.runner.spec import resolve_spec
+    from autotuner.measure.limits import memory_limit
+    from autotuner.runner.fit import judge
 
-    spec = resolve_spec(cfg)
     if spec.session is not None:  # a capture's generic plan: no Megatron model to build on meta
         raise UserError(
             "dry_run=true previews plans of the Megatron model, not a capture's generic calls: "
             "drop capture= or dry_run=true"
         )
-    from autotuner.measure.limits import memory_limit
-    from autotuner.runner.fit import judge
-
-    workspace, limit = Workspace.of(cfg, spec.device), memory_limit(spec.device)
+    workspace, limit = workspace or Workspace.of_process(spec.device), memory_limit(spec.device)
     seen = preview(spec, workspace, limit=limit.bytes)
     return render(seen, judge(spec, workspace, limit, seen))

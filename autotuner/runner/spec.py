@@ -154,6 +154,16 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
     tp = int(tf_overrides.get("tensor_model_parallel_size", 1))
     tf_overrides = _parallel_overrides(args, tf_overrides, device, tp)
     tf_config = model_lib.build_transformer_config(args, tf_overrides, dtype, device, tp)
+    if not tf_config.num_moe_experts and routing != Routing():  # nothing reads them: refused, not recorded
+        given = [
+            f"moe.{k}={cfg.moe[k]}"
+            for k, v in (("routing", "mode"), ("zipf_s", "zipf_s"))
+            if getattr(routing, v) != getattr(Routing(), v)
+        ]
+        raise UserError(
+            f"{', '.join(given)}: case {cfg.case} has no experts (a dense model), and the routing settings "
+            "apply to MoE models only: drop them"
+        )
     ops = resolve_ops(op_names, tf_config)  # "all" now means the ops this model has
     # Never a block the model does not have (mixing MoE and dense layers, its layer pattern would be cut
     # short): a model of fewer layers (calibrate's one-layer steps, a cut-down case) has them all.

@@ -19,9 +19,9 @@
 #                      than the machine has (SlurmdParameters=config_overrides), so jobs that ask for
 #                      several tasks or CPUs run on a small CI machine; they only share its cores.
 #
-# Runs as root (it installs packages and starts daemons), without systemd. The facts it rests on
-# (directives that work with Slurm 22.05, start order, munge as the munge user) are in
-# ../shared/notes/slurm.md.
+# Runs as root (it installs packages and starts daemons), without systemd. It rests on directives that
+# work with Slurm 22.05, the daemons' start order, and munge running as the munge user
+# (tests/test_slurm.py runs it).
 set -euo pipefail
 
 log() { printf 'local_cluster: %s\n' "$*" >&2; }
