@@ -220,6 +220,9 @@ class AutotunerConfig:
     # run the rows whose estimated peak memory is over what the process can hold (the fit check refuses
     # them: autotuner.runner.fit, docs/memory_and_fit.md)
     run_unfit: bool = False
+    # the most memory (GiB) the fit check lets a measuring process hold: the smaller of this and what the
+    # device has (None: what the device has; autotuner.runner.fit.run_limit)
+    memory_limit_gib: float | None = None
     dry_run: bool = (
         False  # print the plan, parameter counts, FLOPs, bytes and memory; run nothing (runner/dry_run.py)
     )

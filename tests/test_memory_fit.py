@@ -103,6 +103,27 @@ def test_dry_run_shows_each_point_s_peak_by_term(capsys):
     assert "fit check: every row fits in" in out
 
 
+def test_a_memory_limit_of_one_s_own_is_checked_against(capsys):
+    """``memory_limit_gib`` below the device's limit is the limit (named as the setting); above it, the
+    device's stays; not a positive number: one line, exit 2."""
+    assert run(["case=tiny", "dry_run=true", "memory_limit_gib=0.25", *QUIET]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^fit check: \d+ of \d+ rows do not fit in memory .*limit 0\.25 GiB, memory_limit_gib=0\.25",
+        out,
+        re.M,
+    )
+    assert re.search(r"^transformer_block +backward +s64_b2 .* refused$", out, re.M), out
+    assert run(["case=tiny", "dry_run=true", "memory_limit_gib=100000", *QUIET]) == 0
+    assert "fit check: every row fits in" in capsys.readouterr().out
+    assert run(["case=tiny", "dry_run=true", "memory_limit_gib=0", *QUIET]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "autotuner: error: memory_limit_gib=0.0 is no memory: give a positive number of GiB, or leave it out "
+        "for what the device has"
+    )
+
+
 def _peak_rss_of(args: list[str]) -> int:
     """Run ``python -m autotuner.main *args`` in a process of its own; its highest resident set."""
     proc = subprocess.Popen(

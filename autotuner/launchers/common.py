@@ -183,7 +183,7 @@ def _holder_pid(fd: int) -> str:
 # resolved (the model config Megatron builds; cuda and bf16 rather than auto), case_dir as the case.
 _RESUMABLE_KEYS = {
     *("ops", "shapes", "progress", "report", "resume", "resume_across_versions"),
-    *("case_dir", "hf", "tf", "device", "dtype", "run_unfit"),
+    *("case_dir", "hf", "tf", "device", "dtype", "run_unfit", "memory_limit_gib"),
 }
 _VERSIONED = ("torch", "megatron-core", "transformers", "transformer-engine")
 

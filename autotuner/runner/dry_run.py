@@ -49,6 +49,7 @@ from autotuner.runner.memory_estimate import (
 from autotuner.runner.plan import plan
 
 if TYPE_CHECKING:
+    from autotuner.measure.limits import MemoryLimit
     from autotuner.runner.fit import FitCheck
 
 
@@ -342,11 +343,11 @@ def render(result: Preview, fit: FitCheck | None = None) -> str:
     return "\n".join(lines)
 
 
-def dry_run(spec: RunSpec, workspace: Workspace | None = None) -> str:
-    """The preview of one resolved run, as text, with the fit check a run would make now (its limit
-    measured in this process). ``workspace``: what the run's observer adds to the model's tensors
-    (autotuner.runner.memory_estimate.Workspace.of); None: this process's runtime alone. Raises UserError
-    for what it cannot preview."""
+def dry_run(spec: RunSpec, workspace: Workspace | None = None, limit: MemoryLimit | None = None) -> str:
+    """The preview of one resolved run, as text, with the fit check a run would make now. ``workspace``:
+    what the run's observer adds to the model's tensors (autotuner.runner.memory_estimate.Workspace.of);
+    None: this process's runtime alone. ``limit``: the run's (autotuner.runner.fit.run_limit); None: what
+    the device lets this process hold now. Raises UserError for what it cannot preview."""
     from autotuner.errors import UserError
     from autotuner.measure.limits import memory_limit
     from autotuner.runner.fit import judge
@@ -356,6 +357,6 @@ def dry_run(spec: RunSpec, workspace: Workspace | None = None) -> str:
             "dry_run=true previews plans of the Megatron model, not a capture's generic calls: "
             "drop capture= or dry_run=true"
         )
-    workspace, limit = workspace or Workspace.of_process(spec.device), memory_limit(spec.device)
+    workspace, limit = workspace or Workspace.of_process(spec.device), limit or memory_limit(spec.device)
     seen = preview(spec, workspace, limit=limit.bytes)
     return render(seen, judge(spec, workspace, limit, seen))

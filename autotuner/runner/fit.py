@@ -5,8 +5,9 @@ Every launcher's process that measures (get_data's and torch_profiler's run, nsy
 estimated peak while it measures it (autotuner.runner.memory_estimate, the numbers ``dry_run=true``
 prints) and the limit (autotuner.measure.limits: on a CPU this process's resident set plus the smaller
 of the system's available memory and its cgroup's room; on a GPU its free memory plus what this process
-reserved). A row over the limit is not run: the runner records it ``refused`` with both numbers, and one
-line says what would fit (a shorter sequence, a smaller batch, a block of fewer layers, the other ops).
+reserved; ``memory_limit_gib=`` where that is smaller). A row over the limit is not run: the runner
+records it ``refused`` with both numbers, and one line says what would fit (a shorter sequence, a
+smaller batch, a block of fewer layers, the other ops).
 ``run_unfit=true`` runs them anyway. Under torchrun a row is refused where any rank refuses it, so every
 rank runs the same rows (their collectives pair up).
 """
@@ -121,7 +122,7 @@ def check_fit(cfg: Any, spec: RunSpec) -> FitCheck:
     plan that builds no Megatron model (a capture's generic calls) is not estimated: every row runs."""
     from autotuner.runner.dry_run import preview
 
-    limit = memory_limit(spec.device)
+    limit = run_limit(cfg, spec.device)
     if spec.session is not None:
         return FitCheck(limit, run_unfit=bool(cfg.run_unfit))
     workspace = Workspace.of(cfg, spec.device)
@@ -130,6 +131,19 @@ def check_fit(cfg: Any, spec: RunSpec) -> FitCheck:
     if check.refused and spec.rank == 0:
         print(f"autotuner: {check.advice}", file=sys.stderr)
     return check
+
+
+def run_limit(cfg: Any, device: torch.device) -> MemoryLimit:
+    """The limit a run of ``cfg`` checks against: what ``device`` lets this process hold now
+    (autotuner.measure.limits), or ``memory_limit_gib`` where that is smaller (a budget of one's own: a
+    machine shared with other work, a smaller device's memory)."""
+    limit = memory_limit(device)
+    if cfg.memory_limit_gib is None:
+        return limit
+    budget = int(float(cfg.memory_limit_gib) * 2**30)
+    return (
+        MemoryLimit(budget, f"memory_limit_gib={cfg.memory_limit_gib:g}") if budget < limit.bytes else limit
+    )
 
 
 def judge(spec: RunSpec, workspace: Workspace, limit: MemoryLimit, seen: Preview) -> FitCheck:
