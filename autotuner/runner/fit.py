@@ -188,7 +188,12 @@ def _advice(spec: RunSpec, workspace: Workspace, check: FitCheck) -> str:
         f"{_gib(check.limit.bytes)}, {check.limit.source})"
     )
     if check.build_peak > check.limit.bytes:
-        return f"{said}; building the model parts alone takes {_gib(check.build_peak)}: choose fewer layers"
+        fewer = " or a block of fewer layers (transformer_block_layers=)" if spec.block_layers > 1 else ""
+        return (
+            f"{said}; building the model parts alone takes {_gib(check.build_peak)}: choose ops that need "
+            "fewer parts (ops=: the embedding and output layer are built only for the ops that use them)"
+            f"{fewer}"
+        )
     ways = []
     largest = max(spec.points, key=lambda p: (p.seq_len * p.micro_batch_size, p.seq_len))
     multiple = spec.tf_config.tensor_model_parallel_size if spec.tf_config.sequence_parallel else 1
