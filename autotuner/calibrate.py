@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.measure.cache import last_level_cache_bytes, shared_cache_bytes, warm_cache_bytes
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.host_heap import keep_freed_memory
@@ -41,6 +40,7 @@ from autotuner.model.runtime import (
     gloo_has_sequence_parallel_collectives,
     resolve_device,
 )
+from autotuner.notices import say_notes
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall
 from autotuner.ops_test.functional_ops import copy_call, matmul_call, transfer_call
@@ -442,7 +442,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
         try:
             existing = load(out)
         except UserError as exc:
-            print(f"autotuner.calibrate: error: {exc}", file=sys.stderr)
+            say_error("autotuner.calibrate", exc)
             readable = False
     if rank == 0 and readable and existing is None:
         # Before the process group exists: the sampler's RankAgreement would otherwise wait for the
@@ -463,8 +463,7 @@ def _main_collectives(device: torch.device, out: Path, budget_s: float) -> int:
                     print(f"{kind:15} {link:8} {bandwidth / 1e9:10.3f} GB/s bus bandwidth")
             for link, rate in links.get(ADAM_TOGETHER, {}).items():
                 print(f"Adam, together {link:8} {rate * 1e9:8.3f} ns per parameter on each rank")
-            for note in notes:
-                print(f"note: {note}")
+            say_notes(*notes)
             print(f"written to {out}")
         dist.barrier()  # the others leave once the file is written
     finally:
@@ -538,8 +537,7 @@ def _main_links(
                         f"{fitted['latency'] * 1e6:8.1f} us latency (the fit within "
                         f"{fitted['worst_error']:.0%} of every size)"
                     )
-            for note in notes:
-                print(f"note: {note}")
+            say_notes(*notes)
             print(f"written to {out}")
         dist.barrier()
     finally:
@@ -605,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.collectives:
             return _main_collectives(device, out, args.budget_s)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return 2
     result = calibrate(device)
     if device.type == "cpu":

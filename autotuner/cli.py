@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 
 T = TypeVar("T")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -182,8 +182,8 @@ class UsageError(UserError):
 
 
 def entry(command: Command) -> Callable[[Callable[..., int]], Callable[..., int]]:
-    """A command's ``main``: bad arguments (:func:`parse`'s UsageError) are one line on stderr and exit
-    code 2, returned as ``main``'s other refusals are."""
+    """A command's ``main``: bad arguments (:func:`parse`'s UsageError) and any other UserError are one
+    line on stderr and its exit status (2), returned as ``main``'s own."""
 
     def wrap(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
@@ -191,8 +191,9 @@ def entry(command: Command) -> Callable[[Callable[..., int]], Callable[..., int]
             try:
                 return main(*args, **kwargs)
             except UsageError as exc:
-                print(f"{command.name}: error: {exc} (see --help)", file=sys.stderr)
-                return 2
+                return say_error(command.name, f"{exc} (see --help)")
+            except UserError as exc:  # bad input found past the arguments: its own one line
+                return say_error(command.name, exc)
 
         return run
 

@@ -15,7 +15,6 @@ one record per (op, phase, shape point, metric).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 from autotuner.cli import Command, entry, parse
 from autotuner.cli import setting as cli_setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.ops.naming import PHASES
 from autotuner.results import load_run_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
@@ -214,7 +213,7 @@ COMMAND = Command(
 def main(argv: Sequence[str] | None = None) -> int:
     paths, args, _ = parse(COMMAND, argv)
     if not 1 <= args.digits <= 15:
-        print(f"{COMMAND.name}: error: digits={args.digits}: give 1 to 15", file=sys.stderr)
+        say_error(COMMAND.name, f"digits={args.digits}: give 1 to 15")
         return 2
     try:
         runs = [load_run(r) for r in paths]
@@ -228,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.oss_json:
             check_writable(args.oss_json, f"oss_json={args.oss_json}", reads=paths)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     if args.oss_json:  # written before the table is printed: kept if the reader stops reading (| head)
         records = [record for run in runs for record in oss_records(run)]
@@ -238,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             error = UserError(
                 f"cannot write {args.oss_json}: {exc.strerror or exc}: give a path you can write"
             )
-            print(f"{COMMAND.name}: error: {error}", file=sys.stderr)
+            say_error(COMMAND.name, f"{error}")
             return error.exit_code
     differ = differences(runs, labels)
     if differ:

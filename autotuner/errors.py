@@ -89,3 +89,16 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (for a row's ``error``)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+def say_error(prog: str, message: object) -> int:
+    """Print ``<prog>: error: <message>`` on stderr, the one line every command ends bad input with;
+    return the exit status for it (a UserError's own, else 2)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return getattr(message, "exit_code", 2)

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.results import load_rows
 from autotuner.results.atomic import atomic_write_text, check_writable
 from autotuner.results.table import text_table
@@ -320,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     get_data, torch_profiler, nsys = (*paths, None)[:3]
     for name, value in (("tolerance", args.tolerance), ("floor_us", args.floor_us)):
         if not math.isfinite(value) or value < 0:
-            print(f"{COMMAND.name}: error: {name}={value}: give a finite number >= 0", file=sys.stderr)
+            say_error(COMMAND.name, f"{name}={value}: give a finite number >= 0")
             return 2
     try:
         runs = [load_run(get_data, "get_data"), load_run(torch_profiler, "torch_profiler")]
@@ -330,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json is not None:
             check_writable(args.json, f"json={args.json}", reads=paths)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     if args.json is not None:  # before the table is printed: kept if the reader stops reading (| head)
         _write_json(Path(args.json), agreement.to_json())

@@ -29,7 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from autotuner.config import CONFIG_DIR, compose_config, open_dict_overrides, register_configs, short_error
-from autotuner.errors import OneLineParser, UserError
+from autotuner.errors import OneLineParser, UserError, say_error
 from autotuner.results import RunFileNotWritten
 from autotuner.results.atomic import check_writable
 from autotuner.termination import (
@@ -343,7 +343,7 @@ def _app(cfg: DictConfig) -> None:
         keep_freed_memory(spec.device)  # before the run's environment records it (autotuner.model.host_heap)
         code = launch(cfg, spec, job.run)
     except UserError as exc:
-        print(f"autotuner: error: {exc}", file=sys.stderr)
+        say_error("autotuner", exc)
         raise SystemExit(exc.exit_code) from None
     except BrokenPipeError:  # the reader of the run's table stopped reading (| head): its rows are on disk
         end_on_a_closed_pipe(at_once=int(os.environ.get("WORLD_SIZE", 1)) > 1)
@@ -387,7 +387,7 @@ def _end_not_written(exc: RunFileNotWritten) -> NoReturn:
     command = _resume_command(_ORIGINAL_ARGV)
     finish = f"{fix}, then finish the run with: {command}" if command else f"{fix}, then run it again"
     if os.environ.get("RANK", "0") == "0" or int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        print(f"autotuner: error: {exc}: {finish}", file=sys.stderr)
+        say_error("autotuner", f"{exc}: {finish}")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.stderr.flush()
         os._exit(EXIT_NOT_WRITTEN)
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         if jobs:
             _claim_run_dir(line, jobs)
     except UserError as exc:
-        print(f"autotuner: error: {exc}", file=sys.stderr)
+        say_error("autotuner", exc)
         raise SystemExit(exc.exit_code) from None
     sys.argv = [sys.argv[0], *argv]
     _ORIGINAL_ARGV[:] = original  # for the one line of a run that cannot write its files

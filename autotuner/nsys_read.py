@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
+from autotuner.notices import say_notes
 from autotuner.results.reading import read_run_text
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
@@ -199,9 +200,9 @@ def read_report(
         rows, left_out = read_rows(exported or report, report)
         if left_out:  # counted and named once, never rows
             shown = "; ".join(left_out[:5]) + (f"; and {len(left_out) - 5} more" if len(left_out) > 5 else "")
-            print(
-                f"note: {len(left_out)} range(s) not of this tool's ops and points, left out: {shown}",
-                file=sys.stderr,
+            say_notes(
+                f"{len(left_out)} range(s) not of this tool's ops and points, left out: {shown}",
+                stream=sys.stderr,
             )
         try:
             ResultsWriter(out_dir).extend(rows)
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else None
         rows, out_dir = read_report(Path(paths[0]), out, args.nsys_bin)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     from autotuner.results.table import render
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotuner.cli import Command, entry, parse, setting, settings_of, split
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
+from autotuner.notices import Notices
 from autotuner.predict.links import describe_gaps
 from autotuner.predict.memory import MEMORY_MARGIN
 from autotuner.results.atomic import check_writable
@@ -240,13 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in shown[0].prediction.provenance():  # one calibration and one set of runs for all
             print(line.replace("rows: ", "rows (#1): ", 1))
         print(table(ranked, top))
-        for warning in warnings_of(shown):
-            print(f"warning: {warning}")
+        Notices().warn(*warnings_of(shown)).print()
         if explain is not None:
             print("\n" + render(shown[explain - 1].prediction))
         print("\nmeasurements behind this ranking: " + profile.text(arrays))
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     return 0
 

@@ -48,10 +48,15 @@ PARTS = (
     ("runner", ("autotuner.runner", "autotuner.measure")),
     ("ops", ("autotuner.ops", "autotuner.ops_test", "autotuner.op_mapping")),
     ("model", ("autotuner.model",)),
-    ("base", ("autotuner.errors", "autotuner.cli", "autotuner")),
+    ("base", ("autotuner.errors", "autotuner.notices", "autotuner.cli", "autotuner")),
 )
 RESULTS_USERS = ("entry", "predict", "launchers", "capture", "runner")
-RESULTS_MAY_IMPORT = ("autotuner.errors", "autotuner.ops_test.places", "autotuner.ops.naming")
+RESULTS_MAY_IMPORT = (
+    "autotuner.errors",
+    "autotuner.notices",
+    "autotuner.ops_test.places",
+    "autotuner.ops.naming",
+)
 MODEL_STACK = ("megatron", "torch.nn")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from autotuner.capture import _child
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.results.atomic import check_writable
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
@@ -126,7 +126,7 @@ def run(argv: list[str]) -> int:
             raise UserError("give out=FILE, the capture file to write")
         steps = _child.parse_steps(args.steps)
     except (UserError, ValueError) as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return 2
     out = Path(args.out).resolve()
     options = ["--out", str(out)]
@@ -144,7 +144,7 @@ def run(argv: list[str]) -> int:
         if reason:
             raise UserError(f"{reason}: give the path of the training script")
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code  # Python's own code for a script it cannot open, too
     before = _signature(out)
     child = subprocess.Popen(argv_child)  # before ignoring SIGINT: the child must not inherit SIG_IGN

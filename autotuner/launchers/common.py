@@ -19,15 +19,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from autotuner.errors import UserError
 from autotuner.model.runtime import device_name, environment, process_rank
+from autotuner.notices import Notices, say_notes
 from autotuner.report import REPORT_NAME
 from autotuner.results import (
     ResultsWriter,
+    RowKey,
     RowsFileError,
     incomplete,
     load_rows,
     merge_ranks,
     read_rows,
-    row_key,
     unique_rows,
 )
 from autotuner.results.atomic import atomic_write_text
@@ -312,8 +313,8 @@ def check_resume(cfg: DictConfig, spec: Any, run_dir: Path) -> None:
             raise UserError(f"cannot resume: {exc}, or start a new run without resume=true") from None
     if not rows:
         if rank == 0:
-            print(
-                f"note: resume=true but nothing to resume in {run_dir}; starting a new run", file=sys.stderr
+            say_notes(
+                f"resume=true but nothing to resume in {run_dir}; starting a new run", stream=sys.stderr
             )
         return
     try:
@@ -399,16 +400,16 @@ def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
     """One note for the rows a resume found twice (kept once) and one for those it found incomplete
     (:func:`autotuner.results.incomplete`; measured again where this run's plan has them)."""
     if writer.duplicates:
-        print(
-            f"note: {writer.jsonl} held {writer.duplicates} row(s) twice (the same row, as a file appended "
+        say_notes(
+            f"{writer.jsonl} held {writer.duplicates} row(s) twice (the same row, as a file appended "
             "to itself holds it): kept once",
-            file=sys.stderr,
+            stream=sys.stderr,
         )
     lacking = incomplete(writer.rows)
     if not lacking:
         return
-    planned = {(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
-    again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if row_key(r) in planned]
+    planned = {RowKey(spec.case, op.name, phase, point.label, spec.rank) for point, op, phase in plan(spec)}
+    again = [f"{r['op']}.{r['phase']} {r['point']}" for r in lacking if RowKey.of(r) in planned]
     said = (
         [f"{len(again)} measured again ({', '.join(again[:3])}{' ...' if len(again) > 3 else ''})"]
         if again
@@ -416,10 +417,10 @@ def _say_what_a_resume_drops(writer: ResultsWriter, spec: Any) -> None:
     )
     if len(lacking) > len(again):
         said.append(f"{len(lacking) - len(again)} outside this run's ops and points left as they are")
-    print(
-        f"note: {len(lacking)} row(s) of {writer.jsonl} lack their median_us or status (an edited or cut "
+    say_notes(
+        f"{len(lacking)} row(s) of {writer.jsonl} lack their median_us or status (an edited or cut "
         f"file), so they do not count as measured: {'; '.join(said)}",
-        file=sys.stderr,
+        stream=sys.stderr,
     )
 
 
@@ -439,11 +440,10 @@ def start_writer(
     rank, world = spec.rank, spec.world
     writer = ResultsWriter(run_dir, resume=bool(cfg.resume), stem=results_stem(rank, world))
     if writer.dropped_tail is not None:
-        print(
-            f"warning: dropped the torn last line of {writer.jsonl} (what a killed writer leaves): "
-            f"{writer.dropped_tail[:60]!r}",
-            file=sys.stderr,
-        )
+        Notices().warn(
+            f"dropped the torn last line of {writer.jsonl} (what a killed writer leaves): "
+            f"{writer.dropped_tail[:60]!r}"
+        ).print(sys.stderr)
     _say_what_a_resume_drops(writer, spec)
     this = environment(spec.device, tools)
     earlier = load_environment(run_dir) if cfg.resume else {}
@@ -488,8 +488,7 @@ def start_writer(
         atomic_write_text(run_dir / "environment.json", json.dumps(record, indent=2, default=repr) + "\n")
     except OSError as exc:
         raise writer.not_written(exc, run_dir / "environment.json") from exc
-    for note in spec.notes:
-        print(f"note: {note}", file=sys.stderr)
+    say_notes(*spec.notes, stream=sys.stderr)
     return writer
 
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from autotuner.errors import say_error
 from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         _watch_launcher()
         return run_worker(Path(args[0]), Path(args[1]))
     except UserError as exc:
-        print(f"autotuner nsys worker: error: {exc}", file=sys.stderr)
+        say_error("autotuner nsys worker", exc)
         return exc.exit_code
     except Stopped as exc:
         forget_stop()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.predict.cluster import load as load_cluster
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.layout import Layout
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checked = validate(pred, case, overrides, repeats=repeats, steps_out=steps_out)
             except StepsFailed as exc:
                 message = f"validate=true: {exc}; the prediction, unvalidated, is in {out}"
-                print(f"{COMMAND.name}: error: {message}", file=sys.stderr)
+                say_error(COMMAND.name, f"{message}")
                 return 1
             print("\n" + render_validation(checked))
             record["validation"] = checked.to_json()
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if planned:
             print("\n" + pred.plan.text(arrays))
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     except BrokenPipeError:  # the reader stopped reading: ending_quietly_on_a_closed_pipe
         raise

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UserError
+from autotuner.notices import Notices
 from autotuner.ops.naming import PHASES
 from autotuner.predict.caches import CacheSizes, cache_plan, host_work_cached, stage_sweep
 from autotuner.predict.cluster import Cluster
@@ -928,5 +929,5 @@ def render(pred: Prediction) -> str:
         out += [f"  {command}" for command in dict.fromkeys(item["command"] for item in pred.missing)]
     said = [w for w in pred.warnings if pred.memory_fit is None or w != pred.memory_fit.said()]  # above
     if said:
-        out += [""] + [f"warning: {w}" for w in said]
+        out += ["", *Notices().warn(*said).lines()]
     return "\n".join(out)

@@ -77,7 +77,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.predict.in_step import IN_STEP_KEYS, Visit
 from autotuner.predict.layout import Layout
 from autotuner.predict.stage_trainer import OPTIMIZER, StageTrainer, flush_inside_layers
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             own["case"], overrides, layout, own["repeats"], own["warmup"], own["lr"], own["flush_in_layers"]
         )
     except UserError as exc:
-        print(f"autotuner: error: {exc}", file=sys.stderr)
+        say_error("autotuner", exc)
         raise SystemExit(exc.exit_code) from None
     if result.ranks and int(os.environ.get("RANK", 0)) == 0:
         data = result.to_json()

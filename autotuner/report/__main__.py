@@ -9,13 +9,12 @@ report cannot use, an ``out`` that is a file, an unreadable calibration): one li
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from autotuner.cli import Command, entry, parse, setting
-from autotuner.errors import UserError
+from autotuner.errors import UserError, say_error
 from autotuner.termination import ending_quietly_on_a_closed_pipe
 
 
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = build_report(run_dirs, out, calibration)
     except UserError as exc:
-        print(f"{COMMAND.name}: error: {exc}", file=sys.stderr)
+        say_error(COMMAND.name, exc)
         return exc.exit_code
     print(f"report: {page} ({time.perf_counter() - started:.1f} s)")
     return 0

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from autotuner.errors import UserError
 from autotuner.results.atomic import atomic_write_text
@@ -383,11 +383,24 @@ def as_row(row: Mapping[str, Any]) -> dict[str, Any]:
     return {c: row.get(c) for c in COLUMNS}
 
 
-KEY = ("case", "op", "phase", "point", "rank")
+class RowKey(NamedTuple):
+    """What names one measurement's row in a run: a resume finds a row by it, a file holds one row per key,
+    and the ranks' rows of one :attr:`measurement` merge into one (rank ``max``)."""
 
+    case: str
+    op: str
+    phase: str
+    point: str
+    rank: int | str
 
-def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(row.get(k) for k in KEY)
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> RowKey:
+        return cls(row.get("case"), row.get("op"), row.get("phase"), row.get("point"), row.get("rank"))
+
+    @property
+    def measurement(self) -> tuple[str, str, str, str]:
+        """(case, op, phase, point): the same on every rank."""
+        return (self.case, self.op, self.phase, self.point)
 
 
 class ResultsWriter:
@@ -417,23 +430,23 @@ class ResultsWriter:
             if self.dropped_tail is not None or self.duplicates:
                 self._flush()  # the files are valid again even if nothing is left to measure
 
-    def done(self, key: tuple[Any, ...]) -> bool:
-        """Whether a row with this key (see KEY) was measured successfully: ``ok``, with its median."""
+    def done(self, key: RowKey) -> bool:
+        """Whether a row with this key was measured successfully: ``ok``, with its median."""
         return any(
-            row_key(r) == key and r.get("status") == "ok" and r.get("median_us") is not None
+            RowKey.of(r) == key and r.get("status") == "ok" and r.get("median_us") is not None
             for r in self.rows
         )
 
     def write(self, row: dict[str, Any]) -> None:
         """Add (or replace, by key) a row and persist every file before returning."""
         full = as_row({"measured_by": self.measured_by, **row})
-        self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
+        self.rows = [r for r in self.rows if RowKey.of(r) != RowKey.of(full)] + [full]
         self._flush()
 
     def extend(self, rows: Iterable[dict[str, Any]]) -> None:
         for row in rows:
             full = as_row(row)
-            self.rows = [r for r in self.rows if row_key(r) != row_key(full)] + [full]
+            self.rows = [r for r in self.rows if RowKey.of(r) != RowKey.of(full)] + [full]
         self._flush()
 
     def _flush(self) -> None:
@@ -491,15 +504,15 @@ def incomplete(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def unique_rows(rows: list[dict[str, Any]], path: Path) -> tuple[list[dict[str, Any]], int]:
     """``rows`` with each row found more than once kept once (the first), and how many were dropped: a
     file appended to itself, or two copies of a run concatenated, hold the same row twice. Two different
-    rows of one measurement (see KEY) are :class:`RowsFileError`: which one the run measured cannot be
+    rows of one key (:class:`RowKey`) are :class:`RowsFileError`: which one the run measured cannot be
     told, and keeping either would lose the other."""
-    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    kept: dict[RowKey, dict[str, Any]] = {}
     for row in rows:
-        first = kept.setdefault(row_key(row), row)
+        first = kept.setdefault(key := RowKey.of(row), row)
         if first != row:
-            case, op, phase, point, rank = row_key(row)
             raise RowsFileError(
-                f"{path} holds two different rows of {op}.{phase} {point} (case {case}, rank {rank}): "
+                f"{path} holds two different rows of {key.op}.{key.phase} {key.point} (case {key.case}, "
+                f"rank {key.rank}): "
                 "delete the one this run did not measure"
             )
     return list(kept.values()), len(rows) - len(kept)
@@ -674,8 +687,8 @@ def load_run_rows(run_dir: str | Path, fix: str) -> list[dict[str, Any]]:
     if not ranked:
         raise UserError(f"{run_dir} has no results.jsonl: {fix}")
     per_rank = [load_rows(ranked[rank]) for rank in sorted(ranked)]
-    everyone = set.intersection(*({row_key(row)[:-1] for row in rows} for rows in per_rank))
-    return merge_ranks([[row for row in rows if row_key(row)[:-1] in everyone] for rows in per_rank])
+    everyone = set.intersection(*({RowKey.of(row).measurement for row in rows} for rows in per_rank))
+    return merge_ranks([[row for row in rows if RowKey.of(row).measurement in everyone] for rows in per_rank])
 
 
 _RANK_FILE = re.compile(r"results\.rank(\d+)\.jsonl")
@@ -689,9 +702,9 @@ def merge_ranks(rank_rows: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     tokens makes, and the slowest rank need not be the fullest), status ``failed`` if any rank failed."""
     # Rows read back from files may hold a column of another version: the merged file has this one's.
     merged = [{c: row.get(c) for c in COLUMNS} for rows in rank_rows for row in rows]
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for row in merged:
-        groups.setdefault(row_key(row)[:-1], []).append(row)
+        groups.setdefault(RowKey.of(row).measurement, []).append(row)
     for rows in groups.values():
         ok = [r for r in rows if r.get("status") == "ok" and r.get("median_us") is not None]
         failed = [r for r in rows if r.get("status") == "failed"]

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from tqdm import tqdm
 
+from autotuner.errors import one_line
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.routing import Routing
 from autotuner.ops.naming import PHASES
 from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, ShapePoint
-from autotuner.results import CALL_COLUMNS, ResultsWriter
+from autotuner.results import CALL_COLUMNS, ResultsWriter, RowKey
 from autotuner.runner.plan import plan, row_identity
 from autotuner.termination import check_stop
 
@@ -302,11 +303,6 @@ class Observer(Protocol):
     def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]: ...
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
 class Runner:
     """Builds the model once, then runs the plan through an observer, writing a row per measurement."""
 
@@ -335,7 +331,7 @@ class Runner:
         """Run every (point, op, phase) not already done; return the rows written in this run."""
         planned = plan(self.spec)
         done = [
-            self.writer.done((self.spec.case, op.name, phase, point.label, self.rank))
+            self.writer.done(RowKey(self.spec.case, op.name, phase, point.label, self.rank))
             for point, op, phase in planned
         ]
         if self.world > 1:
@@ -471,7 +467,7 @@ class Runner:
         if isinstance(build_error, OpNotApplicable):
             return {"status": "skipped", "error": str(build_error)}
         if build_error is not None:
-            return {"status": "failed", "error": _one_line(build_error)}
+            return {"status": "failed", "error": one_line(build_error)}
         assert call is not None
         try:
             metrics = self.observer.observe(op, point, Phase(phase_name, call, self.spec.seed))
@@ -486,8 +482,8 @@ class Runner:
                 traceback.print_exc(limit=3)
             if is_out_of_memory(exc) and self.fit is not None:  # said as the fit check saw it
                 oom = self.fit.out_of_memory((point.label, op.name, phase_name))
-                return {"status": "failed", "error": f"{oom}: {_one_line(exc)}"}
-            return {"status": "failed", "error": _one_line(exc)}
+                return {"status": "failed", "error": f"{oom}: {one_line(exc)}"}
+            return {"status": "failed", "error": one_line(exc)}
 
 
 def _time_left(forecast: Forecast | None) -> str:

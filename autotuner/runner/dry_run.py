@@ -30,9 +30,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotuner.errors import one_line
 from autotuner.measure.memory import gradient_buffers
 from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
+from autotuner.notices import Notices
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.results.units import human_bytes, human_si
 from autotuner.runner import Phase, RunSpec
@@ -173,11 +175,6 @@ def model_parameters(spec: RunSpec) -> tuple[int, int]:
     return counts.total, counts.active
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
 def _phase_cost(
     op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception, mapped_from: int | None, buffer: Any
 ) -> PhaseCost:
@@ -186,7 +183,7 @@ def _phase_cost(
     base = {"op": op.name, "phase": phase, "point": point.label}
     if isinstance(call, Exception):  # the op could not be built (not in this layer spec, ...)
         return PhaseCost(
-            **base, parameters=0, weight_bytes=0, flops=None, bytes_moved=None, error=_one_line(call)
+            **base, parameters=0, weight_bytes=0, flops=None, bytes_moved=None, error=one_line(call)
         )
     params = _unique_parameters(call.module)
     weights = sum(p.numel() * p.element_size() for p in params)
@@ -204,7 +201,7 @@ def _phase_cost(
         memory = phase_peak(_MetaPhase(phase, call, 0), point.seq_len, gradient_buffers, mapped_from)
         memory = dataclasses.replace(memory, buffer_bytes=buffer.take_asked())
     except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
-        return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=_one_line(exc))
+        return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=one_line(exc))
     return PhaseCost(**base, weight_bytes=weights, flops=flops, bytes_moved=moved, memory=memory)
 
 
@@ -324,7 +321,7 @@ def render(result: Preview, fit: FitCheck | None = None) -> str:
         f"dry run of case={result.case} ({result.dtype}): nothing built on a device, nothing measured",
         f"parameters: total {result.total_parameters}, active {result.active_parameters}",
         *([result.routing] if result.routing else []),
-        *(f"note: {note}" for note in result.notes),
+        *Notices().note(*result.notes).lines(),
         "",
         table,
         "",
