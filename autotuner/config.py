@@ -267,6 +267,18 @@ class AutotunerConfig:
     capture: str | None = setting(
         None, "profile the calls an autotuner-capture file holds instead of the case's shapes", "FILE"
     )
+    run_unfit: bool = setting(
+        False,
+        "run the rows whose estimated peak memory is over what the process can hold (the fit check "
+        "refuses them: docs/memory_and_fit.md)",
+        "BOOL",
+    )
+    memory_limit_gib: float | None = setting(
+        None,
+        "the most memory the fit check lets a measuring process hold: the smaller of this and what the "
+        "device has (default: what the device has)",
+        "GIB",
+    )
     dry_run: bool = setting(
         False, "print the plan, parameter counts, FLOPs, bytes and memory; run nothing", "BOOL"
     )

@@ -495,9 +495,12 @@ def _dry_run(jobs: list[Job]) -> bool:
             "directory; preview with dry_run=true and measure without it, as two commands"
         )
     from autotuner.runner.dry_run import dry_run
+    from autotuner.runner.fit import run_limit
+    from autotuner.runner.memory_estimate import Workspace
 
-    for job in jobs:
-        print(dry_run(job.spec))
+    for job in jobs:  # the job's launcher's workspace (what its observer holds beside the model) and limit
+        device = job.spec.device
+        print(dry_run(job.spec, Workspace.of(job.cfg, device), run_limit(job.cfg, device)))
     return True
 
 

@@ -95,6 +95,8 @@ LLAMA=(case=llama7b device=cuda dtype=bf16 shapes.seq_len=[4096] shapes.micro_ba
 step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_sensors.py tests/test_ops.py
 # sdpa on the GPU: the default without Transformer-Engine, a fused kernel, no s x s scores saved.
 step sdpa_test 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_sdpa_attention.py -m gpu
+# The peak-memory estimate against max_memory_allocated over a llama-shaped point (docs/memory_and_fit.md).
+step memory_fit 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_memory_fit.py -k gpu
 # The CUDA timer alone (events, hide_launch), for a session that runs only the three-launcher check.
 step timer_test 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 'hide_launch or launch_bound or events'
 step calibrate 45 "$PY" -m autotuner.calibrate device=cuda "out=$RUNS/calibration.json"

@@ -260,6 +260,13 @@ def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
     assert llama[0]["weight_bytes"] == 202_383_360 * 4  # one Llama-2-7B layer in fp32
 
 
+def _after_the_plan_line(err: str) -> list[str]:
+    """The lines of an interrupted run's stderr after its first, which says the plan's estimate."""
+    plan_line, *rest = err.strip().splitlines()
+    assert re.match(r"autotuner: \d+ rows to run, estimated ", plan_line), plan_line
+    return rest
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stop, status, said",
@@ -298,8 +305,8 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path, stop, status, 
     assert proc.wait() == status
     before = _check_files(tmp_path)
     assert 4 <= len(before) < len(ops) * 2 * 2
-    # one line, no traceback, with the command that finishes the run
-    said_lines = stderr.read_text().strip().splitlines()
+    # the plan's estimate, then one line, no traceback, with the command that finishes the run
+    said_lines = _after_the_plan_line(stderr.read_text())
     assert len(said_lines) == 1 and said_lines[0].startswith(f"autotuner: {said}; finish the run with: "), (
         said_lines
     )
@@ -347,7 +354,7 @@ def test_an_interrupted_sweep_says_how_to_finish_every_job(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
-    said = err.strip().splitlines()
+    said = _after_the_plan_line(err)
     assert len(said) == 1 and said[0].startswith("autotuner: interrupted; finish the run with: "), said
     command = shlex.split(said[0].split("finish the run with: ", 1)[1])
     assert command[:4] == ["python", "-m", "autotuner.main", "-m"] and f"hydra.sweep.dir={sweep}" in command
@@ -403,6 +410,7 @@ def test_a_pause_before_every_sample_is_taken_and_recorded(tmp_path, capsys):
     }
     pauses = sum(r["samples"] + 1 for r in rows)  # and one warm-up call each (FAST)
     assert elapsed >= pauses * 0.050
+    capsys.readouterr()  # the measured run's own lines (the plan's estimate)
     assert run(["case=tiny", f"hydra.run.dir={tmp_path / 'bad'}", "timing.idle_before_ms=-1", *FAST]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "idle_before_ms" in err[0] and "fix timing." in err[0]
@@ -444,7 +452,7 @@ def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, caps
     of what the forward saves to hold at least that much (at most MAX_HELD_GRAPHS), and the rows say how many
     bytes; each forward sample followed a held graph's backward; by default nothing is held; a negative
     amount is refused."""
-    from autotuner.launchers.get_data import MAX_HELD_GRAPHS
+    from autotuner.measure.memory import MAX_HELD_GRAPHS
 
     overrides = ["ops=[activation]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", *FAST]
     rows = {}
@@ -464,6 +472,7 @@ def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, caps
     assert rows[1]["forward"]["forward_after_backward"] is True
     assert rows[0]["forward"]["forward_after_backward"] is False
     bad = tmp_path / "bad"
+    capsys.readouterr()  # the measured runs' own lines (the plan's estimate)
     assert run(["case=tiny", f"hydra.run.dir={bad}", "timing.held_activations_mib=-1", *FAST]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "held_activations_mib" in err[0] and "fix timing." in err[0]

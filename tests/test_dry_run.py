@@ -33,7 +33,7 @@ def test_llama70b_prints_its_published_total_and_writes_nothing(tmp_path: Path, 
     lines = out.splitlines()
     for point, op, phase in plan(spec):
         assert any(line.split()[:3] == [op.name, phase, point.label] for line in lines), (op.name, phase)
-    assert "expected memory:" in out
+    assert "fit check: " in out and ": peak " in out
 
 
 def test_a_block_never_has_more_layers_than_the_model():

@@ -394,12 +394,11 @@ def _kill_worker_after(run_dir: Path, rows: int, done: threading.Event, killed: 
         time.sleep(0.002)
 
 
-@pytest.mark.nsys
-def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
-    """SIGKILL the worker once two rows are done: what nsys saved is read, the rest is named."""
-    run_dir = tmp_path / "run"
+def launch_killed_after(nsys_bin: str, run_dir: Path, rows: int, *overrides: str) -> Launch:
+    """``_launch`` of case=tiny's embedding and layer at s16 and s32, the worker SIGKILLed once ``rows``
+    rows are done (asserted: it was)."""
     done, killed = threading.Event(), []
-    watcher = threading.Thread(target=_kill_worker_after, args=(run_dir, 2, done, killed), daemon=True)
+    watcher = threading.Thread(target=_kill_worker_after, args=(run_dir, rows, done, killed), daemon=True)
     watcher.start()
     try:
         result = _launch(
@@ -409,14 +408,21 @@ def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
             "ops=[embedding,transformer_layer]",
             "shapes.seq_len=[16,32]",
             "shapes.micro_batch_size=[1]",
-            "launcher.warmup=1",
-            "launcher.iterations=3",
+            *overrides,
             "progress=false",
         )
     finally:
         done.set()
         watcher.join()
     assert killed, "the worker finished before it could be killed"
+    return result
+
+
+@pytest.mark.nsys
+def test_worker_killed_mid_run(nsys_bin: str, tmp_path: Path) -> None:
+    """SIGKILL the worker once two rows are done: what nsys saved is read, the rest is named."""
+    run_dir = tmp_path / "run"
+    result = launch_killed_after(nsys_bin, run_dir, 2, "launcher.warmup=1", "launcher.iterations=3")
     assert result.code == 1
     assert "killed by SIGKILL" in result.stderr
     assert (run_dir / "report.sqlite").is_file()

@@ -184,7 +184,7 @@ def _holder_pid(fd: int) -> str:
 # resolved (the model config Megatron builds; cuda and bf16 rather than auto), case_dir as the case.
 _RESUMABLE_KEYS = {
     *("ops", "shapes", "progress", "report", "resume", "resume_across_versions"),
-    *("case_dir", "hf", "tf", "device", "dtype"),
+    *("case_dir", "hf", "tf", "device", "dtype", "run_unfit", "memory_limit_gib"),
 }
 _VERSIONED = ("torch", "megatron-core", "transformers", "transformer-engine")
 
@@ -521,5 +521,10 @@ def finish(writer: ResultsWriter, spec: Any) -> int:
         rows = [r for r in writer.rows if r.get("case") == spec.case]
     print(render(rows))
     failed = [r for r in rows if r.get("status") == "failed"]
-    print(f"\n{len(rows)} rows ({len(failed)} failed) in {writer.run_dir}/results.csv and results.jsonl")
+    refused = [r for r in rows if r.get("status") == "refused"]
+    why = ""
+    if refused:  # the fit check's (autotuner.runner.fit): over the memory the process could hold
+        ops = ", ".join(dict.fromkeys(f"{r['op']} {r['point']}" for r in refused))
+        why = f", {len(refused)} refused: estimated over the memory limit ({ops}; run_unfit=true runs them)"
+    print(f"\n{len(rows)} rows ({len(failed)} failed{why}) in {writer.run_dir}/results.csv and results.jsonl")
     return 1 if failed else 0

@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
-from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes
+from autotuner.measure.cache import CacheFlusher, last_level_cache_bytes, rotation_sets
 from autotuner.measure.graphs import NotReplayable, capture_phase
-from autotuner.measure.memory import saved_bytes
+from autotuner.measure.memory import graphs_to_hold, saved_bytes
 from autotuner.measure.metrics import Observed, fill
 from autotuner.measure.timer import DeviceTimer, RankAgreement, SamplingPolicy, sample
 from autotuner.model.runtime import graph_rng_generators
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase, TrainingOrder
+from autotuner.runner.eta import Rates, fill_seconds
 
 
 def _first_line(exc: BaseException) -> str:
@@ -65,25 +66,10 @@ def _in_turn(steps: list[Callable[[], None]]) -> Callable[[], None] | None:
     return run
 
 
-# timing.held_activations_mib: at most this many graphs held besides a sample's own (an op that saves little
-# holds less than asked: its row says how much it held)
-MAX_HELD_GRAPHS = 256
-
-
 def forward_saved_bytes(phase: Phase, exclude: list[torch.Tensor]) -> int:
     """What one untimed forward of ``phase``'s op saves, as the ``activation_bytes`` sensor counts it
     (``exclude``: the model's weights)."""
     return saved_bytes(lambda: phase.call.fn(*phase.call.inputs), [*exclude, *phase.parameters])
-
-
-def graphs_to_hold(saved: int, held_bytes: float) -> int:
-    """The graphs a sample runs beside for ``timing.held_activations_mib`` (autotuner.measure.timer,
-    "Activations a step holds"): its own and enough earlier ones, each ``saved`` bytes, to hold at least
-    ``held_bytes``, at most MAX_HELD_GRAPHS of them; one (nothing held) for an op whose forward saves
-    nothing."""
-    if saved == 0 or held_bytes <= 0:
-        return 1
-    return 1 + min(math.ceil(held_bytes / saved), MAX_HELD_GRAPHS)
 
 
 class GetDataObserver:
@@ -118,17 +104,53 @@ class GetDataObserver:
         self.flush_cache, self.idle_before_ms = flush_cache, idle_before_ms
         self.forward_after_backward, self.held_activations_mib = forward_after_backward, held_activations_mib
         steps = [CacheFlusher(device) if flush_cache else None]
+        self.flush_bytes = steps[0].buffer.numel() if steps[0] is not None else 0
         steps += [IdlePause(self.timer, idle_before_ms * 1e-3) if idle_before_ms > 0 else None]
         self.before_sample = _in_turn([s for s in steps if s is not None])  # untimed, before each sample
         self.rotate_inputs = rotate_inputs and not flush_cache
         self.cache_bytes = last_level_cache_bytes(device)
+        self._sensor_s: dict[str, float] = {}  # see sensor_seconds
+
+    def expected_seconds(self, phase: str, forward_s: float, backward_s: float, rates: Rates) -> float:
+        """The row's expected seconds from one call's (autotuner.runner.eta): the warm-up, the samples, then
+        the sensors (activations, a forward's; peak bytes in a session of its own on a CPU; FLOPs; bytes
+        moved). A forward sample is a block of calls lasting ``min_block_s``; a backward sample its forward
+        and itself. Sampling stops at the precision target, after as many samples as the machine's
+        measured spread needs (:meth:`Rates.samples_for`; the iqr rule: 4 where the spread is under its
+        target, else never), or at the budget or ``max_samples`` if sooner, never before
+        ``min_samples`` or ``min_time_s``."""
+        policy = self.policy
+        call_s, prepare_s = (forward_s, 0.0) if phase == "forward" else (backward_s, forward_s)
+        before = 0.0 if self.before_sample is None else self.idle_before_ms * 1e-3 + self.flush_s(rates)
+        sample_s = prepare_s + call_s + before
+        if phase == "forward" and self.before_sample is None:  # a block of calls (autotuner.measure.timer)
+            sample_s = min(1000, max(1, math.ceil(policy.min_block_s / max(call_s, 1e-9)))) * call_s
+        if policy.precision_rule == "iqr":
+            needed = 4 if rates.relative_iqr <= policy.target_rel_iqr else math.inf
+        else:
+            needed = max(6, rates.samples_for(policy.target_rel_ci))
+        samples = min(max(needed, policy.min_samples), policy.max_samples)
+        sampling = min(samples * sample_s, max(policy.budget_s, policy.min_samples * sample_s))
+        sampling = max(sampling, policy.min_time_s)
+        # activations (a forward's), peak bytes, FLOPs, bytes moved (a forward's call, a backward's forward)
+        once = prepare_s + call_s
+        sensors = 2 * once + (2 * call_s if phase == "forward" else prepare_s)
+        return policy.warmup * once + sampling + sensors + self.sensor_seconds(phase)
+
+    def sensor_seconds(self, phase: str) -> float:
+        """What the sensors of a row cost beside the op's own calls (autotuner.runner.eta.fill_seconds),
+        measured once per phase."""
+        if phase not in self._sensor_s:
+            self._sensor_s[phase] = fill_seconds(self.name, self.device, phase)
+        return self._sensor_s[phase]
+
+    def flush_s(self, rates: Rates) -> float:
+        """One cache flush: a write over its buffer (half a copy's traffic)."""
+        return self.flush_bytes / (rates.byte_per_s / 2)
 
     def _input_sets(self, phase: Phase) -> int:
         """Enough copies of inputs that fit in the cache that cycling through them overflows it."""
-        size = phase.input_bytes
-        if not self.rotate_inputs or size == 0 or size >= self.cache_bytes:
-            return 1
-        return min(8, math.ceil(2 * self.cache_bytes / size))
+        return rotation_sets(phase.input_bytes, self.cache_bytes) if self.rotate_inputs else 1
 
     def _held_graphs(self, phase: Phase) -> tuple[int, int]:
         """(graphs, bytes each saves): :func:`graphs_to_hold`, the group's largest count under torchrun: it
@@ -253,13 +275,15 @@ def launch(cfg: Any, spec: Any, run: Any) -> int:
     run_dir = run.path
     from autotuner.launchers.common import finish, start_writer
     from autotuner.runner import Runner
+    from autotuner.runner.fit import check_fit
     from autotuner.runner.spec import open_session
 
     calibration = load_calibration(cfg, spec)  # validated before start_writer writes anything
     writer = start_writer(cfg, spec, run)
     if calibration is not None:
         keep_calibration(calibration, run_dir)
-    model, context = open_session(spec)
+    fit = check_fit(cfg, spec)  # before the model is built: its runtime term is this process now
+    model, context = open_session(spec) if fit.builds or spec.world > 1 else (torch.nn.Module(), None)
     timing = cfg.timing
     policy = SamplingPolicy(**{f.name: timing[f.name] for f in dataclasses.fields(SamplingPolicy)})
     observer = GetDataObserver(
@@ -276,5 +300,5 @@ def launch(cfg: Any, spec: Any, run: Any) -> int:
         forward_after_backward=timing.forward_after_backward,
         held_activations_mib=timing.held_activations_mib,
     )
-    Runner(spec, observer, writer, progress=cfg.progress).run(context)
+    Runner(spec, observer, writer, progress=cfg.progress, fit=fit).run(context)
     return finish(writer, spec)

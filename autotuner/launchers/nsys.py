@@ -18,7 +18,9 @@ The columns it writes and how each fault ends: docs/launchers.md, "nsys: columns
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,8 +37,11 @@ from autotuner.launchers.nsys_process import (
     profile,
     wait_turn,
 )
+from autotuner.launchers.nsys_protocol import FIT_FILE
 from autotuner.launchers.nsys_protocol import worker_dir as worker_dir_of
 from autotuner.launchers.nsys_rows import Outcome, build_rows, read_report, read_worker
+from autotuner.measure.limits import MemoryLimit, oom_kills
+from autotuner.runner.fit import FitCheck
 from autotuner.runner.plan import plan
 
 if TYPE_CHECKING:
@@ -121,6 +126,7 @@ def launch(cfg: DictConfig, spec: Any, run: RunDirectory) -> int:
     with StopSignals(worker_dir, TORCHRUN_STOP_GRACE_S if world > 1 else None) as stop:
         wait_turn(run_dir, rank, world, stop)
         report = report_base.with_suffix(".nsys-rep")
+        kills = oom_kills()
         result = profile(cmd, log_path, worker_dir, report, stop, worker_port, launcher.start_timeout_s)
         if stop.never_started is not None:
             raise UserError(
@@ -128,12 +134,13 @@ def launch(cfg: DictConfig, spec: Any, run: RunDirectory) -> int:
                 f"(killed; its output: {log_path}): check that it runs a program ({nsys} profile "
                 "python -c pass), or raise launcher.start_timeout_s"
             )
+        oom = _out_of_memory(result.returncode, kills, worker_dir)
         if stop.killed:
             print(
                 f"autotuner: {stop.killed}: killed nsys and the worker (its report may be lost)",
                 file=sys.stderr,
             )
-        outcome = Outcome(result, *read_worker(worker_dir), read_report(nsys, report_base, result))
+        outcome = Outcome(result, *read_worker(worker_dir), read_report(nsys, report_base, result), oom)
 
         # The plan the worker's Runner ran, so the rows come in the order and number it ran them.
         writer.extend(build_rows(spec, plan(spec), outcome))
@@ -154,5 +161,19 @@ def launch(cfg: DictConfig, spec: Any, run: RunDirectory) -> int:
     if outcome.report.still_open:
         print(f"autotuner: ranges left open: {'; '.join(outcome.report.still_open[-3:])}", file=sys.stderr)
     how = describe_exit(result.returncode)
+    if oom is not None:
+        how = f"the kernel's out-of-memory killer ending the profiled process ({how})"
     print(f"autotuner: nsys profile ended with {how}; its last lines:\n{result.tail}", file=sys.stderr)
     return code or 1
+
+
+def _out_of_memory(returncode: int, kills_before: int, worker_dir: Path) -> FitCheck | None:
+    """The worker's fit check (its estimates and limit) where the kernel's OOM killer ended it: a SIGKILL
+    (nsys passes 128 + 9 on) while the kernel's count of OOM kills rose (autotuner.measure.limits); None
+    otherwise. A check the worker did not leave reads as no estimate, the limit unknown (0)."""
+    if returncode not in (-signal.SIGKILL, 128 + signal.SIGKILL) or oom_kills() <= kills_before:
+        return None
+    try:
+        return FitCheck.from_json(json.loads((worker_dir / FIT_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return FitCheck(MemoryLimit(0, "unknown: the worker left no fit check"))

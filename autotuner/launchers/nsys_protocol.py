@@ -9,6 +9,8 @@ Both sides import this module; neither imports the other's entry point. Under ``
 * :data:`MEASURING_FILE`: the (op, phase, point) whose iterations are running, rewritten before each one;
   after a crash it names the op the process died in.
 * :data:`STARTED_FILE`: the worker's pid, written first thing (the parent passes stop signals to it).
+* :data:`FIT_FILE`: its fit check (autotuner.runner.fit), before the model is built: each row's
+  estimated peak and the limit, which the parent names should the kernel kill the worker for memory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 WORKER_DIR = "worker"
 MEASURING_FILE = "measuring.txt"
 STARTED_FILE = "started"
+FIT_FILE = "fit.json"
 LAUNCHER_ENV = "AUTOTUNER_NSYS_LAUNCHER"  # "<pid> <start time>" of the launcher (nsys_process.worker_env)
 
 _MARKER_RE = re.compile(r"^measure (?P<op>[a-z0-9_]+)\.(?P<phase>forward|backward) \[(?P<point>[^\]]+)\]$")

@@ -37,6 +37,7 @@ from autotuner.runner.plan import named_identity, row_identity
 
 if TYPE_CHECKING:
     from autotuner.ops_test.base import OpTest, ShapePoint
+    from autotuner.runner.fit import FitCheck
 
 Key = tuple[str, str, str]  # (op, phase, point)
 
@@ -148,12 +149,15 @@ class ReportData:
 
 @dataclass
 class Outcome:
-    """What the parent knows after nsys returned: how it ended, what the worker got to, the report."""
+    """What the parent knows after nsys returned: how it ended, what the worker got to, the report;
+    ``out_of_memory``: the worker's fit check (autotuner.runner.fit) where the kernel's OOM killer ended
+    it (autotuner.launchers.nsys), else None."""
 
     nsys: NsysRun
     worker_rows: dict[Key, dict[str, Any]]
     in_flight: Key | None  # the phase the worker was running when it stopped
     report: ReportData
+    out_of_memory: FitCheck | None = None
 
 
 def read_sqlite(sqlite_path: Path) -> ReportData:
@@ -200,8 +204,11 @@ def read_report(nsys: str, report_base: Path, result: NsysRun) -> ReportData:
 def build_rows(
     spec: Any, plan: Iterable[tuple[ShapePoint, OpTest, str]], outcome: Outcome
 ) -> list[dict[str, Any]]:
-    """One row per planned (point, op, phase), in plan order: the worker's status, the report's times."""
-    rows = []
+    """One row per planned (point, op, phase), in plan order: the worker's status, the report's times.
+    After the OOM killer ended the worker, the op it was measuring at a point of as many tokens or more
+    is ``skipped`` with that reason (it would be killed again: :meth:`_KilledForMemory.covers`)."""
+    plan, rows = list(plan), []
+    killed = _killed_for_memory(plan, outcome)
     for point, op, phase in plan:
         key = (op.name, phase, point.label)
         worker = outcome.worker_rows.get(key)
@@ -210,10 +217,23 @@ def build_rows(
             worker is not None
         ):  # what the op stated about its call (OpCall.row_fields), as the worker wrote it
             row.update({k: worker[k] for k in CALL_COLUMNS if worker.get(k) is not None})
-        if worker is None:
+        if worker is None and outcome.out_of_memory is not None:
+            row.update(outcome.out_of_memory.columns((point.label, op.name, phase)))
+        if worker is None and killed is not None and key == killed.key:
+            row.update(status="failed", error=killed.out_of_memory)
+        elif worker is None and killed is not None and killed.covers(op, point, phase):
+            row.update(status="skipped", error=killed.reason)
+        elif worker is None and killed is not None:
+            op_, phase_, point_ = killed.key
+            row.update(
+                status="failed",
+                error=f"the profiled process died before measuring it: {killed.out_of_memory} in "
+                f"{op_}.{phase_} {point_}",
+            )
+        elif worker is None:
             row.update(status="failed", error=_missing_reason(key, outcome))
         elif worker.get("status") != "ok":
-            row.update({k: worker.get(k) for k in ("status", "error", "num_threads")})
+            row.update({k: worker.get(k) for k in ("status", "error", "num_threads", *_FIT_COLUMNS)})
         else:
             row.update({k: worker.get(k) for k in _WORKER_COLUMNS})
             found = outcome.report.measured.get(key, [])
@@ -232,8 +252,46 @@ def build_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class _KilledForMemory:
+    """The op and point the OOM killer ended the worker in, and what its rows say."""
+
+    key: Key  # the (op, phase, point) it died in
+    tokens: int  # seq_len x micro_batch_size of its point
+    reason: str  # what the same op at as large a point says
+    out_of_memory: str  # what its own row says
+
+    def covers(self, op: OpTest, point: ShapePoint, phase: str) -> bool:
+        """The same op at a point of as many tokens or more, in the same phase (or any, where a forward
+        died: a backward holds what its forward does and more): it would be killed again."""
+        larger = point.seq_len * point.micro_batch_size >= self.tokens
+        return op.name == self.key[0] and larger and self.key[1] in (phase, "forward")
+
+
+def _killed_for_memory(
+    plan: list[tuple[ShapePoint, OpTest, str]], outcome: Outcome
+) -> _KilledForMemory | None:
+    """Where the OOM killer ended the worker: the phase it was measuring, or, where that one's row was
+    written (the kill came before the next phase named itself), the first planned phase after it with no
+    row."""
+    fit = outcome.out_of_memory
+    if fit is None or outcome.in_flight is None:
+        return None
+    keys = [(op.name, phase, point.label) for point, op, phase in plan]
+    if outcome.in_flight not in keys:
+        return None
+    start = keys.index(outcome.in_flight)
+    for (point, op, phase), key in list(zip(plan, keys, strict=True))[start:]:
+        if key not in outcome.worker_rows:
+            oom = fit.out_of_memory((point.label, op.name, phase))
+            reason = f"{oom} at {point.label}: a point as large would be killed too"
+            return _KilledForMemory(key, point.seq_len * point.micro_batch_size, reason, oom)
+    return None
+
+
 # The worker's columns of a measured row: the sensors' (autotuner.measure.metrics, run in the worker) and
 # its settings; the times come from the report.
+_FIT_COLUMNS = ("estimated_peak_bytes", "memory_limit_bytes")  # the worker's fit check (autotuner.runner.fit)
 _WORKER_COLUMNS = (
     "weight_bytes",
     "activation_bytes",
@@ -242,6 +300,7 @@ _WORKER_COLUMNS = (
     "stop_reason",
     "num_threads",
     "collectives",  # an emulated rank's (autotuner.model.emulation), recorded in the worker
+    *_FIT_COLUMNS,
 )
 
 _NO_RANGE = (

@@ -14,6 +14,7 @@ whose launcher is gone (killed outright) stops itself (see :func:`_watch_launche
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -25,6 +26,7 @@ import torch
 
 from autotuner.errors import say_error
 from autotuner.launchers.nsys_protocol import (
+    FIT_FILE,
     LAUNCHER_ENV,
     MEASURING_FILE,
     STARTED_FILE,
@@ -36,6 +38,7 @@ from autotuner.measure.metrics import Observed, fill
 from autotuner.ops.annotate import Annotator, NvtxAnnotator, annotating, set_range_context
 from autotuner.ops_test.base import OpTest, ShapePoint
 from autotuner.runner import Phase
+from autotuner.runner.eta import Rates, fill_seconds
 from autotuner.termination import check_stop, forget_stop, raise_stop, stopping_when_gone
 
 
@@ -74,6 +77,8 @@ class NsysObserver:
         self.sub_op_ranges = sub_op_ranges
         self.annotator = annotator if annotator is not None else NvtxAnnotator()
         self.measuring_file = measuring_file
+        self._leave_out = ("peak_bytes",) if device.type != "cuda" else ()
+        self._sensor_s: dict[str, float] = {}  # see expected_seconds
 
     def observe(self, op: OpTest, point: ShapePoint, phase: Phase) -> dict[str, Any]:
         if self.measuring_file is not None:
@@ -93,8 +98,17 @@ class NsysObserver:
                 self._capture(start=False)
         fresh = Phase(phase.name, phase.call, phase.seed)  # its own outputs and gradients
         seen = Observed(self.name, phase=fresh, device=self.device, model_parameters=self.model_parameters)
-        leave_out = ("peak_bytes",) if self.device.type != "cuda" else ()
-        return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=leave_out)
+        return fill({"samples": self.iterations, "stop_reason": "nsys"}, seen, leave_out=self._leave_out)
+
+    def expected_seconds(self, phase: str, forward_s: float, backward_s: float, rates: Rates) -> float:
+        """The row's expected seconds from one call's (autotuner.runner.eta): ``warmup + iterations``
+        iterations (a backward's each its forward and itself), then the sensors' runs (activations of a
+        forward, FLOPs; peak bytes on a GPU)."""
+        once = forward_s if phase == "forward" else forward_s + backward_s
+        sensors = (forward_s if phase == "forward" else 0.0) + once * (2 if self.device.type == "cuda" else 1)
+        if phase not in self._sensor_s:  # their own cost, measured once (autotuner.runner.eta.fill_seconds)
+            self._sensor_s[phase] = fill_seconds(self.name, self.device, phase, self._leave_out)
+        return (self.warmup + self.iterations) * once + sensors + self._sensor_s[phase]
 
     def _iteration(self, phase: Phase, point: ShapePoint, iteration: int, warmup: bool) -> None:
         check_stop()  # a stop signal that a finalizer of the last iteration swallowed
@@ -137,6 +151,7 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     from autotuner.results import ResultsWriter
     from autotuner.results.atomic import atomic_write_text
     from autotuner.runner import Runner
+    from autotuner.runner.fit import check_fit
     from autotuner.runner.spec import open_session, resolve_spec
 
     # From the environment: the started file comes first, before there is a spec (the parent passes the
@@ -148,7 +163,10 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
     cfg = _load_config(config_path)
     spec = resolve_spec(cfg)
     writer = ResultsWriter(out)  # a fresh record each run: the parent reads it to know what completed
-    model, context = open_session(spec)
+    fit = check_fit(cfg, spec)  # before the model is built: its runtime term is this process now
+    # for the parent, should the kernel kill this process for memory (autotuner.launchers.nsys)
+    atomic_write_text(out / FIT_FILE, json.dumps(fit.to_json()) + "\n")
+    model, context = open_session(spec) if fit.builds or spec.world > 1 else (torch.nn.Module(), None)
     observer = NsysObserver(
         spec.device,
         int(cfg.launcher.warmup),
@@ -157,7 +175,7 @@ def run_worker(run_dir: Path, config_path: Path) -> int:
         sub_op_ranges=bool(cfg.launcher.sub_op_ranges),
         model_parameters=list(model.parameters()),
     )
-    Runner(spec, observer, writer, progress=bool(cfg.progress)).run(context)
+    Runner(spec, observer, writer, progress=bool(cfg.progress), fit=fit).run(context)
     return 0
 
 

@@ -39,7 +39,11 @@ from autotuner.ops.annotate import RecordFunctionAnnotator, annotating, set_rang
 from autotuner.ops.naming import PHASES, parse_range
 from autotuner.ops_test.base import OpCall, OpTest, ShapePoint
 from autotuner.runner import Phase
+from autotuner.runner.eta import Rates, fill_seconds
 
+# The detailed session's time over the op's own on a CPU (stacks, memory and shapes recorded: the module
+# docstring's 2-2.5x)
+DETAILED_COST = 2.5
 # CUDA allocator events kept for a memory snapshot: enough for a layer's forward and backward steps.
 _SNAPSHOT_ENTRIES = 200_000
 
@@ -219,6 +223,22 @@ class TorchProfilerObserver:
             self._pending = ((op.name, point.label, later[0]), measured[later[0]]) if later else None
         return self._sensors(phase, self._columns(measurement))
 
+    def expected_seconds(self, phase: str, forward_s: float, backward_s: float, rates: Rates) -> float:
+        """The row's expected seconds from one call's (autotuner.runner.eta). The forward row profiles the
+        op's steps (forward then backward) in the lean session and the detailed one, whose recording
+        takes about DETAILED_COST times the op's time on a CPU (module docstring); the backward row reuses
+        them. Both run the sensors (activations of a forward, FLOPs; peak bytes on a GPU)."""
+        step = forward_s + (backward_s if self.with_backward else 0.0)
+        once = forward_s if phase == "forward" else forward_s + backward_s
+        sensors = (forward_s if phase == "forward" else 0.0) + once * (2 if self.cuda else 1)
+        leave_out = () if self.cuda else ("peak_bytes",)
+        sensors += fill_seconds(self.name, self.device, phase, leave_out)  # their own cost (a few ms)
+        if phase != PHASES[0]:
+            return sensors
+        detailed = 1.0 if self.cuda else DETAILED_COST
+        sessions = (1.0 if self.options.lean_timing else 0.0) + detailed
+        return self.options.steps * step * sessions + 2 * rates.session_s + sensors
+
     def _profiler(self, detailed: bool) -> torch.profiler.profile:
         o = self.options
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -327,14 +347,16 @@ def launch(cfg: Any, spec: Any, run: Any) -> int:
     run_dir = run.path
     from autotuner.launchers.common import finish, start_writer
     from autotuner.runner import Runner
+    from autotuner.runner.fit import check_fit
     from autotuner.runner.spec import open_session
 
     # Before any work: bad input ends with one line and exit code 2 (autotuner.main).
     options = resolve_options(cfg.launcher, spec.device, Path(run_dir))
     writer = start_writer(cfg, spec, run)
-    model, context = open_session(spec)
+    fit = check_fit(cfg, spec)  # before the model is built: its runtime term is this process now
+    model, context = open_session(spec) if fit.builds or spec.world > 1 else (torch.nn.Module(), None)
     observer = TorchProfilerObserver(options, spec.device, tuple(spec.phases), list(model.parameters()))
-    Runner(spec, observer, writer, progress=cfg.progress).run(context)
+    Runner(spec, observer, writer, progress=cfg.progress, fit=fit).run(context)
     code = finish(writer, spec)
     print(f"traces, stacks and operator tables in {options.output_dir}/<point>/<op>/")
     return code

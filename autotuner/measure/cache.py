@@ -14,6 +14,7 @@ to twice the reported size, three times over. It takes a few seconds, once a pro
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from pathlib import Path
@@ -58,6 +59,14 @@ def last_level_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).L2_cache_size)
     return max((size for size, _ in _cpu_caches()), default=_DEFAULT_CPU_CACHE)
+
+
+def rotation_sets(input_bytes: int, cache_bytes: int) -> int:
+    """How many sets of inputs (the original included) get_data cycles through: enough copies of inputs
+    smaller than the cache that cycling through them overflows it, at most 8 (runner.Phase.rotate)."""
+    if input_bytes == 0 or input_bytes >= cache_bytes:
+        return 1
+    return min(8, math.ceil(2 * cache_bytes / input_bytes))
 
 
 def warm_cache_bytes(device: torch.device) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import math
 import os
 import sys
 import tempfile
@@ -73,7 +74,10 @@ class SavedTensorsMeter:
         key = _storage_key(tensor)
         if key not in self._exclude:
             self._storages[key] = tensor.untyped_storage().nbytes()
-        return tensor
+        # Not the tensor itself: an output its own node saves (exp, silu, softmax save their result) would
+        # then hold its node through the saved object, a cycle of C++ references that nothing frees, and
+        # every metered forward would leak what its ops saved of their outputs.
+        return tensor.detach()
 
     @property
     def bytes(self) -> int:
@@ -95,6 +99,21 @@ def gradient_buffers(params: Iterable[torch.Tensor]) -> None:
     for param in params:
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
+
+
+# timing.held_activations_mib: at most this many graphs held besides a sample's own (an op that saves little
+# holds less than asked: its row says how much it held)
+MAX_HELD_GRAPHS = 256
+
+
+def graphs_to_hold(saved: int, held_bytes: float) -> int:
+    """The graphs a sample runs beside for ``timing.held_activations_mib`` (autotuner.measure.timer,
+    "Activations a step holds"): its own and enough earlier ones, each ``saved`` bytes, to hold at least
+    ``held_bytes``, at most MAX_HELD_GRAPHS of them; one (nothing held) for an op whose forward saves
+    nothing."""
+    if saved == 0 or held_bytes <= 0:
+        return 1
+    return 1 + min(math.ceil(held_bytes / saved), MAX_HELD_GRAPHS)
 
 
 # Freeing a block allocated before the profiling session is expected here (module docstring).

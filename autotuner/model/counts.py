@@ -101,12 +101,13 @@ def _layer_count(layer: torch.nn.Module) -> LayerCount:
 
 
 @contextlib.contextmanager
-def meta_session(emulation: Any = None) -> Iterator[None]:
+def meta_session(emulation: Any = None) -> Iterator[Any]:
     """What building and running Megatron's modules on meta tensors needs, undone afterwards: its
     parallel state (a one-process group, as a CPU run has; with ``emulation``, an
-    autotuner.model.emulation.Emulation, that rank of its layout), the no-op RNG tracker, and a scratch buffer
-    (core attention's) that hands out meta tensors. The buffer is a fresh one, put back afterwards: the
-    cached one would keep the meta tensors, and a later real run in this process would be handed them.
+    autotuner.model.emulation.Emulation, that rank of its layout), the no-op RNG tracker, and a scratch
+    buffer (core attention's) that hands out meta tensors, yielded (what each phase asks of it:
+    ``take_asked``). The buffer is a fresh one, put back afterwards: the cached one would keep the meta
+    tensors, and a later real run in this process would be handed them.
     So is the MoE auxiliary loss's backward scale, which Megatron makes on the first backward through a
     router, on the device of that backward's loss, and keeps for the process: made on meta, it failed
     every later real backward through a router ("Cannot copy out of meta tensor")."""
@@ -118,8 +119,29 @@ def meta_session(emulation: Any = None) -> Iterator[None]:
     from autotuner.model.runtime import init_parallel
 
     class MetaBuffer(mcore_utils.GlobalMemoryBuffer):
+        """As Megatron's: one buffer per (name, dtype), the largest asked for, kept for the process (the
+        attention scores' input); made outside any dispatch mode, so a phase's tracker sees it as a run
+        sees it, made before (autotuner.runner.memory_estimate: the ``score_buffer`` term)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: dict[tuple[str, torch.dtype], int] = {}  # since the last take_asked
+
         def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, *args: Any, **kw: Any) -> Any:
-            return torch.empty(tuple(tensor_shape), dtype=dtype, device=META)
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            numel = int(torch.Size(tensor_shape).numel())
+            self.asked[(name, dtype)] = max(self.asked.get((name, dtype), 0), numel * dtype.itemsize)
+            held = self.buffer.get((name, dtype))
+            if held is None or held.numel() < numel:
+                with _disable_current_modes():
+                    self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=META)
+            return self.buffer[(name, dtype)][:numel].view(*tensor_shape)
+
+        def take_asked(self) -> int:
+            """The bytes asked for since the last call: the buffer a phase needs."""
+            asked, self.asked = sum(self.asked.values()), {}
+            return asked
 
     cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
     if emulation is not None:
@@ -130,9 +152,10 @@ def meta_session(emulation: Any = None) -> Iterator[None]:
         init_parallel(torch.device("cpu"))
     saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    parallel_state._GLOBAL_MEMORY_BUFFER = MetaBuffer()
+    buffer = MetaBuffer()
+    parallel_state._GLOBAL_MEMORY_BUFFER = buffer
     try:
-        yield
+        yield buffer
     finally:
         parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale

@@ -29,7 +29,7 @@ th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: left; vertical-al
 th { background: #f4f4f4; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 table.sortable th { cursor: pointer; } table.sortable th:hover { background: #e8e8e8; }
-tr.failed td { background: #fde8e8; } tr.skipped td { color: #888; }
+tr.failed td { background: #fde8e8; } tr.skipped td, tr.refused td { color: #888; }
 td.faster { background: #e3f4e3; } td.slower { background: #fde8e8; }
 img { max-width: 100%; border: 1px solid #eee; } .caption { color: #444; max-width: 1200px; }
 pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 12px; }

@@ -60,7 +60,7 @@ def runs_section(runs: Sequence[Run]) -> str:
         env = run.record.get("environment", {})
         statuses = [r.get("status") for r in run.rows]
         device = next((r["device"] for r in run.rows if r.get("device")), "")
-        counts = ", ".join(f"{statuses.count(s)} {s}" for s in ("ok", "failed", "skipped"))
+        counts = ", ".join(f"{statuses.count(s)} {s}" for s in ("ok", "failed", "skipped", "refused"))
         launchers = ", ".join(sorted({str(r.get("launcher")) for r in run.rows if r.get("launcher")}))
         body.append(
             "<tr>"
@@ -96,7 +96,7 @@ def problems_section(runs: Sequence[Run]) -> str:
     many = len(runs) > 1
     ranks = multi_rank([r for run in runs for r in run.rows])
     out = []
-    for status, title in (("failed", "Failed ops"), ("skipped", "Skipped ops")):
+    for status, title in (("failed", "Failed ops"), ("skipped", "Skipped ops"), ("refused", "Refused ops")):
         body = []
         for index, run in enumerate(runs, 1):
             for row in run.rows:

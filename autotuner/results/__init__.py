@@ -103,7 +103,11 @@ class Row:
         label="emulated layout",
         optional=True,
     )
-    status: str | None = _column("``ok``; ``failed`` (see error); ``skipped`` (error: the reason)")
+    status: str | None = _column(
+        "``ok``; ``failed`` (see error); ``skipped`` (error: the reason); ``refused``: not run, its "
+        "estimated peak memory is over what the process can hold (error: both; estimated_peak_bytes, "
+        "memory_limit_bytes; ``run_unfit=true`` runs it)"
+    )
     error: str | None = _column("a failed row's one-line error, a skipped row's reason")
     samples: int | None = _number("number of timed samples behind the statistics", label="n")
     median_us: float | None = _number(
@@ -201,6 +205,19 @@ class Row:
     )
     peak_bytes: int | None = _number(
         "peak bytes in use during the phase above those in use when it began", "B", "peak", fullest=True
+    )
+    estimated_peak_bytes: int | None = _number(
+        "the process's peak memory while it measures this row, as the fit check estimated it before the "
+        "run (the resident set on a CPU, max_memory_allocated on a GPU; autotuner.runner.memory_estimate)",
+        "B",
+        "estimated peak",
+        optional=True,
+    )
+    memory_limit_bytes: int | None = _number(
+        "the most memory the process could hold when the fit check ran (autotuner.measure.limits)",
+        "B",
+        "memory limit",
+        optional=True,
     )
     flops: int | None = _number(
         "floating-point operations of the phase (torch.utils.flop_counter)", "FLOP", "FLOPs"
@@ -562,7 +579,16 @@ NUMERIC_SUFFIXES = ("_us", "_bytes", "_count", "_moved")
 POINT_SIZES = frozenset({"seq_len", "micro_batch_size", "tensor_parallel"})  # null in a captured call's row
 # What an op holds, in bytes: never negative, and no GPU or host holds an exbibyte (an edited 1e30 was
 # predicted as PiB of memory and an MFU of 0%).
-MEMORY_SIZES = frozenset({"weight_bytes", "activation_bytes", "peak_bytes", "held_activation_bytes"})
+MEMORY_SIZES = frozenset(
+    {
+        "weight_bytes",
+        "activation_bytes",
+        "peak_bytes",
+        "held_activation_bytes",
+        "estimated_peak_bytes",
+        "memory_limit_bytes",
+    }
+)
 MAX_MEMORY_BYTES = 2**60
 _FIX = "fix or delete that line, or measure the run again"
 

@@ -13,7 +13,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -27,6 +27,10 @@ from autotuner.ops_test.base import OpCall, OpContext, OpNotApplicable, OpTest, 
 from autotuner.results import CALL_COLUMNS, ResultsWriter, RowKey
 from autotuner.runner.plan import plan, row_identity
 from autotuner.termination import check_stop
+
+if TYPE_CHECKING:
+    from autotuner.runner.eta import Forecast
+    from autotuner.runner.fit import FitCheck
 
 
 @dataclass
@@ -319,11 +323,13 @@ class Runner:
         observer: Observer,
         writer: ResultsWriter,
         progress: bool = True,
+        fit: FitCheck | None = None,
     ) -> None:
         self.spec = spec
         self.observer = observer
         self.writer = writer
         self.progress = progress
+        self.fit = fit  # the rows refused for memory (autotuner.runner.fit); None: every row runs
         self.rank, self.world = spec.rank, spec.world
 
     def _base_row(self, op: OpTest, point: ShapePoint, phase: str) -> dict[str, Any]:
@@ -345,33 +351,103 @@ class Runner:
             flags = torch.tensor(done, dtype=torch.int32, device=self.spec.device)  # NCCL wants CUDA
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
             done = [bool(flag) for flag in flags.tolist()]
+            if self.fit is not None:  # and refuse what any rank refuses, for the same reason
+                self.fit.agree([(p.label, op.name, ph) for p, op, ph in planned], self.spec.device)
         todo = [item for item, finished in zip(planned, done, strict=True) if not finished]
+        forecast = self._forecast(todo)
         bar = _progress(len(planned), len(planned) - len(todo), self.progress)
+        bar.set_postfix_str(_time_left(forecast), refresh=False)
         written = []
         by_op: dict[tuple[ShapePoint, str], list[str]] = {}
         for point, op, phase in todo:
             by_op.setdefault((point, op.name), []).append(phase)
         ops = {op.name: op for op in self.spec.ops}
+        fit = self.fit
+        # op -> (tokens, reason): the op ran out of memory at a point of that many tokens; as large a point
+        # would too, and is skipped with that reason
+        self._out_of_memory: dict[str, tuple[int, str]] = {}
         for (point, name), phases in by_op.items():
             op = ops[name]
-            call, build_error = self._build(op, context, point)
+            refused = {ph for ph in phases if fit is not None and fit.refuses((point.label, name, ph))}
+            tokens = point.seq_len * point.micro_batch_size
+            ran_out = self._out_of_memory.get(name)
+            if ran_out is not None and tokens >= ran_out[0]:
+                refused = set(phases)  # not built either
+            call, build_error = None, None
+            if len(refused) < len(phases):  # a refused row's op is not even built (its inputs take memory)
+                call, build_error = self._build(op, context, point)
             for phase_name in phases:
                 check_stop()  # a stop signal that a finalizer swallowed ends the plan here
                 bar.set_description(f"{name}.{phase_name} {point.label}")
                 row = self._base_row(op, point, phase_name)
+                key = (point.label, name, phase_name)
+                if fit is not None:
+                    row.update(fit.columns(key))
                 if call is not None and call.row_fields:
                     row.update(call.row_fields)  # what the op says of its call, in both phases' rows
-                row.update(self._measure(op, point, phase_name, call, build_error))
+                if ran_out is not None and tokens >= ran_out[0]:
+                    row.update(status="skipped", error=ran_out[1])
+                elif phase_name in refused:
+                    row.update(status="refused", error=fit.reason(key) if fit is not None else None)
+                else:
+                    row.update(self._measure(op, point, phase_name, call, build_error))
+                    if row["status"] == "failed" and row["error"].startswith("out of memory"):
+                        why = f"{row['error']} at {point.label}: a point as large would run out too"
+                        self._out_of_memory.setdefault(name, (tokens, why))
                 self.writer.write(row)
                 written.append(row)
+                if forecast is not None:
+                    forecast.finished(key)
+                bar.set_postfix_str(_time_left(forecast), refresh=False)
                 bar.update(1)
                 if row["status"] == "failed" and self.world > 1:
                     # The other ranks may be waiting in this op's collectives: going on would hang them.
                     # Exiting makes torchrun stop the job and report this rank's error.
                     raise RuntimeError(f"rank {self.rank}: {name}.{phase_name} {point.label}: {row['error']}")
+            if call is not None and call.module is not None:
+                # its weights' gradients go with its inputs: the next op's peak holds the weights alone
+                # (autotuner.runner.memory_estimate)
+                for param in call.module.parameters():
+                    param.grad = None
             del call
         bar.close()
         return written
+
+    def _forecast(self, todo: list[tuple[ShapePoint, OpTest, str]]) -> Forecast | None:
+        """The rows' estimated seconds (autotuner.runner.eta) and one line saying their sum (rank 0);
+        None where the plan has no costs (a capture's generic calls) or the observer no rule."""
+        from autotuner.model.runtime import DTYPES
+        from autotuner.runner.eta import Forecast, human_seconds, measure_rates
+
+        expected = getattr(self.observer, "expected_seconds", None)
+        costs = self.fit.costs if self.fit is not None else {}
+        if expected is None or not costs or not todo:
+            return None
+        rates = measure_rates(self.spec.device, DTYPES[self.spec.dtype])
+
+        def call_s(point: ShapePoint, op: OpTest, phase: str) -> float:
+            cost = costs.get((point.label, op.name, phase))
+            return rates.call_seconds(*cost) if cost is not None else 0.0
+
+        seconds = {}
+        for point, op, phase in todo:
+            key = (point.label, op.name, phase)
+            if self.fit is not None and self.fit.refuses(key):
+                seconds[key] = 0.0
+                continue
+            times = {ph: call_s(point, op, ph) for ph in op.phases}
+            seconds[key] = expected(phase, times.get("forward", 0.0), times.get("backward", 0.0), rates)
+        forecast = Forecast(seconds)  # the profiler's start-up was paid by measure_rates
+        running = sum(1 for key in seconds if self.fit is None or not self.fit.refuses(key))
+        if self.rank == 0:
+            print(
+                f"autotuner: {running} rows to run, estimated {human_seconds(forecast.total_s)} (their "
+                f"FLOPs, bytes and operations at this machine's rates: GEMM {rates.flop_per_s / 1e9:.0f} "
+                f"GFLOP/s, copy {rates.byte_per_s / 1e9:.1f} GB/s, {rates.operation_s * 1e6:.0f} us per "
+                "operation)",
+                file=sys.stderr,
+            )
+        return forecast
 
     def _build(
         self, op: OpTest, context: OpContext, point: ShapePoint
@@ -410,11 +486,16 @@ class Runner:
                 metrics["collectives"] = _collectives(Phase(phase_name, call, self.spec.seed))
             return {"status": "ok", **metrics}
         except Exception as exc:  # noqa: BLE001 - an op that fails (OOM, an exception) is recorded; the plan goes on
+            from autotuner.model.build import is_out_of_memory
+
             if self.spec.device.type == "cuda":
                 torch.cuda.empty_cache()
             if self.progress:
                 print(f"\n{op.name}.{phase_name} {point.label} failed:", file=sys.stderr)
                 traceback.print_exc(limit=3)
+            if is_out_of_memory(exc) and self.fit is not None:  # said as the fit check saw it
+                oom = self.fit.out_of_memory((point.label, op.name, phase_name))
+                return {"status": "failed", "error": f"{oom}: {one_line(exc)}"}
             return {"status": "failed", "error": one_line(exc)}
 
 
@@ -431,6 +512,12 @@ def _collectives(phase: Phase) -> list[dict[str, Any]]:
     return issued
 
 
+def _time_left(forecast: Forecast | None) -> str:
+    from autotuner.runner.eta import human_seconds
+
+    return f"{human_seconds(forecast.left_s())} left (estimated)" if forecast is not None else ""
+
+
 def _progress(total: int, done: int, enabled: bool) -> tqdm:
     """The phases' progress bar on stderr; with ``progress=false`` a disabled bar, whose methods do
     nothing. tqdm is imported at the top: torch imports it anyway, so a lazy import saves nothing."""
@@ -442,4 +529,7 @@ def _progress(total: int, done: int, enabled: bool) -> tqdm:
         dynamic_ncols=True,
         leave=False,
         disable=not enabled,
+        # tqdm's own time left assumes rows of equal length (a layer's backward takes a thousand times a
+        # norm's): the plan's estimate replaces it (autotuner.runner.eta)
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",  # ", " precedes a postfix
     )

@@ -21,8 +21,10 @@ their FLOPs are those of that routing.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,13 +32,28 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autotuner.errors import one_line
 from autotuner.measure.flops import flop_counter
+from autotuner.measure.memory import gradient_buffers
 from autotuner.model.counts import META, build_meta_model, count_parameters, meta_session
 from autotuner.model.routing import Routing
 from autotuner.notices import Notices
 from autotuner.ops_test.base import OpCall, OpContext, OpTest, ShapePoint
 from autotuner.results.units import human_bytes, human_si
 from autotuner.runner import Phase, RunSpec
+from autotuner.runner.memory_estimate import (
+    MemoryEstimate,
+    PhasePeak,
+    PlannedPhase,
+    Workspace,
+    build_peak,
+    describe_estimate,
+    phase_peak,
+    plan_estimates,
+)
 from autotuner.runner.plan import plan
+
+if TYPE_CHECKING:
+    from autotuner.measure.limits import MemoryLimit
+    from autotuner.runner.fit import FitCheck
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,7 @@ class PhaseCost:
     flops: int | None
     bytes_moved: int | None
     error: str | None = None
+    memory: PhasePeak | None = None  # what the phase holds at its own peak (autotuner.runner.memory_estimate)
 
 
 @dataclass(frozen=True)
@@ -63,16 +81,26 @@ class Preview:
     total_parameters: int
     active_parameters: int
     parts_bytes: int  # the parameters of the model parts the run builds
-    gradient_bytes: int  # their gradients, where a backward phase is planned
-    peak_tensor_bytes: int  # the largest phase's tensors other than weights (see preview)
     parts: str  # the model parts the run builds, in words
     costs: list[PhaseCost]
     routing: str | None = None  # how the MoE ops were routed, in words; None: no MoE layer built
     notes: tuple[str, ...] = ()  # what the case's model has that the run does not express (RunSpec.notes)
+    # per cost, the process's peak while it measures that row (None where the phase could not run on meta)
+    estimates: list[MemoryEstimate | None] = dataclasses.field(default_factory=list)
+    build_peak: int = 0  # the process's peak while it builds the model parts
 
-    @property
-    def expected_memory(self) -> int:
-        return self.parts_bytes + self.gradient_bytes + self.peak_tensor_bytes
+    def point_peaks(
+        self, refused: Container[tuple[str, str, str]] = ()
+    ) -> dict[str, tuple[PhaseCost, MemoryEstimate]]:
+        """Per point, its largest row's estimate, the ``refused`` (point, op, phase) left out: the peak of
+        a process that measures that point."""
+        found: dict[str, tuple[PhaseCost, MemoryEstimate]] = {}
+        for cost, guess in zip(self.costs, self.estimates, strict=True):
+            if guess is None or (cost.point, cost.op, cost.phase) in refused:
+                continue
+            if cost.point not in found or guess.total > found[cost.point][1].total:
+                found[cost.point] = (cost, guess)
+        return found
 
 
 def _unique_parameters(module: torch.nn.Module | None) -> list[torch.nn.Parameter]:
@@ -148,7 +176,9 @@ def model_parameters(spec: RunSpec) -> tuple[int, int]:
     return counts.total, counts.active
 
 
-def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception) -> PhaseCost:
+def _phase_cost(
+    op: OpTest, point: ShapePoint, phase: str, call: OpCall | Exception, mapped_from: int | None, buffer: Any
+) -> PhaseCost:
     base = {"op": op.name, "phase": phase, "point": point.label}
     if isinstance(call, Exception):  # the op could not be built (not in this layer spec, ...)
         return PhaseCost(
@@ -165,26 +195,33 @@ def _phase_cost(op: OpTest, point: ShapePoint, phase: str, call: OpCall | Except
         with flop_counter() as counter:
             counted.run()
         flops = int(counter.get_total_flops())
+        del counted
+        buffer.take_asked()
+        memory = phase_peak(_MetaPhase(phase, call, 0), point.seq_len, gradient_buffers, mapped_from)
+        memory = dataclasses.replace(memory, buffer_bytes=buffer.take_asked())
     except Exception as exc:  # noqa: BLE001 - the preview says which op it cannot cost, and goes on
         return PhaseCost(**base, weight_bytes=weights, flops=None, bytes_moved=None, error=one_line(exc))
-    return PhaseCost(**base, weight_bytes=weights, flops=flops, bytes_moved=moved)
+    return PhaseCost(**base, weight_bytes=weights, flops=flops, bytes_moved=moved, memory=memory)
 
 
-def preview(spec: RunSpec) -> Preview:
-    """Count the whole model's parameters and cost every planned (point, op, phase) on meta tensors.
-
-    Expected memory: the parameters of the parts the run builds (autotuner.op_mapping.model_parts), their
-    gradients when a backward is planned, and the largest planned phase's other tensors (its bytes moved
-    less its weights and weight gradients: inputs, outputs and their gradients). Activations an op saves
-    inside itself and allocator overhead are not in it, so it is a lower bound of the run's peak."""
+def preview(
+    spec: RunSpec, workspace: Workspace | None = None, totals: bool = True, limit: int | None = None
+) -> Preview:
+    """Count the whole model's parameters and cost every planned (point, op, phase) on meta tensors: its
+    FLOPs, bytes moved, and the peak memory of the process while it measures it (the resident weights of
+    the parts the run builds, autotuner.op_mapping.model_parts, the phase's own peak and ``workspace``:
+    autotuner.runner.memory_estimate; by default this process's runtime and no observer's extras).
+    ``totals=False`` leaves the whole model's parameter counts out (0), which take a model of every layer.
+    ``limit``: the memory the process can hold, over which a row is not run (autotuner.runner.fit)."""
     from autotuner.model.build import moe_layer_pattern
     from autotuner.op_mapping import model_parts, needs_model
     from autotuner.ops_test.base import is_moe_layer
     from autotuner.ops_test.moe_ops import force_routing
 
     args = spec.model_args
-    total, active = model_parameters(spec)
-    with meta_session(spec.emulation):
+    workspace = workspace or Workspace.of_process(spec.device)
+    total, active = model_parameters(spec) if totals else (0, 0)
+    with meta_session(spec.emulation) as buffer:
         parts = model_parts(
             spec.ops, spec.block_layers, args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
         )
@@ -206,29 +243,26 @@ def preview(spec: RunSpec) -> Preview:
                         calls[key] = op.build(context, point)
                     except Exception as exc:  # noqa: BLE001 - as a run records it: this op's rows say why
                         calls[key] = exc
-                costs.append(_phase_cost(op, point, phase, calls[key]))
+                costs.append(_phase_cost(op, point, phase, calls[key], workspace.mapped_from, buffer))
     parts_bytes = sum(p.numel() * p.element_size() for p in _unique_parameters(model))
-    backward = any(c.phase == "backward" for c in costs)
-    peak = max(
-        (
-            c.bytes_moved - c.weight_bytes * (2 if c.phase == "backward" else 1)
-            for c in costs
-            if c.bytes_moved is not None
-        ),
-        default=0,
-    )
+    tensors = [*_unique_parameters(model), *(model.buffers() if model is not None else ())]
+    resident = sum(t.numel() * t.element_size() for t in tensors)
+    backwards = {(c.point, c.op): c.memory for c in costs if c.phase == "backward"}
+    rows = [PlannedPhase(c.phase, c.memory, backwards.get((c.point, c.op))) for c in costs]
+    largest = max((t.numel() * 4 for t in tensors), default=0)  # Megatron's master copies are fp32
+    tp = spec.tf_config.tensor_model_parallel_size
     return Preview(
         case=spec.case,
         dtype=spec.dtype,
         total_parameters=total,
         active_parameters=active,
         parts_bytes=parts_bytes,
-        gradient_bytes=parts_bytes if backward else 0,
-        peak_tensor_bytes=max(peak, 0),
         parts=_describe_parts(parts) if model is not None else "none: no op of the model",
         costs=costs,
         routing=_describe_routing(spec.routing, routing) if moe else None,
         notes=(*spec.notes, *_attention_note(spec)),
+        estimates=plan_estimates(rows, resident, workspace, limit),
+        build_peak=build_peak(resident, largest * tp, workspace, spec.device.type == "cpu"),
     )
 
 
@@ -262,9 +296,17 @@ def _describe_parts(parts: Any) -> str:
     return ", ".join(words)
 
 
-def render(result: Preview) -> str:
-    """The preview as text: the counts, one line per planned phase, the expected memory."""
+def render(result: Preview, fit: FitCheck | None = None) -> str:
+    """The preview as text: the counts, one line per planned phase with the process's estimated peak
+    while it measures it (``refused`` where the ``fit`` check refuses it), then per point its largest
+    row's peak by term, and the check's verdict."""
     from tabulate import tabulate
+
+    def peak(cost: PhaseCost, guess: MemoryEstimate | None) -> str:
+        if guess is None:
+            return "n/a"
+        refused = fit is not None and (cost.point, cost.op, cost.phase) in fit.refused
+        return human_bytes(guess.total) + (" refused" if refused else "")
 
     rows = [
         [
@@ -275,12 +317,13 @@ def render(result: Preview) -> str:
             human_bytes(c.weight_bytes),
             human_si(c.flops, "FLOP") if c.flops is not None else f"n/a ({c.error})",
             human_bytes(c.bytes_moved),
+            peak(c, guess),
         ]
-        for c in result.costs
+        for c, guess in zip(result.costs, result.estimates, strict=True)
     ]
     table = tabulate(
         rows,
-        headers=["op", "phase", "point", "parameters", "weights", "flops", "bytes_moved"],
+        headers=["op", "phase", "point", "parameters", "weights", "flops", "bytes_moved", "peak"],
         disable_numparse=True,
     )
     lines = [
@@ -291,22 +334,35 @@ def render(result: Preview) -> str:
         "",
         table,
         "",
-        f"expected memory: {human_bytes(result.expected_memory)}, of which",
-        f"  {human_bytes(result.parts_bytes):>10}  parameters of the parts the run builds ({result.parts})",
-        f"  {human_bytes(result.gradient_bytes):>10}  their gradients (when a backward phase is planned)",
-        f"  {human_bytes(result.peak_tensor_bytes):>10}  the largest phase's inputs, outputs, gradients",
-        "  a lower bound: activations an op saves inside itself and allocator overhead are not counted",
+        "peak: the process's estimated peak memory while it measures the row (docs/memory_and_fit.md)",
+        f"building the model: peak {human_bytes(result.build_peak)}",
     ]
+    refused = fit.refused if fit is not None else set()
+    for point, (cost, guess) in result.point_peaks(refused).items():
+        title = f"{point}: peak {{total}} at {cost.op} {cost.phase}"
+        if any(key[0] == point for key in refused):
+            title += " (of the rows that fit)"
+        lines += ["", *describe_estimate(guess, title, result.parts)]
+    if fit is not None:
+        verdict = fit.advice or f"every row fits in {human_bytes(fit.limit.bytes)} ({fit.limit.source})"
+        lines += ["", f"fit check: {verdict}"]
     return "\n".join(lines)
 
 
-def dry_run(spec: RunSpec) -> str:
-    """The preview of one resolved run, as text. Raises UserError for what it cannot preview."""
+def dry_run(spec: RunSpec, workspace: Workspace | None = None, limit: MemoryLimit | None = None) -> str:
+    """The preview of one resolved run, as text, with the fit check a run would make now. ``workspace``:
+    what the run's observer adds to the model's tensors (autotuner.runner.memory_estimate.Workspace.of);
+    None: this process's runtime alone. ``limit``: the run's (autotuner.runner.fit.run_limit); None: what
+    the device lets this process hold now. Raises UserError for what it cannot preview."""
     from autotuner.errors import UserError
+    from autotuner.measure.limits import memory_limit
+    from autotuner.runner.fit import judge
 
     if spec.session is not None:  # a capture's generic plan: no Megatron model to build on meta
         raise UserError(
             "dry_run=true previews plans of the Megatron model, not a capture's generic calls: "
             "drop capture= or dry_run=true"
         )
-    return render(preview(spec))
+    workspace, limit = workspace or Workspace.of_process(spec.device), limit or memory_limit(spec.device)
+    seen = preview(spec, workspace, limit=limit.bytes)
+    return render(seen, judge(spec, workspace, limit, seen))

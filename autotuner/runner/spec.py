@@ -124,6 +124,11 @@ def resolve_spec(cfg: DictConfig) -> RunSpec:
             "target_rel_ci, min_block_s, threads, idle_before_ms, min_time_s, held_activations_mib >= 0: fix "
             "timing.*"
         )
+    if cfg.memory_limit_gib is not None and not cfg.memory_limit_gib > 0:
+        raise UserError(
+            f"memory_limit_gib={cfg.memory_limit_gib} is no memory: give a positive number of GiB, or leave "
+            "it out for what the device has"
+        )
     cpus = usable_cpus()
     if timing.threads > cpus:
         # torch would start that many threads (a segfault at 100000) or oversubscribe the cores it times
