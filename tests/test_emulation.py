@@ -83,6 +83,8 @@ def test_an_emulated_rank_records_the_collectives_megatron_issues(tmp_path):
     assert sp[("linear_proj", "forward")]["collectives"] == [
         {"kind": "reduce_scatter", "bytes": full, "group": "tp"}
     ]
+    # the fit check estimated every phase, the backwards through the emulated collectives on meta too
+    assert all(row["estimated_peak_bytes"] for row in sp.values()), sp
     # results.csv holds the list as JSON, which the rows reader takes back
     csv_text = (tmp_path / "sp" / "results.csv").read_text()
     assert '""kind"": ""reduce_scatter""' in csv_text
@@ -174,3 +176,15 @@ def test_a_dry_run_of_an_emulated_layout_previews_the_ranks_shards(capsys):
         return int(line.split()[3])
 
     assert fc1_parameters("tf.tensor_model_parallel_size=2") * 2 == fc1_parameters()
+
+
+def test_a_dry_run_of_a_sequence_parallel_rank_costs_every_phase(capsys):
+    """Its collectives' buffers are made where their input is: on meta in the preview, not the run's
+    device (a backward then met a CPU tensor and could not be costed)."""
+    sp = ["tf.tensor_model_parallel_size=2", "tf.sequence_parallel=true"]
+    assert (
+        run(["case=tiny", "ops=[transformer_layer,linear_qkv,linear_fc2]", "dry_run=true", *SMALL[:2], *sp])
+        == 0
+    )
+    table = capsys.readouterr().out
+    assert "backward" in table and "n/a" not in table, table

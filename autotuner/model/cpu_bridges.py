@@ -27,7 +27,7 @@ def _current_device_is(device: torch.device) -> Iterator[None]:
         yield
         return
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: device.type  # type: ignore[assignment]  # "cpu" or "meta"
     try:
         yield
     finally:
@@ -74,9 +74,13 @@ def _gating(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _on_run_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.cuda.current_device()`` is the run's device inside ``original``, or meta where a tensor it
+    is given is (the dry run's and the memory estimate's phases on meta tensors)."""
+
     @functools.wraps(original)
     def bridged(*args: Any, **kwargs: Any) -> Any:
-        with _current_device_is(_RUN_DEVICE):
+        on_meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values()))
+        with _current_device_is(torch.device("meta") if on_meta else _RUN_DEVICE):
             return original(*args, **kwargs)
 
     bridged.__autotuner_cpu_bridge__ = True  # type: ignore[attr-defined]
