@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -75,6 +76,8 @@ def nsys_bin() -> str:
 # --- Megatron: one tiny model per test session (Megatron imports once per pytest process) ------
 
 
+# The line a run states before its first row: how many rows it will run and the plan's estimate.
+PLAN_LINE = re.compile(r"autotuner: \d+ rows to run, estimated ")
 # The fewest samples the sampler takes: for tests of files, rows and reports, not of times.
 FAST = ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3", "progress=false"]
 

@@ -18,7 +18,7 @@ import pytest
 
 from autotuner.main import run
 from autotuner.results import COLUMNS, load_rows
-from tests.conftest import FAST, dense_model_ops
+from tests.conftest import FAST, PLAN_LINE, dense_model_ops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -263,7 +263,7 @@ def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
 def _after_the_plan_line(err: str) -> list[str]:
     """The lines of an interrupted run's stderr after its first, which says the plan's estimate."""
     plan_line, *rest = err.strip().splitlines()
-    assert re.match(r"autotuner: \d+ rows to run, estimated ", plan_line), plan_line
+    assert PLAN_LINE.match(plan_line), plan_line
     return rest
 
 

@@ -32,6 +32,7 @@ import yaml
 from autotuner.errors import UserError
 from autotuner.main import run
 from autotuner.results import ResultsWriter, load_rows
+from tests.conftest import PLAN_LINE
 from tests.namespaces import namespaced
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +80,8 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 
 def _errors(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.strip()]
+    """What a run said on stderr but the plan's estimate it states before its first row."""
+    return [line for line in err.splitlines() if line.strip() and not PLAN_LINE.match(line)]
 
 
 @contextlib.contextmanager
@@ -569,8 +571,13 @@ def test_a_model_too_large_to_build_fails_only_the_ops_that_do_not_fit(capsys, t
     # item 6: the MLP's first weight is 2 * 2**39 * 64 fp32 values (256 TiB), more than any address space
     # holds, so its allocation fails at once on any machine (no memory is touched); linear_qkv fits.
     before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    overrides = ["ops=[linear_qkv,mlp]", f"hf.intermediate_size={2**39}", f"hydra.run.dir={tmp_path}"]
-    code = run(["case=tiny", *FAST, *overrides])
+    overrides = ["ops=[linear_qkv,mlp]", f"hf.intermediate_size={2**39}"]
+    # by default the fit check refuses the MLP's rows before anything is built (their estimate named)
+    assert run(["case=tiny", *FAST, *overrides, f"hydra.run.dir={tmp_path / 'checked'}"]) == 0
+    refused = [r for r in load_rows(tmp_path / "checked" / "results.jsonl") if r["op"] == "mlp"]
+    assert refused and all(r["status"] == "refused" and "estimated" in r["error"] for r in refused)
+    # run anyway (run_unfit=true), the build fails for the MLP alone
+    code = run(["case=tiny", *FAST, *overrides, "run_unfit=true", f"hydra.run.dir={tmp_path}"])
     captured = capsys.readouterr()
     assert code == 1, captured.err[-2000:]  # some op failed, the run finished
     rows = {(r["op"], r["phase"]): r for r in load_rows(tmp_path / "results.jsonl")}

@@ -333,6 +333,8 @@ def test_nsys_rows_keep_the_columns_the_worker_recorded(routed_op, tmp_path: Pat
             "tf_config": type("TF", (), {"tensor_model_parallel_size": 1}),
             "call_counts": {},
             "rank": 0,
+            "row_rank": 0,
+            "emulation": None,
         },
     )
     op = REGISTRY["routed_linear"]

@@ -101,10 +101,11 @@ def _layer_count(layer: torch.nn.Module) -> LayerCount:
 
 
 @contextlib.contextmanager
-def meta_session(emulation: Any = None) -> Iterator[Any]:
+def meta_session(emulation: Any = None, sizes: tuple[int, int, int | None] = (1, 1, None)) -> Iterator[Any]:
     """What building and running Megatron's modules on meta tensors needs, undone afterwards: its
     parallel state (a one-process group, as a CPU run has; with ``emulation``, an
-    autotuner.model.emulation.Emulation, that rank of its layout), the no-op RNG tracker, and a scratch
+    autotuner.model.emulation.Emulation, that rank of its layout; under torchrun the job's groups of
+    ``sizes``, TP, EP and ETP; one it started it ends), the no-op RNG tracker, and a scratch
     buffer (core attention's) that hands out meta tensors, yielded (what each phase asks of it:
     ``take_asked``). The buffer is a fresh one, put back afterwards: the cached one would keep the meta
     tensors, and a later real run in this process would be handed them.
@@ -144,12 +145,13 @@ def meta_session(emulation: Any = None) -> Iterator[Any]:
             return asked
 
     cpu_bridges.apply(torch.device("cpu"))  # the no-op RNG tracker; a real run applies its own again
+    started = not parallel_state.model_parallel_is_initialized()  # by this session: ended with it
     if emulation is not None:
         from autotuner.model import emulation as emulated
 
         emulated.start(emulation)
     else:
-        init_parallel(torch.device("cpu"))
+        init_parallel(torch.device("cpu"), *sizes)
     saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     buffer = MetaBuffer()
@@ -159,6 +161,8 @@ def meta_session(emulation: Any = None) -> Iterator[Any]:
     finally:
         parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
+        if started and emulation is None:  # else the run's own start (torchrun's TP) would find it made
+            parallel_state.destroy_model_parallel()
 
 
 def build_meta_model(model_args: Any, tf_config: Any, parts: Any) -> Any:

@@ -369,8 +369,11 @@ class Runner:
         for (point, name), phases in by_op.items():
             op = ops[name]
             refused = {ph for ph in phases if fit is not None and fit.refuses((point.label, name, ph))}
-            tokens = point.seq_len * point.micro_batch_size
-            ran_out = self._out_of_memory.get(name)
+            # a captured call's point has no sizes: what ran out at one says nothing of another
+            tokens = (
+                point.seq_len * point.micro_batch_size if point.seq_len and point.micro_batch_size else None
+            )
+            ran_out = self._out_of_memory.get(name) if tokens is not None else None
             if ran_out is not None and tokens >= ran_out[0]:
                 refused = set(phases)  # not built either
             call, build_error = None, None
@@ -393,7 +396,8 @@ class Runner:
                     row.update(self._measure(op, point, phase_name, call, build_error))
                     if row["status"] == "failed" and row["error"].startswith("out of memory"):
                         why = f"{row['error']} at {point.label}: a point as large would run out too"
-                        self._out_of_memory.setdefault(name, (tokens, why))
+                        if tokens is not None:
+                            self._out_of_memory.setdefault(name, (tokens, why))
                 self.writer.write(row)
                 written.append(row)
                 if forecast is not None:

@@ -221,7 +221,9 @@ def preview(
     args = spec.model_args
     workspace = workspace or Workspace.of_process(spec.device)
     total, active = model_parameters(spec) if totals else (0, 0)
-    with meta_session(spec.emulation) as buffer:
+    tf = spec.tf_config  # under torchrun, the job's own groups: each rank's shards
+    sizes = (tf.tensor_model_parallel_size, tf.expert_model_parallel_size, tf.expert_tensor_parallel_size)
+    with meta_session(spec.emulation, sizes if spec.world > 1 else (1, 1, None)) as buffer:
         parts = model_parts(
             spec.ops, spec.block_layers, args.tie_word_embeddings, moe_layer_pattern(spec.tf_config)
         )
