@@ -5,7 +5,6 @@ that refuses what the process cannot hold; the OOM killer named; the plan's time
 from __future__ import annotations
 
 import gc
-import os
 import re
 import subprocess
 import sys
@@ -125,13 +124,17 @@ def test_a_memory_limit_of_one_s_own_is_checked_against(capsys):
 
 
 def _peak_rss_of(args: list[str]) -> int:
-    """Run ``python -m autotuner.main *args`` in a process of its own; its highest resident set."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "autotuner.main", *args], cwd=ROOT, stdout=subprocess.DEVNULL
+    """Run ``python -m autotuner.main *args`` in a process of its own; its highest resident set. Started
+    by a small Python process, not by this one: a child's ru_maxrss keeps the resident set it had before
+    its exec, a copy of its parent's (a pytest worker late in the suite holds more than the run)."""
+    waiter = (
+        "import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+        "_, status, usage = os.wait4(p.pid, 0); print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)"
     )
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return usage.ru_maxrss * 1024
+    command = [sys.executable, "-c", waiter, sys.executable, "-m", "autotuner.main", *args]
+    said = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert said[0] == "0", said
+    return int(said[1]) * 1024
 
 
 @pytest.mark.slow
