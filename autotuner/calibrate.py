@@ -65,9 +65,7 @@ from autotuner.results.calibration import (
 )
 from autotuner.results.units import human_bytes
 from autotuner.termination import (
-    ending_in_one_line_on_ctrl_c,
-    ending_quietly_on_a_closed_pipe,
-    unwinding_on_sigterm,
+    ending_as_a_command,
 )
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
@@ -580,9 +578,7 @@ COMMAND = Command(
 )
 
 
-@ending_quietly_on_a_closed_pipe
-@ending_in_one_line_on_ctrl_c("autotuner.calibrate")
-@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
+@ending_as_a_command("autotuner.calibrate")
 @entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     _, args, _ = parse(COMMAND, argv)

@@ -236,3 +236,16 @@ def unwinding_on_sigterm(on_signal: Callable[[], bool] | None = None) -> Iterato
     finally:
         if not terminated:  # else SIG_DFL stays: a second SIGTERM while unwinding ends the process
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def ending_as_a_command(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """For a long-running command's ``main``: a reader that stops reading, Ctrl-C and SIGTERM each end it
+    as the three decorators above do (a closed pipe quietly, Ctrl-C in one line, SIGTERM after the
+    temporary folders of steps and profiles are removed)."""
+
+    def decorate(main: Callable[..., int]) -> Callable[..., int]:
+        return ending_quietly_on_a_closed_pipe(
+            ending_in_one_line_on_ctrl_c(prog)(unwinding_on_sigterm()(main))
+        )
+
+    return decorate

@@ -14,15 +14,11 @@ from collections.abc import Sequence
 from autotuner.cli import entry, parse
 from autotuner.predict.command import COMMAND, run
 from autotuner.termination import (
-    ending_in_one_line_on_ctrl_c,
-    ending_quietly_on_a_closed_pipe,
-    unwinding_on_sigterm,
+    ending_as_a_command,
 )
 
 
-@ending_quietly_on_a_closed_pipe
-@ending_in_one_line_on_ctrl_c("autotuner.predict")
-@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of profiles, then ends
+@ending_as_a_command("autotuner.predict")
 @entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     dirs, args, _ = parse(COMMAND, argv)

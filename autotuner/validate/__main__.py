@@ -17,9 +17,7 @@ from autotuner.predict.command import CheckFailed, PredictSettings, run
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.prediction import Prediction
 from autotuner.termination import (
-    ending_in_one_line_on_ctrl_c,
-    ending_quietly_on_a_closed_pipe,
-    unwinding_on_sigterm,
+    ending_as_a_command,
 )
 from autotuner.validate.steps import StepsFailed
 from autotuner.validate.validate import model_overrides, render, validate
@@ -59,9 +57,7 @@ def real_steps(
     return checked.to_json()
 
 
-@ending_quietly_on_a_closed_pipe
-@ending_in_one_line_on_ctrl_c("autotuner.validate")
-@unwinding_on_sigterm()  # a SIGTERM removes the temporary folders of steps and profiles, then ends
+@ending_as_a_command("autotuner.validate")
 @entry(COMMAND)
 def main(argv: Sequence[str] | None = None) -> int:
     dirs, args, _ = parse(COMMAND, argv)
