@@ -37,7 +37,7 @@ XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfi
 test: setup tools
 	$(BIN)/python -m pytest $(XDIST)
 
-# The development loop: no nsys, no SLURM, no torchrun, no GPU, nothing over ~10 s (README: Testing).
+# The development loop: no nsys, no SLURM, no torchrun, no GPU, nothing over ~3 s (README: Testing).
 test-fast: setup
 	$(BIN)/python -m pytest $(XDIST) -m "not slow and not nsys and not slurm and not torchrun and not gpu"
 

@@ -71,6 +71,7 @@ def llama_capture(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_llama_capture_holds_linear_attention_norm_activation(llama_capture: Path):
     cap = load(llama_capture)
     assert (cap.status, cap.steps_seen, cap.steps_captured) == ("complete", 3, 2)
@@ -99,6 +100,7 @@ def test_llama_capture_holds_linear_attention_norm_activation(llama_capture: Pat
     assert _shapes(loss) == [[32, 256], [32]]
 
 
+@pytest.mark.slow
 def test_llama_capture_replays_with_get_data(llama_capture: Path, tmp_path: Path, capsys):
     assert run([f"capture={llama_capture}", "device=cpu", f"hydra.run.dir={tmp_path}", *FAST]) == 0
     rows = load_rows(tmp_path / "results.jsonl")
@@ -138,6 +140,7 @@ def megatron_capture(tiny_spec, tiny_session, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_megatron_capture_maps_to_our_ops_and_points(megatron_capture: Path):
     calls = {c.op: c for c in megatron_calls(load(megatron_capture))}
     point = ShapePoint(48, 2)
@@ -152,6 +155,7 @@ def test_megatron_capture_maps_to_our_ops_and_points(megatron_capture: Path):
         assert calls[op].count == 2, op
 
 
+@pytest.mark.slow
 def test_megatron_capture_replays_at_exactly_its_points(megatron_capture: Path, tmp_path: Path):
     ops = "ops=[transformer_layer,linear_qkv,rope,embedding]"
     argv = ["case=tiny", "device=cpu", f"capture={megatron_capture}", ops, f"hydra.run.dir={tmp_path}"]
@@ -163,6 +167,7 @@ def test_megatron_capture_replays_at_exactly_its_points(megatron_capture: Path, 
     assert counts == {"transformer_layer": 4, "linear_qkv": 4, "rope": 4, "embedding": 2}
 
 
+@pytest.mark.slow
 def test_capture_of_another_model_is_refused(megatron_capture: Path):
     import autotuner.capture.replay  # noqa: F401  (registers capture=, as the entry points do)
     from autotuner.config import compose_config
@@ -186,6 +191,7 @@ def test_capture_of_another_model_is_refused(megatron_capture: Path):
         ("sys.exit(3)", 3, "exit", "SystemExit: 3"),
     ],
 )
+@pytest.mark.slow
 def test_failing_script_passes_exit_code_and_output_through(tmp_path: Path, ending, code, status, error):
     script = tmp_path / "fails.py"
     script.write_text(
@@ -210,6 +216,7 @@ def test_failing_script_passes_exit_code_and_output_through(tmp_path: Path, endi
     ]
 
 
+@pytest.mark.slow
 def test_sigterm_writes_the_capture_and_ends_by_the_signal(tmp_path: Path):
     script = tmp_path / "slow.py"
     script.write_text(

@@ -223,6 +223,7 @@ def test_help_lists_cases_and_ops(capsys):
         assert name in out
 
 
+@pytest.mark.slow
 def test_failing_op_is_recorded_and_the_plan_goes_on(tmp_path, capsys):
     from autotuner.ops_test.base import REGISTRY, register_op
 
@@ -250,6 +251,7 @@ def test_failing_op_is_recorded_and_the_plan_goes_on(tmp_path, capsys):
     assert rows[("linear_qkv", "backward")]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_multirun_over_cases_at_real_llama7b_size(tmp_path):
     overrides = ["ops=[transformer_layer]", "shapes.seq_len=[16]", "shapes.micro_batch_size=[1]"]
     assert run(["-m", "case=tiny,llama7b", f"hydra.sweep.dir={tmp_path}", *overrides, *FAST]) == 0
@@ -325,6 +327,7 @@ def test_interrupted_run_leaves_valid_files_and_resumes(tmp_path, stop, status, 
             assert kept[(row["op"], row["phase"], row["point"])] == row["median_us"]
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_says_how_to_finish_every_job(tmp_path):
     """A ``-m`` sweep stopped by Ctrl-C in its first job: the command it prints resumes the sweep's folder,
     each job its own (it had printed no command: a sweep was thought not resumable)."""
@@ -363,6 +366,7 @@ def test_an_interrupted_sweep_says_how_to_finish_every_job(tmp_path):
         assert len(_check_files(sweep / job)) == 3 * 2
 
 
+@pytest.mark.slow
 def test_generator_flush_and_calibration_from_the_command_line(tmp_path):
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"peak_flops": {"fp32": 1e11}, "memory_bandwidth": 1e10}))
@@ -395,6 +399,7 @@ def test_generator_flush_and_calibration_from_the_command_line(tmp_path):
     assert json.loads((run_dir / "calibration.json").read_text())["memory_bandwidth"] == 1e10
 
 
+@pytest.mark.slow
 def test_a_pause_before_every_sample_is_taken_and_recorded(tmp_path, capsys):
     """timing.idle_before_ms: every sample is one call after the pause (the op as a pipeline stage runs it
     after a wait), the rows say so, and the run lasts at least its pauses; a negative pause is refused."""
@@ -417,6 +422,7 @@ def test_a_pause_before_every_sample_is_taken_and_recorded(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_forwards_timed_after_their_backward_say_so_in_their_rows(tmp_path):
     """timing.forward_after_backward: every forward sample is one call after the op's backward (untimed),
     its row says so, the backward's row does not, and the memory figures are the back-to-back run's (the
@@ -447,6 +453,7 @@ def test_forwards_timed_after_their_backward_say_so_in_their_rows(tmp_path):
         assert rows[True]["forward"][column] == rows[False]["forward"][column]
 
 
+@pytest.mark.slow
 def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, capsys):
     """timing.held_activations_mib: both phases' samples ran beside earlier calls' graphs, enough whole graphs
     of what the forward saves to hold at least that much (at most MAX_HELD_GRAPHS), and the rows say how many
@@ -479,6 +486,7 @@ def test_rows_timed_beside_held_activations_say_how_much_was_held(tmp_path, caps
     assert not bad.exists()
 
 
+@pytest.mark.slow
 def test_functional_group_measures_the_device_without_a_model(tmp_path, monkeypatch):
     import torch
 

@@ -23,6 +23,7 @@ def _spec(*overrides: str):
     return resolve_spec(compose_config(list(overrides)))
 
 
+@pytest.mark.slow
 def test_llama70b_prints_its_published_total_and_writes_nothing(tmp_path: Path, capsys):
     run_dir = tmp_path / "run"
     assert run(["case=llama70b", "dry_run=true", "launcher=nsys", f"hydra.run.dir={run_dir}"]) == 0
@@ -84,6 +85,7 @@ def test_tiny_op_parameters_and_costs_match_the_real_model():
     assert flops[("linear_qkv", "forward", "s32_b1")] == 2 * flops[("linear_qkv", "forward", "s16_b1")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, op", [("tiny", "core_attention"), ("tiny_moe", "moe_layer")])
 def test_a_real_run_after_a_dry_run_in_the_same_process(case: str, op: str, tmp_path: Path, monkeypatch):
     """The dry run's meta scratch buffer, RNG tracker and MoE auxiliary loss scale are not left to a later

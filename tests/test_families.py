@@ -504,6 +504,7 @@ def test_dry_run_prints_deepseek_v3_as_transformers_counts_it_with_its_notes(cap
     assert any("quantization_config (fp8)" in n for n in notes)
 
 
+@pytest.mark.slow
 def test_a_runs_notes_are_printed_at_start_and_kept_in_environment_json(tmp_path, capsys):
     """A note (here: a key no family table knows) reaches the run's stderr before the first row and its
     environment.json."""

@@ -100,6 +100,7 @@ def _reaped(*procs: subprocess.Popen) -> Iterator[None]:
 # --- 1. two runs into one run directory ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_live_run_directory_is_refused(tmp_path):
     """Started together with the same hydra.run.dir and different ops: one run takes the directory,
     the other ends with one line and exit code 2 before writing anything; no row of the first is lost.
@@ -225,6 +226,7 @@ def test_resume_where_the_results_file_is_a_folder_is_one_line(tmp_path, capsys)
     assert "nothing to resume" not in captured.err
 
 
+@pytest.mark.slow
 def test_resume_with_a_changed_configuration_is_refused_and_extending_is_not(tmp_path, capsys):
     args = [*TINY, "ops=[linear_qkv]", f"hydra.run.dir={tmp_path}"]
     assert run(args) == 0
@@ -273,6 +275,7 @@ def _copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_resume_drops_a_torn_last_line_with_a_warning(finished, tmp_path, capsys):
     run_dir = _copy_run(finished, tmp_path / "torn")
     results = run_dir / "results.jsonl"
@@ -299,6 +302,7 @@ def test_resume_drops_a_torn_last_line_with_a_warning(finished, tmp_path, capsys
     assert rows[:3] == [json.loads(line) for line in lines[:3]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bad, message",
     [("garbage\n", "line 2 column 1 is not valid JSON"), ("[1, 2]\n", "line 2 is a list, not a row")],
@@ -320,6 +324,7 @@ def test_resume_refuses_a_damaged_line_and_leaves_the_file(finished, tmp_path, c
 # --- smaller ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_new_run_into_a_finished_runs_directory_is_refused(finished, tmp_path, capsys):
     """Without resume=true a new run would replace the earlier results: refused in one line, every file
     as it was (Hydra's .hydra/ included), and the fix named."""
@@ -332,6 +337,7 @@ def test_a_new_run_into_a_finished_runs_directory_is_refused(finished, tmp_path,
     assert _snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys):
     run_dir = tmp_path / "new"
     assert run([*TINY, "ops=[linear_qkv]", f"hydra.run.dir={run_dir}", "resume=true"]) == 0
@@ -377,6 +383,7 @@ def test_resume_under_torchrun_standalone_without_the_runs_folder_is_refused(tmp
     assert sorted(p.name for p in (tmp_path / "runs/tiny/get_data").iterdir()) == ["job-123"]
 
 
+@pytest.mark.slow
 def test_sigterm_prints_the_command_that_finishes_the_run(tmp_path, capsys):
     """SIGTERM (SLURM's time limit) ends the run as the signal does (status 143), with one line giving
     the resume command; that command, run as printed, measures the rest."""
@@ -567,6 +574,7 @@ def test_what_only_the_build_found_is_refused_before_any_work(capsys, tmp_path, 
     _refused(capsys, tmp_path / "run", [override], field, fix)
 
 
+@pytest.mark.slow
 def test_a_model_too_large_to_build_fails_only_the_ops_that_do_not_fit(capsys, tmp_path):
     # item 6: the MLP's first weight is 2 * 2**39 * 64 fp32 values (256 TiB), more than any address space
     # holds, so its allocation fails at once on any machine (no memory is touched); linear_qkv fits.
@@ -828,6 +836,7 @@ def test_compare_oss_json_under_a_file_is_one_line_and_a_missing_folder_is_made(
     assert proc.returncode == 0 and json.loads((tmp_path / "new" / "oss.json").read_text())
 
 
+@pytest.mark.slow
 def test_commands_that_measure_first_refuse_an_output_they_could_not_write_before_measuring(tmp_path: Path):
     """calibrate and the steps measure for seconds to minutes, then write: a folder given as the file,
     or a path under a file, is refused first (it had cost the whole measurement)."""
@@ -853,6 +862,7 @@ def test_commands_that_measure_first_refuse_an_output_they_could_not_write_befor
             parse_args([*argv, "layout.seq_len=16"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_calibration_is_one_line_and_exit_130(tmp_path: Path):
     """It had printed KeyboardInterrupt's traceback; its file is written only at the end, atomically."""
     out = tmp_path / "calibration.json"
@@ -906,6 +916,7 @@ def test_capture_of_a_script_that_does_not_compile_writes_nothing(tmp_path: Path
     assert _files(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_capture_killed_child_keeps_an_earlier_file_and_says_so(tmp_path: Path):
     (tmp_path / "dies.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     (tmp_path / "f.json").write_text('{"an": "earlier capture"}\n')
@@ -960,6 +971,7 @@ def _edit_environment(run_dir: Path, **changed: str) -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_another_version_measured_is_refused_or_kept_apart(finished, tmp_path, capsys):
     """A resume rewrote environment.json's versions, crediting the earlier rows to the new version. It is
     refused in one line naming what differs (nothing written); resume_across_versions=true measures the
@@ -987,6 +999,7 @@ def test_resume_of_a_run_another_version_measured_is_refused_or_kept_apart(finis
     assert [(r["op"], r["measured_by"]) for r in rows[4:]] == [("linear_proj", key)] * 2
 
 
+@pytest.mark.slow
 def test_resume_measures_again_a_row_without_its_median_and_says_so(finished, tmp_path, capsys):
     """A row edited or cut so that it lacks median_us counted as measured, and the resume skipped it,
     silently: it is measured again, with a note naming it; the rows that were whole are kept as they were."""
@@ -1004,6 +1017,7 @@ def test_resume_measures_again_a_row_without_its_median_and_says_so(finished, tm
     assert next(r for r in again if r["op"] == "mlp" and r["phase"] == "forward")["median_us"] > 0
 
 
+@pytest.mark.slow
 def test_resume_keeps_a_row_found_twice_once_and_refuses_two_different_rows_of_one_measurement(
     finished, tmp_path, capsys
 ):

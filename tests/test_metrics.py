@@ -129,6 +129,7 @@ def test_get_data_row_has_arithmetic_intensity_from_its_flops_and_bytes():
     assert set(row) <= set(COLUMNS)
 
 
+@pytest.mark.slow
 def test_arithmetic_intensity_in_the_run_files_and_the_report(tmp_path: Path):
     args = ["case=tiny", "launcher=get_data", "ops=[linear_fc1]", f"hydra.run.dir={tmp_path}"]
     args += ["shapes.seq_len=[16]", "shapes.micro_batch_size=[1]", "progress=false", "report=false"]

@@ -174,6 +174,7 @@ def test_a_dense_model_skips_the_mla_ops_with_a_reason(tiny_session):
 @pytest.mark.parametrize(
     "launcher", ["get_data", "torch_profiler", pytest.param("nsys", marks=pytest.mark.nsys)]
 )
+@pytest.mark.slow
 def test_every_mla_op_has_rows_with_times_memory_and_flops(launcher, tmp_path: Path, request):
     settings = {
         "get_data": ["timing.warmup=1", "timing.min_samples=2", "timing.max_samples=3"],

@@ -188,6 +188,7 @@ def _check_rows(run_dir: Path, routing: str, skipped: tuple[str, ...] = ()) -> d
     return rows
 
 
+@pytest.mark.slow
 def test_get_data_rows_under_zipf_routing(tmp_path: Path):
     code, err = _run(tmp_path, "case=tiny_moe", "moe.routing=zipf", *_FEW_SAMPLES)
     assert code == 0, err
@@ -200,6 +201,7 @@ def test_get_data_rows_under_zipf_routing(tmp_path: Path):
         assert rows[(op, "forward")]["flops"] > 0 and rows[(op, "backward")]["flops"] > 0, op
 
 
+@pytest.mark.slow
 def test_get_data_rows_under_balanced_routing_with_shared_experts(tmp_path: Path):
     code, err = _run(tmp_path, "case=tiny_mla", "moe.routing=balanced", *_FEW_SAMPLES)
     assert code == 0, err
@@ -270,6 +272,7 @@ def _check_preview(spec, no_shared: bool) -> str:
     return render(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, no_shared", [("tiny_moe", True), ("tiny_mla", False)])
 def test_dry_run_costs_every_moe_op(case: str, no_shared: bool, capsys):
     shapes = ["shapes.seq_len=[16,32]", "shapes.micro_batch_size=[1]"]

@@ -147,6 +147,7 @@ def test_context_parallel_ranks_compute_their_share_and_the_ring(h200):
         Layout(seq_len=4094, cp=2)
 
 
+@pytest.mark.slow
 def test_tune_ranks_context_parallel_and_overlapped_layouts_when_asked(h200, tmp_path):
     from autotuner.tune import rank
 
@@ -170,6 +171,7 @@ def test_tune_ranks_context_parallel_and_overlapped_layouts_when_asked(h200, tmp
     assert not any(r.prediction.layout.overlap_grad_reduce for r in default)
 
 
+@pytest.mark.slow
 def test_the_commands_take_the_cluster_the_overlaps_and_cp(tmp_path, capsys):
     import json
 

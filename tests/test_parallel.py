@@ -353,7 +353,8 @@ def test_ranks_whose_torchrun_is_killed_outright_stop_and_the_run_resumes(tmp_pa
     again = subprocess.run(resume, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=WATCHDOG_S)
     assert again.returncode == 0, again.stderr[-3000:]
     rows = load_rows(tmp_path / "results.rank0.jsonl")
-    assert len(rows) == 12 and rows[: len(done[0])] == done[0]
+    both = min(len(d) for d in done) if len(done) == 2 else 0  # a row one rank lacks is measured again
+    assert len(rows) == 12 and rows[:both] == done[0][:both]
     assert len([r for r in load_rows(tmp_path / "results.jsonl") if r["rank"] == "max"]) == 12
 
 

@@ -35,12 +35,14 @@ def _overrides(argv: list[str]) -> list[str]:
     return argv[argv.index("autotuner.main") + 1 :]
 
 
+@pytest.mark.slow
 def test_a_run_directory_holds_its_point_with_its_settings(measured_run):
     assert measured([measured_run]) == {
         Need("tiny", 16, 1, tp=1, ep=1, sequence_parallel=False, dtype="fp32", processes=1)
     }
 
 
+@pytest.mark.slow
 def test_a_cpu_need_is_held_and_profiled_beside_its_layouts_processes(measured_run):
     """On a CPU a layout's ops run beside its other processes (autotuner.predict.prediction): a need
     names their count, only a run of that many processes holds it, and its run starts that many (a
@@ -70,6 +72,7 @@ def test_a_cpu_need_is_held_and_profiled_beside_its_layouts_processes(measured_r
     assert plan([cpu_need], [two]).already == (cpu_need,)
 
 
+@pytest.mark.slow
 def test_the_plan_omits_what_is_measured_and_its_commands_compose(measured_run):
     def layout(**fields) -> Layout:
         return Layout(

@@ -1349,6 +1349,7 @@ def test_an_output_never_replaces_the_records_of_a_run_it_reads(tmp_path, capsys
     assert "give a .json name" in capsys.readouterr().err and not (tmp_path / "p.html").exists()
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
     """``autotuner-predict ... | head -1``: a closed pipe ends it with SIGPIPE's status, no traceback."""
     import subprocess

@@ -116,6 +116,7 @@ def test_run_writes_a_self_contained_report(run_a: Path):
     assert "Configuration and environment" in page.headings and "torch" in page.all_text
 
 
+@pytest.mark.slow
 def test_report_false_writes_no_report(run_b: Path):
     assert (run_b / "results.jsonl").exists()
     assert not (run_b / "report.html").exists() and not list(run_b.glob("*.png"))
@@ -163,6 +164,7 @@ def test_failed_rows_are_listed_and_calibration_draws_the_roof(run_a: Path, tmp_
     assert "calibrated ceiling" in page.all_text and "not measured" in page.all_text
 
 
+@pytest.mark.slow
 def test_rows_the_schema_allows_but_no_sweep_holds_never_crash_the_report(run_a: Path, tmp_path: Path):
     """Rows at no shape point (a captured call's, or a foreign range's read by nsys-read: seq_len null
     beside a swept micro-batch size) made the scaling figure raise TypeError on float(None); so could an op

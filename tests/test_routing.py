@@ -286,6 +286,7 @@ def _check_routed_rows(rows: list[dict], counts: list[int]) -> None:
     ],
     ids=["get_data", "torch_profiler"],
 )
+@pytest.mark.slow
 def test_row_fields_reach_both_phases_rows_and_the_run_record(routed_op, tmp_path: Path, launcher):
     # an MoE case (routing settings are refused on a dense one), its model not built for functional ops
     args = ["case=tiny_moe", f"ops=[{routed_op},stray_fields]", f"hydra.run.dir={tmp_path}", *FAST, *launcher]
@@ -305,6 +306,7 @@ def test_row_fields_reach_both_phases_rows_and_the_run_record(routed_op, tmp_pat
     assert record["fingerprint"]["moe.routing"] == "zipf"  # a resume with another routing is refused
 
 
+@pytest.mark.slow
 def test_nsys_rows_keep_the_columns_the_worker_recorded(routed_op, tmp_path: Path):
     """The nsys launcher's rows are the report's times plus the worker's record (its Runner's rows): a
     worker record written by the real Runner, and a report holding one range per iteration."""

@@ -144,6 +144,7 @@ def core_attention_rows(tmp_path_factory):
     return rows
 
 
+@pytest.mark.slow
 def test_sdpa_saves_no_scores_and_counts_the_attention_flops(core_attention_rows):
     """The tool's own activation bytes and FLOPs on a CPU, fp32: the local attention's saved bytes hold
     the probabilities, sdpa's (its inputs, output and one log-sum-exp per query row) do not."""

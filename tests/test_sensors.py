@@ -228,6 +228,7 @@ def test_min_time_keeps_a_precise_op_sampling_until_its_samples_span_it():
     assert short_budget.stop_reason == "budget" and 0.05 <= short_budget.sampled_s < 0.05 + 2.1e-3
 
 
+@pytest.mark.slow
 def test_get_data_rows_record_the_span_timing_min_time_s_asks_for(tmp_path, capsys):
     """timing.min_time_s reaches get_data's sampler: each row of a precise-at-once op (target_rel_ci=1)
     spans at least it and says so in ``sampled_s``; a negative one is refused in one line, exit 2."""
@@ -409,6 +410,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, host_heap())
 """
 
 
+@pytest.mark.slow
 def test_a_cpu_process_keeps_freed_memory_so_no_sample_pays_page_faults():
     """With glibc's defaults the freed blocks go back to the system and every round faults their pages in
     again (24 MiB: 6,144 pages); kept (every process that times on a CPU), none. A CUDA device leaves the

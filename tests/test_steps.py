@@ -84,6 +84,7 @@ FORWARD_OPS = tuple(
 )
 
 
+@pytest.mark.slow
 def test_a_single_process_step_is_a_real_training_step(single):
     assert single.layout.microbatches == 4
     assert single.schedule.endswith(".forward_backward_no_pipelining")
@@ -118,6 +119,7 @@ def test_a_single_process_step_is_a_real_training_step(single):
     assert stage_s < rank.forward_backward_s[single.timeline_step]  # the backwards take the rest
 
 
+@pytest.mark.slow
 def test_the_median_steps_op_visits_are_its_timeline(single):
     """One timed step's visits (the one whose forward-backward is the median), each op of each
     micro-batch once, in time order inside that step's forward-backward, without two ops at once."""
@@ -273,6 +275,7 @@ def test_host_work_is_the_time_outside_the_ops_split_by_phase():
     assert backward == pytest.approx((10 - 6) / 2 - 1.0)  # between the ops, less the forward's part
 
 
+@pytest.mark.slow
 def test_a_real_steps_host_work_is_its_time_between_the_ops(single):
     """On the tiny model's real steps: positive in both phases, the forward's inside the model's forward,
     and the two together all the time between the ops (the calibration times it so on a smaller model)."""
@@ -697,6 +700,7 @@ def _grandchild(pid_file: Path) -> int:
     return int(pid_file.read_text())
 
 
+@pytest.mark.slow
 def test_a_step_run_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     with pytest.raises(subprocess.TimeoutExpired):

@@ -185,6 +185,7 @@ def test_holistic_trace_analysis_loads_the_traces(profiled: Path) -> None:
             assert symbols.sym_index[f"{op}.{phase} [{POINTS[0]}] #0"] in in_frame
 
 
+@pytest.mark.slow
 def test_resume_measures_a_backward_row_alone(tmp_path: Path) -> None:
     """With the forward row done, the sessions run for the backward row (and the forward row stays)."""
     argv = [
@@ -295,6 +296,7 @@ def test_bad_input_is_one_line_and_exit_2_before_profiling(
     assert not (run_dir / "results.jsonl").exists() and not (run_dir / "profiles").exists()
 
 
+@pytest.mark.slow
 def test_both_launchers_give_the_agreement_benchmarks_rows(tmp_path: Path) -> None:
     """One small round of benchmarks/profiler_agreement.py (which compares the two launchers' times,
     too noisy on a busy machine for a test): each launcher gives one row per (op, phase), on one intra-op
@@ -312,6 +314,7 @@ def test_both_launchers_give_the_agreement_benchmarks_rows(tmp_path: Path) -> No
         assert 0 < row["min_us"] <= row["median_us"]
 
 
+@pytest.mark.slow
 def test_an_op_without_backward_gets_a_forward_row(tmp_path: Path) -> None:
     """The functional ops have no backward: their sessions run the forward alone."""
     argv = [

@@ -31,6 +31,7 @@ def tiny_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_layouts_are_ranked_by_predicted_step_time_among_those_that_fit(tiny_run: Path):
     dirs, settings = parse_settings([str(tiny_run), *SETTINGS, "gpu_memory_gb=1"])
     ranked, _ = rank(dirs, settings)
@@ -72,6 +73,7 @@ def test_gpus_per_node_keeps_tensor_parallelism_inside_a_node(capsys):
     assert "gpus_per_node=0 must be a positive integer" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_top_the_explanation_and_the_plan(tiny_run: Path, capsys):
     assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=1", "top=3", "explain=1"]) == 0
     out = capsys.readouterr().out
@@ -80,6 +82,7 @@ def test_the_command_prints_the_top_the_explanation_and_the_plan(tiny_run: Path,
     assert "measurements behind this ranking:" in out
 
 
+@pytest.mark.slow
 def test_nothing_fits_is_one_line_and_exit_2(tiny_run: Path, capsys):
     assert tune_main([str(tiny_run), *SETTINGS, "gpu_memory_gb=0.000001"]) == 2
     err = capsys.readouterr().err.strip()
@@ -149,6 +152,7 @@ def test_bad_settings_are_one_line_and_exit_2(args, capsys):
     assert err.startswith("autotuner-tune: error:") and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_the_adam_steps_own_memory_is_the_validated_peak_where_it_is_the_larger(
     tiny_run: Path, tmp_path: Path
 ):
@@ -165,6 +169,7 @@ def test_the_adam_steps_own_memory_is_the_validated_peak_where_it_is_the_larger(
     assert abs(record["validation"]["memory_error"]) < 0.01
 
 
+@pytest.mark.slow
 def test_validate_runs_the_real_steps_and_records_the_errors(tiny_run: Path, tmp_path: Path, capsys):
     out = tmp_path / "prediction.json"
     argv = [str(tiny_run), "seq_len=32", "micro_batch_size=1", "global_batch_size=2", "dtype=fp32"]
@@ -227,6 +232,7 @@ def test_expert_parallel_layouts_are_ranked_with_their_experts_split(capsys):
     assert "tf.expert_model_parallel_size=" in out
 
 
+@pytest.mark.slow
 def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path, tmp_path: Path, capsys):
     from autotuner.predict.inputs import ModelShape
     from autotuner.predict.layout import Layout
@@ -260,6 +266,7 @@ def test_a_prediction_at_another_depth_and_the_deepest_that_fits(tiny_run: Path,
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", ["num_layers=0", "num_layers=deep", "num_layers=fit"])
 def test_a_bad_depth_is_one_line_and_exit_2(tiny_run: Path, depth: str, capsys):
     assert predict_main([str(tiny_run), "seq_len=32", "report=false", depth]) == 2
@@ -267,6 +274,7 @@ def test_a_bad_depth_is_one_line_and_exit_2(tiny_run: Path, depth: str, capsys):
     assert err.startswith("autotuner-predict: error: num_layers=") and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Path, tmp_path: Path, capsys):
     """Each is one line, exit 2, and nothing printed or written first: found at the end, after the work
     (the prediction, the plan), the error would lose it."""
@@ -299,6 +307,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tiny_run: Pa
     assert predict_main([*argv, f"json={out}"]) == 0 and json.loads(out.read_text())["layout"]
 
 
+@pytest.mark.slow
 def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_line(
     tiny_run: Path, tmp_path: Path, capsys, monkeypatch
 ):
@@ -325,6 +334,7 @@ def test_a_validation_whose_steps_fail_keeps_the_prediction_and_says_so_in_one_l
     assert record["derived"]["step_s"] > 0 and "validation" not in record
 
 
+@pytest.mark.slow
 def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, capsys):
     """Predicting from the rows of one dtype of two, unasked, would be a silent choice: both commands refuse
     in one line naming dtype=, and take the runs once it is given."""
@@ -353,6 +363,7 @@ def test_runs_of_two_dtypes_need_dtype_said(tiny_run: Path, tmp_path: Path, caps
     )
 
 
+@pytest.mark.slow
 def test_predict_sends_a_validation_to_autotuner_validate(tiny_run: Path, capsys):
     """The real steps are autotuner.validate's: autotuner-predict has no validate= setting and its help
     names the command that has."""

@@ -117,7 +117,7 @@ def meta_session(emulation: Any = None, sizes: tuple[int, int, int | None] = (1,
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from autotuner.model import cpu_bridges
-    from autotuner.model.runtime import init_parallel
+    from autotuner.model.runtime import end_model_parallel, init_parallel
 
     class MetaBuffer(mcore_utils.GlobalMemoryBuffer):
         """As Megatron's: one buffer per (name, dtype), the largest asked for, kept for the process (the
@@ -162,7 +162,7 @@ def meta_session(emulation: Any = None, sizes: tuple[int, int, int | None] = (1,
         parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
         if started and emulation is None:  # else the run's own start (torchrun's TP) would find it made
-            parallel_state.destroy_model_parallel()
+            end_model_parallel()
 
 
 def build_meta_model(model_args: Any, tf_config: Any, parts: Any) -> Any:

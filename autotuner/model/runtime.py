@@ -127,6 +127,20 @@ def init_parallel(
     return dist.get_rank(), world
 
 
+def end_model_parallel() -> None:
+    """Megatron's parallel state gone with the process groups it made (each a gloo group with its own
+    threads, which Megatron's own teardown leaves registered: a process that starts and ends many
+    sessions, a dry run's for each case, would gather thousands of threads). The world group stays."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+
+
 def check_expert_parallel(world: int, expert_parallel: int, expert_tensor_parallel: int) -> None:
     """UserError (one line) unless ``world`` processes can hold EP x ETP expert ranks."""
     if expert_parallel < 1 or expert_tensor_parallel < 1:

@@ -41,8 +41,8 @@ from torch.utils._pytree import tree_flatten
 # The heap's size over the highest demand made of it: the free blocks between live ones that no later
 # request fits. Measured on this project's CPU VM (glibc's mallinfo2): a llama-shaped block's backward
 # (hidden 1024, s1024) grew the heap to 1.14 of its demand, one of hidden 512 (blocks of 2-11 MiB) to
-# 1.8; 0.3 puts the estimates of docs/memory_and_fit.md within 0.8-1.3 of the measured peaks.
-HEAP_FRAGMENTATION = 0.3
+# 1.8; 0.6, between them, puts the estimates of docs/memory_and_fit.md within 0.8-1.1 of the measured peaks.
+HEAP_FRAGMENTATION = 0.6
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
@@ -80,8 +80,11 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.operations += 1
+        # an output on an input's storage (a view, an in-place op) makes none: a view of a storage made
+        # before (Megatron's attention-score buffer, sliced for each call) is not the phase's
+        given = {_storage(t)._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and _storage(t)._cdata not in given:
                 self._track(t)
         return out
 
