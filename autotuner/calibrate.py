@@ -65,6 +65,7 @@ from autotuner.results.calibration import (
 )
 from autotuner.results.units import human_bytes
 from autotuner.termination import (
+    check_stop,
     ending_as_a_command,
 )
 
@@ -103,6 +104,7 @@ POLICY = SamplingPolicy(warmup=2, min_samples=5, budget_s=1.0, target_rel_ci=0.0
 
 
 def _median_s(call: OpCall, device: torch.device, policy: SamplingPolicy) -> float:
+    check_stop()  # a Ctrl-C a finalizer swallowed ends the calibration here, not minutes later
     return sample(DeviceTimer(device), lambda: call.fn(*call.inputs), policy).median_ns * 1e-9
 
 
@@ -173,6 +175,7 @@ def minimal_model_steps(flush_in_layers: bool = False) -> list[tuple[int, Any]]:
     layout = Layout(**HOST_WORK_STEPS)
     measured = []
     for depth in HOST_WORK_DEPTHS:
+        check_stop()
         overrides = [*HOST_WORK_MODEL, f"hf.num_hidden_layers={depth}", "device=cpu", "timing.threads=1"]
         with tempfile.TemporaryDirectory(prefix="autotuner-host-work-") as folder:
             measured.append(

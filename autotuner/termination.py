@@ -130,14 +130,18 @@ def _end_by_sigterm() -> None:
 
 def ending_in_one_line_on_ctrl_c(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """For a command's ``main`` (returning its exit status): Ctrl-C ends it with ``<prog>: interrupted``
-    on stderr and exit status 130 (the shell's for SIGINT), not a traceback. What the commands write is
-    written atomically, so nothing half-written is left to mention."""
+    on stderr and exit status 130 (the shell's for SIGINT), not a traceback, also where a finalizer
+    swallowed the KeyboardInterrupt and ``main`` went on to return (:func:`interrupting_on_sigint`). What
+    the commands write is written atomically, so nothing half-written is left to mention."""
 
     def decorate(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def guarded(*args: Any, **kwargs: Any) -> int:
             try:
-                return main(*args, **kwargs)
+                with interrupting_on_sigint():
+                    status = main(*args, **kwargs)
+                    check_stop()
+                return status
             except KeyboardInterrupt:
                 forget_stop()
                 print(f"{prog}: interrupted", file=sys.stderr)

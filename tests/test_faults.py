@@ -862,6 +862,27 @@ def test_commands_that_measure_first_refuse_an_output_they_could_not_write_befor
             parse_args([*argv, "layout.seq_len=16"])
 
 
+def test_a_ctrl_c_a_finalizer_swallowed_still_ends_a_command_as_interrupted(capsys):
+    """Python runs the SIGINT handler wherever the main thread is: in a weakref callback its
+    KeyboardInterrupt is printed and dropped, and the command went on to end with 0, as if no Ctrl-C."""
+    import weakref
+
+    from autotuner.termination import ending_in_one_line_on_ctrl_c
+
+    class Holder:
+        pass
+
+    @ending_in_one_line_on_ctrl_c("autotuner.example")
+    def main() -> int:
+        holder = Holder()
+        weakref.finalize(holder, os.kill, os.getpid(), signal.SIGINT)
+        del holder  # the signal lands in the finalizer, which drops the KeyboardInterrupt
+        return 0
+
+    assert main() == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "autotuner.example: interrupted"
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_a_calibration_is_one_line_and_exit_130(tmp_path: Path):
     """It had printed KeyboardInterrupt's traceback; its file is written only at the end, atomically."""
