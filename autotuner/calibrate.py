@@ -64,10 +64,7 @@ from autotuner.results.calibration import (
     merge_links,
 )
 from autotuner.results.units import human_bytes
-from autotuner.termination import (
-    check_stop,
-    ending_as_a_command,
-)
+from autotuner.termination import check_stop, ending_as_a_command
 
 # Matrix sizes: big enough to reach the unit's peak, small enough for a CPU in seconds. CPUs without
 # bf16/fp16 units run those products ~250x slower than fp32, hence the small CPU sizes for them.

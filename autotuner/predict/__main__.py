@@ -13,9 +13,7 @@ from collections.abc import Sequence
 
 from autotuner.cli import entry, parse
 from autotuner.predict.command import COMMAND, run
-from autotuner.termination import (
-    ending_as_a_command,
-)
+from autotuner.termination import ending_as_a_command
 
 
 @ending_as_a_command("autotuner.predict")

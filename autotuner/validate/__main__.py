@@ -16,9 +16,7 @@ from autotuner.cli import Command, UsageError, entry, parse, setting
 from autotuner.predict.command import CheckFailed, PredictSettings, run
 from autotuner.predict.inputs import ModelShape
 from autotuner.predict.prediction import Prediction
-from autotuner.termination import (
-    ending_as_a_command,
-)
+from autotuner.termination import ending_as_a_command
 from autotuner.validate.steps import StepsFailed
 from autotuner.validate.validate import model_overrides, render, validate
 
