@@ -143,8 +143,8 @@ def _kineto_quiet() -> Iterator[None]:
 def frozen_heap() -> Iterator[None]:
     """For the block, every object alive at its start (after a collection) sits in gc's permanent
     generation, so the ``gc.collect()`` before each CPU memory session walks only the objects made since:
-    the imports and the model are about half a million objects, and a full collection of them took about
-    half a second a row. Unfrozen at the end, so what is dropped afterwards can be collected again."""
+    the imports and the model are millions of objects, and a full collection of them took about half a
+    second a row. Unfrozen at the end, so what is dropped afterwards can be collected again."""
     gc.collect()
     gc.freeze()
     try:
