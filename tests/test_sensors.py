@@ -103,6 +103,18 @@ def test_saved_tensor_meter_counts_each_storage_once():
     assert meter.bytes == 64 * 64 * 4 + 32 * 64 * 4
 
 
+def test_saved_tensor_meter_counts_only_what_the_forward_leaves_saved():
+    """A graph the forward builds and drops (a router's auxiliary terms) frees what it saved; the allocator
+    may give that address to a later save, which was then counted once for two storages."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with SavedTensorsMeter() as meter:
+        dropped = x.exp()  # saves its result, freed with it on the next line
+        del dropped
+        kept = x.sin().exp()  # sin saves x, exp its result
+    assert meter.bytes == 2 * 64 * 64 * 4
+    del kept
+
+
 def test_weight_bytes_counts_tied_storage_once():
     shared = torch.nn.Parameter(torch.randn(10, 10))
     assert weight_bytes([shared, shared, torch.nn.Parameter(torch.randn(5))]) == 400 + 20

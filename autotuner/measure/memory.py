@@ -4,7 +4,9 @@
 * ``activation_bytes``: what the forward leaves for the backward, read from autograd's saved-tensor
   hooks. Each storage is counted once, whole: a view saved for backward keeps its entire base alive.
   Parameters saved for backward (a linear saves its weight) are weights, not activations, and are
-  excluded. The op's own inputs count when saved: inside the model they are activations too.
+  excluded. The op's own inputs count when saved: inside the model they are activations too. Only what
+  is still saved when the forward returns counts: a graph the forward builds and drops (the router's
+  auxiliary terms) frees its saved tensors, whose addresses the allocator may hand to later ones.
 * ``peak_bytes``: the highest memory in use during the phase above what was in use when it began. On CUDA
   from the caching allocator's counters (``max_memory_allocated`` after a peak reset). On CPU from the
   allocations and frees that ``torch.profiler`` records with ``profile_memory=True``, each with its block's
@@ -34,6 +36,7 @@ import math
 import os
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -67,21 +70,18 @@ class SavedTensorsMeter:
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._exclude = {_storage_key(t) for t in exclude}
-        self._storages: dict[tuple[str, int], int] = {}
+        self._saved: list[weakref.ref[torch.Tensor]] = []
+        self.bytes = 0  # set on exit: the storages still saved then, each once
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self._exclude:
-            self._storages[key] = tensor.untyped_storage().nbytes()
         # Not the tensor itself: an output its own node saves (exp, silu, softmax save their result) would
         # then hold its node through the saved object, a cycle of C++ references that nothing frees, and
         # every metered forward would leak what its ops saved of their outputs.
-        return tensor.detach()
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._storages.values())
+        packed = tensor.detach()
+        if _storage_key(tensor) not in self._exclude:
+            self._saved.append(weakref.ref(packed))  # dies with the graph that saved it
+        return packed
 
     def __enter__(self) -> SavedTensorsMeter:
         self._hooks.__enter__()
@@ -89,6 +89,11 @@ class SavedTensorsMeter:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        # Keyed by address, so only the living: a dropped graph's storage may share one with a later save.
+        live = (ref() for ref in self._saved)
+        storages = {_storage_key(t): t.untyped_storage().nbytes() for t in live if t is not None}
+        self.bytes = sum(storages.values())
+        self._saved.clear()
 
 
 def gradient_buffers(params: Iterable[torch.Tensor]) -> None:
