@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from autotuner.errors import one_line
+from autotuner.measure.memory import frozen_heap
 from autotuner.model.emulation import Emulation
 from autotuner.model.hf_to_megatron import MegatronModelArgs
 from autotuner.model.routing import Routing
@@ -354,9 +355,19 @@ class Runner:
             if self.fit is not None:  # and refuse what any rank refuses, for the same reason
                 self.fit.agree([(p.label, op.name, ph) for p, op, ph in planned], self.spec.device)
         todo = [item for item, finished in zip(planned, done, strict=True) if not finished]
-        forecast = self._forecast(todo)
-        bar = _progress(len(planned), len(planned) - len(todo), self.progress)
-        bar.set_postfix_str(_time_left(forecast), refresh=False)
+        with frozen_heap():  # the imports and the model stay out of each memory session's gc.collect()
+            forecast = self._forecast(todo)
+            bar = _progress(len(planned), len(planned) - len(todo), self.progress)
+            bar.set_postfix_str(_time_left(forecast), refresh=False)
+            return self._measure_all(todo, context, bar, forecast)
+
+    def _measure_all(
+        self,
+        todo: list[tuple[ShapePoint, OpTest, str]],
+        context: OpContext,
+        bar: tqdm,
+        forecast: Forecast | None,
+    ) -> list[dict[str, Any]]:
         written = []
         by_op: dict[tuple[ShapePoint, str], list[str]] = {}
         for point, op, phase in todo:

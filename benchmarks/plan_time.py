@@ -1,0 +1,67 @@
+"""Plan time: the time the runner says a plan will take, before its first row, over the time it took.
+
+    python -m benchmarks.plan_time [--runs 3] [--case tiny] [--seq-len 64] [--ops embedding,...]
+
+The estimate (autotuner.runner.eta) is the plan's FLOPs, bytes and operations at the rates measured at the
+start, and the samples the sampling policy's defaults take at the spread measured then. Each run profiles
+the ops with get_data in this process and prints ``estimated X s, took Y s, ratio``: taken from the line
+that says the estimate to the last row. Target: a ratio between 0.5 and 2 on a quiet machine. Another
+job that starts or stops after the estimate moves the taken time and not the estimate, which is why this is
+a benchmark and not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from typing import Any
+
+from autotuner.main import run
+from autotuner.runner import Runner
+
+OPS = "embedding,transformer_layer,linear_qkv,core_attention,mlp,output_layer"
+
+
+def estimated_and_taken(overrides: list[str]) -> tuple[float, float]:
+    """One run of ``overrides``: the plan's estimated seconds and the seconds from the estimate to its end."""
+    said: list[Any] = []
+    forecast, plain_run = Runner._forecast, Runner.run
+
+    def keep(self: Runner, todo: list) -> Any:
+        said.append(forecast(self, todo))
+        return said[-1]
+
+    def timed(self: Runner, context: Any) -> Any:
+        try:
+            return plain_run(self, context)
+        finally:
+            said.append(time.monotonic() - said[0].started)
+
+    Runner._forecast, Runner.run = keep, timed
+    try:
+        with tempfile.TemporaryDirectory(prefix="plan-time-") as folder:
+            code = run([*overrides, "progress=false", "report=false", f"hydra.run.dir={folder}"])
+    finally:
+        Runner._forecast, Runner.run = forecast, plain_run
+    if code != 0 or len(said) != 2:
+        raise SystemExit(f"plan_time: the run of {overrides} failed (exit {code})")
+    return said[0].total_s, said[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--case", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--ops", default=OPS, help="comma-separated op names")
+    args = parser.parse_args()
+    overrides = [f"case={args.case}", f"ops=[{args.ops}]", f"shapes.seq_len=[{args.seq_len}]"]
+    for _ in range(args.runs):
+        estimated, taken = estimated_and_taken(overrides)
+        print(f"estimated {estimated:.1f} s, took {taken:.1f} s, ratio {taken / estimated:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
