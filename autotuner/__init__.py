@@ -5,6 +5,10 @@ from __future__ import annotations
 from importlib.util import find_spec
 from pathlib import Path
 
+from autotuner.megatron_jit import defer_jit_fuser
+
+defer_jit_fuser()  # before anything imports Megatron: see autotuner.megatron_jit
+
 
 def shipped_folder(name: str) -> Path:
     """The folder of YAML files the package ships: ``"configs"`` (Hydra's) or ``"cases"``.
