@@ -1,13 +1,14 @@
 """Plan time: the time the runner says a plan will take, before its first row, over the time it took.
 
-    python -m benchmarks.plan_time [--runs 3] [--case tiny] [--seq-len 64] [--ops embedding,...]
+    python -m benchmarks.plan_time [--runs 1] [override ...]
 
-The estimate (autotuner.runner.eta) is the plan's FLOPs, bytes and operations at the rates measured at the
-start, and the samples the sampling policy's defaults take at the spread measured then. Each run profiles
-the ops with get_data in this process and prints ``estimated X s, took Y s, ratio``: taken from the line
-that says the estimate to the last row. Target: a ratio between 0.5 and 2 on a quiet machine. Another
-job that starts or stops after the estimate moves the taken time and not the estimate, which is why this is
-a benchmark and not a test.
+The overrides are the profiler's (``case=tiny ops=[mlp]``); none runs the demo's command, ``case=tiny``
+(every op of the tiny case at its shapes, get_data's defaults). The estimate (autotuner.runner.eta) is
+the plan's FLOPs, bytes and operations at the rates measured at the start, and the samples the sampling
+policy's defaults take at the spread measured then. Each run profiles in this process and prints
+``estimated X s, took Y s, ratio``, taken from the line that says the estimate to the last row. Target: a
+ratio between 0.5 and 2. A job that starts or stops after the estimate moves the time taken and not the
+estimate, which is why this is a benchmark and not a test.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from autotuner.main import run
 from autotuner.runner import Runner
 
-OPS = "embedding,transformer_layer,linear_qkv,core_attention,mlp,output_layer"
+DEMO = ["case=tiny"]
 
 
 def estimated_and_taken(overrides: list[str]) -> tuple[float, float]:
@@ -51,12 +52,10 @@ def estimated_and_taken(overrides: list[str]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--case", default="tiny")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--ops", default=OPS, help="comma-separated op names")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="the profiler's overrides (default: the demo's)")
     args = parser.parse_args()
-    overrides = [f"case={args.case}", f"ops=[{args.ops}]", f"shapes.seq_len=[{args.seq_len}]"]
+    overrides = args.overrides or DEMO
     for _ in range(args.runs):
         estimated, taken = estimated_and_taken(overrides)
         print(f"estimated {estimated:.1f} s, took {taken:.1f} s, ratio {taken / estimated:.2f}", flush=True)

@@ -311,33 +311,6 @@ def test_a_worker_killed_for_memory_is_named_and_its_larger_points_skipped(nsys_
     assert all(oom.search(r["error"]) and "died before measuring it" in r["error"] for r in after)
 
 
-def test_a_row_s_estimated_samples_are_what_the_spread_needs_within_the_policy_s_bounds():
-    """The plan's time rests on how many samples a row takes (its accuracy on a machine is
-    benchmarks.plan_time's figure): as many as the spread needs for the target, at least the CI's
-    six, at most the budget's time or max_samples."""
-    from autotuner.launchers.get_data import GetDataObserver
-    from autotuner.measure.timer import SamplingPolicy
-    from autotuner.runner.eta import Rates
-
-    policy = SamplingPolicy()
-    observer = GetDataObserver(torch.device("cpu"), policy, [])
-    forward_s, backward_s = 1e-3, 2e-3
-    sample_s = forward_s + backward_s  # a backward sample: its forward, then itself
-
-    def sampling_s(spread: float) -> tuple[float, Rates]:
-        rates = Rates(1e12, 1e11, 1e-6, 0.0, relative_iqr=spread)
-        return observer.expected_seconds("backward", forward_s, backward_s, rates), rates
-
-    quiet, _ = sampling_s(1e-4)
-    for spread in (0.05, 0.1):
-        noisy, rates = sampling_s(spread)
-        needed = rates.samples_for(policy.target_rel_ci)
-        assert 6 < needed < policy.max_samples and needed * sample_s < policy.budget_s
-        assert noisy - quiet == pytest.approx((needed - 6) * sample_s)
-    loud, _ = sampling_s(1.0)
-    assert loud - quiet == pytest.approx(policy.budget_s - 6 * sample_s)
-
-
 @pytest.mark.gpu
 def test_the_gpu_estimate_is_within_a_quarter_of_max_memory_allocated(tmp_path):
     """On a GPU the estimate's runtime is 0 and it is compared with the allocator's peak over the whole
