@@ -111,7 +111,8 @@ def test_dry_run_shows_each_point_s_peak_by_term(capsys):
         assert re.search(rf"^{point}: peak [\d.]+ \w+ at \w+ (forward|backward), of which$", out, re.M), out
     for term in ("weights", "gradients", "activations", "attention scores", "temporaries", "optimizer"):
         assert re.search(rf"^ +[\d.]+ \w+  {term}: ", out, re.M), term
-    assert re.search(r"^ +[\d.]+ \w+  workspace: runtime [\d.]+ MiB", out, re.M)
+    # the runtime is this process's resident set: a pytest worker late in the suite holds over a GiB
+    assert re.search(r"^ +[\d.]+ \w+  workspace: runtime [\d.]+ [KMG]iB", out, re.M)
     assert "fit check: every row fits in" in out
 
 
