@@ -640,9 +640,10 @@ def test_nsys_killed_mid_run_ends_the_worker_at_once(nsys_bin: str, tmp_path: Pa
     """nsys itself SIGKILLed (the OOM killer's choice, a crash): the worker, left measuring with nothing
     recording it, held nsys's output pipe open, so the launcher waited for the whole plan (45 s here at
     990 iterations a row); now it is ended with whatever nsys left (its agent: up to AGENT_GRACE_S)."""
-    run_dir = tmp_path / "run"
+    run_dir, temporary = tmp_path / "run", tmp_path / "tmp"
+    temporary.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = _start_a_long_nsys_run(run_dir, 990, env)
+    proc = _start_a_long_nsys_run(run_dir, 990, {**env, "TMPDIR": str(temporary)})
     running = _processes_naming(str(run_dir))
     nsys_pids = [line.split(":")[0] for line in running if "nsys profile" in line]
     assert len(nsys_pids) == 1, running
@@ -670,6 +671,7 @@ def test_nsys_killed_mid_run_ends_the_worker_at_once(nsys_bin: str, tmp_path: Pa
     rows = load_rows(run_dir / "results.jsonl")
     assert len(rows) == len(dense_model_ops()) * 2 * 2
     assert all(r["status"] == "failed" and "SIGKILL" in r["error"] for r in rows), rows[0]
+    assert list(temporary.iterdir()) == []  # nsys's .qdstrm went with its folder
     print(f"launcher ended {ended:.1f} s after nsys's SIGKILL")
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -117,15 +119,20 @@ def run_nsys(
     process group meets (:func:`join_ranks`).
     """
     tail = b""
+    # nsys's own temporary files (its raw .qdstrm, a status file, nvidia/) go where TMPDIR says: a folder
+    # removed however nsys ends (a killed nsys left them in /tmp for good; a launcher killed outright
+    # still leaves this folder)
+    scratch = tempfile.mkdtemp(prefix="autotuner-nsys-")
     try:
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=worker_env(worker_port),
+            env={**worker_env(worker_port), "TMPDIR": scratch},
             start_new_session=True,
         )
     except OSError as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
         raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}: {INSTALL_HINT}") from exc
     stop.attach(proc)
     if start_timeout_s is not None:
@@ -146,6 +153,7 @@ def run_nsys(
     finally:
         reaper.join()
         stop.detach()
+        shutil.rmtree(scratch, ignore_errors=True)
     return NsysRun(proc.returncode, _last_lines(tail.decode(errors="replace")))
 
 
