@@ -62,11 +62,12 @@ class _JitModuleFinder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
                 spec.loader = _JitModuleLoader(spec.loader)
+                sys.meta_path.remove(self)  # the module is imported once: no other import asks this finder
                 return spec
         return None
 
 
 def defer_jit_fuser() -> None:
-    """Install the finder (once)."""
+    """Install the finder (once; it leaves ``sys.meta_path`` when it has wrapped the module)."""
     if not any(isinstance(finder, _JitModuleFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _JitModuleFinder())

@@ -20,24 +20,26 @@ from typing import Any
 
 from autotuner.main import run
 from autotuner.runner import Runner
+from autotuner.runner.eta import Forecast
 
 DEMO = ["case=tiny"]
 
 
 def estimated_and_taken(overrides: list[str]) -> tuple[float, float]:
     """One run of ``overrides``: the plan's estimated seconds and the seconds from the estimate to its end."""
-    said: list[Any] = []
+    forecasts: list[Forecast] = []
+    taken: list[float] = []
     forecast, plain_run = Runner._forecast, Runner.run
 
-    def keep(self: Runner, todo: list) -> Any:
-        said.append(forecast(self, todo))
-        return said[-1]
+    def keep(self: Runner, todo: list) -> Forecast | None:
+        forecasts.append(forecast(self, todo))
+        return forecasts[-1]
 
     def timed(self: Runner, context: Any) -> Any:
         try:
             return plain_run(self, context)
         finally:
-            said.append(time.monotonic() - said[0].started)
+            taken.append(time.monotonic() - forecasts[0].started)
 
     Runner._forecast, Runner.run = keep, timed
     try:
@@ -45,9 +47,9 @@ def estimated_and_taken(overrides: list[str]) -> tuple[float, float]:
             code = run([*overrides, "progress=false", "report=false", f"hydra.run.dir={folder}"])
     finally:
         Runner._forecast, Runner.run = forecast, plain_run
-    if code != 0 or len(said) != 2:
+    if code != 0 or not taken:
         raise SystemExit(f"plan_time: the run of {overrides} failed (exit {code})")
-    return said[0].total_s, said[1]
+    return forecasts[0].total_s, taken[0]
 
 
 def main() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -122,38 +121,36 @@ def run_nsys(
     # nsys's own temporary files (its raw .qdstrm, a status file, nvidia/) go where TMPDIR says: a folder
     # removed however nsys ends (a killed nsys left them in /tmp for good; a launcher killed outright
     # still leaves this folder)
-    scratch = tempfile.mkdtemp(prefix="autotuner-nsys-")
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**worker_env(worker_port), "TMPDIR": scratch},
-            start_new_session=True,
-        )
-    except OSError as exc:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}: {INSTALL_HINT}") from exc
-    stop.attach(proc)
-    if start_timeout_s is not None:
-        stop.expect_start(start_timeout_s)
-    # Its output pipe stays open while anything nsys started lives: the reaper ends that once nsys ended.
-    reaper = threading.Thread(target=stop.reap, args=(proc,), name="nsys-reaper", daemon=True)
-    reaper.start()
-    try:
-        # As a context manager, Popen waits for nsys even after an exception here.
-        with proc, open(log_path, "ab") as log:
-            assert proc.stdout is not None
-            log.write(json.dumps(cmd).encode() + b"\n")
-            # Chunks, not lines: tqdm and nsys redraw progress bars with carriage returns.
-            while chunk := proc.stdout.read1(65_536):
-                log.write(chunk)
-                _echo(chunk)
-                tail = (tail + chunk)[-tail_bytes:]
-    finally:
-        reaper.join()
-        stop.detach()
-        shutil.rmtree(scratch, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="autotuner-nsys-", ignore_cleanup_errors=True) as scratch:
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**worker_env(worker_port), "TMPDIR": scratch},
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise UserError(f"cannot run {cmd[0]!r}: {exc.strerror or exc}: {INSTALL_HINT}") from exc
+        stop.attach(proc)
+        if start_timeout_s is not None:
+            stop.expect_start(start_timeout_s)
+        # Its output pipe stays open while anything nsys started lives: the reaper ends that once nsys ended.
+        reaper = threading.Thread(target=stop.reap, args=(proc,), name="nsys-reaper", daemon=True)
+        reaper.start()
+        try:
+            # As a context manager, Popen waits for nsys even after an exception here.
+            with proc, open(log_path, "ab") as log:
+                assert proc.stdout is not None
+                log.write(json.dumps(cmd).encode() + b"\n")
+                # Chunks, not lines: tqdm and nsys redraw progress bars with carriage returns.
+                while chunk := proc.stdout.read1(65_536):
+                    log.write(chunk)
+                    _echo(chunk)
+                    tail = (tail + chunk)[-tail_bytes:]
+        finally:
+            reaper.join()
+            stop.detach()
     return NsysRun(proc.returncode, _last_lines(tail.decode(errors="replace")))
 
 
